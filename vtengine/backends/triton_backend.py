@@ -1,0 +1,49 @@
+"""The Triton backend: the torch backend's ops routed to the Triton kernels in vtengine/kernels/.
+
+Levers are read once, at construction, and passed to the launchers as arguments (the launchers turn them into
+``constexpr`` choices or grid choices); nothing in the hot path reads the environment.
+"""
+from __future__ import annotations
+
+import torch
+
+from vtengine.backends.torch_backend import TorchBackend
+from vtengine.kernels import attention, fused, w4a16
+from vtengine.quant import QuantizedWeight
+
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def rms_norm(self, x, weight, eps):
+        return fused.rms_norm(x, weight, eps, fast_math=self.levers.on("fast_math"))
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return fused.add_rms_norm(x, residual, weight, eps, fast_math=self.levers.on("fast_math"))
+
+    def silu_mul(self, gate_up):
+        return fused.silu_mul(gate_up)
+
+    def rope(self, q, k, positions, cos_sin):
+        return fused.rope(q, k, positions, cos_sin)
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+        return attention.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                                           fast_math=self.levers.on("fast_math"))
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        return attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                          gqa_swap=self.levers.on("gqa_swap"),
+                                          nsplits_cap=self.levers.nsplits_cap,
+                                          fast_math=self.levers.on("fast_math"))
+
+    def linear(self, x, weight):
+        if isinstance(weight, QuantizedWeight):
+            return w4a16.w4a16_linear(x, weight, dense=self.levers.on("marlin_dense"))
+        return x @ weight.t()          # bf16 projections: cuBLAS
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return fused.argmax(logits)

@@ -1,0 +1,191 @@
+"""Performance levers: one YAML file each under conf/lever/, the only place a default lives.
+
+Resolution order for every lever: explicit engine config > ``VT_*`` environment variable > file default.
+The strings "0", "false" and "off" always mean off, whatever the lever's type.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+LEVER_DIR = CONF_DIR / "lever"
+LEVER_TYPES = ("bool", "choice", "int_or_auto")
+OFF_STRINGS = ("0", "false", "off")
+ON_STRINGS = ("1", "true", "on")
+
+
+class LeverError(ValueError):
+    """A lever file or a lever value is invalid; the message names the lever, the value and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Lever:
+    name: str
+    env: str
+    type: str
+    default: Any
+    values: list
+    affects: list[str]
+    summary: str
+    path: Path | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.type not in LEVER_TYPES:
+            raise LeverError(f"lever {self.name!r}: type {self.type!r} is not one of {list(LEVER_TYPES)}")
+        if not self.env.startswith("VT_"):
+            raise LeverError(f"lever {self.name!r}: env {self.env!r} must start with 'VT_'")
+        object.__setattr__(self, "default", self.parse(self.default, source="default"))
+        object.__setattr__(self, "values", [self.parse(v, source="values") for v in self.values])
+
+    def accepted(self) -> str:
+        if self.type == "bool":
+            return "true/false, 1/0, on/off"
+        if self.type == "int_or_auto":
+            return "'off' (or 0/false), 'auto', or a positive integer"
+        return ", ".join(repr(v) for v in self.values) + " (or 0/false/off)"
+
+    def parse(self, raw: Any, source: str = "value") -> Any:
+        """Turn a raw value (YAML scalar, env string, Python object) into the lever's canonical value."""
+        bad = LeverError(f"lever {self.name!r} ({self.env}): {source} {raw!r} is not valid; accepted: {self.accepted()}")
+        text = str(raw).strip().lower() if not isinstance(raw, bool) else ("true" if raw else "false")
+        if self.type == "bool":
+            if text in OFF_STRINGS:
+                return False
+            if text in ON_STRINGS:
+                return True
+            raise bad
+        if text in OFF_STRINGS:
+            return "off"
+        if self.type == "int_or_auto":
+            if text == "auto":
+                return "auto"
+            try:
+                n = int(text)
+            except ValueError:
+                raise bad from None
+            if n < 1:
+                raise bad
+            return n
+        # choice
+        for v in self.values if source != "values" else [raw]:
+            if text == str(v).strip().lower():
+                return v
+        raise bad
+
+    def resolve(self, explicit: Any = None, environ: Mapping[str, str] | None = None) -> tuple[Any, str]:
+        """Return (value, source) where source is 'config', 'env' or 'default'."""
+        environ = os.environ if environ is None else environ
+        if explicit is not None:
+            return self.parse(explicit, source="config value"), "config"
+        if self.env in environ:
+            return self.parse(environ[self.env], source=f"env {self.env}="), "env"
+        return self.default, "default"
+
+    def is_on(self, value: Any) -> bool:
+        return value not in (False, "off", None)
+
+
+def _load_file(path: Path) -> Lever:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise LeverError(f"lever file {path.name}: not valid YAML: {e}") from None
+    required = ("name", "env", "type", "default", "values", "affects", "summary")
+    if not isinstance(data, dict):
+        raise LeverError(f"lever file {path.name}: expected a mapping with keys {list(required)}")
+    missing = [k for k in required if k not in data]
+    unknown = sorted(set(data) - set(required))
+    if missing or unknown:
+        raise LeverError(f"lever file {path.name}: missing keys {missing}, unknown keys {unknown}; "
+                         f"the schema is {list(required)}")
+    if data["name"] != path.stem:
+        raise LeverError(f"lever file {path.name}: name {data['name']!r} must equal the file name {path.stem!r}")
+    return Lever(**data, path=path)
+
+
+@lru_cache(maxsize=None)
+def _registry(lever_dir: str) -> dict[str, Lever]:
+    levers = {}
+    for path in sorted(Path(lever_dir).glob("*.yaml")):
+        lever = _load_file(path)
+        levers[lever.name] = lever
+    envs = [lv.env for lv in levers.values()]
+    if len(set(envs)) != len(envs):
+        raise LeverError(f"two levers share an env variable: {envs}")
+    return levers
+
+
+def registry(lever_dir: Path | str = LEVER_DIR) -> dict[str, Lever]:
+    """All levers by name, loaded once from conf/lever/*.yaml."""
+    return dict(_registry(str(lever_dir)))
+
+
+def reload() -> None:
+    _registry.cache_clear()
+
+
+def get(name: str) -> Lever:
+    levers = registry()
+    if name not in levers:
+        raise LeverError(f"unknown lever {name!r}; known levers: {sorted(levers)}")
+    return levers[name]
+
+
+@dataclass(frozen=True)
+class ResolvedLevers:
+    """The value of every lever for one engine instance, with where each value came from."""
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "values")
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+    def on(self, name: str) -> bool:
+        return get(name).is_on(self.values[name])
+
+    def as_env(self) -> dict[str, str]:
+        """The environment that reproduces these values in another process (a server per arm)."""
+        out = {}
+        for name, value in self.values.items():
+            v = "off" if value is False else ("on" if value is True else str(value))
+            out[get(name).env] = v
+        return out
+
+
+def resolve(explicit: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ResolvedLevers:
+    explicit = dict(explicit or {})
+    levers = registry()
+    unknown = sorted(set(explicit) - set(levers))
+    if unknown:
+        raise LeverError(f"unknown lever(s) {unknown}; known levers: {sorted(levers)}")
+    values, sources = {}, {}
+    for name, lever in levers.items():
+        values[name], sources[name] = lever.resolve(explicit.get(name), environ)
+    return ResolvedLevers(values, sources)
+
+
+def set_default_in_file(name: str, value: Any, lever_dir: Path | str = LEVER_DIR) -> Path:
+    """Rewrite only the ``default:`` line of a lever file (the flip). Returns the file path."""
+    lever = registry(lever_dir)[name] if Path(lever_dir) != LEVER_DIR else get(name)
+    canonical = lever.parse(value, source="new default")
+    path = Path(lever_dir) / f"{name}.yaml"
+    lines = path.read_text().splitlines(keepends=True)
+    text = {True: "true", False: "false"}.get(canonical, None)
+    if text is None:
+        text = f'"{canonical}"' if isinstance(canonical, str) else str(canonical)
+    hits = [i for i, ln in enumerate(lines) if ln.startswith("default:")]
+    if len(hits) != 1:
+        raise LeverError(f"lever file {path}: expected exactly one 'default:' line, found {len(hits)}")
+    lines[hits[0]] = f"default: {text}\n"
+    path.write_text("".join(lines))
+    _registry.cache_clear()
+    return path
