@@ -107,8 +107,10 @@ class TorchBackend:
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """One new token per sequence: q [B, Hq, D] over its whole cached context."""
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         max_context_len: int | None = None) -> torch.Tensor:
+        """One new token per sequence: q [B, Hq, D] over its whole cached context. ``max_context_len`` is a host-side
+        upper bound on context_lens (split-KV kernels size their splits from it; the reference ignores it)."""
         out = torch.empty_like(q)
         for b in range(q.shape[0]):
             ctx = int(context_lens[b])

@@ -34,8 +34,9 @@ class TritonBackend(TorchBackend):
         return attention.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                                            fast_math=self.levers.on("fast_math"))
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None):
         return attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                          max_context_len=max_context_len,
                                           gqa_swap=self.levers.on("gqa_swap"),
                                           nsplits_cap=self.levers.nsplits_cap,
                                           fast_math=self.levers.on("fast_math"))

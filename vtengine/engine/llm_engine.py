@@ -1,0 +1,196 @@
+"""The engine: requests in, one scheduler step at a time, tokens out. Not thread-safe (the server drives it from
+one thread, see async_engine.py)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from vtengine import levers as lever_registry
+from vtengine.backends import make_backend
+from vtengine.config import ConfigError, EngineConfig, ModelConfig
+from vtengine.engine.block_manager import BlockManager
+from vtengine.engine.model_runner import ModelRunner
+from vtengine.engine.outputs import CompletionOutput, RequestOutput
+from vtengine.engine.sampling_params import RequestError, SamplingParams
+from vtengine.engine.scheduler import Scheduler
+from vtengine.engine.sequence import Sequence
+from vtengine.models.decoder import DecoderModel
+from vtengine.models.presets import load_preset, package_file, preset_names, random_weights
+
+CPU_KV_CACHE_BYTES = 512 * 2**20       # the KV pool on CPU hosts (GPU hosts size it from free memory)
+GPU_ACTIVATION_RESERVE = 2 * 2**30
+
+
+def load_model_source(name_or_path: str, device, dtype):
+    """(ModelConfig, state dict, tokenizer, display name) for a preset name, an HF directory or a .gguf file."""
+    from vtengine import tokenizer as tok
+
+    path = Path(name_or_path)
+    if name_or_path in preset_names():
+        preset = load_preset(name_or_path)
+        source = preset.get("source")
+        if source == "random":
+            cfg = ModelConfig.from_hf(preset["hf_config"])
+            weights = random_weights(cfg, seed=int(preset.get("seed", 0)), device=device, dtype=dtype)
+            tokenizer = tok.ByteTokenizer(vocab_size=cfg.vocab_size)
+            return cfg, weights, tokenizer, name_or_path
+        from vtengine.models import loader
+        if source == "gguf":
+            gguf_path = package_file(preset["path"])
+            cfg, weights = loader.load_gguf(gguf_path)
+            return cfg, weights, tok.load_tokenizer(gguf_path), name_or_path
+        raise ConfigError(f"preset {name_or_path!r}: source {source!r} is not one of 'random', 'gguf', 'hf'")
+    from vtengine.models import loader
+    if path.suffix == ".gguf" and path.is_file():
+        cfg, weights = loader.load_gguf(path)
+        return cfg, weights, tok.load_tokenizer(path), path.stem
+    if path.is_dir():
+        cfg, weights = loader.load_hf_checkpoint(path)
+        return cfg, weights, tok.load_tokenizer(path), path.name
+    raise ConfigError(f"model {name_or_path!r} is neither a known preset ({preset_names()}) nor an existing "
+                      f"HF checkpoint directory or .gguf file")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for but CUDA is not available on this host")
+        dtype_name = config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        if dtype_name not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"dtype {dtype_name!r} is not supported; accepted: bfloat16, float16, float32")
+        dtype = getattr(torch, dtype_name)
+        backend_name = config.backend or ("triton" if device.type == "cuda" else "torch")
+        self.levers = lever_registry.resolve(config.levers)
+        self.backend = make_backend(backend_name, self.levers)
+        self.device, self.dtype = device, dtype
+
+        cfg, weights, self.tokenizer, self.model_name = load_model_source(config.model, device, dtype)
+        self.model_config = cfg
+        self.model = DecoderModel(cfg, weights, self.backend, quant=config.quant, dtype=dtype, device=device)
+        del weights
+        self.max_model_len = min(config.max_model_len or 4096, cfg.max_position_embeddings)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids or cfg.eos_token_id)
+
+        block_bytes = (2 * cfg.num_hidden_layers * config.block_size * cfg.num_key_value_heads * cfg.head_dim
+                       * torch.finfo(dtype).bits // 8)
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info(device)
+            budget = total * config.gpu_memory_utilization - (total - free) - GPU_ACTIVATION_RESERVE
+            num_blocks = int(budget // block_bytes)
+        else:
+            num_blocks = int(CPU_KV_CACHE_BYTES // block_bytes)
+        blocks_per_seq = (self.max_model_len + config.block_size - 1) // config.block_size
+        if num_blocks < 1:
+            raise ConfigError(f"no room for the KV cache ({num_blocks} blocks): lower the model size or raise "
+                              f"gpu_memory_utilization (now {config.gpu_memory_utilization})")
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.max_seq_tokens = min(self.max_model_len, num_blocks * config.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len,
+                                  config.max_num_seqs, config.cuda_graphs)
+        self.blocks_per_seq = blocks_per_seq
+        self.seqs: dict[str, Sequence] = {}
+        self._seed_gen = torch.Generator().manual_seed(config.seed)
+        self._stats = dict(tokens_generated_total=0, prompt_tokens_total=0, requests_finished_total=0,
+                           step_time_s_last=0.0, step_time_s_sum=0.0, steps_total=0, decode_steps_total=0,
+                           decode_time_s_sum=0.0)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty; give a non-empty string or a list of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                   or not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size}); "
+                                   f"got {bad[:5]}")
+        else:
+            raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("prompt is empty; give a non-empty string or a list of token ids")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = self.encode_prompt(prompt)
+        if len(ids) + params.max_tokens > self.max_seq_tokens:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
+                f"exceeds the model's maximum length of {self.max_seq_tokens} tokens")
+        seq = Sequence(request_id, ids, params, self.config.block_size)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_gen))
+        if not params.greedy:
+            self.runner.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seed)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self._stats["prompt_tokens_total"] += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._forget(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _forget(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.request_id, None)
+        self.runner.generators.pop(seq.seq_id, None)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.max_seq_tokens:
+            return "length"
+        return None
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        t0 = time.perf_counter()
+        tokens = self.runner.run(seqs, is_prefill)
+        dt = time.perf_counter() - t0   # .tolist() in the sampler synchronized the device
+        st = self._stats
+        st["step_time_s_last"], st["steps_total"] = dt, st["steps_total"] + 1
+        st["step_time_s_sum"] += dt
+        if not is_prefill:
+            st["decode_steps_total"] += 1
+            st["decode_time_s_sum"] += dt
+        outputs = []
+        for seq, tok in zip(seqs, tokens):
+            seq.append_token(tok)
+            st["tokens_generated_total"] += 1
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._forget(seq)
+                st["requests_finished_total"] += 1
+            outputs.append(RequestOutput(
+                request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+                outputs=[CompletionOutput(0, seq.completion_token_ids, finish_reason=reason)],
+                finished=reason is not None, new_token_ids=[tok]))
+        return outputs
+
+    def stats(self) -> dict:
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        return dict(self._stats, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                    kv_blocks_total=self.block_manager.num_blocks, kv_blocks_free=self.block_manager.num_free,
+                    num_preemptions=self.scheduler.num_preemptions, peak_gpu_memory_bytes=peak)

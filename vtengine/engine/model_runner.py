@@ -1,0 +1,151 @@
+"""Builds each step's inputs (positions, slot mapping, block tables, context lengths), runs the model eagerly or by
+CUDA-graph replay, and samples.
+
+CUDA graphs: decode steps are captured once per batch size in ``graph_batch_sizes`` with static input buffers;
+a step of B sequences replays the smallest captured size >= B with the extra rows padded (slot -1: nothing is
+written; context length 1 over block 0: read and discarded). Split-KV decode attention must not depend on the
+step's context lengths on the host, so graphed steps size their splits for ``max_model_len`` (the kernel skips
+empty splits). Prefill always runs eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from vtengine import counters
+from vtengine.engine.sampler import Sampler
+from vtengine.engine.sequence import Sequence
+from vtengine.models.decoder import AttnContext, DecoderModel
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, cuda_graphs: bool):
+        self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
+        self.device, self.dtype = model.device, model.dtype
+        cfg = model.cfg
+        self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(cfg.num_hidden_layers)]
+        self.sampler = Sampler(model.backend)
+        self.generators: dict[int, torch.Generator] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        if self.use_graphs:
+            self.capture_graphs(max_num_seqs)
+
+    # -- inputs -----------------------------------------------------------------------------------------------
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        bt = torch.full((len(seqs), self.max_blocks_per_seq), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            bt[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        return bt
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        ids, pos, slots, cu, last = [], [], [], [0], []
+        for s in seqs:
+            start = s.num_cached_tokens
+            ids.extend(s.token_ids[start:])
+            pos.extend(range(start, len(s)))
+            slots.extend(self._slot(s, p) for p in range(start, len(s)))
+            cu.append(cu[-1] + len(s) - start)
+            last.append(cu[-1] - 1)
+        dev = self.device
+        ctx = AttnContext(
+            is_prefill=True,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev),
+            block_tables=self._block_tables(seqs).to(dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            last_token_idx=torch.tensor(last, dtype=torch.int64, device=dev),
+            max_context_len=max(len(s) for s in seqs),
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                ctx)
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        dev = self.device
+        ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64, device=dev)
+        pos = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.int64, device=dev)
+        ctx = AttnContext(
+            is_prefill=False,
+            slot_mapping=torch.tensor([self._slot(s, len(s) - 1) for s in seqs], dtype=torch.int64, device=dev),
+            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev),
+            block_tables=self._block_tables(seqs).to(dev),
+            # splits sized for max_model_len in eager and graphed decode alike, so the two are bitwise equal
+            max_context_len=self.max_model_len,
+        )
+        return ids, pos, ctx
+
+    # -- CUDA graphs -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs] or [1]
+        if sizes[-1] < max_num_seqs and max_num_seqs <= GRAPH_BATCH_SIZES[-1]:
+            sizes.append(max_num_seqs)
+        n, dev = max(sizes), self.device
+        self.g_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.g_pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.g_ctx = AttnContext(
+            is_prefill=False,
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            context_lens=torch.ones(n, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            max_context_len=self.max_model_len,
+        )
+        self.g_out: dict[int, torch.Tensor] = {}
+        pool = None
+        for bs in sorted(sizes, reverse=True):
+            ctx = self.g_ctx.sliced(bs)
+            for _ in range(2):                       # warm-up: compile kernels, allocate workspaces
+                self.model.logits(self.model.forward(self.g_ids[:bs], self.g_pos[:bs], ctx, self.kv_caches))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.g_out[bs] = self.model.logits(
+                    self.model.forward(self.g_ids[:bs], self.g_pos[:bs], ctx, self.kv_caches))
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _replay(self, ids, pos, ctx: AttnContext) -> torch.Tensor:
+        b = ids.shape[0]
+        bs = min(s for s in self.graphs if s >= b)
+        g = self.g_ctx
+        self.g_ids[:b].copy_(ids)
+        self.g_pos[:b].copy_(pos)
+        g.slot_mapping.fill_(-1)
+        g.slot_mapping[:b].copy_(ctx.slot_mapping)
+        g.context_lens.fill_(1)
+        g.context_lens[:b].copy_(ctx.context_lens)
+        g.block_tables.zero_()
+        g.block_tables[:b].copy_(ctx.block_tables.clamp(min=0))
+        self.graphs[bs].replay()
+        counters.record("decode_step", "cuda_graph", grid=(bs,))
+        return self.g_out[bs][:b]
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        if is_prefill:
+            ids, pos, ctx = self.prepare_prefill(seqs)
+            logits = self.model.logits(self.model.forward(ids, pos, ctx, self.kv_caches))
+        else:
+            ids, pos, ctx = self.prepare_decode(seqs)
+            if self.use_graphs and len(seqs) <= max(self.graphs):
+                logits = self._replay(ids, pos, ctx)
+            else:
+                logits = self.model.logits(self.model.forward(ids, pos, ctx, self.kv_caches))
+                counters.record("decode_step", "eager", grid=(len(seqs),))
+        for s in seqs:
+            s.num_cached_tokens = len(s)
+        return self.sampler(logits, seqs, self.generators)
+
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
