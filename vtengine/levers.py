@@ -84,7 +84,7 @@ class Lever:
         if explicit is not None:
             return self.parse(explicit, source="config value"), "config"
         if self.env in environ:
-            return self.parse(environ[self.env], source=f"env {self.env}="), "env"
+            return self.parse(environ[self.env], source=f"value of {self.env}"), "env"
         return self.default, "default"
 
     def is_on(self, value: Any) -> bool:

@@ -1,0 +1,129 @@
+"""`vtengine`: levers | generate | serve | bench {kernels,decode,serve}.
+
+User errors (bad model, quant, lever value, request) print one line naming the bad value and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _lever_args(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--lever expects name=value, got {pair!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def cmd_levers(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from vtengine import levers
+    resolved = levers.resolve(_lever_args(args.lever))
+    table = Table(title="vtengine levers (config > env > conf/lever default)")
+    for col in ("lever", "env", "default", "value", "source", "affects", "summary"):
+        table.add_column(col, overflow="fold")
+    for name, lv in levers.registry().items():
+        table.add_row(name, lv.env, str(lv.default), str(resolved.values[name]), resolved.sources[name],
+                      ", ".join(lv.affects), lv.summary)
+    Console(width=max(120, Console().width)).print(table)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from vtengine.engine.llm import LLM
+    from vtengine.engine.sampling_params import SamplingParams
+    llm = LLM(model=args.model, quant=args.quant, backend=args.backend, levers=_lever_args(args.lever),
+              cuda_graphs=not args.no_cuda_graphs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    prompts = args.prompts
+    if args.chat:
+        tok = llm.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"model {args.model!r} has no chat template; drop --chat")
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for prompt, out in zip(args.prompts, llm.generate(prompts, params)):
+        if len(args.prompts) > 1:
+            print(f"--- {prompt!r}")
+        print(prompt + out.outputs[0].text if not args.chat else out.outputs[0].text)
+    return 0
+
+
+def cmd_serve(argv: list[str]) -> int:
+    from vtengine import server
+    return server.main(argv) or 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    if args.what == "serve":
+        from campaigns import loadgen
+        return loadgen.main(rest) or 0
+    out_dir = args.out
+    if args.what == "kernels":
+        from vtengine.bench import attention, w4a16
+        w4a16.main(out_dir)
+        attention.main(out_dir)
+        return 0
+    from vtengine.bench import decode
+    return decode.main(out_dir, rest) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vtengine", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("levers", help="list every lever with its default and resolved value")
+    p.add_argument("--lever", action="append", metavar="NAME=VALUE", help="explicit lever value (repeatable)")
+
+    p = sub.add_parser("generate", help="generate completions offline")
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quant", default="bf16")
+    p.add_argument("--backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--lever", action="append", metavar="NAME=VALUE")
+
+    sub.add_parser("serve", help="OpenAI-compatible server (vtengine serve --help)", add_help=False)
+
+    p = sub.add_parser("bench", help="benchmarks: kernels | decode | serve (load generator)")
+    p.add_argument("what", choices=["kernels", "decode", "serve"])
+    p.add_argument("--out", default="bench/results", help="where kernels/decode write JSON + markdown")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        handler = lambda: cmd_serve(argv[1:])  # noqa: E731 (serve owns its flags)
+    else:
+        ap = build_parser()
+        args, rest = ap.parse_known_args(argv)
+        if rest and not (args.cmd == "bench"):
+            ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        handler = {"levers": lambda: cmd_levers(args), "generate": lambda: cmd_generate(args),
+                   "bench": lambda: cmd_bench(args, rest)}[args.cmd]
+    from vtengine.config import ConfigError
+    from vtengine.engine.sampling_params import RequestError
+    from vtengine.levers import LeverError
+    from vtengine.quant import QuantError
+    try:
+        return handler()
+    except (ConfigError, LeverError, RequestError, QuantError, ValueError) as e:
+        print(f"vtengine: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
