@@ -1,0 +1,425 @@
+"""The serving load generator (``vtengine bench serve``): the protocol of ``vllm bench serve``, closed loop.
+
+One leg = a fixed list of random token-id prompts of exact length, sent to ``/v1/completions`` with
+``max_tokens = output_len``, ``ignore_eos``, temperature 0, streaming, at most ``concurrency`` in flight (request
+rate infinite: a new request starts the moment one finishes). Warm-up requests run first and are not measured.
+Every request is validated (completed, exactly ``output_len`` completion tokens by ``usage`` and by chunks, so
+``output_len - 1`` inter-token gaps); failures are reported in the result, never dropped silently, and a leg with
+any failure is ``valid = False``.
+
+The metric definitions live in one place, ``LegMetrics``'s docstring, and follow vLLM's
+``benchmarks/serve.py`` so figures compare across tools.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (90, 99)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts
+
+
+def make_prompts(n: int, input_len: int, seed: int, vocab_range: tuple[int, int]) -> list[list[int]]:
+    """``n`` prompts of exactly ``input_len`` token ids drawn uniformly from ``[lo, hi)`` by a seeded generator.
+
+    Token ids, not text, so the length is exact (text would re-tokenize to a different length). ``vocab_range``
+    should exclude special tokens (BOS/EOS/chat markers): ``safe_vocab_range`` picks one from the server."""
+    lo, hi = int(vocab_range[0]), int(vocab_range[1])
+    if not 0 <= lo < hi:
+        raise ValueError(f"vocab_range must be [lo, hi) with 0 <= lo < hi, got {vocab_range!r}")
+    if n < 0 or input_len < 1:
+        raise ValueError(f"need n >= 0 and input_len >= 1, got n={n}, input_len={input_len}")
+    rng = np.random.default_rng(seed)
+    return rng.integers(lo, hi, size=(n, input_len), dtype=np.int64).tolist()
+
+
+def prompts_sha256(prompts: list[list[int]]) -> str:
+    """sha256 of the prompts as compact JSON (``[[1,2],[3]]``, no spaces): the id of a prompt partition."""
+    return hashlib.sha256(json.dumps(prompts, separators=(",", ":")).encode()).hexdigest()
+
+
+def safe_vocab_range(model_info: dict) -> tuple[int, int]:
+    """Ids safe for random prompts: below the tokenizer's base vocabulary (added special tokens sit above it)
+    and the model's, skipping the lowest ids where small vocabularies keep BOS/EOS/PAD."""
+    hi = min(int(model_info.get("tokenizer_vocab_size") or model_info["vocab_size"]), int(model_info["vocab_size"]))
+    lo = min(16, hi // 2)
+    return lo, hi
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class RequestResult:
+    """What one request measured, all times in seconds from ``time.perf_counter``."""
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0                       # request start -> first content chunk
+    itl: list[float] = field(default_factory=list)   # gaps between consecutive content chunks
+    latency: float = 0.0                    # request start -> last content chunk (E2EL)
+    output_tokens: int = 0                  # usage.completion_tokens
+    chunk_tokens: int = 0                   # tokens counted from the chunks' token_ids
+    num_chunks: int = 0                     # content chunks (chunks with a choice)
+
+
+@dataclass
+class LegMetrics:
+    """One leg's figures, defined exactly as ``vllm bench serve`` defines them.
+
+    Over the successful requests of the leg (warm-up excluded):
+
+    - ``duration_s``: wall time from the first measured request's start to the last one's end.
+    - ``completed`` / ``failed``: requests that succeeded / did not (see ``failures`` for why).
+    - ``total_input_tokens``: sum of prompt lengths of completed requests; ``total_output_tokens``: sum of their
+      ``usage.completion_tokens``.
+    - ``request_throughput`` = completed / duration_s (req/s); ``output_throughput`` = total_output_tokens /
+      duration_s (tok/s); ``total_token_throughput`` = (total_input_tokens + total_output_tokens) / duration_s.
+    - TTFT: time from sending the request to receiving its first content chunk (a chunk with a choice).
+    - ITL: every gap between consecutive content chunks, pooled over all requests (one token per chunk, so a
+      request contributes output_tokens - 1 gaps).
+    - TPOT per request = (E2EL - TTFT) / (output_tokens - 1), for requests with more than one output token.
+    - E2EL: time from sending the request to its last content chunk.
+    - For each of ttft, tpot, itl, e2el: ``mean_*_ms``, ``median_*_ms``, ``std_*_ms``, ``p90_*_ms``,
+      ``p99_*_ms`` (numpy percentiles, linear interpolation), in milliseconds.
+
+    ``valid`` is True only if every request completed with exactly ``output_len`` completion tokens (by usage and
+    by chunk token ids) and ``output_len - 1`` ITLs. ``server`` holds the server's own counters over the leg
+    (deltas of /metrics) when it could be read: tokens generated, requests finished, engine steps and step time.
+    """
+    concurrency: int
+    input_len: int
+    output_len: int
+    num_prompts: int
+    prompts_sha256: str
+    completed: int = 0
+    failed: int = 0
+    valid: bool = False
+    failures: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+    total_input_tokens: int = 0
+    total_output_tokens: int = 0
+    request_throughput: float = 0.0
+    output_throughput: float = 0.0
+    total_token_throughput: float = 0.0
+    mean_ttft_ms: float = 0.0
+    median_ttft_ms: float = 0.0
+    std_ttft_ms: float = 0.0
+    p90_ttft_ms: float = 0.0
+    p99_ttft_ms: float = 0.0
+    mean_tpot_ms: float = 0.0
+    median_tpot_ms: float = 0.0
+    std_tpot_ms: float = 0.0
+    p90_tpot_ms: float = 0.0
+    p99_tpot_ms: float = 0.0
+    mean_itl_ms: float = 0.0
+    median_itl_ms: float = 0.0
+    std_itl_ms: float = 0.0
+    p90_itl_ms: float = 0.0
+    p99_itl_ms: float = 0.0
+    mean_e2el_ms: float = 0.0
+    median_e2el_ms: float = 0.0
+    std_e2el_ms: float = 0.0
+    p90_e2el_ms: float = 0.0
+    p99_e2el_ms: float = 0.0
+    server: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float, *, concurrency: int, output_len: int,
+                    prompts: list[list[int]]) -> LegMetrics:
+    """The LegMetrics of a leg from its per-request results (the definitions are in LegMetrics' docstring)."""
+    m = LegMetrics(concurrency=concurrency, input_len=len(prompts[0]) if prompts else 0, output_len=output_len,
+                   num_prompts=len(prompts), prompts_sha256=prompts_sha256(prompts), duration_s=duration_s)
+    ok = []
+    for i, r in enumerate(results):
+        reason = r.error if not r.success else _validate(r, output_len)
+        if reason:
+            m.failures.append(f"request {i}: {reason}")
+        else:
+            ok.append(r)
+    m.completed, m.failed = len(ok), len(results) - len(ok)
+    m.valid = m.failed == 0 and m.completed == len(prompts) and len(prompts) > 0
+    m.total_input_tokens = sum(r.prompt_len for r in ok)
+    m.total_output_tokens = sum(r.output_tokens for r in ok)
+    if duration_s > 0:
+        m.request_throughput = m.completed / duration_s
+        m.output_throughput = m.total_output_tokens / duration_s
+        m.total_token_throughput = (m.total_input_tokens + m.total_output_tokens) / duration_s
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+    for name, xs in series.items():
+        a = np.asarray(xs, dtype=np.float64) * 1000.0 if xs else np.zeros(1)
+        setattr(m, f"mean_{name}_ms", float(a.mean()))
+        setattr(m, f"median_{name}_ms", float(np.median(a)))
+        setattr(m, f"std_{name}_ms", float(a.std()))
+        for p in PERCENTILES:
+            setattr(m, f"p{p}_{name}_ms", float(np.percentile(a, p)))
+    return m
+
+
+def _validate(r: RequestResult, output_len: int) -> str:
+    if r.output_tokens != output_len:
+        return f"usage.completion_tokens = {r.output_tokens}, expected {output_len}"
+    if r.chunk_tokens != output_len:
+        return f"chunks carried {r.chunk_tokens} token ids, expected {output_len}"
+    if len(r.itl) != output_len - 1:
+        return f"{len(r.itl)} inter-token gaps ({r.num_chunks} content chunks), expected {output_len - 1}"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the client
+
+
+async def _one_request(client, url: str, model: str, prompt: list[int], output_len: int,
+                       timeout_s: float) -> RequestResult:
+    """POST one streamed completion and time its chunks as vLLM's async_request_openai_completions does."""
+    import httpx
+
+    r = RequestResult(prompt_len=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    st = time.perf_counter()
+    last = st
+    done = False
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                r.error = f"HTTP {resp.status_code}: {text[:300]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                data = json.loads(payload)
+                if "error" in data:
+                    r.error = f"in-stream error: {data['error'].get('message')}"
+                    return r
+                if data.get("choices"):
+                    if r.num_chunks == 0:
+                        r.ttft = now - st
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+                    r.num_chunks += 1
+                    r.chunk_tokens += len(data["choices"][0].get("token_ids") or [])
+                elif data.get("usage"):
+                    r.output_tokens = int(data["usage"].get("completion_tokens") or 0)
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.latency = last - st
+    if not done:
+        r.error = "stream ended without data: [DONE]"
+    elif r.num_chunks == 0:
+        r.error = "no content chunks"
+    else:
+        r.success = True
+    return r
+
+
+async def _run(client, url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+               timeout_s: float) -> tuple[list[RequestResult], float]:
+    """Closed loop: ``concurrency`` workers take the next prompt as soon as their previous request ends."""
+    results: list[RequestResult | None] = [None] * len(prompts)
+    next_i = 0
+
+    async def worker():
+        nonlocal next_i
+        while next_i < len(prompts):
+            i = next_i
+            next_i += 1
+            results[i] = await _one_request(client, url, model, prompts[i], output_len, timeout_s)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(prompts))))))
+    return [r for r in results if r is not None], time.perf_counter() - t0
+
+
+async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                        *, warmup_prompts: list[list[int]] | None = None, timeout_s: float = 600.0,
+                        read_server_metrics: bool = True) -> LegMetrics:
+    import httpx
+
+    base_url = base_url.rstrip("/")
+    url = f"{base_url}/v1/completions"
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+        warm_fail = []
+        if warmup_prompts:
+            warm, _ = await _run(client, url, model, warmup_prompts, output_len, concurrency, timeout_s)
+            warm_fail = [f"warm-up request {i}: {r.error or _validate(r, output_len)}"
+                         for i, r in enumerate(warm) if not r.success or _validate(r, output_len)]
+        before = await _scrape(client, base_url) if read_server_metrics else {}
+        results, duration = await _run(client, url, model, prompts, output_len, concurrency, timeout_s)
+        after = await _scrape(client, base_url) if read_server_metrics else {}
+    m = compute_metrics(results, duration, concurrency=concurrency, output_len=output_len, prompts=prompts)
+    if warm_fail:       # a failing warm-up says the server is broken: the leg cannot be valid
+        m.failures = warm_fail + m.failures
+        m.valid = False
+    if before and after:
+        m.server = _server_deltas(before, after)
+    return m
+
+
+def run_leg(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+            *, warmup_prompts: list[list[int]] | None = None, timeout_s: float = 600.0,
+            read_server_metrics: bool = True) -> LegMetrics:
+    """Run one measured leg against a running server (blocking; see run_leg_async)."""
+    return asyncio.run(run_leg_async(base_url, model, prompts, output_len, concurrency,
+                                     warmup_prompts=warmup_prompts, timeout_s=timeout_s,
+                                     read_server_metrics=read_server_metrics))
+
+
+async def _scrape(client, base_url: str) -> dict[str, float]:
+    try:
+        resp = await client.get(f"{base_url}/metrics", timeout=30)
+        resp.raise_for_status()
+    except Exception:
+        return {}
+    return parse_prometheus(resp.text)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """{'name' or 'name{labels}': value} from Prometheus text (comments skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _server_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    def d(name):
+        return after.get(f"vtengine_{name}", 0.0) - before.get(f"vtengine_{name}", 0.0)
+
+    out = {
+        "tokens_generated": d("generation_tokens_total"),
+        "prompt_tokens": d("prompt_tokens_total"),
+        "requests_finished": d("requests_finished_total"),
+        "steps": d("engine_steps_total"),
+        "step_time_s": d("engine_step_time_seconds_sum"),
+        "decode_steps": d("engine_decode_steps_total"),
+        "decode_time_s": d("engine_decode_time_seconds_sum"),
+        "peak_gpu_memory_bytes": after.get("vtengine_peak_gpu_memory_bytes", 0.0),
+    }
+    out["mean_step_ms"] = 1000 * out["step_time_s"] / out["steps"] if out["steps"] else 0.0
+    out["mean_decode_step_ms"] = 1000 * out["decode_time_s"] / out["decode_steps"] if out["decode_steps"] else 0.0
+    return out
+
+
+def get_model_info(base_url: str, timeout_s: float = 30.0) -> dict:
+    import httpx
+    resp = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s)
+    resp.raise_for_status()
+    return resp.json()["data"][0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``vtengine bench serve [--base-url URL] [--model M] [--input-len 1024] [--output-len 128]
+    [--concurrency 1] [--num-prompts N] [--warmup W] [--seed 0] [--vocab-range LO:HI] [--timeout S]
+    [--result-json PATH]``
+
+    Runs one closed-loop leg against a running ``vtengine serve`` and prints vLLM-style figures. ``--model``
+    defaults to what the server serves; ``--num-prompts`` to 4 x concurrency; ``--warmup`` to ``concurrency``
+    requests on prompts disjoint from the measured ones; ``--vocab-range`` to ``safe_vocab_range`` of the
+    server's /v1/models. Exit status 1 if the leg is invalid (any request failed validation)."""
+    ap = argparse.ArgumentParser(prog="vtengine bench serve", description="closed-loop serving benchmark")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--concurrency", "--max-concurrency", type=int, default=1)
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-range", default=None, metavar="LO:HI")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    ap.add_argument("--result-json", default=None)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.concurrency < 1 or args.output_len < 1 or args.input_len < 1:
+        ap.error("--concurrency, --input-len and --output-len must be >= 1")
+    try:
+        info = get_model_info(args.base_url)
+    except Exception as e:
+        print(f"vtengine bench serve: cannot reach {args.base_url}/v1/models: {e}", file=sys.stderr)
+        return 2
+    model = args.model or info["id"]
+    if args.vocab_range:
+        lo, _, hi = args.vocab_range.partition(":")
+        vocab_range = (int(lo), int(hi))
+    else:
+        vocab_range = safe_vocab_range(info)
+    n = args.num_prompts if args.num_prompts is not None else 4 * args.concurrency
+    n_warm = args.warmup if args.warmup is not None else args.concurrency
+    # one draw split in two, so warm-up and measured prompts are disjoint and both fixed by the seed
+    allp = make_prompts(n + n_warm, args.input_len, args.seed, vocab_range)
+    warm, prompts = allp[:n_warm], allp[n_warm:]
+    m = run_leg(args.base_url, model, prompts, args.output_len, args.concurrency, warmup_prompts=warm,
+                timeout_s=args.timeout)
+    print(format_summary(m))
+    if args.result_json:
+        path = Path(args.result_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"base_url": args.base_url, "model": model, "vocab_range": list(vocab_range),
+                                    "seed": args.seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                    **m.to_dict()}, indent=2))
+    return 0 if m.valid else 1
+
+
+def format_summary(m: LegMetrics) -> str:
+    rows = [
+        ("Valid", str(m.valid)), ("Successful requests", m.completed), ("Failed requests", m.failed),
+        ("Max concurrency", m.concurrency), ("Benchmark duration (s)", f"{m.duration_s:.2f}"),
+        ("Total input tokens", m.total_input_tokens), ("Total generated tokens", m.total_output_tokens),
+        ("Request throughput (req/s)", f"{m.request_throughput:.2f}"),
+        ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}"),
+        ("Total token throughput (tok/s)", f"{m.total_token_throughput:.2f}"),
+    ]
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        for stat in ("mean", "median", "p90", "p99"):
+            rows.append((f"{stat.capitalize()} {title} (ms)", f"{getattr(m, f'{stat}_{name}_ms'):.2f}"))
+    if m.server:
+        rows.append(("Server mean decode step (ms)", f"{m.server['mean_decode_step_ms']:.2f}"))
+    lines = ["=" * 20 + " Serving Benchmark Result " + "=" * 20]
+    lines += [f"{k:<40}{v:>26}" for k, v in rows]
+    lines += [f"FAILURE: {f}" for f in m.failures[:20]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
