@@ -1,0 +1,376 @@
+"""The campaign configuration: Hydra structured configs (schemas) and the one function that composes them.
+
+The tree under conf/ mirrors the concepts: ``campaign/`` (a lever, its arms, the gates it needs, the policy),
+``model/`` (the lead's presets), ``grid/`` (the binding benchmark grid), ``gate/`` (gate parameters) and
+``tracking/`` (MLflow). The dataclasses below are registered in Hydra's ConfigStore as the schema of the primary
+config, so every group option and every command-line override is type-checked when it is merged.
+
+Device-dependent defaults: a CUDA host gets the ``online`` grid and the campaign's real-shape model, a CPU host
+the ``rehearsal`` grid on the campaign's CPU model, unless the user names ``grid=``/``model=``/``model.quant=``
+(``grid=online`` on a CPU is allowed; the policy then marks the result non-binding).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GATE_NAMES = ("op", "battery", "near_tie", "graph_parity", "async_parity", "mechanism", "memcheck")
+# Gates whose failure on the candidate is a correctness failure (rule 2); 'mechanism' is about inertness (rule 1).
+CORRECTNESS_GATES = ("op", "battery", "near_tie", "graph_parity", "async_parity", "memcheck")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class CampaignConfigError(ValueError):
+    """A bad campaign option or override; the message names the bad value and what is accepted."""
+
+
+# ----------------------------------------------------------------------------------------------- schemas
+
+
+@dataclass
+class ArmsConfig:
+    baseline: Any = None                 # None: the lever's current file default (resolved at compose time)
+    candidates: List[Any] = field(default_factory=lambda: [True])
+
+
+@dataclass
+class ModelChoice:
+    preset: str = "tiny"                 # a conf/model/<preset>.yaml option
+    quant: str = "bf16"
+
+
+@dataclass
+class ModelsConfig:
+    cuda: ModelChoice = field(default_factory=lambda: ModelChoice("qwen3-8b", "bf16"))
+    cpu: ModelChoice = field(default_factory=ModelChoice)
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "parity_enabler"
+    near_tie_max_mnats: float = 500.0    # a divergence is a ratified tie when every gap <= this (millinats)
+    min_gain: float = 0.01               # a non-byte-exact lever's WINs must clear ratio >= 1 + min_gain
+    min_reps: int = 3                    # fewer reps per point than this: non-binding
+    flip_on_correctness: bool = False    # a correctness fix may flip with no speed gain
+    primary_axes: List[str] = field(default_factory=lambda: ["total_token_throughput", "tpot"])
+
+
+@dataclass
+class CampaignConfig:
+    name: str = MISSING
+    lever: str = MISSING
+    arms: ArmsConfig = field(default_factory=ArmsConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    gates: List[str] = field(default_factory=lambda: list(GATE_NAMES))
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    hypothesis: str = ""                 # why the lever should help: the record's narrative starts here
+    residual: str = ""                   # what still bounds the gap after this lever (PR "Residual")
+
+
+@dataclass
+class GridConfig:
+    name: str = MISSING
+    binding: bool = True                 # false for rehearsal grids: never binding, whatever the host
+    concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    reps: int = 3
+    prompts_per_leg: List[int] = field(default_factory=lambda: [6, 6, 12, 24])
+    input_len: int = 1024
+    output_len: int = 128
+    warmup_requests: int = 2
+    seed: int = 0
+    alternate_order: bool = True         # arm order A B, B A, ... per rep, to cancel drift
+
+
+@dataclass
+class OpGateConfig:
+    seed: int = 0
+    shapes: int = 4                      # how many shape cases per kernel (ragged lengths included)
+    poison: bool = True
+
+
+@dataclass
+class BatteryGateConfig:
+    prompts: int = 16
+    max_tokens: int = 32
+
+
+@dataclass
+class ParityGateConfig:
+    prompts: int = 4
+    max_tokens: int = 16
+    concurrency: int = 4
+
+
+@dataclass
+class MemcheckGateConfig:
+    max_tokens: int = 4
+    timeout_s: int = 600
+
+
+@dataclass
+class GateConfig:
+    name: str = MISSING
+    self_check: bool = True              # run each gate's deliberate fault; a gate that cannot fail voids the campaign
+    op: OpGateConfig = field(default_factory=OpGateConfig)
+    battery: BatteryGateConfig = field(default_factory=BatteryGateConfig)
+    near_tie: Dict[str, Any] = field(default_factory=dict)   # its threshold is the policy's near_tie_max_mnats
+    graph_parity: ParityGateConfig = field(default_factory=ParityGateConfig)
+    async_parity: ParityGateConfig = field(default_factory=ParityGateConfig)
+    mechanism: Dict[str, Any] = field(default_factory=dict)
+    memcheck: MemcheckGateConfig = field(default_factory=MemcheckGateConfig)
+
+
+@dataclass
+class TrackingConfig:
+    name: str = MISSING
+    enabled: bool = True
+    uri: str = MISSING                   # local: sqlite:///mlflow.db (MLflow's default) at the project root (cwd)
+
+
+@dataclass
+class AppConfig:
+    campaign: CampaignConfig = MISSING
+    model: Dict[str, Any] = field(default_factory=dict)   # the lead's preset (keys name, quant, ...)
+    grid: GridConfig = MISSING
+    gate: GateConfig = MISSING
+    tracking: TrackingConfig = MISSING
+    allow_dirty: bool = False            # run on a dirty tree anyway (the result is then non-binding)
+    commit: bool = False                 # on FLIP, commit the default flip on branch row/<lever>-flip
+    resume: Optional[str] = None         # a campaign id under out_dir to continue
+    out_dir: str = "records/campaigns"
+    device: str = "auto"                 # auto | cuda | cpu; composed configs carry the resolved device
+
+
+def register_schemas() -> None:
+    ConfigStore.instance().store(name="vtcampaign_schema", node=AppConfig)
+
+
+register_schemas()
+
+# ----------------------------------------------------------------------------------------------- compose
+
+
+def options(group: str, conf_dir: Path | str = CONF_DIR) -> list[str]:
+    """The option names of a config group (file stems under conf/<group>/)."""
+    return sorted(p.stem for p in (Path(conf_dir) / group).glob("*.yaml"))
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), conf_dir: Path | str = CONF_DIR,
+            cuda: bool | None = None) -> DictConfig:
+    """Compose and validate the campaign config for ``overrides`` (Hydra syntax: ``campaign=X grid.reps=5``).
+
+    ``cuda`` forces the host kind (tests); None asks torch. Raises CampaignConfigError with one clear line.
+    """
+    overrides = list(overrides)
+    conf_dir = Path(conf_dir).resolve()
+    user_keys = _override_keys(overrides)
+    first = _compose(overrides, conf_dir)
+    device = first.device
+    if device not in DEVICES:
+        raise CampaignConfigError(f"device={device!r} is not accepted; accepted: {', '.join(DEVICES)}")
+    if device == "auto":
+        device = "cuda" if (cuda_available() if cuda is None else cuda) else "cpu"
+
+    # Device-dependent defaults, only where the user did not choose.
+    choice = first.campaign.models.cuda if device == "cuda" else first.campaign.models.cpu
+    extra = []
+    if "grid" not in user_keys:
+        extra.append(f"grid={'online' if device == 'cuda' else 'rehearsal'}")
+    if "model" not in user_keys:
+        extra.append(f"model={choice.preset}")
+    if "model.quant" not in user_keys:
+        extra.append(f"model.quant={choice.quant}")
+    cfg = _compose(extra + overrides, conf_dir) if extra else first
+    cfg.device = device
+    _resolve_and_validate(cfg, conf_dir)
+    return cfg
+
+
+def _override_keys(overrides: list[str]) -> set[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as e:
+        first_line = str(e).strip().splitlines()[0]
+        raise CampaignConfigError(f"bad override syntax in {overrides}: {first_line}; "
+                                  "write key=value, e.g. campaign=gqa_swap grid.reps=5") from None
+    return {o.key_or_group for o in parsed}
+
+
+def _compose(overrides: list[str], conf_dir: Path) -> DictConfig:
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="vtcampaign"):
+            return hydra_compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise CampaignConfigError(_explain(e, overrides, conf_dir)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _explain(e: Exception, overrides: list[str], conf_dir: Path) -> str:
+    """Turn a Hydra/OmegaConf exception into one line naming the bad value and what is accepted."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+
+    text = str(e).strip()
+    cause = e.__cause__ or e.__context__
+    groups = ("campaign", "model", "grid", "gate", "tracking")
+    if isinstance(e, MissingConfigException) or "Could not find" in text or "Could not load" in text:
+        for group in groups:
+            for o in overrides:
+                if o.startswith(f"{group}="):
+                    accepted = options(group, conf_dir)
+                    if o.split("=", 1)[1] not in accepted:
+                        return (f"unknown {group} {o.split('=', 1)[1]!r}; accepted: {', '.join(accepted)} "
+                                f"(conf/{group}/*.yaml)")
+    if "You must specify 'campaign'" in text or (isinstance(e, MissingMandatoryValue) and "campaign" in text):
+        return f"no campaign chosen; add campaign=<name>, accepted: {', '.join(options('campaign', conf_dir))}"
+    err = cause if isinstance(cause, (ValidationError, ConfigKeyError)) else e
+    if isinstance(err, (ValidationError, ConfigKeyError)):
+        key = getattr(err, "full_key", None) or "?"
+        bad = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") == key]
+        msg = str(err).strip().splitlines()[0]
+        if isinstance(err, ConfigKeyError) or "not in" in msg:
+            parent = key.rsplit(".", 1)[0] if "." in key else ""
+            accepted = _keys_of(parent)
+            return (f"unknown key {key!r}" + (f" in override {bad[0]!r}" if bad else "")
+                    + (f"; accepted keys of {parent}: {', '.join(accepted)}" if accepted else ""))
+        return f"bad value for {key}" + (f" ({bad[0]!r})" if bad else "") + f": {msg}"
+    first = text.splitlines()[0] if text else type(e).__name__
+    m = re.match(r"Could not override '([^']+)'", first)
+    if m:
+        key = m.group(1)
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        accepted = _keys_of(parent)
+        return (f"unknown key {key!r} in override {next((o for o in overrides if o.startswith(key)), key)!r}"
+                + (f"; accepted keys of {parent or 'the top level'}: {', '.join(accepted)}" if accepted else
+                   f"; to add a new key write +{key}=..."))
+    return first
+
+
+def _keys_of(path: str) -> list[str]:
+    """The schema's keys at a dotted path ('' = top level, 'grid', 'campaign.policy'), from the dataclasses."""
+    import dataclasses
+    import typing
+    cls: Any = AppConfig
+    for part in [p for p in path.split(".") if p]:
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        cls = hints.get(part)
+    if not dataclasses.is_dataclass(cls):
+        return []
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
+    """Checks Hydra's types cannot express: the lever exists, arm values parse, lists line up."""
+    from vtengine import levers as lever_registry
+    from vtengine.config import QUANTS
+
+    camp = cfg.campaign
+    known = lever_registry.registry(conf_dir / "lever")
+    if camp.lever not in known:
+        raise CampaignConfigError(f"campaign {camp.name!r}: unknown lever {camp.lever!r}; accepted: "
+                                  f"{', '.join(sorted(known))} (conf/lever/*.yaml)")
+    lever = known[camp.lever]
+    try:
+        baseline = lever.default if camp.arms.baseline is None else lever.parse(camp.arms.baseline, "baseline arm")
+        candidates = [lever.parse(v, "candidate arm") for v in camp.arms.candidates]
+    except lever_registry.LeverError as e:
+        raise CampaignConfigError(str(e)) from None
+    if not candidates:
+        raise CampaignConfigError(f"campaign {camp.name!r}: campaign.arms.candidates is empty; give at least one "
+                                  f"value of {lever.name} ({lever.accepted()})")
+    if baseline in candidates:
+        raise CampaignConfigError(f"campaign {camp.name!r}: candidate {baseline!r} equals the baseline; "
+                                  f"candidates must differ from the baseline ({lever.name} default)")
+    if len({arm_name(v) for v in candidates}) != len(candidates):
+        raise CampaignConfigError(f"campaign {camp.name!r}: duplicate candidates {list(candidates)}")
+    camp.arms.baseline = baseline
+    camp.arms.candidates = candidates
+    bad_gates = [g for g in camp.gates if g not in GATE_NAMES]
+    if bad_gates:
+        raise CampaignConfigError(f"unknown gate(s) {bad_gates} in campaign.gates; accepted: {', '.join(GATE_NAMES)}")
+    bad_axes = [a for a in camp.policy.primary_axes if a not in _axis_names()]
+    if bad_axes:
+        raise CampaignConfigError(f"unknown axis {bad_axes} in campaign.policy.primary_axes; "
+                                  f"accepted: {', '.join(_axis_names())}")
+    if camp.policy.name != "parity_enabler":
+        raise CampaignConfigError(f"policy {camp.policy.name!r} is not known; accepted: parity_enabler")
+
+    grid = cfg.grid
+    if len(grid.prompts_per_leg) != len(grid.concurrency):
+        raise CampaignConfigError(f"grid.prompts_per_leg {list(grid.prompts_per_leg)} must have one entry per "
+                                  f"grid.concurrency {list(grid.concurrency)}")
+    for key in ("concurrency", "prompts_per_leg"):
+        if any(int(v) < 1 for v in grid[key]) or not grid[key]:
+            raise CampaignConfigError(f"grid.{key} {list(grid[key])} must be a non-empty list of positive integers")
+    for key in ("reps", "input_len", "output_len"):
+        if grid[key] < 1:
+            raise CampaignConfigError(f"grid.{key}={grid[key]} must be >= 1")
+    if grid.output_len < 2:
+        raise CampaignConfigError(f"grid.output_len={grid.output_len} must be >= 2 (TPOT needs two tokens)")
+
+    model = cfg.model
+    if "name" not in model or "quant" not in model:
+        raise CampaignConfigError(f"model preset needs keys 'name' and 'quant', got {sorted(model.keys())}")
+    if model.quant not in QUANTS:
+        raise CampaignConfigError(f"model.quant={model.quant!r} is not accepted; accepted: {', '.join(QUANTS)}")
+    if cfg.tracking.enabled and (OmegaConf.is_missing(cfg.tracking, "uri") or not cfg.tracking.uri):
+        raise CampaignConfigError(f"tracking={cfg.tracking.name} needs tracking.uri=<uri> (e.g. http://host:5000, "
+                                  "postgresql://..., sqlite:///mlflow.db), or use tracking=local / tracking=off")
+
+
+def _axis_names() -> list[str]:
+    from campaigns.stats import AXES
+    return [a.name for a in AXES]
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def arm_name(value: Any) -> str:
+    """The arm's name in records and MLflow: 'off'/'on' for booleans and 'off', else the value as text."""
+    if value is False or value == "off":
+        return "off"
+    if value is True:
+        return "on"
+    return str(value)
+
+
+def arm_env_value(value: Any) -> str:
+    """The lever's env string that reproduces ``value`` in a server process."""
+    return {False: "off", True: "on"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+
+
+def to_plain(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+
+
+def config_hash(cfg: DictConfig | dict) -> str:
+    """sha256 of the canonical JSON of the resolved config (without ``resume``, which does not change the run)."""
+    plain = to_plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
+    plain = {k: v for k, v in plain.items() if k != "resume"}
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()

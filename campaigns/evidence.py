@@ -1,0 +1,333 @@
+"""Evidence: the typed record of one campaign, and the only input of everything after it.
+
+Gates and grid legs produce dataclasses; the runner appends them to an ``Evidence`` and writes
+``records/campaigns/<id>/evidence.json`` after every gate and every leg (atomically: a temporary file in the same
+directory, then ``os.replace``), so an interrupted campaign leaves a complete file that ``resume=<id>`` continues.
+Records, PR text, plots and MLflow runs are views rendered from this file alone.
+
+JSON round trip is exact: ``Evidence.from_dict(json.loads(ev.to_json())) == ev``. ``load_evidence`` refuses a file
+whose ``schema_version`` is not this module's, naming both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional, Union
+
+SCHEMA_VERSION = 1
+VERDICTS = ("INVALID", "REJECT-CORRECTNESS", "NON-BINDING", "FLIP", "REJECT-PERFORMANCE", "KEEP")
+SEPARATIONS = ("WIN", "LOSS", "NEUTRAL")
+STATUSES = ("in-progress", "complete")
+
+
+class EvidenceError(ValueError):
+    """An evidence file is missing, torn, of another schema version, or does not match the schema."""
+
+
+@dataclass
+class Fingerprint:
+    """Where and on what the campaign ran; two arms compare only on the same fingerprint."""
+    git_sha: str
+    git_short_sha: str
+    dirty: bool
+    branch: str
+    device_type: str                        # "cuda" | "cpu"
+    device_name: str                        # e.g. "NVIDIA H200" or the CPU model
+    cuda_version: Optional[str]
+    torch_version: str
+    triton_version: Optional[str]
+    python_version: str
+    hostname: str
+    arms_env: dict[str, dict[str, str]]     # arm -> the VT_* environment its server runs with
+    config_hash: str
+    dirty_files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Arm:
+    name: str                               # "off" / "on" / "auto" / "8": config.arm_name(value)
+    value: Any                              # the lever's canonical value
+    role: str                               # "baseline" | "candidate"; its env is in Fingerprint.arms_env
+
+
+@dataclass
+class GateResult:
+    """One gate on one arm. ``self_check``: did the gate catch its deliberate fault (True = the gate can fail;
+    False = the faulted run passed, so the gate is broken and the campaign INVALID; None = not run on this arm).
+    ``byte_exact``: the measured ON-vs-OFF bitwise comparison where the gate makes one (op, battery), else None."""
+    gate: str
+    arm: str
+    passed: bool
+    counts: dict[str, Union[int, float]] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    self_check: Optional[bool] = None
+    duration_s: float = 0.0
+    skipped: bool = False
+    reason: str = ""
+    byte_exact: Optional[bool] = None
+
+
+@dataclass
+class LegResult:
+    """One (concurrency, rep, arm) point of the grid; metrics use `vllm bench serve` names (median_tpot_ms, ...)."""
+    concurrency: int
+    rep: int
+    arm: str
+    order_index: int                        # position in the run order (arms alternate per rep)
+    prompts_sha256: str
+    num_prompts: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    valid: bool = True
+    reasons: list[str] = field(default_factory=list)
+    gpu_samples: list[dict[str, float]] = field(default_factory=list)   # {t_s, sm_clock_mhz, temp_c, ...}
+    started: str = ""                       # ISO 8601 UTC
+    ended: str = ""
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (self.concurrency, self.rep, self.arm)
+
+
+@dataclass
+class ArmSummary:
+    median: float
+    mean: float
+    min: float
+    max: float
+    cv: float                               # sample stdev / mean (0 for one rep)
+    n: int
+
+
+@dataclass
+class AxisStat:
+    """One axis at one concurrency, candidate vs baseline. ``ratio`` > 1 is better for the candidate whatever
+    the axis' direction (throughput: ON/OFF medians; latency: OFF/ON)."""
+    axis: str
+    metric: str                             # the leg metric it reads, e.g. "median_tpot_ms"
+    concurrency: int
+    baseline: str                           # arm names
+    candidate: str
+    higher_is_better: bool
+    reps: dict[str, list[float]]            # arm -> per-rep values in rep order
+    summary: dict[str, ArmSummary]
+    ratio: Optional[float]                  # None when the baseline median is 0 (cannot orient)
+    separation: str                         # WIN | LOSS | NEUTRAL
+    primary: bool = False
+
+
+@dataclass
+class Decision:
+    verdict: str                            # one of VERDICTS
+    rule: str                               # the rule that fired, quoted verbatim from policy.RULES
+    reasons: list[str] = field(default_factory=list)
+    candidate: Optional[str] = None         # the arm the verdict is about
+    new_default: Any = None                 # the candidate value on FLIP, else None
+    byte_exact: Optional[bool] = None       # measured (None: no gate measured it)
+    token_safe: bool = False
+    binding: bool = False
+    headline: str = ""                      # the figure a reader quotes, e.g. "total tok/s x1.042 at c8"
+    per_candidate: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Evidence:
+    campaign_id: str                        # <date>-<lever>-<sha7>
+    lever: str
+    arms: list[Arm]
+    config: dict[str, Any]                  # the composed config, resolved
+    fingerprint: Fingerprint
+    created: str                            # ISO 8601 UTC, campaign start
+    gates: list[GateResult] = field(default_factory=list)
+    legs: list[LegResult] = field(default_factory=list)
+    stats: list[AxisStat] = field(default_factory=list)
+    decision: Optional[Decision] = None
+    status: str = "in-progress"
+    arm_fingerprints: dict[str, str] = field(default_factory=dict)   # arm -> what its server reported (hash)
+    peak_memory_gib: dict[str, float] = field(default_factory=dict)  # arm -> peak GPU memory of its server
+    flip: dict[str, Any] = field(default_factory=dict)               # {branch, commit} once committed
+    schema_version: int = SCHEMA_VERSION
+
+    # --- queries the runner and the views share
+    @property
+    def baseline(self) -> Arm:
+        return next(a for a in self.arms if a.role == "baseline")
+
+    @property
+    def candidates(self) -> list[Arm]:
+        return [a for a in self.arms if a.role == "candidate"]
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise KeyError(f"arm {name!r} not in {[a.name for a in self.arms]}")
+
+    def done_legs(self) -> set[tuple[int, int, str]]:
+        """Keys of the legs already measured (a resumed campaign skips them)."""
+        return {leg.key for leg in self.legs}
+
+    def gate(self, gate: str, arm: str) -> Optional[GateResult]:
+        hits = [g for g in self.gates if g.gate == gate and g.arm == arm]
+        return hits[-1] if hits else None
+
+    @property
+    def date(self) -> str:
+        return self.created[:10]
+
+    # --- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Evidence":
+        return _build(cls, data, "evidence")
+
+
+# ----------------------------------------------------------------------------------------------- typed decode
+
+
+def _build(tp: Any, data: Any, where: str) -> Any:
+    """Rebuild a value of type ``tp`` from JSON data, checking keys and types; errors name the JSON path."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return data
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if data is None:
+            if type(None) in args:
+                return None
+            raise EvidenceError(f"{where}: null where {tp} is required")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _build(arg, data, where)
+            except EvidenceError as e:
+                errors.append(str(e))
+        raise EvidenceError(errors[0] if errors else f"{where}: cannot read {data!r} as {tp}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise EvidenceError(f"{where}: expected an object for {tp.__name__}, got {type(data).__name__}")
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise EvidenceError(f"{where}: unknown keys {unknown} for {tp.__name__}; known: {sorted(fields)}")
+        kwargs = {}
+        for name, f in fields.items():
+            if name in data:
+                kwargs[name] = _build(hints[name], data[name], f"{where}.{name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise EvidenceError(f"{where}: missing key {name!r} for {tp.__name__}")
+        return tp(**kwargs)
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        if not isinstance(data, list):
+            raise EvidenceError(f"{where}: expected a list, got {type(data).__name__}")
+        return [_build(arg, v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin is dict:
+        _, arg = typing.get_args(tp) or (str, Any)
+        if not isinstance(data, dict):
+            raise EvidenceError(f"{where}: expected an object, got {type(data).__name__}")
+        return {k: _build(arg, v, f"{where}.{k}") for k, v in data.items()}
+    if tp is float:
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return data if isinstance(data, float) else float(data)
+    elif tp is int:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return data
+    elif isinstance(tp, type) and isinstance(data, tp):
+        return data
+    raise EvidenceError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {data!r}")
+
+
+# ----------------------------------------------------------------------------------------------- files
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def campaign_id(date: str, lever: str, short_sha: str) -> str:
+    return f"{date}-{lever}-{short_sha[:7]}"
+
+
+def new_campaign_id(out_dir: Path | str, date: str, lever: str, short_sha: str) -> str:
+    """``<date>-<lever>-<sha7>``, with ``-2``, ``-3``... when that directory already exists (a re-run)."""
+    base = campaign_id(date, lever, short_sha)
+    cid, n = base, 1
+    while (Path(out_dir) / cid).exists():
+        n += 1
+        cid = f"{base}-{n}"
+    return cid
+
+
+def write_atomic(path: Path | str, data: str | bytes) -> Path:
+    """Write via a temporary file in the same directory and os.replace: readers see the old or the new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def save_evidence(ev: Evidence, campaign_dir: Path | str) -> Path:
+    return write_atomic(Path(campaign_dir) / "evidence.json", ev.to_json())
+
+
+def load_evidence(path: Path | str) -> Evidence:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "evidence.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EvidenceError(f"evidence file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise EvidenceError(f"evidence file {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise EvidenceError(f"evidence file {path}: expected a JSON object")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise EvidenceError(f"evidence file {path}: schema_version {version!r} is not supported; "
+                            f"accepted: {SCHEMA_VERSION}")
+    try:
+        ev = Evidence.from_dict(data)
+    except EvidenceError as e:
+        raise EvidenceError(f"evidence file {path}: {e}") from None
+    if ev.status not in STATUSES:
+        raise EvidenceError(f"evidence file {path}: status {ev.status!r}; accepted: {list(STATUSES)}")
+    if ev.decision is not None and ev.decision.verdict not in VERDICTS:
+        raise EvidenceError(f"evidence file {path}: verdict {ev.decision.verdict!r}; accepted: {list(VERDICTS)}")
+    return ev
+
+
+def find_evidence(out_dir: Path | str) -> list[Path]:
+    """Every ``<out_dir>/*/evidence.json``, sorted by path (deterministic renders)."""
+    return sorted(Path(out_dir).glob("*/evidence.json"))
+
+
+def new_evidence(cfg: dict[str, Any], fingerprint: Fingerprint, arms: list[Arm], campaign_id: str,
+                 created: str | None = None) -> Evidence:
+    return Evidence(campaign_id=campaign_id, lever=cfg["campaign"]["lever"], arms=arms, config=cfg,
+                    fingerprint=fingerprint, created=created or utc_now())

@@ -1,0 +1,307 @@
+"""Records: record.md, pr.md, records/STATUS.md and records/BENCHMARKS.md, rendered from evidence files only.
+
+Every view is a pure function of evidence (plus the lever files for the current defaults): no clock, no host,
+sorted inputs, so ``vtcampaign render`` reproduces the committed records byte for byte, and records can never
+drift from data. Templates live in templates/*.md.j2; this module builds the plain values they print.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from campaigns.evidence import Evidence, GateResult, find_evidence, load_evidence, write_atomic
+from campaigns.policy import policy_params
+from campaigns.stats import AXES, AXIS_BY_NAME
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates"
+RECORD_FILES = ("record.md", "pr.md")
+REFUTED = ("REJECT-PERFORMANCE", "REJECT-CORRECTNESS")
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    return env
+
+
+def render_template(name: str, **values: Any) -> str:
+    return _env().get_template(name).render(**values)
+
+
+# ----------------------------------------------------------------------------------------------- formatting
+
+
+def fmt_value(v: float | None, unit: str) -> str:
+    if v is None:
+        return "—"
+    if unit == "ms":
+        return f"{v:.2f}"
+    if unit == "req/s":
+        return f"{v:.3f}"
+    return f"{v:,.1f}"
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "—" if r is None else f"{r:.3f}"
+
+
+def fmt_lever_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "—" if v is None else str(v)
+
+
+def _gate_cell(g: GateResult) -> dict[str, str]:
+    return {
+        "gate": g.gate, "arm": g.arm,
+        "result": "SKIP" if g.skipped else ("PASS" if g.passed else "FAIL"),
+        "counts": ", ".join(f"{k} {_num(v)}" for k, v in sorted(g.counts.items())) or "—",
+        "self_check": {True: "caught", False: "NOT caught", None: "—"}[g.self_check],
+        "byte_exact": {True: "yes", False: "no", None: "—"}[g.byte_exact],
+        "duration": f"{g.duration_s:.1f} s",
+        "note": (g.reason or "").replace("|", "/").replace("\n", " "),
+    }
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:.4g}"
+    return str(int(v)) if isinstance(v, float) else str(v)
+
+
+# ----------------------------------------------------------------------------------------------- one campaign
+
+
+def what_changed(ev: Evidence) -> str:
+    d = ev.decision
+    base = ev.baseline.name
+    if d is None:
+        return "campaign in progress"
+    cand = d.candidate or "?"
+    return {
+        "FLIP": f"default {base} → {cand}",
+        "KEEP": f"keep default {base} ({cand} measured neutral)",
+        "REJECT-PERFORMANCE": f"refute {cand} (measured regression; do not retry)",
+        "REJECT-CORRECTNESS": f"reject {cand} (fails correctness)",
+        "NON-BINDING": f"{cand} vs {base}, non-binding",
+        "INVALID": "invalid campaign (gates cannot be trusted)",
+    }[d.verdict]
+
+
+def verdict_headline(ev: Evidence) -> str:
+    d = ev.decision
+    if d is None:
+        return "IN PROGRESS"
+    return f"{d.verdict}: {what_changed(ev)}, {d.headline}"
+
+
+def campaign_view(ev: Evidence) -> dict[str, Any]:
+    """Every value record.md.j2 and pr.md.j2 print, already formatted."""
+    from vtengine import levers as lever_registry
+
+    cfg = ev.config
+    camp = cfg.get("campaign", {}) or {}
+    grid = cfg.get("grid", {}) or {}
+    model = cfg.get("model", {}) or {}
+    fp = ev.fingerprint
+    d = ev.decision
+    p = policy_params(ev)
+    lever = lever_registry.registry().get(ev.lever)
+    env_name = lever.env if lever else "VT_?"
+    cand_names = [a.name for a in ev.candidates]
+
+    binding_rows = []
+    for s in ev.stats:
+        if not s.primary:
+            continue
+        axis = AXIS_BY_NAME.get(s.axis)
+        unit = axis.unit if axis else ""
+        binding_rows.append({
+            "c": s.concurrency, "candidate": s.candidate, "axis": axis.label if axis else s.axis, "unit": unit,
+            "on": fmt_value(s.summary[s.candidate].median, unit), "off": fmt_value(s.summary[s.baseline].median, unit),
+            "ratio": fmt_ratio(s.ratio), "separation": s.separation,
+            "on_reps": " / ".join(fmt_value(v, unit) for v in s.reps[s.candidate]),
+            "off_reps": " / ".join(fmt_value(v, unit) for v in s.reps[s.baseline]),
+            "cv": f"{s.summary[s.candidate].cv:.1%} / {s.summary[s.baseline].cv:.1%}",
+        })
+    binding_rows.sort(key=lambda r: (cand_names.index(r["candidate"]) if r["candidate"] in cand_names else 0,
+                                     r["c"], r["axis"]))
+
+    # All axes at a glance: ratio and separation per (candidate, concurrency) x axis.
+    axes_present = [a for a in AXES if any(s.axis == a.name for s in ev.stats)]
+    glance = []
+    for cand in cand_names:
+        for c in sorted({s.concurrency for s in ev.stats if s.candidate == cand}):
+            cells = []
+            for a in axes_present:
+                hit = [s for s in ev.stats if s.candidate == cand and s.concurrency == c and s.axis == a.name]
+                cells.append(f"{fmt_ratio(hit[0].ratio)} {hit[0].separation}" if hit else "—")
+            glance.append({"candidate": cand, "c": c, "cells": cells})
+
+    mech = [g for g in ev.gates if g.gate == "mechanism"]
+    mechanism = [{"arm": g.arm, "result": _gate_cell(g)["result"],
+                  "counts": _gate_cell(g)["counts"],
+                  "details": json.dumps(g.details, sort_keys=True) if g.details else "",
+                  "reason": g.reason} for g in mech]
+
+    invalid_legs = [f"c{leg.concurrency} rep {leg.rep} arm {leg.arm}: {'; '.join(leg.reasons)}"
+                    for leg in ev.legs if not leg.valid]
+
+    if d is None:
+        default_line = f"`{ev.lever}` stays {fmt_lever_value(ev.baseline.value)} while the campaign runs."
+    elif d.verdict == "FLIP":
+        default_line = (f"`{ev.lever}` flips {fmt_lever_value(ev.baseline.value)} → "
+                        f"{fmt_lever_value(d.new_default)} in conf/lever/{ev.lever}.yaml; "
+                        f"opt out with `{env_name}=0`.")
+    else:
+        default_line = (f"`{ev.lever}` stays {fmt_lever_value(ev.baseline.value)} "
+                        f"(conf/lever/{ev.lever}.yaml unchanged); try the candidate with "
+                        f"`{env_name}={ev.candidates[0].name if ev.candidates else '?'}`.")
+
+    arms_env = {arm: " ".join(f"{k}={v}" for k, v in sorted(env.items())) for arm, env in fp.arms_env.items()}
+    title = f"row/{ev.lever}: {what_changed(ev)} — {d.headline if d else 'in progress'}"
+    return {
+        "ev": ev, "d": d, "fp": fp, "row_id": f"row/{ev.lever}", "campaign_id": ev.campaign_id,
+        "headline": verdict_headline(ev), "title": title, "date": ev.date,
+        "branch": fp.branch, "base_sha": fp.git_short_sha + ("-dirty" if fp.dirty else ""),
+        "device": fp.device_name, "lever": ev.lever, "env": env_name,
+        "summary": lever.summary if lever else "",
+        "baseline": ev.baseline.name, "baseline_value": fmt_lever_value(ev.baseline.value),
+        "candidates": ", ".join(f"{a.name} ({fmt_lever_value(a.value)})" for a in ev.candidates),
+        "arms_env": arms_env,
+        "hypothesis": (camp.get("hypothesis") or "").strip(), "residual": (camp.get("residual") or "").strip(),
+        "model": f"{model.get('name', '?')} ({model.get('quant', '?')})",
+        "grid": {"name": grid.get("name", "?"), "concurrency": ", ".join(map(str, grid.get("concurrency", []))),
+                 "reps": grid.get("reps", "?"), "prompts": ", ".join(map(str, grid.get("prompts_per_leg", []))),
+                 "input_len": grid.get("input_len", "?"), "output_len": grid.get("output_len", "?")},
+        "versions": f"torch {fp.torch_version}, triton {fp.triton_version or '—'}, "
+                    f"CUDA {fp.cuda_version or '—'}, Python {fp.python_version}",
+        "gates": [_gate_cell(g) for g in sorted(ev.gates, key=lambda g: (g.gate, g.arm))],
+        "mechanism": mechanism, "binding_rows": binding_rows,
+        "glance_axes": [a.label for a in axes_present], "glance": glance,
+        "legs_total": len(ev.legs), "legs_valid": sum(leg.valid for leg in ev.legs), "invalid_legs": invalid_legs,
+        "memory": {arm: f"{gib:.2f} GiB" for arm, gib in sorted(ev.peak_memory_gib.items())},
+        "default_line": default_line, 
+        "byte_exact": {True: "yes (measured)", False: "no (measured)", None: "not measured"}[
+            d.byte_exact if d else None],
+        "min_gain": f"{p.min_gain:.1%}", "near_tie_max_mnats": f"{p.near_tie_max_mnats:g}",
+    }
+
+
+def render_record(ev: Evidence) -> str:
+    return render_template("record.md.j2", **campaign_view(ev))
+
+
+def render_pr(ev: Evidence) -> str:
+    return render_template("pr.md.j2", **campaign_view(ev))
+
+
+def write_campaign(ev: Evidence, campaign_dir: Path | str, plot: bool = True) -> list[Path]:
+    """record.md, pr.md (and grid.png when there are statistics) next to the evidence file."""
+    campaign_dir = Path(campaign_dir)
+    out = [write_atomic(campaign_dir / "record.md", render_record(ev)),
+           write_atomic(campaign_dir / "pr.md", render_pr(ev))]
+    if plot and ev.stats:
+        from campaigns.plots import grid_png
+        out.append(write_atomic(campaign_dir / "grid.png", grid_png(ev)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- indexes
+
+
+def _chronological(evs: list[Evidence]) -> list[Evidence]:
+    return sorted(evs, key=lambda e: (e.created, e.campaign_id))
+
+
+def _link(ev: Evidence, campaign_dirs: dict[str, Path], records_dir: Path, name: str = "record.md") -> str:
+    rel = os.path.relpath(campaign_dirs[ev.campaign_id] / name, records_dir)
+    return Path(rel).as_posix()
+
+
+def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path,
+                  lever_dir: Path | None = None) -> str:
+    from vtengine import levers as lever_registry
+
+    levers = lever_registry.registry(lever_dir) if lever_dir else lever_registry.registry()
+    done = [e for e in _chronological(evs) if e.status == "complete" and e.decision is not None]
+    rows = []
+    for name in sorted(set(levers) | {e.lever for e in done}):
+        lever = levers.get(name)
+        mine = [e for e in done if e.lever == name]
+        last = mine[-1] if mine else None
+        rows.append({
+            "lever": name,
+            "default": fmt_lever_value(lever.default) if lever else "(no lever file)",
+            "env": lever.env if lever else "—",
+            "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
+            "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",
+            "verdict": last.decision.verdict if last else "—",
+            "headline": (f"{last.decision.candidate}: {last.decision.headline}" if last else "—").replace("|", "/"),
+        })
+    refuted = [{
+        "lever": e.lever, "arm": e.decision.candidate or "?", "verdict": e.decision.verdict,
+        "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
+        "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"),
+    } for e in done if e.decision.verdict in REFUTED]
+    return render_template("STATUS.md.j2", rows=rows, refuted=refuted)
+
+
+def _grid_rows(ev: Evidence) -> list[dict[str, Any]]:
+    rows = []
+    for cand in [a.name for a in ev.candidates]:
+        for c in sorted({s.concurrency for s in ev.stats if s.candidate == cand}):
+            at = {s.axis: s for s in ev.stats if s.candidate == cand and s.concurrency == c}
+            tput, tpot = at.get("total_token_throughput"), at.get("tpot")
+            seps = [s.separation for s in at.values()]
+            rows.append({
+                "c": c, "candidate": cand,
+                "tput_on": fmt_value(tput.summary[cand].median, "tok/s") if tput else "—",
+                "tput_off": fmt_value(tput.summary[tput.baseline].median, "tok/s") if tput else "—",
+                "tput_ratio": f"{fmt_ratio(tput.ratio)} {tput.separation}" if tput else "—",
+                "tpot_on": fmt_value(tpot.summary[cand].median, "ms") if tpot else "—",
+                "tpot_off": fmt_value(tpot.summary[tpot.baseline].median, "ms") if tpot else "—",
+                "tpot_ratio": f"{fmt_ratio(tpot.ratio)} {tpot.separation}" if tpot else "—",
+                "axes": f"{seps.count('WIN')} W / {seps.count('NEUTRAL')} N / {seps.count('LOSS')} L",
+            })
+    return rows
+
+
+def render_benchmarks(evs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path) -> str:
+    done = [e for e in _chronological(evs) if e.status == "complete" and e.decision is not None and e.stats]
+    sections = []
+    for lever in sorted({e.lever for e in done}):
+        mine = [e for e in done if e.lever == lever]
+        binding = [e for e in mine if e.decision.binding]
+        ev = (binding or mine)[-1]
+        model = ev.config.get("model", {}) or {}
+        sections.append({
+            "lever": lever, "binding": bool(binding), "campaign_id": ev.campaign_id,
+            "link": _link(ev, campaign_dirs, records_dir), "verdict": ev.decision.verdict,
+            "model": f"{model.get('name', '?')} ({model.get('quant', '?')})",
+            "device": ev.fingerprint.device_name, "date": ev.date, "baseline": ev.baseline.name,
+            "rows": _grid_rows(ev),
+        })
+    return render_template("BENCHMARKS.md.j2", sections=sections)
+
+
+def render_all(out_dir: Path | str, records_dir: Path | str | None = None, lever_dir: Path | None = None,
+               plots: bool = True) -> list[Path]:
+    """Rebuild every campaign's record.md/pr.md/grid.png and records/STATUS.md + BENCHMARKS.md from evidence."""
+    out_dir = Path(out_dir)
+    records_dir = Path(records_dir) if records_dir is not None else out_dir.parent
+    evs, dirs = [], {}
+    for path in find_evidence(out_dir):
+        ev = load_evidence(path)
+        evs.append(ev)
+        dirs[ev.campaign_id] = path.parent
+    written = []
+    for ev in evs:
+        written += write_campaign(ev, dirs[ev.campaign_id], plot=plots)
+    written.append(write_atomic(records_dir / "STATUS.md", render_status(evs, dirs, records_dir, lever_dir)))
+    written.append(write_atomic(records_dir / "BENCHMARKS.md", render_benchmarks(evs, dirs, records_dir)))
+    return written

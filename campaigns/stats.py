@@ -1,0 +1,116 @@
+"""Grid statistics: per axis and concurrency, candidate vs baseline, with complete-separation classification.
+
+An axis reads one per-leg metric (the `vllm bench serve` name campaigns/loadgen.py emits). Per point we keep every
+rep's value per arm, their median/mean/min/max/CV, the median ratio oriented so that > 1 favours the candidate
+(throughput: ON/OFF; latency: OFF/ON), and the separation:
+
+    WIN      the worst candidate rep beats the best baseline rep   (bands do not overlap, candidate ahead)
+    LOSS     the best candidate rep is worse than the worst baseline rep
+    NEUTRAL  otherwise: the bands touch or overlap, which is noise, not a measurement
+
+"Beats" is strict, so a tie between the worst ON rep and the best OFF rep is NEUTRAL.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Iterable
+
+from campaigns.evidence import ArmSummary, AxisStat, LegResult
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    metric: str                 # per-leg metric key (vllm bench serve name)
+    higher_is_better: bool
+    label: str                  # for tables and plots
+    unit: str
+
+
+AXES: tuple[Axis, ...] = (
+    Axis("total_token_throughput", "total_token_throughput", True, "total tok/s", "tok/s"),
+    Axis("tpot", "median_tpot_ms", False, "TPOT", "ms"),
+    Axis("ttft", "median_ttft_ms", False, "TTFT", "ms"),
+    Axis("itl", "median_itl_ms", False, "ITL", "ms"),
+    Axis("e2el", "median_e2el_ms", False, "E2EL", "ms"),
+    Axis("output_throughput", "output_throughput", True, "output tok/s", "tok/s"),
+    Axis("request_throughput", "request_throughput", True, "req/s", "req/s"),
+)
+AXIS_BY_NAME = {a.name: a for a in AXES}
+PRIMARY_AXES = ("total_token_throughput", "tpot")
+
+
+def summarize(values: list[float]) -> ArmSummary:
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return ArmSummary(median=float(statistics.median(values)), mean=float(mean), min=float(min(values)),
+                      max=float(max(values)), cv=float(sd / mean) if mean else 0.0, n=len(values))
+
+
+def oriented_ratio(on: float, off: float, higher_is_better: bool) -> float | None:
+    """> 1 favours the candidate (ON). None when the denominator is 0."""
+    num, den = (on, off) if higher_is_better else (off, on)
+    return num / den if den else None
+
+
+def separation(on: list[float], off: list[float], higher_is_better: bool) -> str:
+    if higher_is_better:
+        if min(on) > max(off):
+            return "WIN"
+        if max(on) < min(off):
+            return "LOSS"
+    else:
+        if max(on) < min(off):
+            return "WIN"
+        if min(on) > max(off):
+            return "LOSS"
+    return "NEUTRAL"
+
+
+def _value(leg: LegResult, metric: str) -> float | None:
+    v = leg.metrics.get(metric)
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        return None
+    return float(v)
+
+
+def compute_stats(legs: Iterable[LegResult], baseline: str, candidates: list[str],
+                  primary_axes: Iterable[str] = PRIMARY_AXES, axes: Iterable[Axis] = AXES) -> list[AxisStat]:
+    """Statistics over the valid legs, one AxisStat per (candidate, axis, concurrency) that has data on both arms.
+
+    Sorted by candidate order, axis order, concurrency: the views rely on that order being stable."""
+    primary = set(primary_axes)
+    valid = sorted((leg for leg in legs if leg.valid), key=lambda leg: (leg.concurrency, leg.rep, leg.order_index))
+    concurrencies = sorted({leg.concurrency for leg in valid})
+    out: list[AxisStat] = []
+    for cand in candidates:
+        for axis in axes:
+            for c in concurrencies:
+                reps: dict[str, list[float]] = {}
+                for arm in (baseline, cand):
+                    reps[arm] = [v for leg in valid if leg.concurrency == c and leg.arm == arm
+                                 if (v := _value(leg, axis.metric)) is not None]
+                if not reps[baseline] or not reps[cand]:
+                    continue
+                summary = {arm: summarize(vals) for arm, vals in reps.items()}
+                out.append(AxisStat(
+                    axis=axis.name, metric=axis.metric, concurrency=c, baseline=baseline, candidate=cand,
+                    higher_is_better=axis.higher_is_better, reps=reps, summary=summary,
+                    ratio=oriented_ratio(summary[cand].median, summary[baseline].median, axis.higher_is_better),
+                    separation=separation(reps[cand], reps[baseline], axis.higher_is_better),
+                    primary=axis.name in primary))
+    return out
+
+
+def rep_ratios(stat: AxisStat) -> list[float]:
+    """Each candidate rep against the baseline median, oriented (> 1 better): the spread a plot shows."""
+    off = stat.summary[stat.baseline].median
+    return [r for v in stat.reps[stat.candidate]
+            if (r := oriented_ratio(v, off, stat.higher_is_better)) is not None]
+
+
+def planned_legs(concurrency: list[int], reps: int, arms: list[str]) -> set[tuple[int, int, str]]:
+    """The (concurrency, rep, arm) keys a complete grid has; a missing one voids the grid."""
+    return {(int(c), r, a) for c in concurrency for r in range(reps) for a in arms}

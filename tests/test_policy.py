@@ -1,0 +1,365 @@
+"""The parity_enabler decision table: every verdict reached from constructed gate and leg data.
+
+``make_evidence`` builds a complete, binding campaign (CUDA, clean tree, 3 reps, every gate passed and
+self-checked, byte-exact) whose grid values the test chooses; each test then breaks one thing. Other test modules
+import it (tests/ is on sys.path under pytest's default import mode).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from campaigns import policy
+from campaigns.config import GATE_NAMES
+from campaigns.evidence import Arm, Evidence, Fingerprint, GateResult, LegResult
+from campaigns.stats import compute_stats, oriented_ratio, separation
+
+# Baseline reps that other axes reuse for both arms (identical values -> NEUTRAL, ratio 1.0).
+SAME = [10.0, 10.5, 11.0]
+
+
+def fingerprint(device_type="cuda", dirty=False, sha="abc1234def5678") -> Fingerprint:
+    return Fingerprint(git_sha=sha, git_short_sha=sha[:7], dirty=dirty, branch="main", device_type=device_type,
+                       device_name="NVIDIA H200" if device_type == "cuda" else "cpu", cuda_version="12.8",
+                       torch_version="2.13.0", triton_version="3.9.0", python_version="3.11.9",
+                       hostname="host-a", arms_env={"off": {"VT_DECODE_GQA_SWAP": "off"},
+                                                    "on": {"VT_DECODE_GQA_SWAP": "on"}},
+                       config_hash="0" * 64)
+
+
+def gates(arms=("off", "on"), byte_exact=True, **override) -> list[GateResult]:
+    """Every gate passed and self-checked on every arm; ``override[(gate, arm)] = dict(field=value)`` edits one."""
+    out = []
+    for name in GATE_NAMES:
+        for arm in arms:
+            g = GateResult(gate=name, arm=arm, passed=True, counts={"checks": 8}, self_check=True, duration_s=1.5)
+            if name in ("op", "battery") and arm != arms[0]:
+                g.byte_exact = byte_exact
+            if name == "near_tie":
+                g.counts = {"divergences": 0, "max_gap_mnats": 0.0}
+            for k, v in override.get(f"{name}@{arm}", {}).items():
+                setattr(g, k, v)
+            out.append(g)
+    return out
+
+
+def legs(values: dict[str, dict[str, list[float]]], concurrency=(1, 2, 4, 8), reps=3,
+         arms=("off", "on")) -> list[LegResult]:
+    """``values[axis_metric][arm]`` = per-rep values (same at every concurrency); unspecified metrics = SAME."""
+    metrics = ("total_token_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms", "median_e2el_ms",
+               "output_throughput", "request_throughput")
+    out, order = [], 0
+    for c in concurrency:
+        for r in range(reps):
+            for arm in (arms if r % 2 == 0 else arms[::-1]):
+                m = {k: float(values.get(k, {}).get(arm, SAME * 2)[r]) for k in metrics}
+                out.append(LegResult(concurrency=c, rep=r, arm=arm, order_index=order, prompts_sha256=f"{c}-{r}",
+                                     num_prompts=6, metrics=m, started="2026-11-30T10:00:00Z",
+                                     ended="2026-11-30T10:00:05Z"))
+                order += 1
+    return out
+
+
+def make_evidence(values=None, *, reps=3, concurrency=(1, 2, 4, 8), device_type="cuda", dirty=False,
+                  gate_results=None, policy_cfg=None, candidates=(True,), binding=True, lever="gqa_swap",
+                  created="2026-11-30T10:00:00Z", campaign_id=None) -> Evidence:
+    arms = [Arm("off", False, "baseline")] + [Arm(str(v).lower() if not isinstance(v, bool) else "on", v,
+                                                  "candidate") for v in candidates]
+    names = tuple(a.name for a in arms)
+    cfg = {"campaign": {"name": lever, "lever": lever, "gates": list(GATE_NAMES),
+                        "policy": {"near_tie_max_mnats": 500.0, "min_gain": 0.01, "min_reps": 3,
+                                   "flip_on_correctness": False, **(policy_cfg or {})},
+                        "hypothesis": "K/V read once per group.", "residual": "split count next."},
+           "grid": {"name": "online" if binding else "rehearsal", "binding": binding,
+                    "concurrency": list(concurrency), "reps": reps, "prompts_per_leg": [6] * len(concurrency),
+                    "input_len": 1024, "output_len": 128},
+           "model": {"name": "qwen3-8b", "quant": "bf16"}}
+    ev = Evidence(campaign_id=campaign_id or f"{created[:10]}-{lever}-abc1234", lever=lever, arms=arms, config=cfg,
+                  fingerprint=fingerprint(device_type, dirty), created=created,
+                  gates=gate_results if gate_results is not None else gates(names),
+                  legs=legs(values or {}, concurrency, reps, names),
+                  arm_fingerprints={a: "fp0" for a in names})
+    return policy.conclude(ev)
+
+
+TPUT_WIN = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [110.0, 111.0, 112.0]}}
+
+
+def verdict(ev: Evidence) -> str:
+    return ev.decision.verdict
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+
+
+def test_ratio_is_oriented_so_above_one_is_better():
+    assert oriented_ratio(110.0, 100.0, higher_is_better=True) == pytest.approx(1.1)
+    assert oriented_ratio(8.0, 10.0, higher_is_better=False) == pytest.approx(1.25)   # latency: OFF/ON
+    assert oriented_ratio(5.0, 0.0, higher_is_better=True) is None
+
+
+@pytest.mark.parametrize("on,off,higher,expected", [
+    ([110, 111, 112], [100, 101, 102], True, "WIN"),
+    ([90, 91, 92], [100, 101, 102], True, "LOSS"),
+    ([102, 103, 104], [100, 101, 102], True, "NEUTRAL"),     # worst ON == best OFF: a tie is not separation
+    ([98, 99, 100], [100, 101, 102], True, "NEUTRAL"),       # best ON == worst OFF
+    ([9.0, 9.1, 9.2], [10.0, 10.1, 10.2], False, "WIN"),     # latency: lower is better
+    ([9.0, 10.1, 9.2], [10.0, 10.1, 10.2], False, "NEUTRAL"),
+    ([11.0], [10.0], False, "LOSS"),                         # a single rep separates trivially
+    ([5, 5, 5], [5, 5, 5], True, "NEUTRAL"),                 # all reps equal
+])
+def test_separation_table(on, off, higher, expected):
+    assert separation(on, off, higher) == expected
+
+
+def test_stats_medians_cv_and_primary_flags():
+    ev = make_evidence(TPUT_WIN)
+    s = next(s for s in ev.stats if s.axis == "total_token_throughput" and s.concurrency == 4)
+    assert s.reps == {"off": [100.0, 101.0, 102.0], "on": [110.0, 111.0, 112.0]}
+    assert s.summary["on"].median == 111.0 and s.summary["off"].mean == 101.0
+    assert s.summary["on"].cv == pytest.approx(1.0 / 111.0)
+    assert s.ratio == pytest.approx(111.0 / 101.0) and s.separation == "WIN" and s.primary
+    assert {st.axis for st in ev.stats if st.primary} == {"total_token_throughput", "tpot"}
+    assert len(ev.stats) == 7 * 4
+
+
+def test_invalid_legs_are_left_out_of_statistics():
+    lg = legs(TPUT_WIN)
+    lg[0].valid = False
+    lg[0].metrics["total_token_throughput"] = 1e9       # would dominate any statistic it entered
+    stats = compute_stats(lg, "off", ["on"])
+    s = next(s for s in stats if s.axis == "total_token_throughput" and s.concurrency == 1)
+    assert max(s.reps["off"] + s.reps["on"]) == 112.0 and sum(len(v) for v in s.reps.values()) == 5
+
+
+# ----------------------------------------------------------------------------------------------- verdicts
+
+
+def test_flip_byte_exact_win():
+    ev = make_evidence(TPUT_WIN)
+    d = ev.decision
+    assert d.verdict == "FLIP" and d.new_default is True and d.binding and d.byte_exact is True and d.token_safe
+    assert d.rule == policy.rule_text("FLIP", policy.policy_params(ev)) and d.rule.startswith("4. FLIP")
+    assert "total tok/s ×1.099 at c1 (WIN)" == d.headline
+
+
+def test_flip_on_latency_axis_win():
+    ev = make_evidence({"median_tpot_ms": {"off": [10.0, 10.1, 10.2], "on": [9.0, 9.1, 9.2]}})
+    assert verdict(ev) == "FLIP"
+    assert any("TPOT" in r for r in ev.decision.reasons)
+
+
+def test_keep_when_reps_overlap():
+    ev = make_evidence({"total_token_throughput": {"off": [101.0, 102.0, 104.0], "on": [100.0, 103.0, 106.0]}})
+    assert verdict(ev) == "KEEP" and ev.decision.rule.startswith("6. KEEP")
+    assert any("no WIN on a primary axis" in r for r in ev.decision.reasons)
+
+
+def test_tie_between_worst_on_and_best_off_is_not_a_win():
+    ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [102.0, 103.0, 104.0]}})
+    assert verdict(ev) == "KEEP"
+    assert all(s.separation == "NEUTRAL" for s in ev.stats)
+
+
+def test_all_reps_equal_is_neutral_keep():
+    ev = make_evidence({})
+    assert verdict(ev) == "KEEP"
+    assert all(s.ratio == 1.0 and s.separation == "NEUTRAL" for s in ev.stats)
+
+
+def test_single_rep_wins_in_statistics_but_does_not_bind():
+    ev = make_evidence({"total_token_throughput": {"off": [100.0], "on": [110.0]}}, reps=1)
+    assert any(s.separation == "WIN" for s in ev.stats)
+    assert verdict(ev) == "NON-BINDING" and not ev.decision.binding
+    assert any("1 reps per point, fewer than 3" in r for r in ev.decision.reasons)
+
+
+def test_loss_on_a_non_primary_axis_blocks_the_flip():
+    ev = make_evidence({**TPUT_WIN, "median_ttft_ms": {"off": [10.0, 10.1, 10.2], "on": [12.0, 12.1, 12.2]}})
+    assert verdict(ev) == "KEEP"
+    assert any(r.startswith("LOSS on TTFT") for r in ev.decision.reasons)
+
+
+def test_reject_performance_on_primary_loss_without_win():
+    ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}})
+    d = ev.decision
+    assert d.verdict == "REJECT-PERFORMANCE" and d.rule.startswith("5. REJECT (performance)") and d.new_default is None
+    assert d.headline == "total tok/s ×0.901 at c1 (LOSS)"
+
+
+def test_primary_loss_with_a_win_elsewhere_is_keep_not_refuted():
+    ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]},
+                        "median_ttft_ms": {"off": [10.0, 10.1, 10.2], "on": [8.0, 8.1, 8.2]}})
+    assert verdict(ev) == "KEEP"
+
+
+@pytest.mark.parametrize("on_value,expected", [(1009.9, "KEEP"), (1010.1, "FLIP")])
+def test_min_gain_for_a_non_byte_exact_lever(on_value, expected):
+    # Not byte-exact, divergences ratified by near_tie: the WIN must clear 1 + min_gain (1%).
+    g = gates(byte_exact=False, **{"battery@on": {"passed": False, "counts": {"strict": 14, "divergent": 2}},
+                                    "near_tie@on": {"counts": {"divergences": 2, "max_gap_mnats": 120.0}}})
+    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [on_value] * 3}}, gate_results=g)
+    assert all(s.separation == "WIN" for s in ev.stats if s.axis == "total_token_throughput")
+    assert verdict(ev) == expected
+    assert ev.decision.byte_exact is False and ev.decision.token_safe
+    if expected == "KEEP":
+        assert any("below the minimum gain 1.0%" in r for r in ev.decision.reasons)
+
+
+def test_byte_exact_lever_needs_no_minimum_gain():
+    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [1001.0] * 3}})
+    assert verdict(ev) == "FLIP"
+
+
+def test_min_gain_is_a_policy_parameter():
+    g = gates(byte_exact=False)
+    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [1030.0] * 3}}, gate_results=g,
+                       policy_cfg={"min_gain": 0.05})
+    assert verdict(ev) == "KEEP"
+
+
+def test_not_token_safe_without_ratification_keeps():
+    g = gates(byte_exact=False, **{"near_tie@on": {"skipped": True, "passed": False, "reason": "no oracle"}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert verdict(ev) == "KEEP" and not ev.decision.token_safe
+    assert any(r.startswith("not token-safe") for r in ev.decision.reasons)
+
+
+def test_unmeasured_byte_exactness_is_not_token_safe():
+    g = gates(byte_exact=None, **{"near_tie@on": {"skipped": True, "passed": False}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert ev.decision.byte_exact is None and verdict(ev) == "KEEP"
+
+
+# --- rule 1: INVALID
+
+
+def test_invalid_when_a_self_check_passes():
+    g = gates(**{"op@on": {"self_check": False}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert verdict(ev) == "INVALID" and ev.decision.rule.startswith("1. INVALID")
+    assert any("self-check of gate op passed" in r for r in ev.decision.reasons)
+
+
+def test_invalid_when_a_gate_never_self_checked():
+    g = gates(**{"battery@off": {"self_check": None}, "battery@on": {"self_check": None}})
+    assert verdict(make_evidence(TPUT_WIN, gate_results=g)) == "INVALID"
+
+
+def test_invalid_when_the_lever_is_inert():
+    g = gates(**{"mechanism@on": {"passed": False, "reason": "gqa_swap route launches 0"}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert verdict(ev) == "INVALID" and any("inert" in r and "launches 0" in r for r in ev.decision.reasons)
+
+
+def test_invalid_when_the_baseline_fails_a_gate():
+    g = gates(**{"battery@off": {"passed": False}})
+    assert verdict(make_evidence(TPUT_WIN, gate_results=g)) == "INVALID"
+
+
+def test_invalid_comes_before_everything_even_on_cpu():
+    g = gates(**{"op@on": {"self_check": False, "passed": False}})
+    assert verdict(make_evidence(TPUT_WIN, gate_results=g, device_type="cpu")) == "INVALID"
+
+
+# --- rule 2: REJECT (correctness)
+
+
+def test_reject_when_the_candidate_fails_a_correctness_gate():
+    g = gates(**{"graph_parity@on": {"passed": False, "reason": "token 17 differs"}})
+    ev = make_evidence(TPUT_WIN, gate_results=g, device_type="cpu")   # rule 2 fires before NON-BINDING
+    assert verdict(ev) == "REJECT-CORRECTNESS" and ev.decision.rule.startswith("2. REJECT (correctness)")
+    assert any("graph_parity fails on arm on: token 17 differs" in r for r in ev.decision.reasons)
+
+
+def test_battery_divergence_without_ratification_is_rejected():
+    g = gates(byte_exact=False, **{"battery@on": {"passed": False}, "near_tie@on": {"passed": False}})
+    assert verdict(make_evidence(TPUT_WIN, gate_results=g)) == "REJECT-CORRECTNESS"
+
+
+def test_near_tie_gap_above_the_policy_threshold_is_rejected():
+    g = gates(byte_exact=False, **{"battery@on": {"passed": False},
+                                    "near_tie@on": {"counts": {"divergences": 1, "max_gap_mnats": 700.0}}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert verdict(ev) == "REJECT-CORRECTNESS"
+    assert any("700.0 mnats exceeds the policy's 500 mnats" in r for r in ev.decision.reasons)
+
+
+def test_ratified_battery_divergence_can_flip():
+    g = gates(byte_exact=False, **{"battery@on": {"passed": False},
+                                    "near_tie@on": {"counts": {"divergences": 1, "max_gap_mnats": 0.0}}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert verdict(ev) == "FLIP" and any("ratified by near_tie" in r for r in ev.decision.reasons)
+
+
+# --- rule 3: NON-BINDING
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"device_type": "cpu"}, "is not CUDA"),
+    ({"dirty": True}, "dirty"),
+    ({"binding": False}, "rehearsal grid"),
+    ({"reps": 2}, "2 reps per point, fewer than 3"),
+])
+def test_non_binding_conditions(kwargs, reason):
+    ev = make_evidence(TPUT_WIN, **kwargs)
+    assert verdict(ev) == "NON-BINDING" and ev.decision.rule.startswith("3. NON-BINDING")
+    assert any(reason in r for r in ev.decision.reasons), ev.decision.reasons
+
+
+def test_an_invalid_leg_voids_the_grid():
+    ev = make_evidence(TPUT_WIN)
+    ev.legs[5].valid, ev.legs[5].reasons = False, ["request 3 returned 127 tokens, expected 128"]
+    policy.conclude(ev)
+    assert verdict(ev) == "NON-BINDING" and any("127 tokens" in r for r in ev.decision.reasons)
+
+
+def test_a_missing_leg_voids_the_grid():
+    ev = make_evidence(TPUT_WIN)
+    del ev.legs[-1]
+    policy.conclude(ev)
+    assert verdict(ev) == "NON-BINDING" and any("1 planned leg(s) missing" in r for r in ev.decision.reasons)
+
+
+def test_arms_on_different_fingerprints_do_not_bind():
+    ev = make_evidence(TPUT_WIN)
+    ev.arm_fingerprints["on"] = "fp1"
+    policy.conclude(ev)
+    assert verdict(ev) == "NON-BINDING"
+
+
+def test_skipped_mechanism_gate_is_no_proof():
+    g = gates(**{"mechanism@on": {"skipped": True, "passed": False, "reason": "torch backend has no routes"}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert verdict(ev) == "NON-BINDING" and any("no mechanism proof" in r for r in ev.decision.reasons)
+
+
+# --- correctness fixes and several candidates
+
+
+def test_flip_on_correctness_alone():
+    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "reason": "prompt 3 diverges"}})
+    ev = make_evidence({}, gate_results=g, policy_cfg={"flip_on_correctness": True})
+    d = ev.decision
+    assert d.verdict == "FLIP" and d.rule.startswith("4. FLIP (correctness fix)") and d.new_default is True
+    assert any("the bug this correctness fix addresses" in r for r in d.reasons)
+    # Without the campaign's say-so the same evidence is INVALID (the baseline fails a gate).
+    ev2 = make_evidence({}, gate_results=g)
+    assert verdict(ev2) == "INVALID"
+
+
+def test_several_candidates_report_the_flipping_one():
+    values = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "auto": [100.5, 101.0, 101.5],
+                                         "8": [110.0, 111.0, 112.0]}}
+    g = gates(arms=("off", "auto", "8"))
+    ev = make_evidence(values, gate_results=g, candidates=("auto", 8), lever="nsplits_cap")
+    d = ev.decision
+    assert d.verdict == "FLIP" and d.candidate == "8" and d.new_default == 8
+    assert d.per_candidate == {"auto": "KEEP", "8": "FLIP"}
+
+
+def test_headline_is_finite_and_rule_is_quoted_for_every_verdict():
+    for ev in (make_evidence(TPUT_WIN), make_evidence({}), make_evidence(TPUT_WIN, device_type="cpu")):
+        assert ev.decision.rule in {policy.rule_text(k, policy.policy_params(ev)) for k in policy.RULES}
+        assert "×" in ev.decision.headline and not math.isnan(float(ev.decision.headline.split("×")[1][:5]))
