@@ -80,9 +80,12 @@ class LLMEngine:
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
         elif device.type == "cuda":
+            # gpu_memory_utilization is this instance's share of the whole GPU (as in vLLM), so two servers of
+            # 0.45 each can sit side by side; the share is also bounded by what is actually free
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info(device)
-            budget = total * config.gpu_memory_utilization - (total - free) - GPU_ACTIVATION_RESERVE
+            own = torch.cuda.memory_reserved(device)
+            budget = min(total * config.gpu_memory_utilization - own, free) - GPU_ACTIVATION_RESERVE
             num_blocks = int(budget // block_bytes)
         else:
             num_blocks = int(CPU_KV_CACHE_BYTES // block_bytes)
@@ -188,6 +191,27 @@ class LLMEngine:
                 outputs=[CompletionOutput(0, seq.completion_token_ids, finish_reason=reason)],
                 finished=reason is not None, new_token_ids=[tok]))
         return outputs
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+        """Teacher forcing: log-probabilities [len(completion_ids), vocab] of each completion position given the
+        prompt and the completion tokens before it (vLLM's prompt_logprobs, over the completion). Runs one prefill
+        through the paged cache; needs no other request in flight."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("score() needs an idle engine (requests are in flight)")
+        ids = list(prompt_ids) + list(completion_ids)
+        seq = Sequence("score", ids, SamplingParams(max_tokens=1), self.config.block_size)
+        if len(ids) > self.max_seq_tokens or not self.block_manager.can_allocate(seq):
+            raise RequestError(f"cannot score {len(ids)} tokens (maximum {self.max_seq_tokens})")
+        self.block_manager.allocate(seq)
+        try:
+            input_ids, positions, ctx = self.runner.prepare_prefill([seq])
+            start = len(prompt_ids) - 1
+            ctx.last_token_idx = torch.arange(start, len(ids) - 1, device=self.device)
+            hidden = self.model.forward(input_ids, positions, ctx, self.runner.kv_caches)
+            return torch.log_softmax(self.model.logits(hidden).double(), dim=-1)
+        finally:
+            self.block_manager.free(seq)
 
     def stats(self) -> dict:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0

@@ -1,0 +1,123 @@
+"""The correctness gates. Each gate module has ``run(ctx, arm, fault=False) -> GateResult``.
+
+A gate is run twice per arm: for real, and with its deliberate fault (``fault=True``: a wrong stride, a flipped
+token, an inert lever, a planted out-of-bounds write). The faulted run must fail; ``GateResult.self_check`` records
+whether it did (False = the gate cannot fail = the campaign is INVALID).
+
+In-process gates share one engine per arm and one oracle engine (the torch reference path), built lazily and
+freed before the grid's servers start, so two 8B models never sit on the GPU next to two servers.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+from campaigns.evidence import Arm, GateResult
+from vtengine.levers import CONF_DIR
+
+BATTERY_FILE = CONF_DIR / "battery" / "default.yaml"
+GATE_KV_BLOCKS = 1024                 # in-process gate engines: a small KV pool (16k tokens) is plenty
+
+
+@dataclass
+class GateContext:
+    lever: str
+    arms: list[Arm]
+    model: str
+    quant: str
+    device: str                        # "cuda" | "cpu"
+    gate_cfg: Any                      # the composed `gate` config group
+    near_tie_max_mnats: float = 500.0
+    work_dir: Path = Path(".")
+    server_urls: dict[str, str] = field(default_factory=dict)       # arm -> base URL (async_parity)
+    server_model: str = ""
+    inert_arm: str | None = None       # fault injection for tests: this arm runs with the lever forced to baseline
+    _engines: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def baseline(self) -> Arm:
+        return next(a for a in self.arms if a.role == "baseline")
+
+    @property
+    def backend(self) -> str:
+        # the levers route Triton kernels; on CPU those run in Triton's interpreter
+        return "triton"
+
+    def lever_values(self, arm: Arm, inert: bool = False) -> dict[str, Any]:
+        value = self.baseline.value if (inert or arm.name == self.inert_arm) else arm.value
+        return {self.lever: value}
+
+    def engine(self, arm: Arm, inert: bool = False):
+        """The arm's in-process LLM (Triton backend), built once."""
+        key = f"{arm.name}{'#inert' if inert else ''}"
+        if key not in self._engines:
+            from vtengine.engine.llm import LLM
+            self._engines[key] = LLM(model=self.model, quant=self.quant, backend=self.backend,
+                                     levers=self.lever_values(arm, inert), num_kv_blocks=GATE_KV_BLOCKS,
+                                     max_num_seqs=32)
+        return self._engines[key]
+
+    def oracle(self):
+        """The torch reference path on the same weights: the goldens' source."""
+        if "oracle" not in self._engines:
+            from vtengine.engine.llm import LLM
+            self._engines["oracle"] = LLM(model=self.model, quant=self.quant, backend="torch",
+                                          levers={self.lever: self.baseline.value}, num_kv_blocks=GATE_KV_BLOCKS,
+                                          max_num_seqs=32, cuda_graphs=False)
+        return self._engines["oracle"]
+
+    def release_engines(self) -> None:
+        self._engines.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def battery_prompts(self) -> list[str]:
+        prompts = yaml.safe_load(BATTERY_FILE.read_text())["prompts"]
+        return prompts[: int(self.gate_cfg.battery.prompts)]
+
+
+def result(gate: str, arm: Arm, passed: bool, t0: float, **kw) -> GateResult:
+    return GateResult(gate=gate, arm=arm.name, passed=bool(passed), duration_s=round(time.perf_counter() - t0, 3),
+                      **kw)
+
+
+def skipped(gate: str, arm: Arm, reason: str) -> GateResult:
+    return GateResult(gate=gate, arm=arm.name, passed=True, skipped=True, reason=reason)
+
+
+def gate_functions() -> dict[str, Callable[..., GateResult]]:
+    from campaigns.gates import battery, mechanism, memcheck, op, parity
+    return {
+        "op": op.run,
+        "battery": battery.run_battery,
+        "near_tie": battery.run_near_tie,
+        "graph_parity": parity.run_graph_parity,
+        "async_parity": parity.run_async_parity,
+        "mechanism": mechanism.run,
+        "memcheck": memcheck.run,
+    }
+
+
+IN_PROCESS_GATES = ("op", "battery", "near_tie", "graph_parity", "mechanism", "memcheck")
+SERVER_GATES = ("async_parity",)
+
+
+def run_gate(name: str, ctx: GateContext, arm: Arm, self_check: bool = True) -> GateResult:
+    """Run one gate on one arm, then its deliberate fault; the fault's outcome becomes ``self_check``."""
+    fn = gate_functions()[name]
+    res = fn(ctx, arm, fault=False)
+    if res.skipped or not self_check:
+        return res
+    faulted = fn(ctx, arm, fault=True)
+    res.self_check = not faulted.passed
+    res.details["self_check_fault"] = faulted.details.get("fault", "")
+    res.details["self_check_counts"] = faulted.counts
+    return res

@@ -1,0 +1,102 @@
+"""battery: fixed prompts, greedy, through the full paged engine, token-exact against the oracle's goldens.
+near_tie: every divergence teacher-forced under the oracle; gap = max(0, logp(oracle argmax) - logp(our token)).
+
+Counts (battery): ``strict`` prompts equal to the golden, ``near_tie`` prompts that diverge but whose every gap is
+within the threshold, ``divergent`` the rest (must be 0 for a token-safe arm). The battery passes only when every
+prompt is strict; a non-strict battery is excused by the policy when near_tie ratifies it. Faults: battery flips one
+token of our output; near_tie replaces one of our tokens with the oracle's least likely token.
+"""
+from __future__ import annotations
+
+import time
+
+from campaigns.gates import GateContext, result
+from campaigns.evidence import Arm, GateResult
+from vtengine.engine.sampling_params import SamplingParams
+
+
+def _greedy(ctx: GateContext) -> SamplingParams:
+    return SamplingParams(max_tokens=int(ctx.gate_cfg.battery.max_tokens), temperature=0.0, ignore_eos=True)
+
+
+def goldens(ctx: GateContext) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, golden completion ids) per battery prompt, from the oracle; computed once per campaign."""
+    if "goldens" not in ctx.cache:
+        outs = ctx.oracle().generate(ctx.battery_prompts(), _greedy(ctx))
+        ctx.cache["goldens"] = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+    return ctx.cache["goldens"]
+
+
+def ours(ctx: GateContext, arm: Arm) -> list[list[int]]:
+    key = f"battery:{arm.name}"
+    if key not in ctx.cache:
+        outs = ctx.engine(arm).generate(ctx.battery_prompts(), _greedy(ctx))
+        ctx.cache[key] = [o.outputs[0].token_ids for o in outs]
+    return [list(t) for t in ctx.cache[key]]
+
+
+def gaps_mnats(ctx: GateContext, prompt_ids: list[int], tokens: list[int]) -> list[float]:
+    """Per position of our sequence: max(0, logp(oracle argmax) - logp(our token)) under the oracle, millinats."""
+    lp = ctx.oracle().engine.score(prompt_ids, tokens)
+    ours_lp = lp[range(len(tokens)), tokens]
+    return [max(0.0, float(g)) * 1000.0 for g in (lp.max(dim=-1).values - ours_lp)]
+
+
+def _classify(ctx: GateContext, arm: Arm, fault: bool):
+    gold = goldens(ctx)
+    mine = ours(ctx, arm)
+    fault_note = ""
+    if fault:
+        pid, golden = gold[0]
+        # deliberate fault: the oracle's least likely token at position 0 of prompt 0
+        worst = int(ctx.oracle().engine.score(pid, golden[:1])[0].argmin())
+        mine[0][0] = worst
+        fault_note = f"prompt 0 position 0 replaced by the oracle's least likely token {worst}"
+    rows = []
+    for i, ((pid, golden), toks) in enumerate(zip(gold, mine)):
+        if toks == golden:
+            rows.append({"prompt": i, "status": "strict"})
+            continue
+        first = next(j for j, (a, b) in enumerate(zip(toks, golden)) if a != b) if len(toks) == len(golden) else 0
+        gaps = gaps_mnats(ctx, pid, toks)
+        worst_gap = max(gaps)
+        rows.append({"prompt": i, "status": "near_tie" if worst_gap <= ctx.near_tie_max_mnats else "divergent",
+                     "first_divergence": first, "max_gap_mnats": round(worst_gap, 3),
+                     "gap_at_divergence_mnats": round(gaps[first], 3)})
+    return rows, fault_note
+
+
+def run_battery(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
+    t0 = time.perf_counter()
+    gold = goldens(ctx)
+    mine = ours(ctx, arm)
+    note = ""
+    if fault:
+        mine[0][0] = (mine[0][0] + 1) % ctx.oracle().engine.model_config.vocab_size
+        note = "flipped token 0 of prompt 0"
+    strict = sum(a == b for a, b in zip(mine, (g for _, g in gold)))
+    counts = {"prompts": len(gold), "strict": strict}
+    details = {"fault": note}
+    byte_exact = None
+    if not fault:
+        rows, _ = _classify(ctx, arm, False)
+        counts["near_tie"] = sum(r["status"] == "near_tie" for r in rows)
+        counts["divergent"] = sum(r["status"] == "divergent" for r in rows)
+        details["divergences"] = [r for r in rows if r["status"] != "strict"]
+        if arm.role == "candidate":
+            base = ours(ctx, ctx.baseline)
+            byte_exact = base == mine
+            details["tokens_equal_to_baseline_arm"] = byte_exact
+    return result("battery", arm, strict == len(gold), t0, counts=counts, details=details, byte_exact=byte_exact)
+
+
+def run_near_tie(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
+    t0 = time.perf_counter()
+    rows, note = _classify(ctx, arm, fault)
+    div = [r for r in rows if r["status"] != "strict"]
+    max_gap = max((r["max_gap_mnats"] for r in div), default=0.0)
+    counts = {"divergences": len(div), "ratified": sum(r["status"] == "near_tie" for r in div),
+              "max_gap_mnats": max_gap}
+    passed = all(r["status"] == "near_tie" for r in div)
+    return result("near_tie", arm, passed, t0, counts=counts,
+                  details={"fault": note, "threshold_mnats": ctx.near_tie_max_mnats, "divergences": div})

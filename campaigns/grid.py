@@ -1,0 +1,203 @@
+"""The binding grid: one `vtengine serve` per arm, closed-loop legs through the load generator, arms interleaved.
+
+Protocol (DESIGN.md §5, the `vllm bench serve` protocol): for rep r and concurrency c, both arms serve the same
+prompt partition (random token ids of exact length, its sha256 recorded); partitions are disjoint across (c, r);
+arm order alternates per rep (A B, B A, ...) to cancel drift; warm-up requests precede each leg; a leg is valid only
+when every request completed with exactly output_len tokens and output_len - 1 ITLs. GPU clocks and temperature are
+sampled during each leg (pynvml). Evidence is written by the caller after every leg, so a killed campaign resumes.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import httpx
+
+from campaigns import loadgen
+from campaigns.evidence import Arm, LegResult, utc_now
+
+SERVER_START_TIMEOUT_S = 900
+
+
+class GridError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerHandle:
+    arm: str
+    url: str
+    proc: subprocess.Popen
+    model_name: str
+    log_path: str
+
+
+def server_command(model: str, quant: str, lever: str, value, *, backend: str | None, gpu_util: float | None,
+                   max_num_seqs: int) -> list[str]:
+    value_text = "off" if value is False else ("on" if value is True else str(value))
+    cmd = [sys.executable, "-m", "vtengine.cli", "serve", "--model", model, "--quant", quant, "--port", "0",
+           "--lever", f"{lever}={value_text}", "--max-num-seqs", str(max_num_seqs)]
+    if backend:
+        cmd += ["--backend", backend]
+    if gpu_util:
+        cmd += ["--gpu-memory-utilization", str(gpu_util)]
+    return cmd
+
+
+def start_server(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str]) -> ServerHandle:
+    """Start a server and wait for its ready line; its output goes to log_path."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    url = None
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        log.write(line)
+        log.flush()
+        if "ready at " in line:
+            url = line.split("ready at ", 1)[1].split()[0]
+            break
+    if url is None:
+        proc.kill()
+        log.close()
+        tail = open(log_path).read()[-2000:]
+        raise GridError(f"the {arm.name!r} server did not start (exit {proc.poll()}); log {log_path}:\n{tail}")
+    # keep draining its output into the log so the pipe never fills
+    threading.Thread(target=_drain, args=(proc, log), daemon=True).start()
+    info = loadgen.get_model_info(url)
+    return ServerHandle(arm.name, url, proc, info.get("id") or info.get("model") or "", log_path)
+
+
+def _drain(proc: subprocess.Popen, log) -> None:
+    for line in proc.stdout:
+        log.write(line)
+        log.flush()
+    log.close()
+
+
+def stop_server(h: ServerHandle) -> None:
+    if h.proc.poll() is None:
+        h.proc.terminate()
+        try:
+            h.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            h.proc.kill()
+            h.proc.wait(timeout=30)
+
+
+@contextmanager
+def servers(arms: list[Arm], make_cmd: Callable[[Arm], list[str]], log_dir: str, env: dict[str, str],
+            on_start: Callable[[str], None] | None = None) -> Iterator[dict[str, ServerHandle]]:
+    """Every arm's server, started once and always stopped (also on Ctrl-C or a failed leg)."""
+    handles: dict[str, ServerHandle] = {}
+    try:
+        for arm in arms:
+            if on_start:
+                on_start(arm.name)
+            handles[arm.name] = start_server(arm, make_cmd(arm), os.path.join(log_dir, f"server-{arm.name}.log"),
+                                             env)
+        yield handles
+    finally:
+        for h in handles.values():
+            stop_server(h)
+
+
+def peak_memory_gib(url: str) -> float:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return 0.0
+    vals = loadgen.parse_prometheus(text)
+    peak = next((v for k, v in vals.items() if "peak_gpu_memory_bytes" in k), 0.0)
+    return round(peak / 2**30, 3)
+
+
+class GpuSampler:
+    """Samples SM clock, memory clock, temperature and power every ``period_s`` while a leg runs (pynvml)."""
+
+    def __init__(self, period_s: float = 0.5):
+        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        self._nvml = None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:       # no NVIDIA driver (CPU host): nothing to sample
+            self._nvml = None
+
+    def _loop(self):
+        nv, t0 = self._nvml, time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.samples.append({
+                    "t_s": round(time.monotonic() - t0, 3),
+                    "sm_clock_mhz": float(nv.nvmlDeviceGetClockInfo(self._handle, nv.NVML_CLOCK_SM)),
+                    "mem_clock_mhz": float(nv.nvmlDeviceGetClockInfo(self._handle, nv.NVML_CLOCK_MEM)),
+                    "temp_c": float(nv.nvmlDeviceGetTemperature(self._handle, nv.NVML_TEMPERATURE_GPU)),
+                    "power_w": nv.nvmlDeviceGetPowerUsage(self._handle) / 1000.0,
+                })
+            except Exception:
+                break
+            self._stop.wait(self.period_s)
+
+    def __enter__(self):
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._nvml is not None:
+            self._thread.join(timeout=5)
+
+
+def leg_plan(arms: list[Arm], concurrency: list[int], reps: int, alternate: bool) -> list[tuple[int, int, Arm]]:
+    """(concurrency, rep, arm) in run order: every concurrency per rep, the arms' order flipped on odd reps."""
+    plan = []
+    for rep in range(reps):
+        order = list(arms) if (not alternate or rep % 2 == 0) else list(reversed(arms))
+        for c in concurrency:
+            plan += [(c, rep, arm) for arm in order]
+    return plan
+
+
+def prompt_partitions(grid, vocab_range: tuple[int, int]) -> tuple[dict[tuple[int, int], list[list[int]]],
+                                                                     list[list[int]]]:
+    """Disjoint prompt sets per (concurrency, rep) sliced from one seeded pool, plus the warm-up prompts."""
+    sizes = [(c, r, int(n)) for r in range(int(grid.reps)) for c, n in zip(grid.concurrency, grid.prompts_per_leg)]
+    warm = int(grid.warmup_requests)
+    total = sum(n for _, _, n in sizes) + warm
+    pool = loadgen.make_prompts(total, int(grid.input_len), int(grid.seed), vocab_range)
+    parts, at = {}, warm
+    for c, r, n in sizes:
+        parts[(c, r)] = pool[at:at + n]
+        at += n
+    return parts, pool[:warm]
+
+
+def run_leg(h: ServerHandle, arm: Arm, c: int, rep: int, order_index: int, prompts: list[list[int]],
+            warmup: list[list[int]], output_len: int) -> LegResult:
+    started = utc_now()
+    with GpuSampler() as sampler:
+        m = loadgen.run_leg(h.url, h.model_name, prompts, output_len, c, warmup_prompts=warmup or None)
+    metrics = {k: float(v) for k, v in m.to_dict().items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for k, v in m.server.items():
+        metrics[f"server_{k}"] = float(v)
+    return LegResult(concurrency=c, rep=rep, arm=arm.name, order_index=order_index,
+                     prompts_sha256=loadgen.prompts_sha256(prompts), num_prompts=len(prompts), metrics=metrics,
+                     valid=bool(m.valid), reasons=list(m.failures)[:20], gpu_samples=sampler.samples[-240:],
+                     started=started, ended=utc_now())

@@ -1,0 +1,254 @@
+"""One campaign, end to end: preflight -> gates per arm -> servers -> async gate -> grid legs -> statistics ->
+decision -> evidence -> records, MLflow, PR text, optional flip commit.
+
+Evidence is written after every gate and every leg (atomically), so Ctrl-C or a crash keeps everything finished;
+``resume=<campaign id>`` reloads it and runs only what is missing. Everything after the evidence file is a pure
+function of it (``vtcampaign render`` rebuilds the records from evidence alone).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from campaigns import fingerprint as fp
+from campaigns import grid as gridmod
+from campaigns import policy, records
+from campaigns.evidence import (Evidence, load_evidence, new_campaign_id, new_evidence, save_evidence,
+                                utc_now)
+from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate
+from vtengine import levers
+
+console = Console(stderr=True)
+
+
+class CampaignError(RuntimeError):
+    """A campaign could not run (a server failed to start, a resume id is unknown...): one clear message."""
+
+
+def config_hash(cfg: DictConfig) -> str:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data.pop("resume", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)
+
+
+def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
+    lever = levers.get(cfg.campaign.lever)
+    arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates))
+    ignore = (str(out_dir.relative_to(repo)) if out_dir.is_relative_to(repo) else "",
+              "records", "mlflow.db", "mlruns", "mlartifacts")
+    fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=tuple(i for i in ignore if i))
+    cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha)
+    return new_evidence(OmegaConf.to_container(cfg, resolve=True), fpr, arms, cid)
+
+
+def _save(ev: Evidence, cdir: Path) -> None:
+    save_evidence(ev, cdir)
+
+
+def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any] | None = None) -> Evidence:
+    """Run (or resume) the campaign ``cfg`` (a composed AppConfig). ``inject``: deliberate faults for the product's
+    own tests, e.g. {"inert_arm": "on"} runs that arm with the lever forced to the baseline value."""
+    inject = dict(inject or {})
+    repo = Path(repo).resolve()
+    out_dir = (repo / cfg.out_dir).resolve()
+    t_start = time.perf_counter()
+    if cfg.resume:
+        cdir = out_dir / str(cfg.resume)
+        if not (cdir / "evidence.json").exists():
+            known = sorted(p.parent.name for p in out_dir.glob("*/evidence.json"))
+            raise CampaignError(f"resume={cfg.resume!r}: no evidence at {cdir}; campaigns here: {known}")
+        ev = load_evidence(cdir)
+        if ev.lever != cfg.campaign.lever:
+            raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
+        ev.status = "in-progress"
+        console.print(f"[bold]resuming[/] {ev.campaign_id}: {len(ev.gates)} gate results and {len(ev.legs)} legs kept")
+    else:
+        ev = _preflight(cfg, repo, out_dir)
+        cdir = out_dir / ev.campaign_id
+    _save(ev, cdir)
+    console.print(f"[bold]campaign[/] {ev.campaign_id}  lever={ev.lever}  arms="
+                  f"{[f'{a.name}({a.role})' for a in ev.arms]}  model={cfg.model.name}/{cfg.model.quant}  "
+                  f"device={ev.fingerprint.device_name}  evidence={cdir}")
+
+    ctx = GateContext(lever=ev.lever, arms=ev.arms, model=str(cfg.model.name), quant=str(cfg.model.quant),
+                      device=ev.fingerprint.device_type, gate_cfg=cfg.gate,
+                      near_tie_max_mnats=float(cfg.campaign.policy.near_tie_max_mnats), work_dir=cdir,
+                      inert_arm=inject.get("inert_arm"))
+    gates = [g for g in cfg.campaign.gates]
+    unknown = sorted(set(gates) - set(IN_PROCESS_GATES) - set(SERVER_GATES))
+    if unknown:
+        raise CampaignError(f"unknown gate(s) {unknown}; accepted: {list(IN_PROCESS_GATES + SERVER_GATES)}")
+    self_check = bool(cfg.gate.self_check)
+    try:
+        _run_gates(ev, cdir, ctx, [g for g in gates if g in IN_PROCESS_GATES], self_check)
+        if "async_parity" in gates:
+            for arm in ev.arms:        # the sync anchors, before the engines are freed for the servers
+                from campaigns.gates.parity import sync_reference
+                sync_reference(ctx, arm)
+        ctx.release_engines()
+        stop_early = _gates_decide(ev)
+        with gridmod.servers(ev.arms, lambda a: _server_cmd(cfg, ev, a, inject), str(cdir), _server_env(),
+                             on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
+            ctx.server_urls = {n: h.url for n, h in handles.items()}
+            ctx.server_model = next(iter(handles.values())).model_name
+            _run_gates(ev, cdir, ctx, [g for g in gates if g in SERVER_GATES], self_check)
+            stop_early = stop_early or _gates_decide(ev)
+            if stop_early:
+                console.print(f"[yellow]grid skipped:[/] {stop_early}")
+            else:
+                _run_grid(ev, cdir, cfg, handles)
+            for n, h in handles.items():
+                ev.peak_memory_gib[n] = gridmod.peak_memory_gib(h.url)
+    except KeyboardInterrupt:
+        _save(ev, cdir)
+        console.print(f"[red]interrupted[/]: {len(ev.legs)} legs kept; continue with "
+                      f"`vtcampaign run campaign={cfg.campaign.name} resume={ev.campaign_id}`")
+        raise
+    except gridmod.GridError as e:
+        _save(ev, cdir)
+        raise CampaignError(str(e)) from None
+    finally:
+        ctx.release_engines()
+
+    policy.conclude(ev)
+    ev.status = "complete"
+    _save(ev, cdir)
+    records.render_all(out_dir, repo / "records")
+    _track(cfg, ev, cdir)
+    if ev.decision and ev.decision.verdict == "FLIP" and cfg.commit:
+        _flip(ev, cdir, repo)
+    _summary(ev, cdir, time.perf_counter() - t_start)
+    return ev
+
+
+def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], self_check: bool) -> None:
+    todo = [(g, a) for g in names for a in ev.arms if ev.gate(g, a.name) is None]
+    if not todo:
+        return
+    with _progress() as prog:
+        task = prog.add_task("gates", total=len(todo))
+        for gate, arm in todo:
+            prog.update(task, description=f"gate {gate} [{arm.name}]")
+            res = run_gate(gate, ctx, arm, self_check=self_check)
+            ev.gates.append(res)
+            _save(ev, cdir)
+            mark = "skip" if res.skipped else ("pass" if res.passed else "FAIL")
+            sc = "" if res.self_check is None else (" self-check ok" if res.self_check else " SELF-CHECK PASSED (gate broken)")
+            prog.console.print(f"  {gate:<13} {arm.name:<6} {mark}{sc}  {res.counts if not res.skipped else res.reason}")
+            prog.advance(task)
+
+
+def _gates_decide(ev: Evidence) -> str:
+    """Why the grid need not run (a verdict is already fixed by the gates), or '' to run it."""
+    bad_sc = [f"{g.gate}[{g.arm}]" for g in ev.gates if g.self_check is False]
+    if bad_sc:
+        return f"self-check passed for {bad_sc}: the gates cannot fail, the campaign is INVALID"
+    base = ev.baseline.name
+    failed_base = [g.gate for g in ev.gates if g.arm == base and not g.passed and not g.skipped
+                   and not _excused(ev, g)]
+    if failed_base:
+        return f"the baseline arm fails {failed_base}"
+    mech = [g for g in ev.gates if g.gate == "mechanism" and g.arm != base and not g.passed]
+    if mech:
+        return "the mechanism gate shows the lever inert"
+    return ""
+
+
+def _excused(ev: Evidence, g) -> bool:
+    nt = ev.gate("near_tie", g.arm)
+    return g.gate == "battery" and nt is not None and nt.passed
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ)     # each server's lever is set by --lever, which wins over any inherited VT_* value
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
+    value = ev.baseline.value if inject.get("inert_arm") == arm.name else arm.value
+    cuda = ev.fingerprint.device_type == "cuda"
+    util = round(0.9 / len(ev.arms), 3) if cuda else None
+    max_seqs = max(16, max(int(c) for c in cfg.grid.concurrency))
+    return gridmod.server_command(str(cfg.model.name), str(cfg.model.quant), ev.lever, value,
+                                  backend=None, gpu_util=util, max_num_seqs=max_seqs)
+
+
+def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
+    g = cfg.grid
+    info = __import__("campaigns.loadgen", fromlist=["get_model_info"]).get_model_info(
+        next(iter(handles.values())).url)
+    from campaigns.loadgen import safe_vocab_range
+    parts, warm = gridmod.prompt_partitions(g, safe_vocab_range(info))
+    plan = gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order))
+    done = ev.done_legs()
+    with _progress() as prog:
+        task = prog.add_task("grid", total=len(plan), completed=sum((c, r, a.name) in done for c, r, a in plan))
+        for i, (c, rep, arm) in enumerate(plan):
+            if (c, rep, arm.name) in done:
+                continue
+            prog.update(task, description=f"leg c={c} rep={rep} [{arm.name}]")
+            leg = gridmod.run_leg(handles[arm.name], arm, c, rep, i, parts[(c, rep)], warm, int(g.output_len))
+            ev.legs.append(leg)
+            _save(ev, cdir)
+            m = leg.metrics
+            prog.console.print(f"  c={c} rep={rep} {arm.name:<6} {'valid' if leg.valid else 'INVALID'}  "
+                               f"total {m.get('total_token_throughput', 0):.1f} tok/s  "
+                               f"TPOT {m.get('median_tpot_ms', 0):.2f} ms  TTFT {m.get('median_ttft_ms', 0):.1f} ms")
+            prog.advance(task)
+
+
+def _track(cfg: DictConfig, ev: Evidence, cdir: Path) -> None:
+    if not cfg.tracking.enabled:
+        console.print("tracking=off: evidence only (ingest later with `vtcampaign log`)")
+        return
+    try:
+        from campaigns import tracking
+    except ImportError as e:
+        console.print(f"[yellow]MLflow tracking unavailable ({e}); evidence kept at {cdir}[/]")
+        return
+    run_id = tracking.log_campaign(ev, cdir, uri=str(cfg.tracking.uri))
+    console.print(f"MLflow: {cfg.tracking.uri} run {run_id}")
+
+
+def _flip(ev: Evidence, cdir: Path, repo: Path) -> None:
+    from campaigns.gitops import flip_commit
+    files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
+    files += [repo / "records" / "STATUS.md", repo / "records" / "BENCHMARKS.md"]
+    info = flip_commit(repo, ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
+                       lever_dir=levers.LEVER_DIR)
+    ev.flip = info
+    _save(ev, cdir)
+    console.print(f"flip committed on {info['branch']} ({info['commit'][:7]})")
+
+
+def _summary(ev: Evidence, cdir: Path, elapsed_s: float) -> None:
+    t = Table(title=f"{ev.campaign_id}: {ev.decision.verdict}")
+    t.add_column("gate")
+    for a in ev.arms:
+        t.add_column(a.name)
+    for gname in dict.fromkeys(g.gate for g in ev.gates):
+        row = [gname]
+        for a in ev.arms:
+            g = ev.gate(gname, a.name)
+            row.append("-" if g is None else ("skip" if g.skipped else ("pass" if g.passed else "FAIL")))
+        t.add_row(*row)
+    console.print(t)
+    console.print(f"[bold]{ev.decision.verdict}[/] — {ev.decision.rule}")
+    for r in ev.decision.reasons:
+        console.print(f"  - {r}")
+    console.print(f"records: {cdir / 'record.md'}  PR text: {cdir / 'pr.md'}  ({elapsed_s:.0f} s)")
