@@ -151,8 +151,6 @@ class HFTokenizer(_Base):
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "HFTokenizer":
-        from transformers import AutoTokenizer
-
         d = Path(path)
         if not d.is_dir():
             raise ConfigError(f"tokenizer directory {str(d)!r} does not exist")
@@ -166,6 +164,7 @@ class HFTokenizer(_Base):
             if f.is_file():
                 e = json.loads(f.read_text()).get("eos_token_id")
                 extra += [] if e is None else ([e] if isinstance(e, int) else list(e))
+        from transformers import AutoTokenizer
         return cls(AutoTokenizer.from_pretrained(str(d)), extra)
 
     @classmethod
