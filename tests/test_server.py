@@ -258,3 +258,92 @@ def test_cli_args_become_engine_config():
     assert cfg.levers == {"gqa_swap": "true", "nsplits_cap": "auto"}
     with pytest.raises(SystemExit):
         parse_args(["--model", "tiny", "--lever", "gqa_swap"])
+
+
+def _byte_bpe_with_chat_template():
+    """A real transformers tokenizer (byte-level BPE, no merges, ChatML template) that fits the tiny model's
+    512-token vocabulary: the tiny preset's own byte tokenizer has no chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from vtengine.tokenizer import HFTokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
+                                               additional_special_tokens=["<|im_start|>"], chat_template=template))
+
+
+def test_chat_completions_with_template():
+    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4))
+    engine.tokenizer = _byte_bpe_with_chat_template()
+    server = Server.from_engine(engine)
+    uv = start_in_thread(server)
+    try:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo?"}]
+        prompt_ids = engine.tokenizer.apply_chat_template(msgs)
+        body = {"model": "tiny", "messages": msgs, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        full = httpx.post(f"{uv.url}/v1/chat/completions", json=body, timeout=60).json()
+        assert full["object"] == "chat.completion"
+        (choice,) = full["choices"]
+        assert choice["message"]["role"] == "assistant" and len(choice["token_ids"]) == 6
+        assert choice["message"]["content"] == engine.tokenizer.decode(choice["token_ids"])
+        assert full["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 6,
+                                 "total_tokens": len(prompt_ids) + 6}
+        # the same conversation as a token-id completion gives the same tokens
+        comp = httpx.post(f"{uv.url}/v1/completions", json={"prompt": prompt_ids, "max_tokens": 6, "temperature": 0,
+                                                            "ignore_eos": True}, timeout=60).json()
+        assert comp["choices"][0]["token_ids"] == choice["token_ids"]
+        r = httpx.post(f"{uv.url}/v1/chat/completions", json={**body, "stream": True,
+                                                              "stream_options": {"include_usage": True}}, timeout=60)
+        ev = sse_events(r)
+        chunks = ev[:-2]
+        assert ev[-1] == "[DONE]" and ev[-2]["usage"]["completion_tokens"] == 6 and len(chunks) == 6
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+        assert [c["choices"][0]["token_ids"][0] for c in chunks] == choice["token_ids"]
+        assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == choice["message"]["content"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        bad = httpx.post(f"{uv.url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]},
+                         timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    finally:
+        stop_thread(uv)
+        server.engine.shutdown()
+
+
+def test_serve_cli_prints_ready_line_and_serves():
+    """`python -m vtengine.server` as a process: one ready line with the URL, then it answers."""
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "vtengine.server", "--model", "tiny", "--port", "0",
+                             "--max-num-seqs", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 90
+        while "ready at" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, f"server did not get ready: {line!r}"
+            line = proc.stdout.readline()
+        url = re.search(r"ready at (http://\S+)", line).group(1)
+        assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_serve_cli_user_errors_exit_2(capsys):
+    from vtengine.server import main
+    assert main(["--model", "no-such-model", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "Traceback" not in err
+    assert main(["--model", "tiny", "--port", "0", "--lever", "gqa_swap=maybe"]) == 2
+    assert "gqa_swap" in capsys.readouterr().err

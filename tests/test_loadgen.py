@@ -1,0 +1,137 @@
+"""The load generator: prompt partitions, the vLLM metric definitions, validation, and a real c=4 leg against
+``vtengine serve`` (tiny model, loopback) whose client-side figures must agree with the server's own counters."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from campaigns.loadgen import (LegMetrics, RequestResult, compute_metrics, get_model_info, make_prompts,
+                               prompts_sha256, run_leg, safe_vocab_range)
+from vtengine.config import EngineConfig
+from vtengine.engine.llm_engine import LLMEngine
+from vtengine.server import Server, start_in_thread, stop_thread
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_make_prompts_exact_seeded_and_in_range():
+    a = make_prompts(5, 33, seed=7, vocab_range=(10, 20))
+    assert len(a) == 5 and all(len(p) == 33 for p in a)
+    assert all(10 <= t < 20 and isinstance(t, int) for p in a for t in p)
+    assert a == make_prompts(5, 33, seed=7, vocab_range=(10, 20))
+    b = make_prompts(5, 33, seed=8, vocab_range=(10, 20))
+    assert a != b and prompts_sha256(a) != prompts_sha256(b)
+    assert prompts_sha256(a) == prompts_sha256([list(p) for p in a])
+    assert len({t for p in a for t in p}) == 10, "the whole range is drawn from"
+    with pytest.raises(ValueError, match="vocab_range"):
+        make_prompts(1, 4, seed=0, vocab_range=(5, 5))
+
+
+def test_safe_vocab_range():
+    assert safe_vocab_range({"vocab_size": 151936, "tokenizer_vocab_size": 151643}) == (16, 151643)
+    assert safe_vocab_range({"vocab_size": 512}) == (16, 512)
+
+
+def _result(prompt_len, ttft, gaps, tokens=None):
+    tokens = len(gaps) + 1 if tokens is None else tokens
+    return RequestResult(prompt_len=prompt_len, success=True, ttft=ttft, itl=list(gaps),
+                         latency=ttft + sum(gaps), output_tokens=tokens, chunk_tokens=len(gaps) + 1,
+                         num_chunks=len(gaps) + 1)
+
+
+def test_metric_definitions_match_vllm():
+    rng = np.random.default_rng(0)
+    out_len = 6
+    results = [_result(10, float(rng.uniform(0.05, 0.2)), rng.uniform(0.01, 0.03, out_len - 1).tolist())
+               for _ in range(7)]
+    prompts = [[1] * 10] * 7
+    m = compute_metrics(results, 2.5, concurrency=3, output_len=out_len, prompts=prompts)
+    assert m.valid and m.completed == 7 and m.failed == 0
+    assert m.total_input_tokens == 70 and m.total_output_tokens == 42
+    assert m.request_throughput == pytest.approx(7 / 2.5)
+    assert m.output_throughput == pytest.approx(42 / 2.5)
+    assert m.total_token_throughput == pytest.approx(112 / 2.5)
+    ttft = np.array([r.ttft for r in results]) * 1e3
+    tpot = np.array([(r.latency - r.ttft) / (out_len - 1) for r in results]) * 1e3
+    itl = np.concatenate([r.itl for r in results]) * 1e3
+    e2el = np.array([r.latency for r in results]) * 1e3
+    for name, a in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        assert getattr(m, f"mean_{name}_ms") == pytest.approx(a.mean())
+        assert getattr(m, f"median_{name}_ms") == pytest.approx(np.median(a))
+        assert getattr(m, f"std_{name}_ms") == pytest.approx(a.std())
+        assert getattr(m, f"p90_{name}_ms") == pytest.approx(np.percentile(a, 90))
+        assert getattr(m, f"p99_{name}_ms") == pytest.approx(np.percentile(a, 99))
+    assert len(itl) == 7 * (out_len - 1)
+
+
+def test_validation_reports_failures():
+    good = _result(4, 0.1, [0.01] * 3)
+    short_usage = _result(4, 0.1, [0.01] * 3, tokens=3)
+    merged_chunks = _result(4, 0.1, [0.01] * 2, tokens=4)            # 4 tokens in 3 chunks
+    merged_chunks.chunk_tokens = 4
+    http_fail = RequestResult(prompt_len=4, error="HTTP 400: prompt too long")
+    m = compute_metrics([good, short_usage, merged_chunks, http_fail], 1.0, concurrency=2, output_len=4,
+                        prompts=[[1] * 4] * 4)
+    assert not m.valid and m.completed == 1 and m.failed == 3
+    assert len(m.failures) == 3
+    assert "completion_tokens = 3" in m.failures[0]
+    assert "2 inter-token gaps" in m.failures[1]
+    assert "HTTP 400" in m.failures[2]
+    # only the good request counts in the figures
+    assert m.total_output_tokens == 4 and m.total_input_tokens == 4
+    assert isinstance(m, LegMetrics) and m.to_dict()["failed"] == 3
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4))
+    server = Server.from_engine(engine)
+    uv = start_in_thread(server)
+    yield uv.url
+    stop_thread(uv)
+    server.engine.shutdown()
+
+
+def test_leg_c4_agrees_with_server_counters(server_url):
+    info = get_model_info(server_url)
+    lo, hi = safe_vocab_range(info)
+    n, input_len, output_len, c = 8, 24, 8, 4
+    allp = make_prompts(n + c, input_len, seed=3, vocab_range=(lo, hi))
+    warm, prompts = allp[:c], allp[c:]
+    m = run_leg(server_url, info["id"], prompts, output_len, c, warmup_prompts=warm, timeout_s=120)
+    assert m.valid, m.failures
+    assert m.completed == n and m.failed == 0 and m.prompts_sha256 == prompts_sha256(prompts)
+    assert m.total_output_tokens == n * output_len and m.total_input_tokens == n * input_len
+    # the server's own counters over the leg (warm-up excluded) agree with what the client counted
+    s = m.server
+    assert s["tokens_generated"] == n * output_len
+    assert s["prompt_tokens"] == n * input_len
+    assert s["requests_finished"] == n
+    assert s["steps"] >= output_len and s["step_time_s"] > 0
+    # throughputs are the counts over the wall time; every latency is bounded by the leg's duration
+    assert m.total_token_throughput * m.duration_s == pytest.approx(n * (input_len + output_len))
+    assert m.request_throughput * m.duration_s == pytest.approx(n)
+    assert 0 < m.mean_ttft_ms <= m.mean_e2el_ms <= m.duration_s * 1e3
+    assert 0 < m.median_itl_ms <= m.p99_itl_ms and 0 < m.mean_tpot_ms < m.mean_e2el_ms
+    # the engine's mean step bounds how fast tokens can stream: client ITL cannot beat it by much
+    assert m.mean_itl_ms >= 0.5 * s["mean_decode_step_ms"]
+
+
+def test_leg_with_rejected_requests_is_invalid(server_url):
+    info = get_model_info(server_url)
+    too_long = make_prompts(3, info["max_model_len"] - 2, seed=1, vocab_range=(16, 200))
+    m = run_leg(server_url, info["id"], too_long, 8, 2, timeout_s=60)
+    assert not m.valid and m.completed == 0 and m.failed == 3
+    assert all("HTTP 400" in f for f in m.failures), m.failures
+
+
+def test_cli_writes_result_json(server_url, tmp_path):
+    import json
+
+    from campaigns.loadgen import main
+    out = tmp_path / "leg.json"
+    rc = main(["--base-url", server_url, "--input-len", "12", "--output-len", "4", "--concurrency", "2",
+               "--num-prompts", "4", "--warmup", "1", "--result-json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["valid"] and res["completed"] == 4 and res["total_output_tokens"] == 16
+    assert res["model"] == "tiny" and res["concurrency"] == 2 and len(res["prompts_sha256"]) == 64
