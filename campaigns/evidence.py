@@ -94,6 +94,21 @@ class LegResult:
     def key(self) -> tuple[int, int, str]:
         return (self.concurrency, self.rep, self.arm)
 
+    @classmethod
+    def from_loadgen(cls, m: dict[str, Any], *, rep: int, arm: str, order_index: int, started: str, ended: str,
+                     gpu_samples: list[dict[str, float]] | None = None) -> "LegResult":
+        """A leg from ``campaigns.loadgen.LegMetrics.to_dict()``: its numeric fields become ``metrics`` (the
+        server's own counters as ``server_<name>``), its validity and failures the leg's ``valid``/``reasons``."""
+        identity = {"concurrency", "num_prompts", "prompts_sha256", "valid", "failures", "server"}
+        metrics = {k: float(v) for k, v in m.items()
+                   if k not in identity and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics.update({f"server_{k}": float(v) for k, v in (m.get("server") or {}).items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        return cls(concurrency=int(m["concurrency"]), rep=rep, arm=arm, order_index=order_index,
+                   prompts_sha256=str(m["prompts_sha256"]), num_prompts=int(m["num_prompts"]), metrics=metrics,
+                   valid=bool(m.get("valid", False)), reasons=list(m.get("failures") or []),
+                   gpu_samples=list(gpu_samples or []), started=started, ended=ended)
+
 
 @dataclass
 class ArmSummary:

@@ -1,7 +1,9 @@
 """grid.png: the candidate/baseline ratio per concurrency, one panel per axis, with the spread of the reps.
 
 The dot is the oriented median ratio (> 1 favours the candidate), the bar spans each candidate rep against the
-baseline median (min..max), the colour is the separation (WIN green, LOSS red, NEUTRAL grey). Rendering is
+baseline median (min..max), the colour is the separation (WIN green, LOSS red, NEUTRAL grey); the thin light bar
+left of it spans the baseline's own reps against their median, so complete separation reads as two bars that do
+not overlap. Rendering is
 deterministic (Agg, fixed size and dpi, no PNG software/date metadata) so `vtcampaign render` rewrites the same bytes.
 """
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import io
 
 from campaigns.evidence import Evidence
-from campaigns.stats import AXES, rep_ratios
+from campaigns.stats import AXES, oriented_ratio, rep_ratios
 
 COLORS = {"WIN": "#2e7d32", "LOSS": "#c62828", "NEUTRAL": "#757575"}
 
@@ -39,6 +41,10 @@ def grid_png(ev: Evidence) -> bytes:
                     continue
                 s = hit[0]
                 spread = rep_ratios(s) or [s.ratio]
+                off_med = s.summary[s.baseline].median
+                base = [r for v in s.reps[s.baseline]
+                        if (r := oriented_ratio(v, off_med, s.higher_is_better)) is not None] or [1.0]
+                panel.vlines(j + offset - 0.06, min(base), max(base), color="#bdbdbd", linewidth=2)
                 colour = COLORS[s.separation]
                 panel.vlines(j + offset, min(spread), max(spread), color=colour, linewidth=2)
                 panel.plot(j + offset, s.ratio, "o", color=colour, markersize=5,
@@ -50,7 +56,7 @@ def grid_png(ev: Evidence) -> bytes:
         if len(cands) > 1 and i == 0:
             panel.legend(fontsize=6)
     fig.suptitle(f"{ev.campaign_id}: ratio vs {ev.baseline.name} (> 1 favours the candidate)", fontsize=9)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.08, top=0.86, wspace=0.3, hspace=0.45)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata={"Software": None})
     plt.close(fig)

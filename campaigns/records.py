@@ -13,6 +13,7 @@ from typing import Any
 
 import jinja2
 
+from campaigns.config import GATE_NAMES
 from campaigns.evidence import Evidence, GateResult, find_evidence, load_evidence, write_atomic
 from campaigns.policy import policy_params
 from campaigns.stats import AXES, AXIS_BY_NAME
@@ -65,6 +66,10 @@ def _gate_cell(g: GateResult) -> dict[str, str]:
         "duration": f"{g.duration_s:.1f} s",
         "note": (g.reason or "").replace("|", "/").replace("\n", " "),
     }
+
+
+def _gate_rank(name: str) -> int:
+    return GATE_NAMES.index(name) if name in GATE_NAMES else len(GATE_NAMES)
 
 
 def _num(v: Any) -> str:
@@ -128,8 +133,9 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
             "off_reps": " / ".join(fmt_value(v, unit) for v in s.reps[s.baseline]),
             "cv": f"{s.summary[s.candidate].cv:.1%} / {s.summary[s.baseline].cv:.1%}",
         })
+    axis_order = [a.label for a in AXES]
     binding_rows.sort(key=lambda r: (cand_names.index(r["candidate"]) if r["candidate"] in cand_names else 0,
-                                     r["c"], r["axis"]))
+                                     r["c"], axis_order.index(r["axis"]) if r["axis"] in axis_order else 99))
 
     # All axes at a glance: ratio and separation per (candidate, concurrency) x axis.
     axes_present = [a for a in AXES if any(s.axis == a.name for s in ev.stats)]
@@ -180,7 +186,9 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
                  "input_len": grid.get("input_len", "?"), "output_len": grid.get("output_len", "?")},
         "versions": f"torch {fp.torch_version}, triton {fp.triton_version or '—'}, "
                     f"CUDA {fp.cuda_version or '—'}, Python {fp.python_version}",
-        "gates": [_gate_cell(g) for g in sorted(ev.gates, key=lambda g: (g.gate, g.arm))],
+        "gates": [_gate_cell(g) for g in sorted(ev.gates, key=lambda g: (_gate_rank(g.gate), g.gate,
+                                                                          [a.name for a in ev.arms].index(g.arm)
+                                                                          if g.arm in [a.name for a in ev.arms] else 99))],
         "mechanism": mechanism, "binding_rows": binding_rows,
         "glance_axes": [a.label for a in axes_present], "glance": glance,
         "legs_total": len(ev.legs), "legs_valid": sum(leg.valid for leg in ev.legs), "invalid_legs": invalid_legs,

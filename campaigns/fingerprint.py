@@ -1,0 +1,72 @@
+"""The environment fingerprint a campaign records in its preflight: git, device, versions, lever env per arm.
+
+Two arms compare only on the same fingerprint; the policy reads ``device_type`` and ``dirty`` from it (rule 3).
+``gpu_sample`` reads SM clock and temperature through NVML for the legs' drift record (None without a GPU).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from pathlib import Path
+from typing import Any, Mapping
+
+from campaigns.config import arm_env_value, arm_name
+from campaigns.evidence import Arm, Fingerprint
+from campaigns.gitops import repo_state
+
+
+def device_info(device: str) -> tuple[str, str, str | None]:
+    """(device_type, device_name, cuda_version) for 'cuda' or 'cpu'."""
+    import torch
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but torch sees no CUDA device; use device=cpu or device=auto")
+        return "cuda", torch.cuda.get_device_name(0), torch.version.cuda
+    return "cpu", platform.processor() or platform.machine() or "cpu", torch.version.cuda
+
+
+def make_arms(lever: str, baseline: Any, candidates: list[Any]) -> list[Arm]:
+    return ([Arm(arm_name(baseline), baseline, "baseline")]
+            + [Arm(arm_name(v), v, "candidate") for v in candidates])
+
+
+def arms_env(lever_env: str, arms: list[Arm], environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """Per arm, the VT_* environment its server runs with: inherited VT_* variables (so a stray one shows up in
+    the record) plus the campaign lever's own variable set to the arm's value."""
+    environ = os.environ if environ is None else environ
+    inherited = {k: v for k, v in environ.items() if k.startswith("VT_")}
+    return {a.name: dict(sorted({**inherited, lever_env: arm_env_value(a.value)}.items())) for a in arms}
+
+
+def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm], config_hash: str,
+            ignore_dirty: tuple[str, ...] = ()) -> Fingerprint:
+    """The preflight fingerprint. ``ignore_dirty``: paths (e.g. the campaign's own out_dir) that do not count as
+    dirt, since the campaign writes there while it runs."""
+    import torch
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    state = repo_state(repo_path, ignore=ignore_dirty)
+    device_type, device_name, cuda_version = device_info(device)
+    return Fingerprint(
+        git_sha=state.sha, git_short_sha=state.short_sha, dirty=state.dirty, branch=state.branch,
+        device_type=device_type, device_name=device_name, cuda_version=cuda_version,
+        torch_version=torch.__version__,
+        triton_version=triton_version, python_version=platform.python_version(), hostname=socket.gethostname(),
+        arms_env=arms_env(lever_env, arms), config_hash=config_hash, dirty_files=state.dirty_files)
+
+
+def gpu_sample(index: int = 0) -> dict[str, float] | None:
+    """One NVML sample {sm_clock_mhz, temp_c, power_w}; None where NVML or a GPU is unavailable."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return {"sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                "temp_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0}
+    except Exception:
+        return None

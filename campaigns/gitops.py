@@ -1,0 +1,144 @@
+"""Git for campaigns (gitpython): the tree's state for the fingerprint, and the default-flip commit.
+
+``flip_commit`` never touches the working tree, the index or the checked-out branch: it builds the commit with
+git's plumbing (a temporary index seeded from HEAD, the new lever file and the records as blobs, ``commit-tree``)
+and points ``row/<lever>-flip`` at it. The user's checkout stays exactly as it was (records included), and the
+flip reaches the default only when that branch is merged; re-running a campaign re-points the branch at a fresh
+``HEAD + one commit``, so the branch always holds exactly the flip under review.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import git
+
+
+class GitOpsError(RuntimeError):
+    """Not a git repository, a file outside it, or a git command that failed; the message says which."""
+
+
+@dataclass(frozen=True)
+class RepoState:
+    sha: str
+    short_sha: str
+    dirty: bool
+    branch: str               # "HEAD" when detached
+    dirty_files: list[str]
+
+
+def open_repo(path: Path | str = ".") -> git.Repo:
+    try:
+        return git.Repo(path, search_parent_directories=True)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise GitOpsError(f"{Path(path).resolve()} is not inside a git repository; campaigns record the git sha, "
+                          "so run from a clone") from None
+
+
+def repo_state(path: Path | str = ".", ignore: Iterable[str] = ()) -> RepoState:
+    """sha, dirtiness (tracked changes and untracked files, minus paths under ``ignore``), branch."""
+    repo = open_repo(path)
+    try:
+        sha = repo.head.commit.hexsha
+    except ValueError:
+        raise GitOpsError(f"repository {repo.working_tree_dir} has no commit yet") from None
+    branch = "HEAD" if repo.head.is_detached else repo.active_branch.name
+    changed = {d.a_path for d in repo.index.diff(None)} | {d.a_path for d in repo.index.diff("HEAD")}
+    changed |= set(repo.untracked_files)
+    prefixes = tuple(p.rstrip("/") + "/" for p in ignore)
+    dirty_files = sorted(f for f in changed if not (prefixes and f.startswith(prefixes)))
+    return RepoState(sha=sha, short_sha=sha[:7], dirty=bool(dirty_files), branch=branch, dirty_files=dirty_files)
+
+
+def flip_branch(lever: str) -> str:
+    return f"row/{lever}-flip"
+
+
+def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iterable[Path | str], message: str,
+                lever_dir: Path | str = "conf/lever") -> dict[str, str]:
+    """Commit the lever's new ``default:`` line plus ``files`` (records) on branch ``row/<lever>-flip``.
+
+    ``lever_dir`` is the lever directory inside the repository (relative to its root, or absolute). The commit's
+    parent is the current HEAD; the message is the PR text. Returns {branch, commit, base, previous} (previous:
+    the branch's old tip, '' if it is new). The working tree, index and current branch are left untouched.
+    """
+    from vtengine.levers import set_default_in_file
+
+    repo = open_repo(repo_path)
+    root = Path(repo.working_tree_dir).resolve()
+    lever_dir = Path(lever_dir)
+    lever_dir = (lever_dir if lever_dir.is_absolute() else root / lever_dir).resolve()
+    lever_file = lever_dir / f"{lever}.yaml"
+    if not lever_file.is_file():
+        raise GitOpsError(f"lever file {lever_file} does not exist; levers: "
+                          f"{sorted(p.stem for p in lever_dir.glob('*.yaml'))}")
+    base = repo.head.commit.hexsha
+    branch = flip_branch(lever)
+
+    # The new lever file: edit a copy of the lever directory, never the working tree.
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "lever"
+        shutil.copytree(lever_dir, copy)
+        set_default_in_file(lever, new_default, lever_dir=copy)
+        new_lever_text = (copy / f"{lever}.yaml").read_bytes()
+
+    blobs: dict[str, bytes] = {_rel(lever_file, root): new_lever_text}
+    for f in files:
+        p = Path(f)
+        p = (p if p.is_absolute() else root / p).resolve()
+        if not p.is_file():
+            raise GitOpsError(f"record file {p} does not exist")
+        blobs[_rel(p, root)] = p.read_bytes()
+
+    fd, index_path = tempfile.mkstemp(prefix="vtcampaign-index-")
+    os.close(fd)
+    env = {"GIT_INDEX_FILE": index_path}
+    env.update(_identity(repo))
+    try:
+        repo.git.read_tree(base, env=env)
+        for rel, data in sorted(blobs.items()):
+            with tempfile.NamedTemporaryFile(delete=False) as tf:
+                tf.write(data)
+            try:
+                blob = repo.git.hash_object("-w", "--path", rel, tf.name)
+            finally:
+                os.unlink(tf.name)
+            repo.git.update_index("--add", "--cacheinfo", f"100644,{blob},{rel}", env=env)
+        tree = repo.git.write_tree(env=env)
+        with tempfile.NamedTemporaryFile("w", delete=False, encoding="utf-8") as mf:
+            mf.write(message if message.endswith("\n") else message + "\n")
+        try:
+            commit = repo.git.commit_tree(tree, "-p", base, "-F", mf.name, env=env)
+        finally:
+            os.unlink(mf.name)
+        previous = repo.heads[branch].commit.hexsha if branch in repo.heads else ""
+        repo.git.update_ref(f"refs/heads/{branch}", commit, "-m", f"vtcampaign: flip {lever} -> {new_default}")
+    except git.GitCommandError as e:
+        raise GitOpsError(f"git failed while committing the {lever} flip: {e.stderr.strip() or e}") from None
+    finally:
+        os.unlink(index_path)
+    return {"branch": branch, "commit": commit, "base": base, "previous": previous}
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(root).as_posix()
+    except ValueError:
+        raise GitOpsError(f"{path} is outside the repository {root}; only files inside it can be committed") from None
+
+
+def _identity(repo: git.Repo) -> dict[str, str]:
+    """Author/committer from git config; a neutral 'vtcampaign' identity only where none is configured."""
+    reader = repo.config_reader()
+    name = reader.get_value("user", "name", default="") or os.environ.get("GIT_AUTHOR_NAME", "")
+    email = reader.get_value("user", "email", default="") or os.environ.get("GIT_AUTHOR_EMAIL", "")
+    env = {}
+    if not name:
+        env["GIT_AUTHOR_NAME"] = env["GIT_COMMITTER_NAME"] = "vtcampaign"
+    if not email:
+        env["GIT_AUTHOR_EMAIL"] = env["GIT_COMMITTER_EMAIL"] = "vtcampaign@localhost"
+    return env

@@ -1,0 +1,173 @@
+"""MLflow views of an evidence file (mlflow-skinny; default store ``sqlite:///mlflow.db`` at the project root).
+
+Layout, one experiment per lever (``vtcampaign/<lever>``):
+
+    campaign <id>                 parent run; tags lever, verdict, git_sha, dirty, device, campaign_id, ...;
+    │                             params = the flattened config; metrics ratio/<candidate>/<axis> at step = c;
+    │                             artifacts evidence.json, record.md, pr.md, grid.png
+    ├── gate <gate> [<arm>]       one per gate x arm: counts and duration as metrics, passed/self_check as tags
+    ├── leg c<c> rep<r> [<arm>]   one per leg: the leg's metrics, GPU clock/temperature samples at step = sample
+    └── arm <arm>                 one per arm: the median over reps of every leg metric at step = concurrency,
+                                  so the UI's chart view draws the arms against each other by concurrency
+
+Every run carries the tag ``vtcampaign.campaign_id``. Logging is idempotent by *replacement*: logging a campaign
+id that is already in the experiment first deletes its earlier runs (MLflow's soft delete: they leave the UI and
+searches but stay in the store's trash), then logs the evidence anew, so ``vtcampaign log`` can be re-run after a
+resumed campaign or a re-render without duplicating runs.
+"""
+from __future__ import annotations
+
+import statistics
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+from campaigns.evidence import Evidence
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+CAMPAIGN_TAG = "vtcampaign.campaign_id"
+KIND_TAG = "vtcampaign.kind"
+ARTIFACTS = ("evidence.json", "record.md", "pr.md", "grid.png")
+_PARAM_MAX = 500        # the smallest param-value limit among MLflow versions still deployed
+
+
+def experiment_name(lever: str) -> str:
+    return f"vtcampaign/{lever}"
+
+
+def client(uri: str = DEFAULT_URI):
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(tracking_uri=uri)
+
+
+def _artifact_root(uri: str) -> str | None:
+    """For a local sqlite store, artifacts go to mlartifacts/ beside the database (not to ./mlruns of the cwd)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri[len("sqlite:///"):])
+    return (db.resolve().parent / "mlartifacts").as_uri()
+
+
+def ensure_experiment(c, lever: str, uri: str) -> str:
+    name = experiment_name(lever)
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    root = _artifact_root(uri)
+    return c.create_experiment(name, artifact_location=f"{root}/{name}" if root else None,
+                               tags={"lever": lever, "vtcampaign": "1"})
+
+
+def campaign_runs(c, experiment_id: str, campaign_id: str) -> list:
+    """The active runs (parent and children) of one campaign id."""
+    runs, token = [], None
+    while True:
+        page = c.search_runs([experiment_id], filter_string=f"tags.`{CAMPAIGN_TAG}` = '{campaign_id}'",
+                             max_results=1000, page_token=token)
+        runs += list(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _ms(iso: str) -> int | None:
+    if not iso:
+        return None
+    try:
+        return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        return None
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix.rstrip(".")] = str(d)[:_PARAM_MAX]
+    return out
+
+
+def _log(c, run_id: str, metrics: Iterable[tuple[str, float, int]] = (), params: dict[str, str] | None = None,
+         tags: dict[str, Any] | None = None, timestamp: int = 0) -> None:
+    from mlflow.entities import Metric, Param, RunTag
+    ms = [Metric(k, float(v), timestamp, int(step)) for k, v, step in metrics]
+    ps = [Param(k, v) for k, v in sorted((params or {}).items())]
+    ts = [RunTag(k, str(v)) for k, v in sorted((tags or {}).items())]
+    # log_batch takes at most 1000 entities, of which at most 100 params and 100 tags.
+    batches = max(-(-len(ms) // 800), -(-len(ps) // 100), -(-len(ts) // 100), 1)
+    for i in range(batches):
+        c.log_batch(run_id, metrics=ms[i * 800:(i + 1) * 800], params=ps[i * 100:(i + 1) * 100],
+                    tags=ts[i * 100:(i + 1) * 100])
+
+
+def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str | None = None) -> str:
+    """Log one campaign (replacing any earlier logging of the same id); returns the parent run id."""
+    c = client(uri)
+    exp = ensure_experiment(c, ev.lever, uri)
+    for old in campaign_runs(c, exp, ev.campaign_id):
+        c.delete_run(old.info.run_id)
+
+    fp, d = ev.fingerprint, ev.decision
+    start = _ms(ev.created)
+    base_tags = {CAMPAIGN_TAG: ev.campaign_id, "lever": ev.lever}
+    parent = c.create_run(exp, start_time=start, run_name=f"campaign {ev.campaign_id}", tags={
+        **base_tags, KIND_TAG: "campaign", "verdict": d.verdict if d else "IN-PROGRESS",
+        "git_sha": fp.git_sha, "dirty": str(fp.dirty).lower(), "device": fp.device_name,
+        "device_type": fp.device_type, "branch": fp.branch, "status": ev.status,
+        "candidate": (d.candidate if d else "") or "", "binding": str(bool(d and d.binding)).lower(),
+        "byte_exact": str(d.byte_exact).lower() if d else "none"})
+    pid = parent.info.run_id
+    child = {**base_tags, "mlflow.parentRunId": pid}
+    _log(c, pid, params=_flatten(ev.config), metrics=[
+        (f"ratio/{s.candidate}/{s.axis}", s.ratio, s.concurrency) for s in ev.stats if s.ratio is not None],
+        tags={"rule": d.rule[:5000]} if d else None, timestamp=start or 0)
+
+    for g in ev.gates:
+        run = c.create_run(exp, start_time=start, run_name=f"gate {g.gate} [{g.arm}]", tags={
+            **child, KIND_TAG: "gate", "gate": g.gate, "arm": g.arm, "passed": str(g.passed).lower(),
+            "skipped": str(g.skipped).lower(), "self_check": str(g.self_check).lower(),
+            "byte_exact": str(g.byte_exact).lower()})
+        metrics = [(k, v, 0) for k, v in g.counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        _log(c, run.info.run_id, metrics=metrics + [("duration_s", g.duration_s, 0)],
+             tags={"reason": g.reason[:5000]} if g.reason else None, timestamp=start or 0)
+        c.set_terminated(run.info.run_id, "FINISHED" if g.passed or g.skipped else "FAILED")
+
+    for leg in ev.legs:
+        t0 = _ms(leg.started)
+        run = c.create_run(exp, start_time=t0, run_name=f"leg c{leg.concurrency} rep{leg.rep} [{leg.arm}]", tags={
+            **child, KIND_TAG: "leg", "arm": leg.arm, "concurrency": leg.concurrency, "rep": leg.rep,
+            "order_index": leg.order_index, "valid": str(leg.valid).lower(), "prompts_sha256": leg.prompts_sha256})
+        metrics = [(k, v, 0) for k, v in leg.metrics.items()]
+        metrics += [(k, v, i) for i, sample in enumerate(leg.gpu_samples) for k, v in sample.items()
+                    if isinstance(v, (int, float))]
+        _log(c, run.info.run_id, metrics=metrics, timestamp=t0 or 0,
+             tags={"reasons": "; ".join(leg.reasons)[:5000]} if leg.reasons else None)
+        c.set_terminated(run.info.run_id, "FINISHED" if leg.valid else "FAILED", end_time=_ms(leg.ended))
+
+    for arm in ev.arms:
+        run = c.create_run(exp, start_time=start, run_name=f"arm {arm.name}", tags={
+            **child, KIND_TAG: "arm-summary", "arm": arm.name, "role": arm.role, "value": str(arm.value)})
+        _log(c, run.info.run_id, metrics=arm_summary_metrics(ev, arm.name), timestamp=start or 0,
+             params={"lever_value": str(arm.value), "env": " ".join(f"{k}={v}" for k, v in
+                                                                     sorted(fp.arms_env.get(arm.name, {}).items()))})
+        c.set_terminated(run.info.run_id, "FINISHED")
+
+    if campaign_dir is not None:
+        for name in ARTIFACTS:
+            path = Path(campaign_dir) / name
+            if path.is_file():
+                c.log_artifact(pid, str(path))
+    c.set_terminated(pid, "FINISHED")     # an in-progress campaign shows as such in its `status` tag
+    return pid
+
+
+def arm_summary_metrics(ev: Evidence, arm: str) -> list[tuple[str, float, int]]:
+    """(metric, median over the valid reps, step = concurrency) for every leg metric of one arm."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for leg in ev.legs:
+        if leg.arm == arm and leg.valid:
+            for k, v in leg.metrics.items():
+                by.setdefault((k, leg.concurrency), []).append(v)
+    return [(k, float(statistics.median(vals)), c) for (k, c), vals in sorted(by.items())]

@@ -1,0 +1,221 @@
+"""Evidence JSON round trip and atomic writes; records rendered from evidence, re-rendered byte for byte;
+STATUS.md and BENCHMARKS.md keyed by lever and updated in place as campaigns accumulate."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from campaigns import records
+from campaigns.evidence import (Evidence, EvidenceError, LegResult, find_evidence, load_evidence, new_campaign_id,
+                                save_evidence, write_atomic)
+from test_policy import TPUT_WIN, gates, make_evidence
+
+LOSS = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}}
+NEUTRAL = {"total_token_throughput": {"off": [101.0, 102.0, 104.0], "on": [100.0, 103.0, 106.0]}}
+
+
+def _rich_evidence() -> Evidence:
+    g = gates(byte_exact=False, **{"battery@on": {"passed": False, "counts": {"prompts": 16, "strict": 15,
+                                                                              "near_tie": 1, "divergent": 0},
+                                                   "details": {"divergences": [{"prompt": 3, "gap": 0.0}]}},
+                                    "near_tie@on": {"counts": {"divergences": 1, "max_gap_mnats": 12.5}},
+                                    "memcheck@on": {"skipped": True, "reason": "compute-sanitizer not found"},
+                                    "mechanism@on": {"details": {"routes": {"gqa_swap": 36}, "grid": "1x8x4"}}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    ev.legs[0].gpu_samples = [{"t_s": 0.0, "sm_clock_mhz": 1980.0, "temp_c": 41.0}]
+    ev.peak_memory_gib = {"off": 21.5, "on": 19.25}
+    return ev
+
+
+# ----------------------------------------------------------------------------------------------- evidence
+
+
+def test_json_round_trip_is_exact(tmp_path):
+    ev = _rich_evidence()
+    path = save_evidence(ev, tmp_path / ev.campaign_id)
+    back = load_evidence(path)
+    assert back == ev
+    assert back.to_json() == path.read_text()
+    # Types survive, not just values: ints stay ints, floats stay floats, lever values keep their type.
+    bat = back.gate("battery", "on")
+    assert type(bat.counts["strict"]) is int and type(back.gate("near_tie", "on").counts["max_gap_mnats"]) is float
+    assert back.arms[1].value is True and back.decision.new_default is True
+    assert back.stats[0].summary["on"].n == 3
+
+
+def test_load_refuses_other_schema_versions_and_bad_files(tmp_path):
+    ev = make_evidence(TPUT_WIN)
+    path = save_evidence(ev, tmp_path / "c")
+    data = json.loads(path.read_text())
+    data["schema_version"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(EvidenceError, match=r"schema_version 2 is not supported; accepted: 1"):
+        load_evidence(path)
+    data["schema_version"] = 1
+    data["legs"][0]["mystery"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(EvidenceError, match=r"evidence.legs\[0\]: unknown keys \['mystery'\]"):
+        load_evidence(path)
+    del data["legs"][0]["mystery"]
+    data["legs"][0]["concurrency"] = "four"
+    path.write_text(json.dumps(data))
+    with pytest.raises(EvidenceError, match=r"legs\[0\].concurrency: expected int, got 'four'"):
+        load_evidence(path)
+    path.write_text(path.read_text()[:100])       # a torn file
+    with pytest.raises(EvidenceError, match="not valid JSON"):
+        load_evidence(path)
+
+
+def test_atomic_write_leaves_the_old_file_on_interruption(tmp_path, monkeypatch):
+    path = write_atomic(tmp_path / "evidence.json", "old\n")
+
+    def crash(src, dst):
+        raise KeyboardInterrupt("killed mid-write")
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, "new and much longer contents\n")
+    assert path.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evidence.json"]     # no temporary left behind
+
+
+def test_campaign_ids_do_not_collide(tmp_path):
+    assert new_campaign_id(tmp_path, "2026-11-30", "gqa_swap", "abc1234ffff") == "2026-11-30-gqa_swap-abc1234"
+    (tmp_path / "2026-11-30-gqa_swap-abc1234").mkdir()
+    assert new_campaign_id(tmp_path, "2026-11-30", "gqa_swap", "abc1234") == "2026-11-30-gqa_swap-abc1234-2"
+
+
+def test_leg_from_loadgen_metrics():
+    loadgen = pytest.importorskip("campaigns.loadgen")
+    m = loadgen.LegMetrics(concurrency=4, input_len=32, output_len=8, num_prompts=12, prompts_sha256="ab" * 32,
+                           completed=11, failed=1, valid=False, failures=["request 3: 7 tokens, expected 8"],
+                           total_token_throughput=1234.5, median_tpot_ms=3.25, server={"engine_steps": 90})
+    leg = LegResult.from_loadgen(m.to_dict(), rep=1, arm="on", order_index=5, started="a", ended="b")
+    assert (leg.concurrency, leg.num_prompts, leg.valid) == (4, 12, False)
+    assert leg.reasons == ["request 3: 7 tokens, expected 8"]
+    assert leg.metrics["total_token_throughput"] == 1234.5 and leg.metrics["median_tpot_ms"] == 3.25
+    assert leg.metrics["server_engine_steps"] == 90.0 and "valid" not in leg.metrics
+
+
+# ----------------------------------------------------------------------------------------------- records
+
+
+def test_record_and_pr_carry_the_ritual_sections():
+    ev = _rich_evidence()
+    rec, pr = records.render_record(ev), records.render_pr(ev)
+    assert rec.splitlines()[0] == ("## row/gqa_swap — FLIP: default off → on, total tok/s ×1.099 at c1 (WIN) "
+                                   "(2026-11-30, main, abc1234, NVIDIA H200)")
+    assert "| battery | on | FAIL | divergent 0, near_tie 1, prompts 16, strict 15 | caught | no |" in rec
+    assert "| memcheck | on | SKIP |" in rec and "compute-sanitizer not found" in rec
+    assert '{"grid": "1x8x4", "routes": {"gqa_swap": 36}}' in rec            # mechanism proof printed
+    assert re.search(r"\| 4 \| on \| total tok/s \(tok/s\) \| 111\.0 \| 101\.0 \| 1\.099 \| "
+                     r"110\.0 / 111\.0 / 112\.0 \| 100\.0 / 101\.0 / 102\.0 \| .* \| WIN \|", rec)
+    assert f"Rule: “{ev.decision.rule}”" in rec
+    assert "Peak GPU memory: off 21.50 GiB, on 19.25 GiB." in rec
+    assert rec.rstrip().endswith("**Default.** `gqa_swap` flips false → true in conf/lever/gqa_swap.yaml; "
+                                 "opt out with `VT_DECODE_GQA_SWAP=0`.")
+    assert pr.splitlines()[0] == "row/gqa_swap: default off → on — total tok/s ×1.099 at c1 (WIN)"
+    heads = [ln for ln in pr.splitlines() if ln.startswith("## ")]
+    assert heads == ["## Correctness", "## Mechanism", "## Binding", "## Verdict", "## Residual"]
+    assert "`VT_DECODE_GQA_SWAP=0` always opts out" in pr and "split count next." in pr
+    assert "ratified by near_tie (max gap 12.5 mnats <= 500)" in pr
+
+
+@pytest.mark.parametrize("values,verdict,default_line", [
+    (NEUTRAL, "KEEP", "`gqa_swap` stays false"),
+    (LOSS, "REJECT-PERFORMANCE", "`gqa_swap` stays false"),
+])
+def test_record_default_line_follows_the_verdict(values, verdict, default_line):
+    ev = make_evidence(values)
+    rec = records.render_record(ev)
+    assert ev.decision.verdict == verdict and f"- **{verdict}** (arm on)" in rec
+    assert f"**Default.** {default_line}" in rec
+
+
+def _campaigns(tmp_path, *evs):
+    out = tmp_path / "records" / "campaigns"
+    for ev in evs:
+        save_evidence(ev, out / ev.campaign_id)
+    return out
+
+
+def _snapshot(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_render_is_byte_identical_and_rebuilds_from_evidence_alone(tmp_path):
+    out = _campaigns(tmp_path, _rich_evidence(), make_evidence(LOSS, lever="fast_math",
+                                                               created="2026-11-30T12:00:00Z"))
+    records.render_all(out)
+    first = _snapshot(tmp_path / "records")
+    assert {"STATUS.md", "BENCHMARKS.md", "campaigns/2026-11-30-gqa_swap-abc1234/record.md",
+            "campaigns/2026-11-30-gqa_swap-abc1234/pr.md",
+            "campaigns/2026-11-30-gqa_swap-abc1234/grid.png"} <= set(first)
+    assert first["campaigns/2026-11-30-gqa_swap-abc1234/grid.png"][:8] == b"\x89PNG\r\n\x1a\n"
+    # Delete every view, keep only evidence: the render reproduces every byte.
+    for name in list(first):
+        if not name.endswith("evidence.json"):
+            (tmp_path / "records" / name).unlink()
+    records.render_all(out)
+    assert _snapshot(tmp_path / "records") == first
+
+
+def _status_row(status: str, lever: str) -> list[str]:
+    table = status.split("## Refuted levers")[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith(f"| {lever} |")]
+    assert len(rows) == 1, rows                    # keyed: exactly one row per lever
+    return [c.strip() for c in rows[0].strip("|").split("|")]
+
+
+def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
+    keep = make_evidence(NEUTRAL, created="2026-11-29T09:00:00Z")
+    out = _campaigns(tmp_path, keep)
+    records.render_all(out, plots=False)
+    status = (tmp_path / "records" / "STATUS.md").read_text()
+    row = _status_row(status, "gqa_swap")
+    assert row[5] == "KEEP" and "2026-11-29-gqa_swap-abc1234" in row[4]
+    assert {"fast_math", "marlin_dense", "nsplits_cap"} <= {ln.split("|")[1].strip() for ln in status.splitlines()
+                                                              if ln.startswith("| ") and "---" not in ln}
+
+    # A second, later campaign of the same lever replaces the row; a refuted lever joins the refuted section.
+    flip = make_evidence(TPUT_WIN, created="2026-11-30T09:00:00Z")
+    refuted = make_evidence(LOSS, lever="fast_math", created="2026-11-30T10:00:00Z")
+    _campaigns(tmp_path, flip, refuted)
+    records.render_all(out, plots=False)
+    status = (tmp_path / "records" / "STATUS.md").read_text()
+    row = _status_row(status, "gqa_swap")
+    assert row[5] == "FLIP" and "2026-11-30-gqa_swap-abc1234" in row[4] and row[3] == "yes"
+    assert _status_row(status, "fast_math")[5] == "REJECT-PERFORMANCE"
+    refuted_part = status.split("## Refuted levers")[1]
+    assert "| fast_math | on | REJECT-PERFORMANCE |" in refuted_part and "gqa_swap" not in refuted_part
+
+    bench = (tmp_path / "records" / "BENCHMARKS.md").read_text()
+    assert bench.count("## gqa_swap") == 1 and bench.count("## fast_math") == 1
+    gqa = bench.split("## gqa_swap")[1]
+    assert "2026-11-30-gqa_swap-abc1234" in gqa and "2026-11-29" not in gqa
+    assert "| 8 | on | 111.0 | 101.0 | 1.099 WIN |" in gqa
+
+    # A later non-binding rehearsal is the last campaign in STATUS, but BENCHMARKS keeps the binding grid.
+    rehearsal = make_evidence(LOSS, device_type="cpu", created="2026-12-01T09:00:00Z",
+                              campaign_id="2026-12-01-gqa_swap-abc1234")
+    _campaigns(tmp_path, rehearsal)
+    records.render_all(out, plots=False)
+    assert _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")[5] == "NON-BINDING"
+    gqa = (tmp_path / "records" / "BENCHMARKS.md").read_text().split("## gqa_swap")[1]
+    assert "2026-11-30-gqa_swap-abc1234" in gqa and "| 8 | on | 111.0 | 101.0 | 1.099 WIN |" in gqa
+    assert len(find_evidence(out)) == 4
+
+
+def test_in_progress_evidence_renders_without_a_decision(tmp_path):
+    ev = make_evidence(TPUT_WIN)
+    ev.decision, ev.status, ev.stats = None, "in-progress", []
+    rec = records.render_record(ev)
+    assert rec.startswith("## row/gqa_swap — IN PROGRESS (") and "No decision yet" in rec
+    out = _campaigns(tmp_path, ev)
+    records.render_all(out)
+    # In-progress campaigns do not enter the lever's status row.
+    assert _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")[5] == "—"
+    shutil.rmtree(out)
