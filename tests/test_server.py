@@ -347,3 +347,21 @@ def test_serve_cli_user_errors_exit_2(capsys):
     assert "no-such-model" in err and "Traceback" not in err
     assert main(["--model", "tiny", "--port", "0", "--lever", "gqa_swap=maybe"]) == 2
     assert "gqa_swap" in capsys.readouterr().err
+
+
+def test_disconnect_during_non_streaming_request_frees_sequence(served):
+    _, url = served
+    m0 = metrics(url)
+    with pytest.raises(httpx.ReadTimeout):      # the client gives up and closes the connection
+        httpx.post(f"{url}/v1/completions", json={"prompt": "y" * 100, "max_tokens": 1500, "temperature": 0,
+                                                  "ignore_eos": True}, timeout=httpx.Timeout(10, read=0.5))
+    deadline = time.monotonic() + 20
+    while True:
+        m = metrics(url)
+        if m["vtengine_kv_blocks_used"] == 0 and m["vtengine_num_requests_running"] == 0:
+            break
+        assert time.monotonic() < deadline, f"blocks not freed after disconnect: {m}"
+        time.sleep(0.05)
+    generated = m["vtengine_generation_tokens_total"] - m0["vtengine_generation_tokens_total"]
+    assert 1 <= generated < 1500
+    assert m["vtengine_requests_finished_total"] == m0["vtengine_requests_finished_total"]

@@ -291,7 +291,7 @@ class Server:
                 t.cancel()                      # stream_outputs' finally aborts the unfinished request
 
     # -- endpoints --------------------------------------------------------------------------------------------
-    async def completions(self, body: dict, chat: bool):
+    async def completions(self, body: dict, chat: bool, request: Request | None = None):
         self._check_model(body)
         _check_unsupported(body)
         stream, include_usage = self._stream_flags(body)
@@ -305,7 +305,20 @@ class Server:
         streams = await self._start(rid, prompts, params)
         if stream:
             return _SSEResponse(self._sse(rid, prompts, streams, include_usage, chat))
-        return await self._full(rid, prompts, streams, chat)
+        if request is None:
+            return await self._full(rid, prompts, streams, chat)
+        # Non-streaming: nothing is sent until the end, so watch the connection; a client that hangs up gets its
+        # requests aborted (the streaming path learns it from Starlette cancelling the body iterator).
+        full = asyncio.ensure_future(self._full(rid, prompts, streams, chat))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait((full, gone), return_when=asyncio.FIRST_COMPLETED)
+        if full.done():
+            gone.cancel()
+            return full.result()
+        full.cancel()           # -> stream_outputs' finally aborts every unfinished request
+        await asyncio.gather(full, return_exceptions=True)
+        return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed_request",
+                                       "param": None, "code": None}}, status_code=499)
 
     def _chat_prompt(self, body: dict) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -462,11 +475,11 @@ class Server:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            return await srv.completions(await json_body(request), chat=False)
+            return await srv.completions(await json_body(request), chat=False, request=request)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            return await srv.completions(await json_body(request), chat=True)
+            return await srv.completions(await json_body(request), chat=True, request=request)
 
         @app.get("/v1/models")
         async def models():
@@ -530,6 +543,13 @@ class _SSEResponse(StreamingResponse):
 
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read, so the next ASGI message is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _dumps(obj: Any) -> str:
