@@ -268,6 +268,8 @@ def _explain(e: Exception, overrides: list[str], conf_dir: Path) -> str:
         return (f"unknown key {key!r} in override {next((o for o in overrides if o.startswith(key)), key)!r}"
                 + (f"; accepted keys of {parent or 'the top level'}: {', '.join(accepted)}" if accepted else
                    f"; to add a new key write +{key}=..."))
+    if cause is not None and str(cause).strip():
+        return f"{first}: {str(cause).strip().splitlines()[0]}"
     return first
 
 
@@ -289,6 +291,11 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     from vtengine import levers as lever_registry
     from vtengine.config import QUANTS
 
+    import dataclasses
+    fields = [f.name for f in dataclasses.fields(AppConfig)]
+    extra = sorted(set(cfg.keys()) - set(fields))
+    if extra:
+        raise CampaignConfigError(f"unknown top-level key(s) {extra}; accepted: {', '.join(fields)}")
     camp = cfg.campaign
     known = lever_registry.registry(conf_dir / "lever")
     if camp.lever not in known:

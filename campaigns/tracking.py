@@ -163,6 +163,11 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
     return pid
 
 
+def log_campaign(ev: Evidence, campaign_dir: Path | str | None = None, uri: str = DEFAULT_URI) -> str:
+    """The runner's spelling of ``log_evidence`` (campaign directory first); same behaviour."""
+    return log_evidence(ev, uri, campaign_dir)
+
+
 def arm_summary_metrics(ev: Evidence, arm: str) -> list[tuple[str, float, int]]:
     """(metric, median over the valid reps, step = concurrency) for every leg metric of one arm."""
     by: dict[tuple[str, int], list[float]] = {}

@@ -1,0 +1,130 @@
+"""vtcampaign: Hydra composition with host-dependent defaults, one-line user errors (exit code 2), and the
+read-only commands (status, render, pr) over evidence files."""
+from __future__ import annotations
+
+import pytest
+
+from campaigns import records
+from campaigns.cli import main
+from campaigns.config import CampaignConfigError, compose, options
+from campaigns.evidence import save_evidence
+from test_policy import TPUT_WIN, make_evidence
+
+CAMPAIGNS = ["fast_math", "gqa_swap", "marlin_dense", "nsplits_cap"]
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("vtcampaign: error: ")
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------------- compose
+
+
+def test_every_campaign_composes_on_both_host_kinds():
+    assert options("campaign") == CAMPAIGNS
+    for name in CAMPAIGNS:
+        gpu, cpu = compose([f"campaign={name}"], cuda=True), compose([f"campaign={name}"], cuda=False)
+        assert (gpu.device, gpu.grid.name, gpu.model.name) == ("cuda", "online", "qwen3-8b")
+        assert (cpu.device, cpu.grid.name, cpu.model.name) == ("cpu", "rehearsal", "tiny")
+        assert gpu.model.quant == cpu.model.quant == ("mxfp4" if name == "marlin_dense" else "bf16")
+        assert list(gpu.grid.concurrency) == [1, 2, 4, 8] and list(gpu.grid.prompts_per_leg) == [6, 6, 12, 24]
+        assert gpu.grid.reps == 3 and (gpu.grid.input_len, gpu.grid.output_len) == (1024, 128)
+        pol = gpu.campaign.policy
+        assert (pol.near_tie_max_mnats, pol.min_gain, pol.flip_on_correctness) == (500, 0.01, False)
+        assert (gpu.allow_dirty, gpu.commit, gpu.resume, gpu.out_dir) == (False, False, None, "records/campaigns")
+        assert gpu.tracking.uri == "sqlite:///mlflow.db"
+
+
+def test_arms_resolve_from_the_lever_file_default():
+    from vtengine.levers import get
+    cfg = compose(["campaign=nsplits_cap"], cuda=False)
+    assert cfg.campaign.arms.baseline == get("nsplits_cap").default == "off"
+    assert list(cfg.campaign.arms.candidates) == ["auto"]
+    cfg = compose(["campaign=nsplits_cap", "campaign.arms.candidates=[auto,8]"], cuda=False)
+    assert list(cfg.campaign.arms.candidates) == ["auto", 8]
+
+
+def test_user_choices_override_the_host_defaults():
+    cfg = compose(["campaign=gqa_swap", "grid.reps=5", "model=qwen3-8b", "model.quant=nvfp4"], cuda=False)
+    assert (cfg.grid.name, cfg.grid.reps, cfg.model.name, cfg.model.quant) == ("rehearsal", 5, "qwen3-8b", "nvfp4")
+    cfg = compose(["campaign=marlin_dense", "grid=online"], cuda=False)      # allowed on CPU, then non-binding
+    assert (cfg.device, cfg.grid.name, cfg.model.name, cfg.model.quant) == ("cpu", "online", "tiny", "mxfp4")
+    cfg = compose(["campaign=gqa_swap", "device=cpu", "tracking=off", "commit=true"], cuda=True)
+    assert (cfg.device, cfg.grid.name, cfg.tracking.enabled, cfg.commit) == ("cpu", "rehearsal", False, True)
+    cfg = compose(["campaign=gqa_swap", "tracking=remote", "tracking.uri=http://mlflow:5000"], cuda=False)
+    assert cfg.tracking.uri == "http://mlflow:5000"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["campaign=nope"], "unknown campaign 'nope'; accepted: fast_math, gqa_swap, marlin_dense, nsplits_cap"),
+    ([], "no campaign chosen; add campaign=<name>, accepted: fast_math, gqa_swap"),
+    (["campaign=gqa_swap", "grid.reps=abc"], "bad value for grid.reps ('grid.reps=abc')"),
+    (["campaign=gqa_swap", "grid.repz=3"], "unknown key 'grid.repz' in override 'grid.repz=3'; accepted keys of "
+                                           "grid: name, binding, concurrency, reps"),
+    (["campaign=gqa_swap", "grid=huge"], "unknown grid 'huge'; accepted: online, rehearsal"),
+    (["campaign=gqa_swap", "model=llama-70b"], "unknown model 'llama-70b'; accepted: "),
+    (["campaign=gqa_swap", "model.quant=int8"], "model.quant='int8' is not accepted; accepted: bf16, mxfp4, nvfp4"),
+    (["campaign=gqa_swap", "campaign.arms.candidates=[7]"], "candidate arm 7 is not valid; accepted: true/false"),
+    (["campaign=gqa_swap", "grid.concurrency=[1,2,3]"], "must have one entry per grid.concurrency [1, 2, 3]"),
+    (["campaign=gqa_swap", "tracking=remote"], "tracking=remote needs tracking.uri=<uri>"),
+    (["campaign=gqa_swap", "device=tpu"], "device='tpu' is not accepted; accepted: auto, cuda, cpu"),
+    (["campaign=gqa_swap", "allow_dirty=maybe"], "bad value for allow_dirty"),
+    (["campaign=gqa_swap", "grid.reps"], "bad override syntax"),
+    (["campaign=gqa_swap", "+foo=1"], "unknown top-level key(s) ['foo']; accepted: campaign, model, grid"),
+])
+def test_bad_overrides_give_one_clear_line(overrides, expected, capsys):
+    with pytest.raises(CampaignConfigError, match=None) as err:
+        compose(overrides, cuda=False)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    assert main(["run", *overrides, "--dry-run"]) == 2
+    assert expected in _error_line(capsys)
+
+
+def test_dry_run_prints_the_composed_config_and_plan(capsys):
+    assert main(["run", "campaign=marlin_dense", "--dry-run", "grid.reps=4", "device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "lever: marlin_dense" in out and "quant: mxfp4" in out and "reps: 4" in out
+    assert out.rstrip().splitlines()[-1].startswith("# plan: marlin_dense on cpu (non-binding), 2 arms")
+    assert "16 legs (2 concurrencies x 4 reps x 2 arms)" in out
+
+
+def test_unknown_option_is_a_usage_error(capsys):
+    assert main(["run", "campaign=gqa_swap", "--fast"]) == 2
+    assert "unknown option(s) ['--fast']" in _error_line(capsys)
+
+
+# ----------------------------------------------------------------------------------------------- views
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    ev = make_evidence(TPUT_WIN)
+    out = tmp_path / "records" / "campaigns"
+    save_evidence(ev, out / ev.campaign_id)
+    return out, ev
+
+
+def test_pr_prints_the_rendered_pr_text(out_dir, capsys):
+    out, ev = out_dir
+    assert main(["pr", ev.campaign_id, "--out-dir", str(out)]) == 0
+    assert capsys.readouterr().out == records.render_pr(ev)
+    assert main(["pr", "2026-01-01-x-0000000", "--out-dir", str(out)]) == 2
+    assert f"unknown campaign id '2026-01-01-x-0000000' under {out}; accepted: {ev.campaign_id}" in _error_line(capsys)
+
+
+def test_render_and_status(out_dir, capsys):
+    out, ev = out_dir
+    assert main(["render", "--out-dir", str(out), "--no-plots"]) == 0
+    assert "from 1 evidence file(s)" in capsys.readouterr().out
+    assert (out / ev.campaign_id / "record.md").read_text() == records.render_record(ev)
+    assert (out.parent / "STATUS.md").is_file() and (out.parent / "BENCHMARKS.md").is_file()
+    assert main(["status", "--out-dir", str(out)]) == 0
+    table = capsys.readouterr().out
+    row = next(ln for ln in table.splitlines() if "gqa_swap" in ln)
+    assert "VT_DECODE_GQA_SWAP" in row and ev.campaign_id in row and "FLIP" in row and "yes" in row
+    assert main(["render", "--out-dir", str(out / "nowhere")]) == 2
+    assert "no campaigns directory" in _error_line(capsys)

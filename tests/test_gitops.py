@@ -1,0 +1,106 @@
+"""The git side of a campaign on a real temporary repository: the tree's state, and the flip commit on
+row/<lever>-flip (only the default line changes, the records ride along, the message is the PR text, and the
+user's checkout is left exactly as it was)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import git
+import pytest
+
+from campaigns.gitops import GitOpsError, flip_commit, repo_state
+from vtengine.levers import LEVER_DIR
+
+PR_TEXT = "row/gqa_swap: default off → on — total tok/s ×1.099 at c1 (WIN)\n\n## Correctness\n\n- op: PASS\n"
+
+
+@pytest.fixture
+def repo(tmp_path) -> git.Repo:
+    r = git.Repo.init(tmp_path, initial_branch="main")
+    with r.config_writer() as cw:
+        cw.set_value("user", "name", "Test")
+        cw.set_value("user", "email", "test@example.com")
+    shutil.copytree(LEVER_DIR, tmp_path / "conf" / "lever")
+    (tmp_path / "README.md").write_text("project\n")
+    r.index.add(["README.md"] + [f"conf/lever/{p.name}" for p in sorted(LEVER_DIR.glob("*.yaml"))])
+    r.index.commit("base")
+    return r
+
+
+def _records(root: Path) -> list[Path]:
+    cdir = root / "records" / "campaigns" / "2026-11-30-gqa_swap-abc1234"
+    cdir.mkdir(parents=True)
+    files = []
+    for name, text in (("evidence.json", '{"x": 1}\n'), ("record.md", "## row/gqa_swap\n"), ("pr.md", PR_TEXT)):
+        (cdir / name).write_text(text)
+        files.append(cdir / name)
+    (root / "records" / "STATUS.md").write_text("# Lever status\n")
+    return files + [root / "records" / "STATUS.md"]
+
+
+def test_repo_state_sees_sha_branch_and_dirt(repo):
+    root = Path(repo.working_tree_dir)
+    st = repo_state(root)
+    assert st.sha == repo.head.commit.hexsha and st.short_sha == st.sha[:7] and st.branch == "main" and not st.dirty
+    (root / "README.md").write_text("changed\n")
+    (root / "records").mkdir()
+    (root / "records" / "new.md").write_text("x\n")
+    st = repo_state(root)
+    assert st.dirty and st.dirty_files == ["README.md", "records/new.md"]
+    assert repo_state(root, ignore=("records",)).dirty_files == ["README.md"]
+    with pytest.raises(GitOpsError, match="not inside a git repository"):
+        repo_state(root.parent / "elsewhere-not-a-repo")
+
+
+def test_flip_commit_changes_only_the_default_line(repo):
+    root = Path(repo.working_tree_dir)
+    files = _records(root)
+    base = repo.head.commit.hexsha
+    lever_before = (root / "conf/lever/gqa_swap.yaml").read_text()
+
+    out = flip_commit(root, "gqa_swap", True, files, PR_TEXT)
+
+    assert out["branch"] == "row/gqa_swap-flip" and out["base"] == base and out["previous"] == ""
+    commit = repo.commit(out["commit"])
+    assert repo.heads["row/gqa_swap-flip"].commit == commit
+    assert commit.message == PR_TEXT and [p.hexsha for p in commit.parents] == [base]
+    changed = sorted(d.b_path for d in repo.commit(base).diff(commit))
+    assert changed == ["conf/lever/gqa_swap.yaml", "records/STATUS.md",
+                       "records/campaigns/2026-11-30-gqa_swap-abc1234/evidence.json",
+                       "records/campaigns/2026-11-30-gqa_swap-abc1234/pr.md",
+                       "records/campaigns/2026-11-30-gqa_swap-abc1234/record.md"]
+    diff = repo.git.diff(base, commit.hexsha, "--unified=0", "--", "conf/lever/gqa_swap.yaml")
+    body = [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    assert body == ["-default: false", "+default: true"]
+    # The user's checkout is untouched: same branch and HEAD, lever file unchanged, records still on disk.
+    assert repo.active_branch.name == "main" and repo.head.commit.hexsha == base
+    assert (root / "conf/lever/gqa_swap.yaml").read_text() == lever_before
+    assert all(f.is_file() for f in files) and not repo.index.diff(None)
+
+
+def test_flip_commit_updates_the_branch_to_one_commit_on_the_new_base(repo):
+    root = Path(repo.working_tree_dir)
+    files = _records(root)
+    first = flip_commit(root, "nsplits_cap", "auto", files, "row/nsplits_cap: default off → auto — x\n")
+    (root / "README.md").write_text("moved on\n")
+    repo.index.add(["README.md"])
+    new_base = repo.index.commit("later work").hexsha
+    second = flip_commit(root, "nsplits_cap", "auto", files, "row/nsplits_cap: default off → auto — y\n")
+    assert second["previous"] == first["commit"] and second["base"] == new_base
+    tip = repo.heads["row/nsplits_cap-flip"].commit
+    assert tip.hexsha == second["commit"] and tip.parents[0].hexsha == new_base
+    assert 'default: "auto"' in tip.tree["conf/lever/nsplits_cap.yaml"].data_stream.read().decode()
+
+
+def test_flip_commit_refuses_bad_inputs(repo, tmp_path_factory):
+    root = Path(repo.working_tree_dir)
+    outside = tmp_path_factory.mktemp("outside") / "x.md"
+    outside.write_text("x\n")
+    with pytest.raises(GitOpsError, match="outside the repository"):
+        flip_commit(root, "gqa_swap", True, [outside], PR_TEXT)
+    with pytest.raises(GitOpsError, match=r"lever file .*nope.yaml does not exist"):
+        flip_commit(root, "nope", True, [], PR_TEXT)
+    with pytest.raises(GitOpsError, match="record file .* does not exist"):
+        flip_commit(root, "gqa_swap", True, [root / "records" / "missing.md"], PR_TEXT)
+    assert "row/gqa_swap-flip" not in repo.heads

@@ -1,0 +1,100 @@
+"""MLflow layout against a real sqlite store: experiment per lever, parent run per campaign with its tags, nested
+children per gate x arm and per leg, a summary run per arm with metrics at step = concurrency, artifacts, and
+re-logging that replaces rather than duplicates. One store per module (MLflow's sqlite set-up takes seconds)."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from campaigns import records, tracking
+from campaigns.cli import main
+from campaigns.evidence import save_evidence
+from test_policy import TPUT_WIN, make_evidence
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    ev = make_evidence(TPUT_WIN)
+    ev.legs[0].gpu_samples = [{"sm_clock_mhz": 1980.0, "temp_c": 41.0}, {"sm_clock_mhz": 1965.0, "temp_c": 44.0}]
+    cdir = root / "campaigns" / ev.campaign_id
+    save_evidence(ev, cdir)
+    records.write_campaign(ev, cdir, plot=False)
+    parent_id = tracking.log_evidence(ev, uri, campaign_dir=cdir)
+    c = tracking.client(uri)
+    exp = c.get_experiment_by_name("vtcampaign/gqa_swap")
+    return {"uri": uri, "root": root, "ev": ev, "cdir": cdir, "parent": parent_id, "client": c, "exp": exp}
+
+
+def _runs(store, kind=None):
+    runs = tracking.campaign_runs(store["client"], store["exp"].experiment_id, store["ev"].campaign_id)
+    return [r for r in runs if kind is None or r.data.tags.get(tracking.KIND_TAG) == kind]
+
+
+def test_parent_run_carries_the_campaign_tags(store):
+    ev, c = store["ev"], store["client"]
+    assert store["exp"] is not None and store["exp"].artifact_location.startswith(
+        (store["root"] / "mlartifacts").as_uri())              # beside the db, not ./mlruns of the cwd
+    parent = c.get_run(store["parent"])
+    tags = parent.data.tags
+    assert (tags["lever"], tags["verdict"], tags["git_sha"], tags["dirty"], tags["device"]) == (
+        "gqa_swap", "FLIP", ev.fingerprint.git_sha, "false", "NVIDIA H200")
+    assert tags[tracking.CAMPAIGN_TAG] == ev.campaign_id and parent.info.status == "FINISHED"
+    assert parent.data.params["grid.reps"] == "3" and parent.data.params["campaign.lever"] == "gqa_swap"
+    hist = c.get_metric_history(store["parent"], "ratio/on/total_token_throughput")
+    assert sorted((m.step, round(m.value, 6)) for m in hist) == [(c_, round(111 / 101, 6)) for c_ in (1, 2, 4, 8)]
+    names = {f.path for f in c.list_artifacts(store["parent"])}
+    assert {"evidence.json", "record.md", "pr.md"} <= names
+
+
+def test_children_are_nested_per_gate_arm_and_per_leg(store):
+    ev = store["ev"]
+    gates, legs = _runs(store, "gate"), _runs(store, "leg")
+    assert len(gates) == len(ev.gates) == 14 and len(legs) == len(ev.legs) == 24
+    for r in gates + legs + _runs(store, "arm-summary"):
+        assert r.data.tags["mlflow.parentRunId"] == store["parent"]
+    op_on = next(r for r in gates if r.data.tags["gate"] == "op" and r.data.tags["arm"] == "on")
+    assert op_on.data.tags["byte_exact"] == "true" and op_on.data.metrics["checks"] == 8
+    leg = next(r for r in legs if r.data.tags["concurrency"] == "4" and r.data.tags["rep"] == "2"
+               and r.data.tags["arm"] == "on")
+    assert leg.data.metrics["total_token_throughput"] == 112.0
+    clocks = store["client"].get_metric_history(ev.legs[0] and next(
+        r.info.run_id for r in legs if r.data.tags["order_index"] == "0"), "sm_clock_mhz")
+    assert sorted((m.step, m.value) for m in clocks) == [(0, 1980.0), (1, 1965.0)]
+
+
+def test_arm_summaries_log_medians_at_step_concurrency(store):
+    ev, c = store["ev"], store["client"]
+    arms = {r.data.tags["arm"]: r for r in _runs(store, "arm-summary")}
+    assert set(arms) == {"off", "on"}
+    for arm, run in arms.items():
+        hist = c.get_metric_history(run.info.run_id, "total_token_throughput")
+        expected = {cc: statistics.median(leg.metrics["total_token_throughput"] for leg in ev.legs
+                                          if leg.arm == arm and leg.concurrency == cc) for cc in (1, 2, 4, 8)}
+        assert {m.step: m.value for m in hist} == expected
+    assert arms["on"].data.params["env"] == "VT_DECODE_GQA_SWAP=on"
+
+
+def test_relogging_replaces_instead_of_duplicating(store):
+    c = store["client"]
+    before = {r.info.run_id for r in _runs(store)}
+    assert len(before) == 1 + 14 + 24 + 2
+    new_parent = tracking.log_evidence(store["ev"], store["uri"], campaign_dir=store["cdir"])
+    after = {r.info.run_id for r in _runs(store)}
+    assert len(after) == len(before) and not (after & before) and new_parent in after
+    assert c.get_run(store["parent"]).info.lifecycle_stage == "deleted"
+    store["parent"] = new_parent
+
+
+def test_cli_log_ingests_an_evidence_file_written_with_tracking_off(store, capsys):
+    ev = make_evidence(TPUT_WIN, lever="fast_math", campaign_id="2026-11-30-fast_math-abc1234")
+    cdir = store["root"] / "campaigns" / ev.campaign_id
+    save_evidence(ev, cdir)
+    assert main(["log", str(cdir / "evidence.json"), "--tracking-uri", store["uri"]]) == 0
+    assert "logged 2026-11-30-fast_math-abc1234" in capsys.readouterr().out
+    exp = store["client"].get_experiment_by_name("vtcampaign/fast_math")
+    runs = tracking.campaign_runs(store["client"], exp.experiment_id, ev.campaign_id)
+    assert sum(r.data.tags.get(tracking.KIND_TAG) == "campaign" for r in runs) == 1
+    assert main(["log", str(cdir / "missing.json"), "--tracking-uri", store["uri"]]) == 2
