@@ -117,10 +117,10 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
         e = (e + too_small.to(torch.int32)).clamp(0, 254)
         scales = e.to(torch.uint8)
         scale_f = e8m0_to_float(scales)
-        global_scale = torch.tensor(1.0)
+        global_scale = torch.ones((), dtype=torch.float32, device=w.device)
     else:
         tensor_amax = wf.abs().amax()
-        g = (tensor_amax / (E4M3_MAX * E2M1_MAX)) if tensor_amax > 0 else torch.tensor(1.0)
+        g = (tensor_amax / (E4M3_MAX * E2M1_MAX)) if tensor_amax > 0 else torch.ones((), device=w.device)
         global_scale = g.float().reshape(())
         block_scale = (amax / E2M1_MAX / global_scale).clamp(max=E4M3_MAX)
         scales = block_scale.to(torch.float8_e4m3fn).view(torch.uint8)

@@ -1,0 +1,251 @@
+"""Fused elementwise / row kernels: RMSNorm, add + RMSNorm, SiLU-and-mul, neox RoPE, greedy argmax.
+
+The torch references are the methods of the same names on ``TorchBackend`` (vtengine/backends/torch_backend.py);
+each launcher here returns what its reference returns, with the same rounding points (fp32 math, one rounding to
+the activation dtype where the reference rounds). All of them are bound by HBM bytes (each input read once, each
+output written once) except at tiny shapes, where launch latency dominates.
+"""
+from __future__ import annotations
+
+import vtengine.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU hosts before triton is imported)
+
+import torch
+import triton
+import triton.language as tl
+
+from vtengine import counters
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as [rows, last dim] with a unit last stride (a copy only when no such view exists)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _row_warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RMSNorm and add + RMSNorm
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _inv_rms(x, H, eps, FAST_MATH: tl.constexpr):
+    ms = tl.sum(x * x, axis=0) / H
+    if FAST_MATH:
+        return tl.math.rsqrt(ms + eps)                 # rsqrt.approx.f32
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))   # IEEE sqrt and IEEE division
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, stride_out, eps,
+                     BLOCK_H: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Grid (rows,). One program normalizes one row of H <= BLOCK_H elements in fp32 registers; bound by HBM
+    bytes (2 x H x 2 B per row) once rows fill the SMs."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * _inv_rms(x, H, eps, FAST_MATH) * w
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, H, stride_x, stride_res, stride_out,
+                         stride_new_res, eps, BLOCK_H: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Grid (rows,). new_residual = round(x + residual) to the activation dtype (as HF does), then RMSNorm of
+    that rounded sum; one read of x and residual, one write of each output. Bound by HBM bytes."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+    summed = (x + r).to(new_res_ptr.dtype.element_ty)
+    tl.store(new_res_ptr + row * stride_new_res + offs, summed, mask=mask)
+    s = summed.to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = s * _inv_rms(s, H, eps, FAST_MATH) * w
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name}: weight shape {tuple(weight.shape)} does not match the last dim of x "
+                         f"{tuple(x.shape)}; expected [{x.shape[-1]}]")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fast_math: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x (any leading shape); the result has x's shape and dtype."""
+    _check_norm(x, weight, "rms_norm")
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows, h = x2.shape
+    block = triton.next_power_of_2(h)
+    grid = (rows,)
+    if rows:
+        _rms_norm_kernel[grid](x2, weight, out, h, x2.stride(0), out.stride(0), eps,
+                               BLOCK_H=block, FAST_MATH=bool(fast_math), num_warps=_row_warps(block))
+    counters.record("rms_norm", "fast_math" if fast_math else "precise", grid=grid,
+                    variant=("rms_norm", block, bool(fast_math)))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 fast_math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first, as the reference does."""
+    _check_norm(x, weight, "add_rms_norm")
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    x2, r2 = _rows(x), _rows(residual)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows, h = x2.shape
+    block = triton.next_power_of_2(h)
+    grid = (rows,)
+    if rows:
+        _add_rms_norm_kernel[grid](x2, r2, weight, out, new_res, h, x2.stride(0), r2.stride(0), out.stride(0),
+                                   new_res.stride(0), eps, BLOCK_H=block, FAST_MATH=bool(fast_math),
+                                   num_warps=_row_warps(block))
+    counters.record("rms_norm", "fast_math" if fast_math else "precise", grid=grid,
+                    variant=("add_rms_norm", block, bool(fast_math)))
+    return out.view(x.shape), new_res.view(x.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SiLU and mul
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constexpr):
+    """Grid (T, cdiv(I, BLOCK)). out[t, i] = silu(gate[t, i]) * up[t, i], gate = gate_up[:, :I]; fp32 math, one
+    rounding. Bound by HBM bytes (3 x I x 2 B per token)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + t * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul expects gate_up [T, 2I], got shape {tuple(gate_up.shape)}")
+    gu = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+    t, i = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty((t, i), dtype=gu.dtype, device=gu.device)
+    block = min(1024, triton.next_power_of_2(max(i, 16)))
+    grid = (t, triton.cdiv(i, block))
+    if t and i:
+        _silu_mul_kernel[grid](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    counters.record("silu_mul", "default", grid=grid, variant=("silu_mul", block))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RoPE (neox: rotate halves)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr, HQ, HK,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                 stride_qot, stride_qoh, stride_kot, stride_koh,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Grid (T,). One program rotates every q and k head of one token: cos/sin [HALF] read once, heads as rows of
+    a [BLOCK_H, HALF] tile. out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin in fp32. Bound by HBM bytes."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cs_ptr + pos * stride_cs + d)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d)[None, :]
+    h = tl.arange(0, BLOCK_H)[:, None]
+
+    qm = h < HQ
+    q1 = tl.load(q_ptr + t * stride_qt + h * stride_qh + d[None, :], mask=qm, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + t * stride_qt + h * stride_qh + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32)
+    qo = q_out_ptr + t * stride_qot + h * stride_qoh + d[None, :]
+    tl.store(qo, (q1 * cos - q2 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+    tl.store(qo + HALF, (q2 * cos + q1 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+
+    km = h < HK
+    k1 = tl.load(k_ptr + t * stride_kt + h * stride_kh + d[None, :], mask=km, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptr + t * stride_kt + h * stride_kh + HALF + d[None, :], mask=km, other=0.0).to(tl.float32)
+    ko = k_out_ptr + t * stride_kot + h * stride_koh + d[None, :]
+    tl.store(ko, (k1 * cos - k2 * sin).to(k_out_ptr.dtype.element_ty), mask=km)
+    tl.store(ko + HALF, (k2 * cos + k1 * sin).to(k_out_ptr.dtype.element_ty), mask=km)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+    """Neox rotary embedding. q [T, Hq, D], k [T, Hkv, D] (views with strided tokens/heads are fine), positions [T]
+    int, cos_sin [max_pos, D] (cos in [:, :D/2], sin in [:, D/2:]). Returns new (q, k)."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"rope expects q [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if d % 2 or (d // 2) & (d // 2 - 1):
+        raise ValueError(f"rope: head_dim {d} must be twice a power of two (e.g. 64, 128)")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != d:
+        raise ValueError(f"rope: cos_sin shape {tuple(cos_sin.shape)} must be [max_pos, {d}]")
+    if positions.shape != (t,):
+        raise ValueError(f"rope: positions shape {tuple(positions.shape)} must be [{t}]")
+    q = q if q.stride(2) == 1 else q.contiguous()
+    k = k if k.stride(2) == 1 else k.contiguous()
+    cs = cos_sin if cos_sin.stride(1) == 1 else cos_sin.contiguous()
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
+    block_h = triton.next_power_of_2(max(hq, hk))
+    grid = (t,)
+    if t:
+        _rope_kernel[grid](q, k, positions, cs, q_out, k_out, hq, hk,
+                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), cs.stride(0),
+                           q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+                           HALF=d // 2, BLOCK_H=block_h, num_warps=4)
+    counters.record("rope", "default", grid=grid, variant=("rope", d, block_h))
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# greedy argmax
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _argmax_kernel(logits_ptr, out_ptr, V, stride_b, BLOCK_V: tl.constexpr):
+    """Grid (B,). One program scans one row of V logits in BLOCK_V chunks, keeping the running max and the lowest
+    index reaching it (a later chunk replaces it only when strictly greater), as torch.argmax does. NaN counts as
+    the largest value, again as torch.argmax. Bound by HBM bytes (V x 2 or 4 B per row)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    best_val = -float("inf")
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        idx = start + offs
+        v = tl.load(logits_ptr + b * stride_b + idx, mask=idx < V, other=-float("inf")).to(tl.float32)
+        v = tl.where(v != v, float("inf"), v)          # NaN -> +inf so it wins, lowest NaN index first
+        m = tl.max(v, axis=0)
+        i = tl.min(tl.where(v == m, idx, V), axis=0)   # lowest index reaching the chunk max
+        take = (m > best_val) | ((start == 0) & (m == best_val))
+        best_idx = tl.where(take, i, best_idx)
+        best_val = tl.where(take, m, best_val)
+    tl.store(out_ptr + b, best_idx.to(tl.int64))
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy token ids: argmax over the last dim of logits [B, V], lowest index on ties; int64 [B]."""
+    if logits.dim() != 2:
+        raise ValueError(f"argmax expects logits [B, V], got shape {tuple(logits.shape)}")
+    lg = logits if logits.stride(1) == 1 else logits.contiguous()
+    b, v = lg.shape
+    out = torch.empty(b, dtype=torch.int64, device=lg.device)
+    block = min(8192, triton.next_power_of_2(max(v, 16)))
+    grid = (b,)
+    if b and v:
+        _argmax_kernel[grid](lg, out, v, lg.stride(0), BLOCK_V=block, num_warps=8)
+    counters.record("argmax", "default", grid=grid, variant=("argmax", block))
+    return out

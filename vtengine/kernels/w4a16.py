@@ -1,0 +1,424 @@
+"""W4A16 GEMM: y = x @ W^T with W [N, K] stored as MXFP4 or NVFP4 (vtengine/quant.py), dequantized in-kernel.
+
+The torch reference is ``TorchBackend.linear`` (``quant.dequantize`` + an fp32 matmul). Neither route below ever
+materializes W in bf16: each program loads packed bytes and scale bytes and turns them into bf16 in registers.
+
+Two routes, chosen by the lever ``marlin_dense`` (conf/lever/marlin_dense.yaml):
+
+- ``dense`` (ON): A rows are read directly. For M <= 16 the tiles are swapped (swap-AB): a BLOCK_N slice of W is
+  the MMA's M side and the tokens, padded to 16, are its N side, so a program streams its W rows once over K, as
+  a GEMV does; split-K (fp32 atomics) adds programs when N / BLOCK_N leaves the SMs idle. For M > 16 (prefill)
+  plain [BLOCK_M, BLOCK_N] output tiles.
+- ``grouped`` (OFF): the route a fused-MoE kernel takes with one expert (E = 1). An align step writes
+  sorted_token_ids padded to a multiple of BLOCK_M (vLLM's moe_align_block_size with one expert: every token goes
+  to expert 0, pads carry the sentinel M), then the GEMM gathers its A rows through it, masking rows past M.
+
+Decoding e2m1 in registers (why the bit tricks): a code is sign | e1 e0 | m. Moving e1 e0 m to bf16 bits 8..6
+and the sign to bit 15 gives a bf16 equal to value * 2**-126 (exponent-0 codes land on bf16 subnormals, exactly
+e2m1's own subnormal 0.5), with no table and no branch. The 2**126 is folded into the scale:
+MXFP4 scale 2**(e-127) becomes the bf16 2**(e-1) (bits (e+126) << 7), exact while e <= 128 (block amax <= 12);
+NVFP4 scale e4m3 becomes e4m3 * 2**117 (exact, at most 2**126) and the remaining 2**9 * global is applied once to
+the fp32 accumulator. A weight with an MXFP4 exponent byte above 128 takes the ``wide`` decode (codes as fp16,
+value * 2**-14, scaled in fp32); the launcher checks that once per weight and caches the answer.
+"""
+from __future__ import annotations
+
+import vtengine.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU hosts before triton is imported)
+
+import torch
+import triton
+import triton.language as tl
+
+from vtengine import counters
+from vtengine.kernels import dot_dtype
+from vtengine.quant import BLOCK, QuantizedWeight
+
+# --------------------------------------------------------------------------------------------------------------
+# decode helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+# PTX for one 32-bit word of packed codes (elements e0..e7 in nibbles 0..7, little-endian bytes) -> 8 bf16.
+# bf16x2 pair j holds (e_j, e_j+4): both sit 16 bits apart in the word, so one shift moves a pair's magnitude bits
+# (3) to bf16 bits 8..6 / 24..22 and a second shift its sign bits to 15 / 31; an fma by the duplicated scale
+# (plus -0, so zero signs survive) applies the block scale. 15 integer ops + 4 fma per 8 weights.
+_DECODE_WORD_ASM = tl.constexpr("""
+{
+.reg .b32 s2, m, g, o, z;
+mov.b32 s2, {$9, $9};
+mov.b32 z, 0x80008000;
+shl.b32 m, $8, 6;
+shl.b32 g, $8, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 g, g, 0x80008000;
+or.b32 o, m, g;
+fma.rn.bf16x2 o, o, s2, z;
+mov.b32 {$0, $4}, o;
+shl.b32 m, $8, 2;
+shl.b32 g, $8, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 g, g, 0x80008000;
+or.b32 o, m, g;
+fma.rn.bf16x2 o, o, s2, z;
+mov.b32 {$1, $5}, o;
+shr.b32 m, $8, 2;
+shl.b32 g, $8, 4;
+and.b32 m, m, 0x01C001C0;
+and.b32 g, g, 0x80008000;
+or.b32 o, m, g;
+fma.rn.bf16x2 o, o, s2, z;
+mov.b32 {$2, $6}, o;
+shr.b32 m, $8, 6;
+and.b32 m, m, 0x01C001C0;
+and.b32 g, $8, 0x80008000;
+or.b32 o, m, g;
+fma.rn.bf16x2 o, o, s2, z;
+mov.b32 {$3, $7}, o;
+}
+""")
+
+
+@triton.jit
+def _interleave8(e0, e1, e2, e3, e4, e5, e6, e7):
+    """Eight [R, C] tensors (element k of each 8-code word) -> [R, C*8] in the kernel's K order within a word:
+    e0 e4 e1 e5 e2 e6 e3 e7, i.e. the bf16x2 pairs (e_j, e_j+4) the word decode produces, so each pair stays one
+    32-bit MMA operand register. A is permuted to the same order (_pair_order). tl.join appends a minor dim: the
+    last join supplies the least significant bit of the position."""
+    r: tl.constexpr = e0.shape[0]
+    c: tl.constexpr = e0.shape[1]
+    lo = tl.join(tl.join(e0, e2), tl.join(e1, e3))
+    hi = tl.join(tl.join(e4, e6), tl.join(e5, e7))
+    return tl.reshape(tl.join(lo, hi), [r, c * 8])
+
+
+@triton.jit
+def _pair_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile [BLOCK_M, BLOCK_K] in natural K order -> the kernel's K order (see _interleave8): within each group
+    of 8, position 2j + h holds element 4h + j."""
+    a = tl.reshape(a, [BLOCK_M, BLOCK_K // 8, 2, 4])
+    return tl.reshape(tl.permute(a, (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
+
+
+@triton.jit
+def _dequant_tile(words, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                  NVFP4: tl.constexpr, DECODE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """words [BLOCK_N, BLOCK_K/8] int32 (8 codes each), sc [BLOCK_N, BLOCK_K/SCALE_BLOCK] uint8 scale bytes ->
+    W tile [BLOCK_N, BLOCK_K] in OUT_DTYPE, K in the kernel's order (_interleave8: a permutation inside each
+    8-code word, so a scale block, a whole number of words, keeps its columns).
+
+    DECODE 0 (wide): codes as fp16 (value * 2**-14, exact through the fp16->fp32 conversion) times fp32 scales;
+    any scale, and the only path the interpreter runs. DECODE 1: bf16 (value * 2**-126) per element times the
+    bf16-folded scale. DECODE 2: the same bits built per 32-bit word in PTX (_DECODE_WORD_ASM); GPU only."""
+    NSB: tl.constexpr = BLOCK_K // SCALE_BLOCK
+    WPB: tl.constexpr = SCALE_BLOCK // 8
+    if DECODE == 0:
+        if NVFP4:
+            s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+        else:
+            # 2**(e-127) * 2**14 as fp32 bits; normal for every e in [0, 240]
+            s = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+        u = words.to(tl.uint32, bitcast=True)
+        e0 = (((u & 0x8) << 12) | ((u & 0x7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        e1 = (((u & 0x80) << 8) | ((u & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        e2 = (((u & 0x800) << 4) | ((u & 0x700) << 1)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        e3 = ((u & 0x8000) | ((u & 0x7000) >> 3)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        u = u >> 16
+        e4 = (((u & 0x8) << 12) | ((u & 0x7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        e5 = (((u & 0x80) << 8) | ((u & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        e6 = (((u & 0x800) << 4) | ((u & 0x700) << 1)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        e7 = ((u & 0x8000) | ((u & 0x7000) >> 3)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        w = tl.reshape(_interleave8(e0, e1, e2, e3, e4, e5, e6, e7), [BLOCK_N, NSB, SCALE_BLOCK])
+        w = w * s[:, :, None]
+        return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(OUT_DTYPE)
+    else:
+        if NVFP4:
+            s = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 1.6615349947311448e35).to(tl.bfloat16)
+        else:
+            s = ((sc.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)
+        if DECODE == 1:
+            u = words.to(tl.uint32, bitcast=True)
+            e0 = (((u & 0x8) << 12) | ((u & 0x7) << 6)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            e1 = (((u & 0x80) << 8) | ((u & 0x70) << 2)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            e2 = (((u & 0x800) << 4) | ((u & 0x700) >> 2)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            e3 = ((u & 0x8000) | ((u & 0x7000) >> 6)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            u = u >> 16
+            e4 = (((u & 0x8) << 12) | ((u & 0x7) << 6)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            e5 = (((u & 0x80) << 8) | ((u & 0x70) << 2)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            e6 = (((u & 0x800) << 4) | ((u & 0x700) >> 2)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            e7 = ((u & 0x8000) | ((u & 0x7000) >> 6)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            w = tl.reshape(_interleave8(e0, e1, e2, e3, e4, e5, e6, e7), [BLOCK_N, NSB, SCALE_BLOCK])
+            w = w * s[:, :, None]
+            return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(OUT_DTYPE)
+        else:
+            s_w = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, NSB, WPB]), [BLOCK_N, BLOCK_K // 8])
+            e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+                _DECODE_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, s_w],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+            return _interleave8(e0, e1, e2, e3, e4, e5, e6, e7).to(OUT_DTYPE)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the GEMM
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, num_post_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, REPACKED: tl.constexpr,
+):
+    """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
+    (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
+    Per K step a program loads W [BLOCK_N, BLOCK_K/2] packed bytes + [BLOCK_N, BLOCK_K/block] scale bytes and
+    A [BLOCK_M, BLOCK_K]. SWAP_AB accumulates [BLOCK_N, BLOCK_M] = W @ A^T (decode: M <= 16, bound by W's bytes:
+    0.53 B/weight for MXFP4, 0.56 for NVFP4); otherwise [BLOCK_M, BLOCK_N] = A @ W^T (prefill, bound by the MMA
+    rate once M is a few hundred). SPLIT_K > 1 adds fp32 partials into a zeroed fp32 y with atomics."""
+    SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GATHER:
+        if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+            return
+        rows = tl.load(sorted_ids_ptr + offs_m)
+        row_mask = rows < M
+    else:
+        rows = offs_m
+        row_mask = offs_m < M
+    rows_ld = tl.where(row_mask, rows, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # out-of-range W rows read row 0 instead of being masked: the loads stay unpredicated, the store is masked
+    offs_n_ld = tl.where(n_mask, offs_n, 0)
+
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+
+    offs_b = tl.arange(0, BLOCK_K // 8)
+    offs_s = tl.arange(0, BLOCK_K // SCALE_BLOCK)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo // 8 + offs_b)[None, :]
+    s_ptrs = s_ptr + offs_n_ld[:, None].to(tl.int64) * stride_sn + (k_lo // SCALE_BLOCK + offs_s)[None, :]
+    x_ptrs = x_ptr + rows_ld[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
+
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            p = tl.load(w_ptrs)
+            sc = tl.load(s_ptrs)
+            a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            kb = k0 + 8 * offs_b < k_hi
+            p = tl.load(w_ptrs, mask=kb[None, :], other=0)
+            sc = tl.load(s_ptrs, mask=(k0 + offs_s * SCALE_BLOCK < k_hi)[None, :], other=0)
+            a = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + offs_k < k_hi)[None, :], other=0.0)
+        w = _dequant_tile(p, sc, BLOCK_N, BLOCK_K, SCALE_BLOCK, NVFP4, DECODE, DOT_DTYPE)
+        if not REPACKED:
+            a = _pair_order(a, BLOCK_M, BLOCK_K)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc)
+        else:
+            acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc)
+        w_ptrs += BLOCK_K // 8
+        s_ptrs += BLOCK_K // SCALE_BLOCK
+        x_ptrs += BLOCK_K
+
+    if NVFP4:
+        if DECODE == 0:
+            acc = acc * tl.load(gs_ptr)
+        else:
+            acc = acc * (tl.load(gs_ptr) * 512.0)   # the 2**9 left over from the 2**117 folded into the scales
+    if SWAP_AB:
+        y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        y_mask = n_mask[:, None] & row_mask[None, :]
+    else:
+        y_ptrs = y_ptr + rows_ld[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        y_mask = row_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the align step of the grouped route
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_align_e1_kernel(sorted_ids_ptr, expert_ids_ptr, num_post_ptr, M, BLOCK_M: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    """Grid (1,). With one expert every token is routed to expert 0, so vLLM's moe_align_block_size reduces to:
+    sorted_token_ids = [0, 1, ..., M-1] followed by the sentinel M up to a multiple of BLOCK_M, expert_ids = 0
+    per BLOCK_M block, num_tokens_post_padded = that multiple. Bound by launch latency (a few KB written)."""
+    padded = tl.cdiv(M, BLOCK_M) * BLOCK_M
+    for start in range(0, padded, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.where(offs < M, offs, M), mask=offs < padded)
+        blk = start // BLOCK_M + tl.arange(0, CHUNK // BLOCK_M)
+        tl.store(expert_ids_ptr + blk, tl.zeros_like(blk), mask=blk < padded // BLOCK_M)
+    tl.store(num_post_ptr, padded)
+
+
+def moe_align_e1(m: int, block_m: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids [padded] int32, expert_ids [padded / block_m] int32, num_tokens_post_padded [1] int32)."""
+    padded = triton.cdiv(m, block_m) * block_m
+    sorted_ids = torch.empty(padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(padded // block_m, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    chunk = max(block_m, min(1024, triton.next_power_of_2(padded)))
+    _moe_align_e1_kernel[(1,)](sorted_ids, expert_ids, num_post, m, BLOCK_M=block_m, CHUNK=chunk)
+    counters.record("moe_align", "grouped", grid=(1,))
+    return sorted_ids, expert_ids, num_post
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tile choice
+# --------------------------------------------------------------------------------------------------------------
+
+NUM_SMS_DEFAULT = 132
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = NUM_SMS_DEFAULT) -> dict:
+    """Tiles of the dense route (lever ON). M <= 16: swap-AB GEMV tiles; split-K when N / BLOCK_N programs would
+    leave SMs without a second program. M > 16: prefill tiles."""
+    if m <= 16:
+        block_n = 32 if n <= 8192 else 64
+        block_k = 256
+        programs = triton.cdiv(n, block_n)
+        split = 1
+        # at least ~2 programs per SM so each SM keeps two W streams in flight; keep >= 4 K steps per split
+        while programs * split < 2 * num_sms and k // (block_k * split * 2) >= 4:
+            split *= 2
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP_AB=True,
+                    num_warps=4, num_stages=4)
+    block_m = 64 if m <= 64 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False,
+                num_warps=4 if block_m == 64 else 8, num_stages=3)
+
+
+def grouped_config(m: int, n: int, k: int, fmt: str, num_sms: int = NUM_SMS_DEFAULT) -> dict:
+    """Tiles of the grouped route (lever OFF), as a tuned fused-MoE kernel picks them for one expert."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4)
+    if m <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=3)
+
+
+def _interpreter_config(cfg: dict, k: int, block: int) -> dict:
+    # the interpreter runs numpy per program: keep tiles tiny but legal (tl.dot needs >= 16 per side)
+    cfg = dict(cfg)
+    cfg["BLOCK_K"] = max(2 * block, min(cfg["BLOCK_K"], 64))
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 32)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------------------------
+
+
+DECODE_WIDE, DECODE_BF16, DECODE_ASM = 0, 1, 2
+DECODE_NAMES = {DECODE_WIDE: "wide", DECODE_BF16: "bf16", DECODE_ASM: "bf16_asm"}
+
+
+def decode_path(q: QuantizedWeight) -> int:
+    """The e2m1 decode a weight takes (see _dequant_tile). Wide under the interpreter, whose bf16 arithmetic works
+    on raw bit patterns like its tl.dot (triton issue #11584), and for MXFP4 exponent bytes above 128, which
+    overflow the bf16-folded scale; that check costs one device sync at a weight's first use (warm up before
+    CUDA-graph capture) and is cached on the object. Otherwise the PTX word decode."""
+    if vtengine.kernels.INTERPRET:
+        return DECODE_WIDE
+    wide = getattr(q, "_w4a16_wide", None)
+    if wide is None:
+        wide = bool(q.fmt == "mxfp4" and q.scales.numel() and int(q.scales.max()) > 128)
+        q._w4a16_wide = wide
+    return DECODE_WIDE if wide else DECODE_ASM
+
+
+def packed_words(q: QuantizedWeight) -> torch.Tensor:
+    """The packed codes as int32 words [N, K/8] (a view: 8 codes per word, element 8i+j in nibble j)."""
+    p = q.packed
+    if p.stride(1) != 1 or p.stride(0) % 4 or p.data_ptr() % 4:
+        raise ValueError(f"w4a16: packed weight must be row-contiguous and 4-byte aligned, got strides "
+                         f"{tuple(p.stride())} at offset {p.data_ptr() % 16} mod 16")
+    return p.view(torch.int32)
+
+
+def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None) -> torch.Tensor:
+    """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
+
+    ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
+    the tile choice (benchmarks and tests); keys as returned by dense_config()."""
+    if not isinstance(qweight, QuantizedWeight):
+        raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"w4a16_linear expects x [M, K], got shape {tuple(x.shape)}")
+    n, k = qweight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"w4a16_linear: x has K={x.shape[1]} but the weight is [N={n}, K={k}]")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"w4a16_linear: x dtype {x.dtype} is not supported; accepted: bf16, fp16, fp32")
+    if x.device != qweight.device:
+        raise ValueError(f"w4a16_linear: x on {x.device} but the weight on {qweight.device}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m = x.shape[0]
+    block = BLOCK[qweight.fmt]
+    decode = decode_path(qweight)
+    route = "dense" if dense else "grouped"
+    if config is None:
+        pick = dense_config if dense else grouped_config
+        config = pick(m, n, k, qweight.fmt, _num_sms(x.device))
+        if vtengine.kernels.INTERPRET:
+            config = _interpreter_config(config, k, block)
+    cfg = dict(config)
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("SPLIT_K", 1)
+    if bk % block or bk < 2 * block:
+        raise ValueError(f"w4a16_linear: BLOCK_K={bk} must be a multiple of 2 x the {qweight.fmt} block ({block})")
+    if not dense and split != 1:
+        raise ValueError("w4a16_linear: the grouped route does not split K")
+    decode = cfg.get("DECODE", decode)
+    if decode != DECODE_WIDE and qweight.fmt == "mxfp4" and decode_path(qweight) == DECODE_WIDE:
+        raise ValueError("w4a16_linear: this MXFP4 weight has scales above 2**1 (or runs in the interpreter); "
+                         "only the wide decode (DECODE=0) handles it")
+    words = packed_words(qweight)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if dense:
+        rows, sorted_ids, num_post = m, y, y          # unused pointers when GATHER is off
+    else:
+        sorted_ids, _expert_ids, num_post = moe_align_e1(m, bm, x.device)
+        rows = sorted_ids.numel()
+    out = y if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn), split)
+    even_k = k % (bk * split) == 0
+    _w4a16_gemm_kernel[grid](
+        x, words, qweight.scales, qweight.global_scale, out, sorted_ids, num_post,
+        m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), out.stride(0),
+        NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, DOT_DTYPE=dot_dtype(x),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
+    counters.record("w4a16_gemm", route, grid=grid, splits=split,
+                    variant=(qweight.fmt, bm, bn, bk, split, "swap_ab" if cfg["SWAP_AB"] else "tile",
+                             DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3)))
+    if split > 1:
+        y.copy_(out)
+    return y
