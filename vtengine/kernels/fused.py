@@ -77,11 +77,22 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
                          f"{tuple(x.shape)}; expected [{x.shape[-1]}]")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fast_math: bool = False) -> torch.Tensor:
+def _out(out: torch.Tensor | None, shape, dtype, device, name: str) -> torch.Tensor:
+    """A caller-given output buffer (tests poison it, CUDA graphs reuse it) or a fresh one."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous {tuple(shape)} {dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fast_math: bool = False,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading shape); the result has x's shape and dtype."""
     _check_norm(x, weight, "rms_norm")
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = _out(out, x.shape, x.dtype, x.device, "rms_norm").view(x2.shape)
     rows, h = x2.shape
     block = triton.next_power_of_2(h)
     grid = (rows,)
@@ -94,14 +105,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fast_math: bool 
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 fast_math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 fast_math: bool = False, out: torch.Tensor | None = None,
+                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first, as the reference does."""
     _check_norm(x, weight, "add_rms_norm")
     if residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     x2, r2 = _rows(x), _rows(residual)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    new_res = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = _out(out, x.shape, x.dtype, x.device, "add_rms_norm").view(x2.shape)
+    new_res = _out(residual_out, x.shape, x.dtype, x.device, "add_rms_norm").view(x2.shape)
     rows, h = x2.shape
     block = triton.next_power_of_2(h)
     grid = (rows,)
@@ -132,13 +144,13 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.conste
     tl.store(out_ptr + t * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul expects gate_up [T, 2I], got shape {tuple(gate_up.shape)}")
     gu = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
     t, i = gu.shape[0], gu.shape[1] // 2
-    out = torch.empty((t, i), dtype=gu.dtype, device=gu.device)
+    out = _out(out, (t, i), gu.dtype, gu.device, "silu_mul")
     block = min(1024, triton.next_power_of_2(max(i, 16)))
     grid = (t, triton.cdiv(i, block))
     if t and i:
@@ -181,7 +193,8 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr, HQ, HK,
     tl.store(ko + HALF, (k2 * cos + k1 * sin).to(k_out_ptr.dtype.element_ty), mask=km)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+         q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None):
     """Neox rotary embedding. q [T, Hq, D], k [T, Hkv, D] (views with strided tokens/heads are fine), positions [T]
     int, cos_sin [max_pos, D] (cos in [:, :D/2], sin in [:, D/2:]). Returns new (q, k)."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -197,8 +210,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
     q = q if q.stride(2) == 1 else q.contiguous()
     k = k if k.stride(2) == 1 else k.contiguous()
     cs = cos_sin if cos_sin.stride(1) == 1 else cos_sin.contiguous()
-    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
+    q_out = _out(q_out, (t, hq, d), q.dtype, q.device, "rope")
+    k_out = _out(k_out, (t, hk, d), k.dtype, k.device, "rope")
     block_h = triton.next_power_of_2(max(hq, hk))
     grid = (t,)
     if t:
@@ -236,13 +249,13 @@ def _argmax_kernel(logits_ptr, out_ptr, V, stride_b, BLOCK_V: tl.constexpr):
     tl.store(out_ptr + b, best_idx.to(tl.int64))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy token ids: argmax over the last dim of logits [B, V], lowest index on ties; int64 [B]."""
     if logits.dim() != 2:
         raise ValueError(f"argmax expects logits [B, V], got shape {tuple(logits.shape)}")
     lg = logits if logits.stride(1) == 1 else logits.contiguous()
     b, v = lg.shape
-    out = torch.empty(b, dtype=torch.int64, device=lg.device)
+    out = _out(out, (b,), torch.int64, lg.device, "argmax")
     block = min(8192, triton.next_power_of_2(max(v, 16)))
     grid = (b,)
     if b and v:

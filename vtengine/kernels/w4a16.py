@@ -168,7 +168,7 @@ def _w4a16_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
     NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, REPACKED: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
@@ -222,12 +222,11 @@ def _w4a16_gemm_kernel(
             sc = tl.load(s_ptrs, mask=(k0 + offs_s * SCALE_BLOCK < k_hi)[None, :], other=0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + offs_k < k_hi)[None, :], other=0.0)
         w = _dequant_tile(p, sc, BLOCK_N, BLOCK_K, SCALE_BLOCK, NVFP4, DECODE, DOT_DTYPE)
-        if not REPACKED:
-            a = _pair_order(a, BLOCK_M, BLOCK_K)
+        a = _pair_order(a, BLOCK_M, BLOCK_K)
         if SWAP_AB:
-            acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc)
+            acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PREC)
         else:
-            acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc)
+            acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PREC)
         w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // SCALE_BLOCK
         x_ptrs += BLOCK_K
@@ -361,11 +360,13 @@ def packed_words(q: QuantizedWeight) -> torch.Tensor:
     return p.view(torch.int32)
 
 
-def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None) -> torch.Tensor:
+def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
     ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
-    the tile choice (benchmarks and tests); keys as returned by dense_config()."""
+    the tile choice (benchmarks and tests); keys as returned by dense_config(), plus DECODE (0 wide, 1 bf16,
+    2 PTX word decode). ``out`` [M, N] (x's dtype) receives y when given (tests poison it; graphs reuse it)."""
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
     if x.dim() != 2:
@@ -398,7 +399,13 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         raise ValueError("w4a16_linear: this MXFP4 weight has scales above 2**1 (or runs in the interpreter); "
                          "only the wide decode (DECODE=0) handles it")
     words = packed_words(qweight)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        if out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+            raise ValueError(f"w4a16_linear: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
+                             f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
+        y = out
     if m == 0:
         return y
     if dense:
@@ -406,19 +413,21 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     else:
         sorted_ids, _expert_ids, num_post = moe_align_e1(m, bm, x.device)
         rows = sorted_ids.numel()
-    out = y if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    dd = dot_dtype(x)
+    acc_out = y if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn), split)
     even_k = k % (bk * split) == 0
     _w4a16_gemm_kernel[grid](
-        x, words, qweight.scales, qweight.global_scale, out, sorted_ids, num_post,
-        m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), out.stride(0),
+        x, words, qweight.scales, qweight.global_scale, acc_out, sorted_ids, num_post,
+        m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), acc_out.stride(0),
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, DOT_DTYPE=dot_dtype(x),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, DOT_DTYPE=dd,
+        DOT_PREC="ieee" if dd == tl.float32 else "tf32",
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
                     variant=(qweight.fmt, bm, bn, bk, split, "swap_ab" if cfg["SWAP_AB"] else "tile",
                              DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3)))
     if split > 1:
-        y.copy_(out)
+        y.copy_(acc_out)
     return y

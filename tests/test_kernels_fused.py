@@ -1,0 +1,195 @@
+"""The fused kernels (vtengine/kernels/fused.py) against the torch reference backend.
+
+CPU hosts run them in Triton's interpreter with fp32 activations (its fp32 -> bf16 conversion truncates instead
+of rounding to nearest, so bf16 is only bounded loosely there); CUDA hosts run the same tests compiled, and the
+``gpu`` tests add real shapes in bf16, where the rounding points must match the reference exactly. Inputs are
+fresh random draws (seed printed), outputs are poisoned with NaN before each run.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vtengine import counters
+from vtengine.backends.torch_backend import TorchBackend, rope_cos_sin
+from vtengine.kernels import fused
+
+REF = TorchBackend()
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+BOUND = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the CPU interpreter runs the tiny-shape tests)")
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    seed = int.from_bytes(os.urandom(4), "little")
+    return torch.Generator().manual_seed(seed), seed
+
+
+def rnd(*shape, gen, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def rel_l2(out, ref):
+    if torch.isnan(out).any():
+        return float("inf")
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# -- RMSNorm ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fast_math", [False, True])
+@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 64), (1, 1000)])
+def test_rms_norm(shape, fast_math):
+    gen, seed = fresh_generator()
+    x, w = rnd(*shape, gen=gen, scale=3.0), rnd(shape[-1], gen=gen)
+    out = fused.rms_norm(x, w, 1e-6, fast_math=fast_math, out=poisoned(shape, x.dtype))
+    assert out.shape == x.shape
+    assert rel_l2(out, REF.rms_norm(x.double(), w.double(), 1e-6)) < BOUND[x.dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_add_rms_norm(fast_math):
+    gen, seed = fresh_generator()
+    x, r, w = rnd(6, 128, gen=gen), rnd(6, 128, gen=gen, scale=10.0), rnd(128, gen=gen)
+    out, new_res = fused.add_rms_norm(x, r, w, 1e-5, fast_math=fast_math, out=poisoned((6, 128), x.dtype),
+                                      residual_out=poisoned((6, 128), x.dtype))
+    ref_out, ref_res = REF.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(new_res, ref_res), f"seed {seed}: the rounded sum differs from the reference"
+    assert rel_l2(out, ref_out) < BOUND[x.dtype], f"seed {seed}"
+
+
+def test_rms_norm_counters_name_the_variant():
+    gen, _ = fresh_generator()
+    x, w = rnd(4, 64, gen=gen), rnd(64, gen=gen)
+    counters.reset()
+    fused.rms_norm(x, w, 1e-6, fast_math=False)
+    fused.add_rms_norm(x, x, w, 1e-6, fast_math=True)
+    fused.add_rms_norm(x, x, w, 1e-6, fast_math=True)
+    snap = counters.snapshot()["rms_norm"]
+    assert snap["precise"]["launches"] == 1 and snap["fast_math"]["launches"] == 2
+    assert snap["precise"]["grids"] == {"4": 1}
+    assert snap["fast_math"]["variants"] == {"('add_rms_norm', 64, True)": 2}
+
+
+# -- SiLU and mul ----------------------------------------------------------------------------------------------
+def test_silu_mul():
+    gen, seed = fresh_generator()
+    gu = rnd(7, 2 * 1500, gen=gen, scale=4.0)            # I = 1500: two column blocks, the second partial
+    out = fused.silu_mul(gu, out=poisoned((7, 1500), gu.dtype))
+    assert rel_l2(out, REF.silu_mul(gu.double())) < BOUND[gu.dtype], f"seed {seed}"
+
+
+# -- RoPE ------------------------------------------------------------------------------------------------------
+def qk_views(t, hq, hkv, d, gen, dtype=torch.float32):
+    """q and k as strided views of one fused qkv row, the way the model hands them over."""
+    qkv = rnd(t, (hq + 2 * hkv) * d, gen=gen, dtype=dtype)
+    return qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+
+
+def test_rope_matches_the_reference_on_strided_views():
+    gen, seed = fresh_generator()
+    q, k = qk_views(6, 4, 2, 64, gen)
+    pos = torch.tensor([0, 5, 3, 900, 100, 2], device=DEV)
+    cs = rope_cos_sin(64, 1024, 1e6, device=DEV)
+    qo, ko = fused.rope(q, k, pos, cs, q_out=poisoned(q.shape, q.dtype), k_out=poisoned(k.shape, k.dtype))
+    rq, rk = REF.rope(q.double(), k.double(), pos, cs.double())
+    assert rel_l2(qo, rq) < BOUND[q.dtype] and rel_l2(ko, rk) < BOUND[k.dtype], f"seed {seed}"
+
+
+def test_rope_fault_wrong_positions_fail():
+    gen, seed = fresh_generator()
+    q, k = qk_views(4, 2, 1, 32, gen)
+    pos = torch.tensor([1, 2, 3, 4], device=DEV)
+    cs = rope_cos_sin(32, 64, 1e4, device=DEV)
+    rq, _ = REF.rope(q, k, pos, cs)
+    assert rel_l2(fused.rope(q, k, pos, cs)[0], rq) < BOUND[q.dtype]
+    assert rel_l2(fused.rope(q, k, pos + 1, cs)[0], rq) > 1e-2, f"seed {seed}: an off-by-one position passed"
+
+
+# -- argmax ----------------------------------------------------------------------------------------------------
+def test_argmax_lowest_index_on_ties_across_chunks():
+    gen, seed = fresh_generator()
+    v = 20000                                          # three 8192-wide chunks, the last partial
+    lg = rnd(5, v, gen=gen)
+    lg[0, 100] = lg[0, 9000] = 50.0                    # tie across chunks: the first wins
+    lg[1, 19999] = 50.0                                # the maximum in the tail
+    lg[2, 8191] = lg[2, 8192] = 50.0                   # tie across a chunk boundary
+    lg[3] = float("-inf")                              # all -inf: index 0, like torch
+    lg[4, 7] = lg[4, 3] = 50.0                         # tie inside a chunk
+    out = fused.argmax(lg, out=torch.full((5,), -1, dtype=torch.int64, device=DEV))
+    assert out.tolist() == REF.greedy(lg).tolist() == [100, 19999, 8191, 0, 3], f"seed {seed}"
+
+
+def test_argmax_random_rows_and_fault():
+    gen, seed = fresh_generator()
+    lg = rnd(9, 3000, gen=gen, dtype=torch.bfloat16)    # bf16 makes ties likely
+    assert torch.equal(fused.argmax(lg), REF.greedy(lg)), f"seed {seed}"
+    # a fault (reading every row from row 0) must not go unnoticed
+    bad = fused.argmax(lg[:1].expand(9, -1))
+    assert not torch.equal(bad, REF.greedy(lg)) or REF.greedy(lg).unique().numel() == 1
+
+
+# -- faults in the norms and SiLU ------------------------------------------------------------------------------
+def test_norm_and_silu_faults_fail_the_comparison():
+    gen, seed = fresh_generator()
+    x, w = rnd(4, 64, gen=gen), rnd(64, gen=gen)
+    ref = REF.rms_norm(x, w, 1e-6)
+    assert rel_l2(fused.rms_norm(x, w.flip(0), 1e-6), ref) > 1e-2, f"seed {seed}: a reversed weight passed"
+    gu = rnd(3, 64, gen=gen)
+    swapped = torch.cat(gu.chunk(2, dim=-1)[::-1], dim=-1)                    # up first instead of gate
+    assert rel_l2(fused.silu_mul(swapped), REF.silu_mul(gu)) > 1e-2, f"seed {seed}: gate/up swap passed"
+
+
+def test_bad_inputs_are_clear_errors():
+    x = torch.zeros(2, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"weight shape \(4,\) does not match the last dim"):
+        fused.rms_norm(x, torch.ones(4, device=DEV), 1e-6)
+    with pytest.raises(ValueError, match=r"gate_up \[T, 2I\]"):
+        fused.silu_mul(torch.zeros(2, 7, device=DEV))
+    with pytest.raises(ValueError, match=r"head_dim 24 must be twice a power of two"):
+        fused.rope(torch.zeros(1, 1, 24, device=DEV), torch.zeros(1, 1, 24, device=DEV),
+                   torch.zeros(1, dtype=torch.int64, device=DEV), torch.zeros(4, 24, device=DEV))
+
+
+# -- GPU: real shapes in bf16 ----------------------------------------------------------------------------------
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_gpu_norms_bf16_real_shapes(fast_math):
+    gen, seed = fresh_generator()
+    bf = torch.bfloat16
+    x, r, w = rnd(64, 4096, gen=gen, dtype=bf), rnd(64, 4096, gen=gen, dtype=bf, scale=8), rnd(4096, gen=gen, dtype=bf)
+    out, res = fused.add_rms_norm(x, r, w, 1e-6, fast_math=fast_math, out=poisoned((64, 4096), bf),
+                                  residual_out=poisoned((64, 4096), bf))
+    ref_out, ref_res = REF.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(res, ref_res), f"seed {seed}"
+    assert rel_l2(out, REF.rms_norm(ref_res.double(), w.double(), 1e-6)) < BOUND[bf], f"seed {seed}"
+    q = rnd(64, 32, 128, gen=gen, dtype=bf)            # Qwen3 q-norm over head_dim
+    qw = rnd(128, gen=gen, dtype=bf)
+    qn = fused.rms_norm(q, qw, 1e-6, fast_math=fast_math, out=poisoned(q.shape, bf))
+    assert rel_l2(qn, REF.rms_norm(q.double(), qw.double(), 1e-6)) < BOUND[bf], f"seed {seed}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_silu_rope_argmax_bf16_real_shapes():
+    gen, seed = fresh_generator()
+    bf = torch.bfloat16
+    gu = rnd(64, 2 * 12288, gen=gen, dtype=bf, scale=3)
+    assert rel_l2(fused.silu_mul(gu, out=poisoned((64, 12288), bf)), REF.silu_mul(gu.double())) < BOUND[bf]
+    q, k = qk_views(64, 32, 8, 128, gen, dtype=bf)
+    pos = torch.randint(0, 4096, (64,), generator=gen).to(DEV)
+    cs = rope_cos_sin(128, 4096, 1e6, device=DEV)
+    qo, ko = fused.rope(q, k, pos, cs)
+    rq, rk = REF.rope(q.double(), k.double(), pos, cs.double())
+    assert rel_l2(qo, rq) < BOUND[bf] and rel_l2(ko, rk) < BOUND[bf], f"seed {seed}"
+    lg = rnd(8, 151936, gen=gen, dtype=bf, scale=5)
+    assert torch.equal(fused.argmax(lg), REF.greedy(lg)), f"seed {seed}"

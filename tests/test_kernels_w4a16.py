@@ -1,0 +1,192 @@
+"""The W4A16 GEMM (vtengine/kernels/w4a16.py), both routes of the lever marlin_dense, against the reference
+dequantizer (quant.dequantize) + an fp64 matmul.
+
+CPU hosts run the kernels in Triton's interpreter at tiny shapes with fp32 activations and the wide decode (the
+interpreter's bf16 arithmetic is not usable, see w4a16.decode_path); CUDA hosts run the same tests compiled, and
+the ``gpu`` tests add Qwen3-8B projection shapes in bf16 with every decode path. Each check draws fresh random
+inputs (the seed is printed), poisons the output with NaN and bounds the relative L2 error. Whether the dense
+and grouped routes agree bitwise is measured and printed (-s), not asserted.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vtengine import counters
+from vtengine.kernels import INTERPRET
+from vtengine.kernels import w4a16
+from vtengine.quant import QuantizedWeight, dequantize, quantize
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+ACT = torch.bfloat16 if CUDA else torch.float32
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 8e-3}     # bf16: one output rounding (2**-9 relative per element)
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the CPU interpreter runs the tiny-shape tests)")
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    seed = int.from_bytes(os.urandom(4), "little")
+    return torch.Generator().manual_seed(seed), seed
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("inf")        # an unwritten (poisoned) or NaN element never passes
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def make_case(m, n, k, fmt, gen, act=ACT):
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)   # rows of different magnitude
+    x = torch.randn(m, k, generator=gen).to(act)
+    q = quantize(w, fmt).to(DEV)
+    return x.to(DEV), q
+
+
+def reference(x, q):
+    return x.double().cpu() @ dequantize(q.to("cpu"), torch.float64).t()
+
+
+def run(x, q, dense, **kw):
+    out = torch.full((x.shape[0], q.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    y = w4a16.w4a16_linear(x, q, dense=dense, out=out, **kw)
+    assert y.data_ptr() == out.data_ptr()
+    return y
+
+
+# -- both routes x both formats x M --------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 33])
+def test_both_routes_match_the_reference(fmt, m):
+    gen, seed = fresh_generator()
+    k = 192 if fmt == "mxfp4" else 96      # K not a multiple of the interpreter's BLOCK_K: the masked tail runs
+    x, q = make_case(m, 48, k, fmt, gen)   # N = 48: a partial BLOCK_N tile
+    ref = reference(x, q)
+    ys = {}
+    for dense in (True, False):
+        ys[dense] = run(x, q, dense)
+        err = rel_l2(ys[dense], ref)
+        assert err < BOUND[x.dtype], f"seed {seed} dense={dense}: rel L2 {err:.3e}"
+    equal = torch.equal(ys[True], ys[False])
+    diff = (ys[True].double() - ys[False].double()).abs().max().item()
+    print(f"[measured] w4a16 {fmt} M={m}: dense vs grouped bitwise_equal={equal} max_abs_diff={diff:.3e}")
+
+
+def test_split_k_and_explicit_tiles():
+    gen, seed = fresh_generator()
+    x, q = make_case(5, 40, 256, "mxfp4", gen)
+    ref = reference(x, q)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, SWAP_AB=True, num_warps=4, num_stages=2)
+    counters.reset()
+    y = run(x, q, True, config=cfg)
+    assert rel_l2(y, ref) < BOUND[x.dtype], f"seed {seed}"
+    snap = counters.snapshot()["w4a16_gemm"]["dense"]
+    assert snap["grids"] == {"1x2x2": 1} and snap["splits"] == {"2": 1}
+    # the prefill-style tile (A @ W^T) on a decode-size M agrees as well
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=2)
+    assert rel_l2(run(x, q, True, config=cfg), ref) < BOUND[x.dtype], f"seed {seed}"
+
+
+# -- the comparison catches a broken weight layout ------------------------------------------------------------
+@pytest.mark.parametrize("fault", ["swapped_nibbles", "shifted_scales"])
+@pytest.mark.parametrize("dense", [True, False])
+def test_a_layout_fault_fails_the_comparison(fault, dense):
+    gen, seed = fresh_generator()
+    x, q = make_case(3, 32, 128, "mxfp4", gen)
+    ref = reference(x, q)
+    if fault == "swapped_nibbles":     # element 2i read from the high nibble
+        bad = QuantizedWeight(q.fmt, ((q.packed >> 4) | (q.packed << 4)).contiguous(), q.scales, q.global_scale,
+                              q.shape)
+    else:                              # block b scaled by block b-1's scale (a wrong scale stride/offset)
+        bad = QuantizedWeight(q.fmt, q.packed, q.scales.roll(1, dims=1).contiguous(), q.global_scale, q.shape)
+    assert rel_l2(run(x, q, dense), ref) < BOUND[x.dtype], f"seed {seed}"
+    err = rel_l2(run(x, bad, dense), ref)
+    assert err > 50 * BOUND[x.dtype], f"seed {seed}: the {fault} fault went unnoticed (rel L2 {err:.3e})"
+
+
+# -- counters --------------------------------------------------------------------------------------------------
+def test_counters_record_route_grid_and_variant():
+    gen, _ = fresh_generator()
+    x, q = make_case(3, 48, 128, "nvfp4", gen)
+    counters.reset()
+    run(x, q, True)
+    run(x, q, False)
+    run(x, q, False)
+    snap = counters.snapshot()
+    dense, grouped = snap["w4a16_gemm"]["dense"], snap["w4a16_gemm"]["grouped"]
+    assert dense["launches"] == 1 and grouped["launches"] == 2
+    assert counters.launches("moe_align", "grouped") == 2
+    cfg_d = w4a16.dense_config(3, 48, 128, "nvfp4")
+    cfg_g = w4a16.grouped_config(3, 48, 128, "nvfp4")
+    if INTERPRET:
+        cfg_d = w4a16._interpreter_config(cfg_d, 128, 16)
+        cfg_g = w4a16._interpreter_config(cfg_g, 128, 16)
+    n_tiles_d = -(-48 // cfg_d["BLOCK_N"])
+    n_tiles_g = -(-48 // cfg_g["BLOCK_N"])
+    assert dense["grids"] == {f"1x{n_tiles_d}x{cfg_d['SPLIT_K']}": 1}
+    assert grouped["grids"] == {f"1x{n_tiles_g}x1": 2}      # 3 tokens padded to one BLOCK_M block
+    (variant,) = dense["variants"]
+    assert variant.startswith("('nvfp4', 16,") and "swap_ab" in variant
+    (variant,) = grouped["variants"]
+    assert variant.startswith(f"('nvfp4', {cfg_g['BLOCK_M']},") and "tile" in variant
+
+
+def test_align_step_pads_with_the_sentinel():
+    sorted_ids, expert_ids, num_post = w4a16.moe_align_e1(5, 4, DEV)
+    assert sorted_ids.tolist() == [0, 1, 2, 3, 4, 5, 5, 5]
+    assert expert_ids.tolist() == [0, 0] and num_post.tolist() == [8]
+
+
+def test_bad_inputs_are_clear_errors():
+    gen, _ = fresh_generator()
+    x, q = make_case(2, 32, 64, "mxfp4", gen)
+    with pytest.raises(ValueError, match=r"x has K=32 but the weight is \[N=32, K=64\]"):
+        w4a16.w4a16_linear(x[:, :32], q, dense=True)
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        w4a16.w4a16_linear(x, torch.randn(32, 64), dense=True)
+    with pytest.raises(ValueError, match=r"BLOCK_K=48 must be a multiple of 2 x the mxfp4 block"):
+        w4a16.w4a16_linear(x, q, dense=True, config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=48, SWAP_AB=True))
+
+
+# -- GPU: real shapes, every decode path ----------------------------------------------------------------------
+QWEN3_8B = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]     # K -> N
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("k, n", QWEN3_8B)
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_real_shapes_all_routes(k, n, fmt):
+    gen, seed = fresh_generator()
+    w = torch.randn(n, k, generator=gen).to(DEV) * 0.05
+    q = quantize(w, fmt)
+    wd = dequantize(q, torch.float64)
+    for m in (1, 4, 16, 64):
+        x = torch.randn(m, k, generator=gen).to(DEV, torch.bfloat16)
+        ref = x.double() @ wd.t()
+        for dense in (True, False):
+            y = run(x, q, dense)
+            err = rel_l2(y, ref)
+            assert err < BOUND[torch.bfloat16], f"seed {seed} {fmt} M={m} dense={dense}: {err:.3e}"
+        if m <= 16:
+            for decode in (w4a16.DECODE_WIDE, w4a16.DECODE_BF16):
+                cfg = dict(w4a16.dense_config(m, n, k, fmt), DECODE=decode)
+                err = rel_l2(run(x, q, True, config=cfg), ref)
+                assert err < BOUND[torch.bfloat16], f"seed {seed} {fmt} M={m} decode={decode}: {err:.3e}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_mxfp4_large_scales_take_the_wide_decode():
+    gen, seed = fresh_generator()
+    w = torch.randn(256, 512, generator=gen).to(DEV)
+    w[7, 100] = 100.0                          # block amax 100 -> e = 132 > 128
+    q = quantize(w, "mxfp4")
+    assert w4a16.decode_path(q) == w4a16.DECODE_WIDE
+    x = torch.randn(4, 512, generator=gen).to(DEV, torch.bfloat16)
+    ref = x.double() @ dequantize(q, torch.float64).t()
+    for dense in (True, False):
+        assert rel_l2(run(x, q, dense), ref) < BOUND[torch.bfloat16], f"seed {seed}"
