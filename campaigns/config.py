@@ -232,45 +232,40 @@ def _compose(overrides: list[str], conf_dir: Path) -> DictConfig:
 
 def _explain(e: Exception, overrides: list[str], conf_dir: Path) -> str:
     """Turn a Hydra/OmegaConf exception into one line naming the bad value and what is accepted."""
-    from hydra.errors import MissingConfigException
     from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
     text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
     cause = e.__cause__ or e.__context__
-    groups = ("campaign", "model", "grid", "gate", "tracking")
-    if isinstance(e, MissingConfigException) or "Could not find" in text or "Could not load" in text:
-        for group in groups:
-            for o in overrides:
-                if o.startswith(f"{group}="):
-                    accepted = options(group, conf_dir)
-                    if o.split("=", 1)[1] not in accepted:
-                        return (f"unknown {group} {o.split('=', 1)[1]!r}; accepted: {', '.join(accepted)} "
-                                f"(conf/{group}/*.yaml)")
+    for o in overrides:                                     # a group option that has no file
+        group, _, choice = o.partition("=")
+        if group in ("campaign", "model", "grid", "gate", "tracking") and choice not in options(group, conf_dir):
+            return f"unknown {group} {choice!r}; accepted: {', '.join(options(group, conf_dir))} (conf/{group}/*.yaml)"
     if "You must specify 'campaign'" in text or (isinstance(e, MissingMandatoryValue) and "campaign" in text):
         return f"no campaign chosen; add campaign=<name>, accepted: {', '.join(options('campaign', conf_dir))}"
     err = cause if isinstance(cause, (ValidationError, ConfigKeyError)) else e
     if isinstance(err, (ValidationError, ConfigKeyError)):
         key = getattr(err, "full_key", None) or "?"
-        bad = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") == key]
         msg = str(err).strip().splitlines()[0]
         if isinstance(err, ConfigKeyError) or "not in" in msg:
-            parent = key.rsplit(".", 1)[0] if "." in key else ""
-            accepted = _keys_of(parent)
-            return (f"unknown key {key!r}" + (f" in override {bad[0]!r}" if bad else "")
-                    + (f"; accepted keys of {parent}: {', '.join(accepted)}" if accepted else ""))
+            return _unknown_key(key, overrides)
+        bad = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") == key]
         return f"bad value for {key}" + (f" ({bad[0]!r})" if bad else "") + f": {msg}"
-    first = text.splitlines()[0] if text else type(e).__name__
     m = re.match(r"Could not override '([^']+)'", first)
     if m:
-        key = m.group(1)
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        accepted = _keys_of(parent)
-        return (f"unknown key {key!r} in override {next((o for o in overrides if o.startswith(key)), key)!r}"
-                + (f"; accepted keys of {parent or 'the top level'}: {', '.join(accepted)}" if accepted else
-                   f"; to add a new key write +{key}=..."))
+        return _unknown_key(m.group(1), overrides)
     if cause is not None and str(cause).strip():
         return f"{first}: {str(cause).strip().splitlines()[0]}"
     return first
+
+
+def _unknown_key(key: str, overrides: list[str]) -> str:
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    accepted = _keys_of(parent)
+    bad = next((o for o in overrides if o.split("=", 1)[0].lstrip("+~") == key), None)
+    return (f"unknown key {key!r}" + (f" in override {bad!r}" if bad else "")
+            + (f"; accepted keys of {parent or 'the top level'}: {', '.join(accepted)}" if accepted
+               else f"; to add a new key write +{key}=..."))
 
 
 def _keys_of(path: str) -> list[str]:

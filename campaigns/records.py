@@ -68,8 +68,12 @@ def _gate_cell(g: GateResult) -> dict[str, str]:
     }
 
 
+def _rank(order: list[str], name: str) -> int:
+    return order.index(name) if name in order else len(order)
+
+
 def _gate_rank(name: str) -> int:
-    return GATE_NAMES.index(name) if name in GATE_NAMES else len(GATE_NAMES)
+    return _rank(list(GATE_NAMES), name)
 
 
 def _num(v: Any) -> str:
@@ -118,6 +122,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
     lever = lever_registry.registry().get(ev.lever)
     env_name = lever.env if lever else "VT_?"
     cand_names = [a.name for a in ev.candidates]
+    arm_order = [a.name for a in ev.arms]
 
     binding_rows = []
     for s in ev.stats:
@@ -134,8 +139,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
             "cv": f"{s.summary[s.candidate].cv:.1%} / {s.summary[s.baseline].cv:.1%}",
         })
     axis_order = [a.label for a in AXES]
-    binding_rows.sort(key=lambda r: (cand_names.index(r["candidate"]) if r["candidate"] in cand_names else 0,
-                                     r["c"], axis_order.index(r["axis"]) if r["axis"] in axis_order else 99))
+    binding_rows.sort(key=lambda r: (_rank(cand_names, r["candidate"]), r["c"], _rank(axis_order, r["axis"])))
 
     # All axes at a glance: ratio and separation per (candidate, concurrency) x axis.
     axes_present = [a for a in AXES if any(s.axis == a.name for s in ev.stats)]
@@ -187,8 +191,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "versions": f"torch {fp.torch_version}, triton {fp.triton_version or '—'}, "
                     f"CUDA {fp.cuda_version or '—'}, Python {fp.python_version}",
         "gates": [_gate_cell(g) for g in sorted(ev.gates, key=lambda g: (_gate_rank(g.gate), g.gate,
-                                                                          [a.name for a in ev.arms].index(g.arm)
-                                                                          if g.arm in [a.name for a in ev.arms] else 99))],
+                                                                          _rank(arm_order, g.arm)))],
         "mechanism": mechanism, "binding_rows": binding_rows,
         "glance_axes": [a.label for a in axes_present], "glance": glance,
         "legs_total": len(ev.legs), "legs_valid": sum(leg.valid for leg in ev.legs), "invalid_legs": invalid_legs,
