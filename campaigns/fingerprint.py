@@ -1,7 +1,6 @@
 """The environment fingerprint a campaign records in its preflight: git, device, versions, lever env per arm.
 
 Two arms compare only on the same fingerprint; the policy reads ``device_type`` and ``dirty`` from it (rule 3).
-``gpu_sample`` reads SM clock and temperature through NVML for the legs' drift record (None without a GPU).
 """
 from __future__ import annotations
 
@@ -57,16 +56,3 @@ def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm],
         torch_version=torch.__version__,
         triton_version=triton_version, python_version=platform.python_version(), hostname=socket.gethostname(),
         arms_env=arms_env(lever_env, arms), config_hash=config_hash, dirty_files=state.dirty_files)
-
-
-def gpu_sample(index: int = 0) -> dict[str, float] | None:
-    """One NVML sample {sm_clock_mhz, temp_c, power_w}; None where NVML or a GPU is unavailable."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return {"sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                "temp_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0}
-    except Exception:
-        return None
