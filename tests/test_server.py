@@ -365,3 +365,38 @@ def test_disconnect_during_non_streaming_request_frees_sequence(served):
     generated = m["vtengine_generation_tokens_total"] - m0["vtengine_generation_tokens_total"]
     assert 1 <= generated < 1500
     assert m["vtengine_requests_finished_total"] == m0["vtengine_requests_finished_total"]
+
+
+def test_engine_failure_fails_requests_loudly():
+    """A deliberate fault in the model runner: the in-flight request and every later one get a 503 (or an
+    in-band error chunk once streaming), /health says 503; nothing hangs."""
+    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=2))
+    real_run, calls = engine.runner.run, []
+
+    def broken_after_three_steps(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected fault in the model runner")
+        return real_run(*args, **kwargs)
+
+    engine.runner.run = broken_after_three_steps
+    server = Server.from_engine(engine)
+    uv = start_in_thread(server)
+    try:
+        r = httpx.post(f"{uv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 10, "stream": True},
+                       timeout=30)
+        ev = sse_events(r)
+        assert r.status_code == 200 and ev[-1] == "[DONE]"
+        assert [len(e["choices"][0]["token_ids"]) for e in ev[:3]] == [1, 1, 1]
+        assert "injected fault" in ev[3]["error"]["message"] and len(ev) == 5
+        r = httpx.post(f"{uv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        h = httpx.get(f"{uv.url}/health", timeout=10)
+        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_dead"
+        r = httpx.post(f"{uv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True},
+                       timeout=30)
+        assert r.status_code == 503
+        assert metrics(uv.url)["vtengine_engine_alive"] == 0
+    finally:
+        stop_thread(uv)
+        server.engine.shutdown()
