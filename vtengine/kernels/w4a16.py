@@ -7,7 +7,7 @@ Two routes, chosen by the lever ``marlin_dense`` (conf/lever/marlin_dense.yaml):
 
 - ``dense`` (ON): A rows are read directly. For M <= 16 the tiles are swapped (swap-AB): a BLOCK_N slice of W is
   the MMA's M side and the tokens, padded to 16, are its N side, so a program streams its W rows once over K, as
-  a GEMV does; split-K (fp32 atomics) adds programs when N / BLOCK_N leaves the SMs idle. For M > 16 (prefill)
+  a GEMV does; split-K (a counter per tile, the last program reduces) adds programs when N / BLOCK_N leaves the SMs idle. For M > 16 (prefill)
   plain [BLOCK_M, BLOCK_N] output tiles.
 - ``grouped`` (OFF): the route a fused-MoE kernel takes with one expert (E = 1). An align step writes
   sorted_token_ids padded to a multiple of BLOCK_M (vLLM's moe_align_block_size with one expert: every token goes
@@ -164,10 +164,10 @@ def _dequant_tile(words, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE
 
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, num_post_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, num_post_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, SPLIT_K,
     NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
@@ -175,7 +175,12 @@ def _w4a16_gemm_kernel(
     Per K step a program loads W [BLOCK_N, BLOCK_K/2] packed bytes + [BLOCK_N, BLOCK_K/block] scale bytes and
     A [BLOCK_M, BLOCK_K]. SWAP_AB accumulates [BLOCK_N, BLOCK_M] = W @ A^T (decode: M <= 16, bound by W's bytes:
     0.53 B/weight for MXFP4, 0.56 for NVFP4); otherwise [BLOCK_M, BLOCK_N] = A @ W^T (prefill, bound by the MMA
-    rate once M is a few hundred). SPLIT_K > 1 adds fp32 partials into a zeroed fp32 y with atomics."""
+    rate once M is a few hundred).
+
+    SPLIT (SPLIT_K > 1; SPLIT_K itself is a runtime value, so every split count shares one binary): each program stores its fp32 partial tile to a workspace and bumps the tile's counter; the last
+    one to arrive sums the SPLIT_K partials in split order (so the result does not depend on arrival order),
+    writes y and resets the counter for the next launch. One launch, no zero-fill, graph-replay safe; two
+    launches must not share the counters concurrently (one stream)."""
     SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -242,10 +247,23 @@ def _w4a16_gemm_kernel(
     else:
         y_ptrs = y_ptr + rows_ld[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         y_mask = row_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+        ACC0: tl.constexpr = BLOCK_N if SWAP_AB else BLOCK_M
+        ACC1: tl.constexpr = BLOCK_M if SWAP_AB else BLOCK_N
+        tile = pid_m * tl.num_programs(1) + pid_n
+        ws_tile = ws_ptr + tile.to(tl.int64) * SPLIT_K * (ACC0 * ACC1)
+        offs_acc = tl.arange(0, ACC0)[:, None] * ACC1 + tl.arange(0, ACC1)[None, :]
+        tl.store(ws_tile + pid_k * (ACC0 * ACC1) + offs_acc, acc)
+        tl.debug_barrier()                      # every thread's partial is stored before the release below
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
+            for s in range(1, SPLIT_K):
+                total += tl.load(ws_tile + s * (ACC0 * ACC1) + offs_acc, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -294,16 +312,15 @@ def _num_sms(device) -> int:
 
 
 def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = NUM_SMS_DEFAULT) -> dict:
-    """Tiles of the dense route (lever ON). M <= 16: swap-AB GEMV tiles; split-K when N / BLOCK_N programs would
-    leave SMs without a second program. M > 16: prefill tiles."""
+    """Tiles of the dense route (lever ON). M <= 16: swap-AB GEMV tiles (BLOCK_N = 64 rows of W per program: one
+    warpgroup's wgmma M side); split-K when N / BLOCK_N programs would leave SMs without a second W stream, with
+    split counts that divide the K steps evenly. M > 16: prefill tiles."""
     if m <= 16:
-        block_n = 32 if n <= 8192 else 64
-        block_k = 256
+        block_n, block_k = 64, 256
         programs = triton.cdiv(n, block_n)
-        split = 1
-        # at least ~2 programs per SM so each SM keeps two W streams in flight; keep >= 4 K steps per split
-        while programs * split < 2 * num_sms and k // (block_k * split * 2) >= 4:
-            split *= 2
+        k_steps = triton.cdiv(k, block_k)
+        splits = [d for d in range(1, 9) if k_steps % d == 0 and k_steps // d >= 2] or [1]
+        split = next((d for d in splits if programs * d >= 1.5 * num_sms), splits[-1])
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP_AB=True,
                     num_warps=4, num_stages=4)
     block_m = 64 if m <= 64 else 128
@@ -360,6 +377,23 @@ def packed_words(q: QuantizedWeight) -> torch.Tensor:
     return p.view(torch.int32)
 
 
+_LOCKS: dict[str, torch.Tensor] = {}
+MAX_SPLIT_K_TILES = 8192
+
+
+def _split_k_locks(device, tiles: int) -> torch.Tensor:
+    """The split-K arrival counters of a device: zeroed once, reset to zero by the last program of each tile, so
+    the buffer is reusable by every later launch (and by CUDA-graph replays). Allocated at first use: make the
+    first split-K call outside graph capture."""
+    if tiles > MAX_SPLIT_K_TILES:
+        raise ValueError(f"w4a16: split-K over {tiles} output tiles; at most {MAX_SPLIT_K_TILES} (use SPLIT_K=1)")
+    key = str(device)
+    locks = _LOCKS.get(key)
+    if locks is None:
+        locks = _LOCKS[key] = torch.zeros(MAX_SPLIT_K_TILES, dtype=torch.int32, device=device)
+    return locks
+
+
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
@@ -414,20 +448,23 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         sorted_ids, _expert_ids, num_post = moe_align_e1(m, bm, x.device)
         rows = sorted_ids.numel()
     dd = dot_dtype(x)
-    acc_out = y if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn), split)
+    if split > 1:
+        tiles = grid[0] * grid[1]
+        ws = torch.empty((tiles, split, bm * bn), dtype=torch.float32, device=x.device)
+        locks = _split_k_locks(x.device, tiles)
+    else:
+        ws, locks = y, y                                # unused pointers
     even_k = k % (bk * split) == 0
     _w4a16_gemm_kernel[grid](
-        x, words, qweight.scales, qweight.global_scale, acc_out, sorted_ids, num_post,
-        m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), acc_out.stride(0),
+        x, words, qweight.scales, qweight.global_scale, y, sorted_ids, num_post, ws, locks,
+        m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), y.stride(0), split,
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, DOT_DTYPE=dd,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=even_k, DOT_DTYPE=dd,
         DOT_PREC="ieee" if dd == tl.float32 else "tf32",
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
                     variant=(qweight.fmt, bm, bn, bk, split, "swap_ab" if cfg["SWAP_AB"] else "tile",
                              DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3)))
-    if split > 1:
-        y.copy_(acc_out)
     return y

@@ -1,0 +1,365 @@
+"""W4A16 GEMV benchmark: the two routes of lever marlin_dense at Qwen3-8B projection shapes, MXFP4 and NVFP4,
+against cuBLAS bf16 (x @ W^T) and torch's int4 tinygemm (torch._weight_int4pack_mm), all measured in one run.
+
+    python -m vtengine.bench.w4a16 OUT_DIR [--sweep]
+
+Protocol (every method the same way): triton.testing.do_bench_cudagraph medians of a CUDA graph of back-to-back
+calls that rotate over enough weight sets to exceed 3x the L2 cache (each call reads cold weights, as a decode step
+does), so launch gaps are the graph's, as in the engine's graphed decode. Each time is turned into achieved
+bandwidth over the bytes the call must move (weights incl. scales + activations + output) and reported as a
+fraction of the device-to-device copy bandwidth measured in the same run (bytes read + written). Before timing,
+each route is checked at the real shape against quant.dequantize + an fp64 matmul (relative L2, bf16 output).
+``--sweep`` also times a grid of dense-route tiles and split counts, to pick the launcher's table.
+
+Writes OUT_DIR/w4a16-<device>-<date>.json and .md; returns the JSON dict.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]       # K -> N: qkv, o, gate_up, down
+SHAPE_NAMES = {(4096, 6144): "qkv_proj", (4096, 4096): "o_proj", (4096, 24576): "gate_up_proj",
+               (12288, 4096): "down_proj"}
+MS = (1, 2, 4, 8, 16)
+FORMATS = ("mxfp4", "nvfp4")
+TINYGEMM_GROUP = 128
+REP_MS = 10
+
+# dense-route candidates for M <= 16 (swap-AB tiles); split counts are tried per shape
+SWEEP_TILES = [
+    dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
+    dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
+    dict(BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4),
+]
+SWEEP_SPLITS = (1, 2, 4, 8)
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# -- inputs ----------------------------------------------------------------------------------------------------
+def random_weight(fmt: str, n: int, k: int, gen: torch.Generator):
+    """A random but valid W4A16 weight without running the quantizer (fast at real shapes): any byte is two valid
+    e2m1 codes; scales are drawn in the range real weights use (MXFP4 e <= 128 keeps the fast decode)."""
+    from vtengine.quant import BLOCK, QuantizedWeight
+    dev = "cuda"
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev, generator=gen)
+    if fmt == "mxfp4":
+        scales = torch.randint(118, 127, (n, k // BLOCK[fmt]), dtype=torch.uint8, device=dev, generator=gen)
+        gs = torch.ones((), device=dev)
+    else:
+        scales = torch.randint(0x20, 0x60, (n, k // BLOCK[fmt]), dtype=torch.uint8, device=dev, generator=gen)
+        gs = torch.full((), 1e-3, device=dev)
+    return QuantizedWeight(fmt, packed, scales, gs, (n, k))
+
+
+def tinygemm_weight(n: int, k: int, gen: torch.Generator):
+    """torch's int4 tinygemm layout: 4-bit codes packed by _convert_weight_to_int4pack (8 inner k-tiles), bf16
+    [K/group, N, 2] scales and zeros. Returns (packed, scales_and_zeros, dequantized fp32 W for the check)."""
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda", generator=gen)
+    u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    packed = torch._convert_weight_to_int4pack(u8, 8)
+    groups = k // TINYGEMM_GROUP
+    scales = (torch.rand(groups, n, device="cuda", generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
+    zeros = ((torch.rand(groups, n, device="cuda", generator=gen) - 0.5) * 0.01).to(torch.bfloat16)
+    sz = torch.stack((scales, zeros), dim=-1).contiguous()
+    s = scales.float().t().repeat_interleave(TINYGEMM_GROUP, dim=1)
+    z = zeros.float().t().repeat_interleave(TINYGEMM_GROUP, dim=1)
+    w = (codes.float() - 8.0) * s + z
+    return packed, sz, w
+
+
+def n_sets(bytes_per_set: int, l2_bytes: int) -> int:
+    return max(2, math.ceil(3 * l2_bytes / bytes_per_set))
+
+
+def rotating(fns):
+    state = {"i": 0}
+
+    def call():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+    return call
+
+
+def time_us(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median") * 1e3
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("inf")
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# -- the measurements ------------------------------------------------------------------------------------------
+def copy_bandwidth_gbs() -> float:
+    n = 1 << 30
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_us(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (t * 1e-6) / 1e9
+
+
+def w4a16_bytes(q, m: int) -> int:
+    n, k = q.shape
+    return q.packed.numel() + q.scales.numel() + 4 + m * k * 2 + m * n * 2
+
+
+def check_routes(k: int, n: int, fmt: str, gen, w4a16, quant) -> dict:
+    """Relative L2 of each route (and decode path) vs dequantize + fp64 at the real shape."""
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    q = quant.quantize(w, fmt)
+    wd = quant.dequantize(q, torch.float64)
+    out = {}
+    for m in (1, 3, 16, 64):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = x.double() @ wd.t()
+        for dense in (True, False):
+            y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            w4a16.w4a16_linear(x, q, dense=dense, out=y)
+            out[f"M{m}_{'dense' if dense else 'grouped'}"] = rel_l2(y, ref)
+        if m <= 16:
+            for decode, name in ((w4a16.DECODE_BF16, "bf16"), (w4a16.DECODE_WIDE, "wide")):
+                cfg = dict(w4a16.dense_config(m, n, k, fmt), DECODE=decode)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                w4a16.w4a16_linear(x, q, dense=True, config=cfg, out=y)
+                out[f"M{m}_dense_{name}"] = rel_l2(y, ref)
+    return out
+
+
+def _try(errors: list, label: str, fn):
+    """Run one measurement; a variant that fails is recorded and skipped instead of ending the run."""
+    try:
+        return fn()
+    except Exception as exc:                       # noqa: BLE001
+        errors.append(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")
+        _log(f"ERROR {errors[-1]}")
+        return None
+
+
+def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> dict:
+    from vtengine.kernels import w4a16
+    from vtengine import quant
+    res = {"K": k, "N": n, "name": SHAPE_NAMES.get((k, n), ""), "checks": {}, "rows": [], "sweep": [],
+           "errors": []}
+    errs = res["errors"]
+    for fmt in FORMATS:
+        res["checks"][fmt] = _try(errs, f"check {fmt}", lambda: check_routes(k, n, fmt, gen, w4a16, quant)) or {}
+    # ours
+    for fmt in FORMATS:
+        probe = random_weight(fmt, n, k, gen)
+        sets = [probe] + [random_weight(fmt, n, k, gen) for _ in range(n_sets(w4a16_bytes(probe, 0), l2) - 1)]
+        for q in sets:
+            w4a16.decode_path(q)                   # the one-time scale check syncs: keep it out of graph capture
+        wbytes = w4a16_bytes(probe, 0)
+
+        def timed(m, dense, cfg=None):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            t = time_us(rotating([lambda q=q: w4a16.w4a16_linear(x, q, dense=dense, config=cfg) for q in sets]))
+            gbs = (wbytes + m * k * 2 + m * n * 2) / (t * 1e-6) / 1e9
+            return t, gbs / copy_gbs
+
+        for m in MS:
+            for dense in (True, False):
+                cfg = (w4a16.dense_config if dense else w4a16.grouped_config)(m, n, k, fmt)
+                r = _try(errs, f"{fmt} dense={dense} M={m}", lambda: timed(m, dense))
+                if r:
+                    res["rows"].append(dict(method=f"{fmt}_{'dense' if dense else 'grouped'}", M=m, us=r[0],
+                                            gbs=r[1] * copy_gbs, frac_copy=r[1], config=cfg))
+        if sweep:
+            m = 1
+            base = w4a16.dense_config(m, n, k, fmt)
+            variants = [dict(base, DECODE=w4a16.DECODE_BF16)]
+            for tile in SWEEP_TILES:
+                for split in SWEEP_SPLITS:
+                    if k % (tile["BLOCK_K"] * split) == 0 and k // (tile["BLOCK_K"] * split) >= 2:
+                        variants.append(dict(BLOCK_M=16, SWAP_AB=True, SPLIT_K=split, **tile))
+            for cfg in variants:
+                r = _try(errs, f"sweep {fmt} {cfg}", lambda: timed(m, True, cfg))
+                if r:
+                    res["sweep"].append(dict(fmt=fmt, M=m, us=r[0], frac_copy=r[1], config=cfg))
+        del sets
+    # cuBLAS bf16
+    wb = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    sets = [wb] + [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+                   for _ in range(n_sets(wb.numel() * 2, l2) - 1)]
+    for m in MS:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        t = time_us(rotating([lambda w=w: x @ w.t() for w in sets]))
+        b = n * k * 2 + m * k * 2 + m * n * 2
+        res["rows"].append(dict(method="cublas_bf16", M=m, us=t, gbs=b / (t * 1e-6) / 1e9,
+                                frac_copy=b / (t * 1e-6) / 1e9 / copy_gbs))
+    del sets, wb
+    # torch int4 tinygemm
+    try:
+        packed, sz, wdq = tinygemm_weight(n, k, gen)
+        x = torch.randn(4, k, device="cuda", generator=gen).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm(x, packed, TINYGEMM_GROUP, sz)
+        res["checks"]["tinygemm_int4_M4"] = rel_l2(y, x.double() @ wdq.double().t())
+        del wdq
+        tsets = [(packed, sz)] + [tinygemm_weight(n, k, gen)[:2] for _ in range(n_sets(n * k // 2, l2) - 1)]
+        for m in MS:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            t = time_us(rotating([lambda p=p, s=s: torch._weight_int4pack_mm(x, p, TINYGEMM_GROUP, s)
+                                  for p, s in tsets]))
+            b = n * k // 2 + sz.numel() * 2 + m * k * 2 + m * n * 2
+            res["rows"].append(dict(method=f"tinygemm_int4_g{TINYGEMM_GROUP}", M=m, us=t, gbs=b / (t * 1e-6) / 1e9,
+                                    frac_copy=b / (t * 1e-6) / 1e9 / copy_gbs))
+        del tsets
+    except Exception as exc:                       # noqa: BLE001 (a baseline that cannot run is recorded, not fatal)
+        res["tinygemm_error"] = f"{type(exc).__name__}: {exc}"
+    torch.cuda.empty_cache()
+    return res
+
+
+def _compile_worker(jobs):
+    """Compile (by launching once at a small N with the real K) the variants main() will time, in a subprocess:
+    Triton's on-disk cache then serves the main process, so compilation runs in parallel."""
+    from vtengine.kernels import w4a16
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    errors = []
+    for fmt, k, dense, cfg in jobs:
+        q = random_weight(fmt, 256, k, gen)
+        x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+        _try(errors, f"compile {fmt} K={k} dense={dense} {cfg}",
+             lambda: w4a16.w4a16_linear(x, q, dense=dense, config=cfg))
+    torch.cuda.synchronize()
+    return errors
+
+
+def precompile(shapes, sweep: bool, workers: int = 12) -> list:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    from vtengine.kernels import w4a16
+    jobs = set()
+    for k, n in shapes:
+        for fmt in FORMATS:
+            for m in MS:
+                jobs.add((fmt, k, True, json.dumps(w4a16.dense_config(m, n, k, fmt), sort_keys=True)))
+                jobs.add((fmt, k, False, json.dumps(w4a16.grouped_config(m, n, k, fmt), sort_keys=True)))
+            for m in (64,):
+                jobs.add((fmt, k, True, json.dumps(w4a16.dense_config(m, n, k, fmt), sort_keys=True)))
+                jobs.add((fmt, k, False, json.dumps(w4a16.grouped_config(m, n, k, fmt), sort_keys=True)))
+            for decode in (w4a16.DECODE_BF16, w4a16.DECODE_WIDE):
+                jobs.add((fmt, k, True, json.dumps(dict(w4a16.dense_config(1, n, k, fmt), DECODE=decode),
+                                                   sort_keys=True)))
+            if sweep:
+                for tile in SWEEP_TILES:
+                    for split in (1, 2):
+                        jobs.add((fmt, k, True, json.dumps(dict(BLOCK_M=16, SWAP_AB=True, SPLIT_K=split, **tile),
+                                                           sort_keys=True)))
+    # EVEN_K differs only when K is not a multiple of BLOCK_K x split; the real K values here always are
+    # one binary serves every split count > 1 and both K values (EVEN_K holds for all of them): compile once
+    norm = set()
+    for fmt, k, dense, c in jobs:
+        cfg = json.loads(c)
+        cfg["SPLIT_K"] = min(cfg.get("SPLIT_K", 1), 2)
+        norm.add((fmt, 4096, dense, json.dumps(cfg, sort_keys=True)))
+    jobs = sorted(norm)
+    chunks = [[(f, k, d, json.loads(c)) for f, k, d, c in jobs[i::workers]] for i in range(workers)]
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        errors = [e for errs in pool.map(_compile_worker, chunks) for e in errs]
+    _log(f"precompiled {len(jobs)} variants in {time.time() - t0:.0f} s ({len(errors)} errors)")
+    return errors
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+METHODS = ["mxfp4_dense", "mxfp4_grouped", "nvfp4_dense", "nvfp4_grouped", "cublas_bf16",
+           f"tinygemm_int4_g{TINYGEMM_GROUP}"]
+
+
+def markdown(result: dict) -> str:
+    env = result["env"]
+    lines = [f"# W4A16 GEMV benchmark — {env['device']} ({env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; copy bandwidth "
+             f"{result['copy_gbs']:.0f} GB/s (D2D, read + write); L2 {env['l2_mb']:.0f} MB, {env['sms']} SMs.",
+             "Cells: median µs per call (CUDA graph of back-to-back calls over rotating weight sets) and achieved "
+             "bandwidth as % of copy bandwidth (bytes = weights incl. scales + activations + output; cuBLAS counts "
+             "bf16 weight bytes, tinygemm int4 + bf16 scales/zeros).", ""]
+    for shp in result["shapes"]:
+        lines += [f"## {shp['name']}: K={shp['K']} -> N={shp['N']}", "",
+                  "| M | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
+        for m in MS:
+            cells = []
+            for meth in METHODS:
+                row = next((r for r in shp["rows"] if r["method"] == meth and r["M"] == m), None)
+                cells.append(f"{row['us']:.1f} µs ({100 * row['frac_copy']:.0f}%)" if row else "—")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        checks = shp["checks"]
+        worst = {fmt: max(checks.get(fmt, {}).values(), default=float("nan")) for fmt in FORMATS}
+        lines += ["", "Correctness at this shape (max rel L2 vs dequantize + fp64 over routes, decode paths, "
+                  f"M in 1/3/16/64): mxfp4 {worst['mxfp4']:.2e}, nvfp4 {worst['nvfp4']:.2e}"
+                  + (f"; tinygemm self-check {checks['tinygemm_int4_M4']:.2e}" if "tinygemm_int4_M4" in checks
+                     else f"; tinygemm: {shp.get('tinygemm_error', 'not run')}"), ""]
+        if shp["sweep"]:
+            lines += ["Sweep (dense route, M = 1, best 5 per format):", ""]
+            for fmt in FORMATS:
+                for m in (1,):
+                    rows = sorted((r for r in shp["sweep"] if r["fmt"] == fmt and r["M"] == m), key=lambda r: r["us"])
+                    for r in rows[:5]:
+                        c = r["config"]
+                        lines.append(f"- {fmt} M={m}: {r['us']:.1f} µs ({100 * r['frac_copy']:.0f}%) BLOCK_N="
+                                     f"{c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} warps={c['num_warps']} "
+                                     f"stages={c['num_stages']} split={c['SPLIT_K']} decode={c.get('DECODE', 2)}")
+            lines.append("")
+        if shp.get("errors"):
+            lines += ["Errors:", ""] + [f"- {e}" for e in shp["errors"]] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: int = 12) -> dict:
+    import triton
+    if not torch.cuda.is_available():
+        raise SystemExit("vtengine.bench.w4a16 needs a CUDA GPU")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    env = dict(device=props.name, sms=props.multi_processor_count, l2_mb=props.L2_cache_size / 2 ** 20,
+               torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+               python=platform.python_version(), date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    compile_errors = precompile(shapes, sweep, precompile_workers) if precompile_workers else []
+    copy_gbs = copy_bandwidth_gbs()
+    _log(f"copy bandwidth {copy_gbs:.0f} GB/s")
+    result = dict(env=env, copy_gbs=copy_gbs, protocol=__doc__.split("\n\n")[1].strip(), shapes=[],
+                  compile_errors=compile_errors)
+    stem = f"w4a16-{props.name.replace(' ', '_')}-{env['date']}"
+    for k, n in shapes:
+        result["shapes"].append(bench_shape(k, n, copy_gbs, props.L2_cache_size, gen, sweep))
+        shp = result["shapes"][-1]
+        for r in shp["rows"]:
+            if r["M"] in (1, 8):
+                _log(f"K={k} N={n} M={r['M']} {r['method']}: {r['us']:.1f} us {100 * r['frac_copy']:.0f}%")
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    result["wall_s"] = time.time() - t0
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"{stem}.md").write_text(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if len(args) != 1:
+        raise SystemExit("usage: python -m vtengine.bench.w4a16 OUT_DIR [--sweep]")
+    res = main(args[0], sweep="--sweep" in sys.argv)
+    print(markdown(res))
