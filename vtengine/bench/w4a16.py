@@ -351,6 +351,7 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
             if r["M"] in (1, 8):
                 _log(f"K={k} N={n} M={r['M']} {r['method']}: {r['us']:.1f} us {100 * r['frac_copy']:.0f}%")
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+        (out / f"{stem}.md").write_text(markdown(result))
     result["wall_s"] = time.time() - t0
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
     (out / f"{stem}.md").write_text(markdown(result))
