@@ -34,7 +34,7 @@ import torch
 
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype
-from vtengine.kernels.splits import decode_num_splits
+from vtengine.kernels.splits import decode_num_splits, sm_count
 
 import triton  # noqa: E402  (after vtengine.kernels: it sets TRITON_INTERPRET on CPU hosts)
 import triton.language as tl  # noqa: E402
@@ -477,7 +477,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     page_size = k_cache.shape[1]
     if num_splits is None:
         bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page_size
-        num_splits = decode_num_splits(bsz * grid_heads, triton.cdiv(max(1, int(bound)), meta.block_n), nsplits_cap)
+        num_splits = decode_num_splits(bsz * grid_heads, triton.cdiv(max(1, int(bound)), meta.block_n), nsplits_cap,
+                                       num_sms=sm_count(q.device))
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
     split = num_splits > 1

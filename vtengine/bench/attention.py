@@ -1,0 +1,269 @@
+"""Decode attention benchmark: every lever arm of vtengine/kernels/attention.py against
+``F.scaled_dot_product_attention(enable_gqa=True)`` on contiguous K/V, as a fraction of copy bandwidth.
+
+Shapes: 32 q / 8 kv heads, head_dim 128, bf16, block_size 16, batch 1, 8, 32 x context 1024, 8192 (every sequence
+at the full context; the block table is shuffled, so pages are scattered as in a running engine).
+
+Definitions:
+- bytes moved = K + V of every sequence read once + q read + out written (bf16). Split partials and the block table
+  are overhead, not counted.
+- copy bandwidth = device-to-device copy of 1 GiB, bytes read + bytes written, measured in the same run.
+- time = ``triton.testing.do_bench`` median. do_bench writes a 256 MB buffer before every repetition, which evicts
+  the 60 MB L2, so K/V come from HBM each time (no buffer rotation is needed on top). ``eager_us`` times the
+  Python launch path; ``graph_us`` replays a CUDA graph of the same call (what the engine's decode does), which
+  removes host launch gaps between stage 1 and the merge.
+- rel_l2 = ||out - ref|| / ||ref|| against the torch reference backend (fp32 math and output, same bf16 inputs).
+
+``python -m vtengine.bench.attention OUT_DIR`` or ``vtengine bench kernels``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vtengine.kernels import attention as attn  # noqa: F401  (sets the interpreter switch before triton)
+from vtengine.kernels.splits import sm_count
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DEVICE = "cuda"
+BATCHES = (1, 8, 32)
+CONTEXTS = (1024, 8192)
+ARMS = [  # name, kwargs
+    ("per_q_head/off", dict(gqa_swap=False, nsplits_cap="off")),
+    ("per_q_head/auto", dict(gqa_swap=False, nsplits_cap="auto")),
+    ("gqa_swap/off", dict(gqa_swap=True, nsplits_cap="off")),
+    ("gqa_swap/auto", dict(gqa_swap=True, nsplits_cap="auto")),
+    ("per_q_head/off/fast_math", dict(gqa_swap=False, nsplits_cap="off", fast_math=True)),
+    ("gqa_swap/off/fast_math", dict(gqa_swap=True, nsplits_cap="off", fast_math=True)),
+]
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
+TILE_SWEEP = [attn.Tiles(block_n=bn, num_warps=w, num_stages=st)
+              for bn, w, st in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2))]
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def make_case(batch: int, context: int, gen: torch.Generator):
+    """Paged bf16 K/V (shuffled blocks) and the same K/V contiguous [B, Hkv, ctx, D] for SDPA."""
+    nbps = context // PAGE
+    k = torch.randn(batch, HKV, context, D, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(batch, HKV, context, D, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    perm = torch.randperm(batch * nbps, device=DEVICE, generator=gen)
+    bt = perm.view(batch, nbps).to(torch.int32)
+    k_cache = torch.empty(batch * nbps, PAGE, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    # [B, Hkv, nbps, PAGE, D] -> [B, nbps, PAGE, Hkv, D], scattered to the shuffled blocks
+    k_cache[bt.long()] = k.view(batch, HKV, nbps, PAGE, D).permute(0, 2, 3, 1, 4)
+    v_cache[bt.long()] = v.view(batch, HKV, nbps, PAGE, D).permute(0, 2, 3, 1, 4)
+    q = torch.randn(batch, HQ, D, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    ctx = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    return q, k, v, k_cache, v_cache, bt, ctx
+
+
+def rel_l2(out, ref) -> float:
+    if torch.isnan(out).any():
+        return float("inf")
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def time_us(fn) -> dict:
+    """do_bench median of the eager call and of a CUDA graph replaying it, in microseconds."""
+    fn()
+    torch.cuda.synchronize()
+    eager = triton.testing.do_bench(fn, warmup=15, rep=60, return_mode="median") * 1e3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graphed = triton.testing.do_bench(graph.replay, warmup=15, rep=60, return_mode="median") * 1e3
+    return {"eager_us": round(eager, 2), "graph_us": round(graphed, 2)}
+
+
+def main(out_dir: str = "bench/results", sweeps: bool = True) -> dict:
+    if not torch.cuda.is_available():
+        print("attention bench: needs a CUDA GPU; nothing measured")
+        return {"skipped": "needs a CUDA GPU"}
+    from vtengine import counters
+    from vtengine.backends.torch_backend import TorchBackend
+    ref_backend = TorchBackend()
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth_gbs()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = {
+        "bench": "decode_attention", "device": props.name, "sm_count": sm_count(),
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "copy_bw_gbs": round(copy_gbs, 1),
+        "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": PAGE, "dtype": "bfloat16"},
+        "timing": "triton.testing.do_bench median (L2 flushed before each rep); eager and CUDA-graph replay",
+        "cases": [], "split_sweep": [], "tile_sweep": [],
+    }
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    scale = D ** -0.5
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            q, k, v, k_cache, v_cache, bt, ctx = make_case(batch, context, gen)
+            nbytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
+            # fp32 inputs (exact upcasts of the bf16 ones): the reference's own output is not rounded to bf16
+            ref = ref_backend.decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, ctx, scale)
+
+            def row(arm, t, err, extra=None):
+                r = {"batch": batch, "context": context, "arm": arm, "bytes": nbytes, "rel_l2": err, **t}
+                for key in ("eager", "graph"):
+                    gbs = nbytes / (t[f"{key}_us"] * 1e-6) / 1e9
+                    r[f"{key}_gbs"] = round(gbs, 1)
+                    r[f"{key}_frac_copy"] = round(gbs / copy_gbs, 3)
+                r.update(extra or {})
+                return r
+
+            for arm, kw in ARMS:
+                out = torch.full_like(q, float("nan"))
+                counters.reset()
+                attn.decode_attention(q, k_cache, v_cache, bt, ctx, scale, max_context_len=context, out=out, **kw)
+                torch.cuda.synchronize()
+                err = rel_l2(out, ref)
+                st = counters.snapshot()["decode_attention"]
+                route_stats = next(iter(st.values()))
+                splits = int(next(iter(route_stats["splits"])))
+                grid = next(iter(route_stats["grids"]))
+                t = time_us(lambda: attn.decode_attention(q, k_cache, v_cache, bt, ctx, scale,
+                                                          max_context_len=context, out=out, **kw))
+                result["cases"].append(row(arm, t, err, {"route": next(iter(st)), "num_splits": splits,
+                                                         "grid": grid}))
+            q4 = q.view(batch, HQ, 1, D)
+            sdpa_out = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+            err = rel_l2(sdpa_out.view(batch, HQ, D), ref)
+            t = time_us(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+            result["cases"].append(row("sdpa(enable_gqa)", t, err))
+
+            if sweeps:
+                for gqa_swap in (False, True):
+                    for ns in SPLIT_SWEEP:
+                        out = torch.empty_like(q)
+                        fn = (lambda: attn.decode_attention(q, k_cache, v_cache, bt, ctx, scale, gqa_swap=gqa_swap,
+                                                            num_splits=ns, out=out))
+                        fn()
+                        torch.cuda.synchronize()
+                        err = rel_l2(out, ref)
+                        t = time_us(fn)
+                        result["split_sweep"].append(row("gqa_swap" if gqa_swap else "per_q_head", t, err,
+                                                         {"num_splits": ns}))
+                if (batch, context) in ((8, 8192), (1, 1024)):
+                    for gqa_swap in (False, True):
+                        for tiles in TILE_SWEEP:
+                            out = torch.empty_like(q)
+                            fn = (lambda: attn.decode_attention(q, k_cache, v_cache, bt, ctx, scale,
+                                                                gqa_swap=gqa_swap, max_context_len=context,
+                                                                tiles=tiles, out=out))
+                            fn()
+                            torch.cuda.synchronize()
+                            err = rel_l2(out, ref)
+                            t = time_us(fn)
+                            result["tile_sweep"].append(row("gqa_swap" if gqa_swap else "per_q_head", t, err, {
+                                "block_n": tiles.block_n, "num_warps": tiles.num_warps,
+                                "num_stages": tiles.num_stages}))
+            del q, k, v, k_cache, v_cache, bt, ctx, ref
+            torch.cuda.empty_cache()
+
+    result["targets"] = evaluate_targets(result)
+    paths = write(result, out_dir)
+    result["files"] = paths
+    print(summary_table(result))
+    return result
+
+
+def evaluate_targets(result: dict) -> dict:
+    """DESIGN.md section 8: >= 80% of copy bandwidth at batch >= 8, context >= 4096 (graph timing, best of our
+    lever arms and of each arm at its default); faster than SDPA at batch 1, context 1024."""
+    ours = [c for c in result["cases"] if c["arm"] != "sdpa(enable_gqa)"]
+    big = {}
+    for c in ours:
+        if c["batch"] >= 8 and c["context"] >= 4096:
+            key = f"b{c['batch']}_ctx{c['context']}"
+            if key not in big or c["graph_frac_copy"] > big[key]["graph_frac_copy"]:
+                big[key] = {"arm": c["arm"], "graph_frac_copy": c["graph_frac_copy"]}
+    small = [c for c in result["cases"] if c["batch"] == 1 and c["context"] == 1024]
+    sdpa = [c for c in small if c["arm"] == "sdpa(enable_gqa)"]
+    mine = [c for c in small if c["arm"] != "sdpa(enable_gqa)"]
+    if sdpa and mine:
+        best = min(mine, key=lambda c: c["graph_us"])
+        vs_sdpa = {"met": best["graph_us"] < sdpa[0]["graph_us"], "ours_arm": best["arm"],
+                   "ours_graph_us": best["graph_us"], "sdpa_graph_us": sdpa[0]["graph_us"],
+                   "ours_eager_us": best["eager_us"], "sdpa_eager_us": sdpa[0]["eager_us"]}
+    else:
+        vs_sdpa = {"met": None, "ours_arm": "not measured", "ours_graph_us": None, "sdpa_graph_us": None,
+                   "ours_eager_us": None, "sdpa_eager_us": None}
+    return {
+        "bw_80pct_at_b8plus_ctx4096plus": {"met": bool(big) and all(v["graph_frac_copy"] >= 0.8
+                                                                    for v in big.values()),
+                                           "best_per_shape": big},
+        "beats_sdpa_b1_ctx1024": vs_sdpa,
+    }
+
+
+def summary_table(result: dict) -> str:
+    lines = [f"# Decode attention, {result['device']} ({result['sm_count']} SMs), torch {result['torch']}, "
+             f"triton {result['triton']}, {result['date_utc']}",
+             "",
+             f"Copy bandwidth (1 GiB device-to-device, read + write): {result['copy_bw_gbs']} GB/s. "
+             "32 q / 8 kv heads, d=128, bf16, block_size 16. Times: do_bench median, L2 flushed per rep.",
+             "",
+             "| batch | context | arm | splits | grid | eager µs | graph µs | GB/s (graph) | % of copy (graph) | rel L2 |",
+             "|---:|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+    for c in result["cases"]:
+        lines.append(f"| {c['batch']} | {c['context']} | {c['arm']} | {c.get('num_splits', '')} | "
+                     f"{c.get('grid', '')} | {c['eager_us']} | {c['graph_us']} | {c['graph_gbs']} | "
+                     f"{100 * c['graph_frac_copy']:.1f} | {c['rel_l2']:.2e} |")
+    if result["split_sweep"]:
+        lines += ["", "## Forced split counts (graph µs)", "",
+                  "| batch | context | route | " + " | ".join(f"S={s}" for s in SPLIT_SWEEP) + " |",
+                  "|---:|---:|---|" + "---:|" * len(SPLIT_SWEEP)]
+        keys = sorted({(c["batch"], c["context"], c["arm"]) for c in result["split_sweep"]})
+        for b, ctx, route in keys:
+            cells = {c["num_splits"]: c["graph_us"] for c in result["split_sweep"]
+                     if (c["batch"], c["context"], c["arm"]) == (b, ctx, route)}
+            lines.append(f"| {b} | {ctx} | {route} | " + " | ".join(str(cells.get(s, "")) for s in SPLIT_SWEEP)
+                         + " |")
+    if result["tile_sweep"]:
+        lines += ["", "## Tile sweep at the heuristic's split count (graph µs, % of copy)", "",
+                  "| batch | context | route | BLOCK_N | warps | stages | graph µs | % of copy |",
+                  "|---:|---:|---|---:|---:|---:|---:|---:|"]
+        for c in result["tile_sweep"]:
+            lines.append(f"| {c['batch']} | {c['context']} | {c['arm']} | {c['block_n']} | {c['num_warps']} | "
+                         f"{c['num_stages']} | {c['graph_us']} | {100 * c['graph_frac_copy']:.1f} |")
+    t = result["targets"]
+    lines += ["", "## Targets (DESIGN.md section 8)", "",
+              f"- >= 80% of copy bandwidth at batch >= 8, context >= 4096: "
+              f"{'MET' if t['bw_80pct_at_b8plus_ctx4096plus']['met'] else 'MISSED'} "
+              f"({json.dumps(t['bw_80pct_at_b8plus_ctx4096plus']['best_per_shape'])})",
+              f"- faster than SDPA at batch 1, context 1024: "
+              f"{ {True: 'MET', False: 'MISSED', None: 'NOT MEASURED'}[t['beats_sdpa_b1_ctx1024']['met']]} "
+              f"(ours {t['beats_sdpa_b1_ctx1024']['ours_arm']} {t['beats_sdpa_b1_ctx1024']['ours_graph_us']} µs "
+              f"vs SDPA {t['beats_sdpa_b1_ctx1024']['sdpa_graph_us']} µs, graph; eager "
+              f"{t['beats_sdpa_b1_ctx1024']['ours_eager_us']} vs {t['beats_sdpa_b1_ctx1024']['sdpa_eager_us']} µs)"]
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict, out_dir: str) -> list[str]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = "".join(ch for ch in result["device"].lower().replace("nvidia", "") if ch.isalnum()) or "gpu"
+    stem = f"attention-{result['date_utc'][:10]}-{slug}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(summary_table(result))
+    return [str(out / f"{stem}.json"), str(out / f"{stem}.md")]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
