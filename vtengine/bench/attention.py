@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -91,7 +92,9 @@ def time_us(fn) -> dict:
     return {"eager_us": round(eager, 2), "graph_us": round(graphed, 2)}
 
 
-def main(out_dir: str = "bench/results", sweeps: bool = True) -> dict:
+def main(out_dir: str = "bench/results", sweeps: bool = True, max_seconds: float | None = None) -> dict:
+    """Measure, write JSON + markdown after every shape (a cut-short run keeps what it measured), return the
+    figures. Sweeps are skipped once ``max_seconds`` have passed."""
     if not torch.cuda.is_available():
         print("attention bench: needs a CUDA GPU; nothing measured")
         return {"skipped": "needs a CUDA GPU"}
@@ -111,6 +114,7 @@ def main(out_dir: str = "bench/results", sweeps: bool = True) -> dict:
     }
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
+    t0 = time.monotonic()
     for batch in BATCHES:
         for context in CONTEXTS:
             q, k, v, k_cache, v_cache, bt, ctx = make_case(batch, context, gen)
@@ -147,7 +151,7 @@ def main(out_dir: str = "bench/results", sweeps: bool = True) -> dict:
             t = time_us(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
             result["cases"].append(row("sdpa(enable_gqa)", t, err))
 
-            if sweeps:
+            if sweeps and (max_seconds is None or time.monotonic() - t0 < max_seconds):
                 for gqa_swap in (False, True):
                     for ns in SPLIT_SWEEP:
                         out = torch.empty_like(q)
@@ -175,9 +179,11 @@ def main(out_dir: str = "bench/results", sweeps: bool = True) -> dict:
                                 "num_stages": tiles.num_stages}))
             del q, k, v, k_cache, v_cache, bt, ctx, ref
             torch.cuda.empty_cache()
+            result["targets"] = evaluate_targets(result)
+            paths = write(result, out_dir)
+            print(f"attention bench: batch {batch} context {context} done at {time.monotonic() - t0:.0f} s",
+                  flush=True)
 
-    result["targets"] = evaluate_targets(result)
-    paths = write(result, out_dir)
     result["files"] = paths
     print(summary_table(result))
     return result
@@ -266,4 +272,5 @@ def write(result: dict, out_dir: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results",
+         max_seconds=float(sys.argv[2]) if len(sys.argv) > 2 else None)
