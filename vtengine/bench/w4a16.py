@@ -34,14 +34,24 @@ FORMATS = ("mxfp4", "nvfp4")
 TINYGEMM_GROUP = 128
 REP_MS = 10
 
-# dense-route candidates for M <= 16 (swap-AB tiles); split counts are tried per shape
+# dense-route candidates for M <= 16 (swap-AB GEMV tiles and plain A @ W^T tiles); split counts tried per shape
+_T = dict(BLOCK_M=16)
 SWEEP_TILES = [
-    dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
-    dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-    dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
-    dict(BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4),
+    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4),
+    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4, REPACKED=False),
+    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=2),
+    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=3),
+    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=512, num_warps=2, num_stages=3),
+    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=4),
+    dict(_T, SWAP_AB=True, BLOCK_N=16, BLOCK_K=256, num_warps=1, num_stages=4),
+    dict(_T, SWAP_AB=True, BLOCK_N=16, BLOCK_K=512, num_warps=1, num_stages=3),
+    dict(_T, SWAP_AB=True, BLOCK_N=64, BLOCK_K=256, num_warps=2, num_stages=3),
+    dict(_T, SWAP_AB=True, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=4),
+    dict(_T, SWAP_AB=True, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),      # wgmma
+    dict(_T, SWAP_AB=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(_T, SWAP_AB=False, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+    dict(_T, SWAP_AB=False, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4),
+    dict(_T, SWAP_AB=False, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
 ]
 SWEEP_SPLITS = (1, 2, 4, 8)
 
@@ -108,13 +118,20 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # -- the measurements ------------------------------------------------------------------------------------------
-def copy_bandwidth_gbs() -> float:
-    n = 1 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+def copy_bandwidth_gbs() -> tuple[float, dict]:
+    """Device-to-device copy bandwidth (bytes read + written) of a 2 GiB buffer, three ways: eager
+    cudaMemcpyAsync, the same inside a CUDA graph (a memcpy node, which may take the copy engines), and an SM
+    elementwise kernel (x * 1). The ceiling is the best of them."""
+    import triton.testing
+    n = 2 << 30
+    src = torch.rand(n // 4, device="cuda")
     dst = torch.empty_like(src)
-    t = time_us(lambda: dst.copy_(src))
+    t = {"memcpy_eager": triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e3,
+         "memcpy_graph": time_us(lambda: dst.copy_(src)),
+         "sm_kernel": triton.testing.do_bench(lambda: torch.mul(src, 1.0, out=dst), return_mode="median") * 1e3}
+    gbs = {key: 2 * n / (us * 1e-6) / 1e9 for key, us in t.items()}
     del src, dst
-    return 2 * n / (t * 1e-6) / 1e9
+    return max(gbs.values()), gbs
 
 
 def w4a16_bytes(q, m: int) -> int:
@@ -184,17 +201,32 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> d
                     res["rows"].append(dict(method=f"{fmt}_{'dense' if dense else 'grouped'}", M=m, us=r[0],
                                             gbs=r[1] * copy_gbs, frac_copy=r[1], config=cfg))
         if sweep:
-            m = 1
-            base = w4a16.dense_config(m, n, k, fmt)
-            variants = [dict(base, DECODE=w4a16.DECODE_BF16)]
+            variants = [dict(w4a16.dense_config(1, n, k, fmt), DECODE=w4a16.DECODE_BF16)]
             for tile in SWEEP_TILES:
+                programs = -(-n // tile["BLOCK_N"])
                 for split in SWEEP_SPLITS:
-                    if k % (tile["BLOCK_K"] * split) == 0 and k // (tile["BLOCK_K"] * split) >= 2:
-                        variants.append(dict(BLOCK_M=16, SWAP_AB=True, SPLIT_K=split, **tile))
+                    steps = k // (tile["BLOCK_K"] * split)
+                    if k % (tile["BLOCK_K"] * split) == 0 and steps >= 2 and 100 <= programs * split <= 1600:
+                        variants.append(dict(tile, SPLIT_K=split))
+            timed_m1 = []
             for cfg in variants:
-                r = _try(errs, f"sweep {fmt} {cfg}", lambda: timed(m, True, cfg))
+                r = _try(errs, f"sweep {fmt} {cfg}", lambda: timed(1, True, cfg))
                 if r:
-                    res["sweep"].append(dict(fmt=fmt, M=m, us=r[0], frac_copy=r[1], config=cfg))
+                    res["sweep"].append(dict(fmt=fmt, M=1, us=r[0], frac_copy=r[1], config=cfg))
+                    timed_m1.append((r[0], cfg))
+            timed_m1.sort(key=lambda tc: tc[0])
+            for _, cfg in timed_m1[:5]:
+                r = _try(errs, f"sweep {fmt} M=16 {cfg}", lambda: timed(16, True, cfg))
+                if r:
+                    res["sweep"].append(dict(fmt=fmt, M=16, us=r[0], frac_copy=r[1], config=cfg))
+            if timed_m1:
+                best = timed_m1[0][1]
+                res.setdefault("tuned", {})[fmt] = best
+                for m in MS:
+                    r = _try(errs, f"{fmt} tuned M={m}", lambda: timed(m, True, best))
+                    if r:
+                        res["rows"].append(dict(method=f"{fmt}_dense_tuned", M=m, us=r[0], gbs=r[1] * copy_gbs,
+                                                frac_copy=r[1], config=best))
         del sets
     # cuBLAS bf16
     wb = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -244,7 +276,7 @@ def _compile_worker(jobs):
     return errors
 
 
-def precompile(shapes, sweep: bool, workers: int = 12) -> list:
+def precompile(shapes, sweep: bool, workers: int = 15) -> list:
     import concurrent.futures as cf
     import multiprocessing as mp
     from vtengine.kernels import w4a16
@@ -263,8 +295,7 @@ def precompile(shapes, sweep: bool, workers: int = 12) -> list:
             if sweep:
                 for tile in SWEEP_TILES:
                     for split in (1, 2):
-                        jobs.add((fmt, k, True, json.dumps(dict(BLOCK_M=16, SWAP_AB=True, SPLIT_K=split, **tile),
-                                                           sort_keys=True)))
+                        jobs.add((fmt, k, True, json.dumps(dict(tile, SPLIT_K=split), sort_keys=True)))
     # EVEN_K differs only when K is not a multiple of BLOCK_K x split; the real K values here always are
     # one binary serves every split count > 1 and both K values (EVEN_K holds for all of them): compile once
     norm = set()
@@ -282,7 +313,8 @@ def precompile(shapes, sweep: bool, workers: int = 12) -> list:
 
 
 # -- report ----------------------------------------------------------------------------------------------------
-METHODS = ["mxfp4_dense", "mxfp4_grouped", "nvfp4_dense", "nvfp4_grouped", "cublas_bf16",
+METHODS = ["mxfp4_dense", "mxfp4_grouped", "nvfp4_dense", "nvfp4_grouped", "mxfp4_dense_tuned", "nvfp4_dense_tuned",
+           "cublas_bf16",
            f"tinygemm_int4_g{TINYGEMM_GROUP}"]
 
 
@@ -310,22 +342,24 @@ def markdown(result: dict) -> str:
                   + (f"; tinygemm self-check {checks['tinygemm_int4_M4']:.2e}" if "tinygemm_int4_M4" in checks
                      else f"; tinygemm: {shp.get('tinygemm_error', 'not run')}"), ""]
         if shp["sweep"]:
-            lines += ["Sweep (dense route, M = 1, best 5 per format):", ""]
+            lines += ["Sweep (dense route, best 5 per format at M = 1, and those five at M = 16):", ""]
             for fmt in FORMATS:
-                for m in (1,):
+                for m in (1, 16):
                     rows = sorted((r for r in shp["sweep"] if r["fmt"] == fmt and r["M"] == m), key=lambda r: r["us"])
                     for r in rows[:5]:
                         c = r["config"]
                         lines.append(f"- {fmt} M={m}: {r['us']:.1f} µs ({100 * r['frac_copy']:.0f}%) BLOCK_N="
                                      f"{c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} warps={c['num_warps']} "
-                                     f"stages={c['num_stages']} split={c['SPLIT_K']} decode={c.get('DECODE', 2)}")
+                                     f"stages={c['num_stages']} split={c['SPLIT_K']} decode={c.get('DECODE', 2)} "
+                                     f"{'swap_ab' if c['SWAP_AB'] else 'tile'}"
+                                     f"{'' if c.get('REPACKED', True) else ' natural-words'}")
             lines.append("")
         if shp.get("errors"):
             lines += ["Errors:", ""] + [f"- {e}" for e in shp["errors"]] + [""]
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: int = 12) -> dict:
+def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: int = 15) -> dict:
     import triton
     if not torch.cuda.is_available():
         raise SystemExit("vtengine.bench.w4a16 needs a CUDA GPU")
@@ -339,9 +373,9 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     compile_errors = precompile(shapes, sweep, precompile_workers) if precompile_workers else []
-    copy_gbs = copy_bandwidth_gbs()
-    _log(f"copy bandwidth {copy_gbs:.0f} GB/s")
-    result = dict(env=env, copy_gbs=copy_gbs, protocol=__doc__.split("\n\n")[1].strip(), shapes=[],
+    copy_gbs, copy_ways = copy_bandwidth_gbs()
+    _log(f"copy bandwidth {copy_gbs:.0f} GB/s {copy_ways}")
+    result = dict(env=env, copy_gbs=copy_gbs, copy_ways_gbs=copy_ways, protocol=__doc__.split("\n\n")[1].strip(), shapes=[],
                   compile_errors=compile_errors)
     stem = f"w4a16-{props.name.replace(' ', '_')}-{env['date']}"
     for k, n in shapes:

@@ -168,7 +168,7 @@ def _w4a16_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, SPLIT_K,
     NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, REPACKED: tl.constexpr,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
@@ -227,7 +227,8 @@ def _w4a16_gemm_kernel(
             sc = tl.load(s_ptrs, mask=(k0 + offs_s * SCALE_BLOCK < k_hi)[None, :], other=0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + offs_k < k_hi)[None, :], other=0.0)
         w = _dequant_tile(p, sc, BLOCK_N, BLOCK_K, SCALE_BLOCK, NVFP4, DECODE, DOT_DTYPE)
-        a = _pair_order(a, BLOCK_M, BLOCK_K)
+        if not REPACKED:
+            a = _pair_order(a, BLOCK_M, BLOCK_K)
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PREC)
         else:
@@ -312,17 +313,17 @@ def _num_sms(device) -> int:
 
 
 def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = NUM_SMS_DEFAULT) -> dict:
-    """Tiles of the dense route (lever ON). M <= 16: swap-AB GEMV tiles (BLOCK_N = 64 rows of W per program: one
-    warpgroup's wgmma M side); split-K when N / BLOCK_N programs would leave SMs without a second W stream, with
-    split counts that divide the K steps evenly. M > 16: prefill tiles."""
+    """Tiles of the dense route (lever ON). M <= 16: swap-AB GEMV tiles, 32 rows of W per 2-warp program (mma.sync;
+    measured on H200 to beat 64-row wgmma tiles, whose register-A operand serializes), split-K until there are
+    about 3.5 programs per SM, with split counts that divide the K steps evenly. M > 16: prefill tiles."""
     if m <= 16:
-        block_n, block_k = 64, 256
+        block_n, block_k = 32, 256
         programs = triton.cdiv(n, block_n)
         k_steps = triton.cdiv(k, block_k)
         splits = [d for d in range(1, 9) if k_steps % d == 0 and k_steps // d >= 2] or [1]
-        split = next((d for d in splits if programs * d >= 1.5 * num_sms), splits[-1])
+        split = next((d for d in splits if programs * d >= 3.5 * num_sms), splits[-1])
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP_AB=True,
-                    num_warps=4, num_stages=4)
+                    num_warps=2, num_stages=4)
     block_m = 64 if m <= 64 else 128
     return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False,
                 num_warps=4 if block_m == 64 else 8, num_stages=3)
@@ -366,6 +367,25 @@ def decode_path(q: QuantizedWeight) -> int:
         wide = bool(q.fmt == "mxfp4" and q.scales.numel() and int(q.scales.max()) > 128)
         q._w4a16_wide = wide
     return DECODE_WIDE if wide else DECODE_ASM
+
+
+def repacked_words(q: QuantizedWeight) -> torch.Tensor:
+    """The kernel-friendly copy of the codes, int32 words [N, K/8] with nibble slots (e0 e2 e4 e6 e1 e3 e5 e7): the
+    word decode's bf16x2 pair j = (slot j, slot j+4) is then (e_2j, e_2j+1), two consecutive K elements, which is
+    what an MMA operand register holds, so neither the W tile nor the A tile needs a permutation. Built once per
+    weight (a few elementwise ops; one more packed-size buffer) and cached on the object: the first call must not
+    be inside CUDA-graph capture. quant's packed format stays the oracle."""
+    cached = getattr(q, "_w4a16_pairs", None)
+    if cached is not None and cached.device == q.packed.device:
+        return cached
+    n, k = q.shape
+    p = q.packed.reshape(n, k // 8, 4)
+    p0, p1, p2, p3 = p.unbind(-1)
+    new = torch.stack(((p0 & 15) | ((p1 & 15) << 4), (p2 & 15) | ((p3 & 15) << 4),
+                       (p0 >> 4) | (p1 & 0xF0), (p2 >> 4) | (p3 & 0xF0)), dim=-1)
+    words = new.reshape(n, k // 2).contiguous().view(torch.int32)
+    q._w4a16_pairs = words
+    return words
 
 
 def packed_words(q: QuantizedWeight) -> torch.Tensor:
@@ -432,7 +452,8 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if decode != DECODE_WIDE and qweight.fmt == "mxfp4" and decode_path(qweight) == DECODE_WIDE:
         raise ValueError("w4a16_linear: this MXFP4 weight has scales above 2**1 (or runs in the interpreter); "
                          "only the wide decode (DECODE=0) handles it")
-    words = packed_words(qweight)
+    repacked = bool(cfg.get("REPACKED", True))
+    words = repacked_words(qweight) if repacked else packed_words(qweight)
     if out is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
@@ -461,7 +482,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), y.stride(0), split,
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=even_k, DOT_DTYPE=dd,
-        DOT_PREC="ieee" if dd == tl.float32 else "tf32",
+        DOT_PREC="ieee" if dd == tl.float32 else "tf32", REPACKED=repacked,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
