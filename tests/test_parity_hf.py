@@ -18,6 +18,17 @@ from vtengine.config import ConfigError
 NEW_TOKENS = 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Decode here is thousands of tiny ops; with 2 OpenMP threads on a busy 2-core host each op waits on thread
+    wake-ups (measured 2026-11-30 on the CI-like host: 2 prompts x 8 tokens of SmolLM2 took 12-18 s with 2 threads,
+    2.6 s with 1). Both sides run under the same setting, so parity is unaffected."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _hf_model(cfg, state):
     from transformers import AutoConfig, AutoModelForCausalLM
 
