@@ -193,11 +193,5 @@ def run_leg(h: ServerHandle, arm: Arm, c: int, rep: int, order_index: int, promp
     started = utc_now()
     with GpuSampler() as sampler:
         m = loadgen.run_leg(h.url, h.model_name, prompts, output_len, c, warmup_prompts=warmup or None)
-    metrics = {k: float(v) for k, v in m.to_dict().items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    for k, v in m.server.items():
-        metrics[f"server_{k}"] = float(v)
-    return LegResult(concurrency=c, rep=rep, arm=arm.name, order_index=order_index,
-                     prompts_sha256=loadgen.prompts_sha256(prompts), num_prompts=len(prompts), metrics=metrics,
-                     valid=bool(m.valid), reasons=list(m.failures)[:20], gpu_samples=sampler.samples[-240:],
-                     started=started, ended=utc_now())
+    return LegResult.from_loadgen(m.to_dict(), rep=rep, arm=arm.name, order_index=order_index, started=started,
+                                  ended=utc_now(), gpu_samples=sampler.samples[-240:])

@@ -7,8 +7,6 @@ function of it (``vtcampaign render`` rebuilds the records from evidence alone).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from rich.table import Table
 from campaigns import fingerprint as fp
 from campaigns import grid as gridmod
 from campaigns import policy, records
+from campaigns.config import config_hash
 from campaigns.evidence import (Evidence, load_evidence, new_campaign_id, new_evidence, save_evidence,
                                 utc_now)
 from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate
@@ -32,12 +31,6 @@ console = Console(stderr=True)
 
 class CampaignError(RuntimeError):
     """A campaign could not run (a server failed to start, a resume id is unknown...): one clear message."""
-
-
-def config_hash(cfg: DictConfig) -> str:
-    data = OmegaConf.to_container(cfg, resolve=True)
-    data.pop("resume", None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _progress() -> Progress:
@@ -153,24 +146,12 @@ def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], sel
 
 
 def _gates_decide(ev: Evidence) -> str:
-    """Why the grid need not run (a verdict is already fixed by the gates), or '' to run it."""
-    bad_sc = [f"{g.gate}[{g.arm}]" for g in ev.gates if g.self_check is False]
-    if bad_sc:
-        return f"self-check passed for {bad_sc}: the gates cannot fail, the campaign is INVALID"
-    base = ev.baseline.name
-    failed_base = [g.gate for g in ev.gates if g.arm == base and not g.passed and not g.skipped
-                   and not _excused(ev, g)]
-    if failed_base:
-        return f"the baseline arm fails {failed_base}"
-    mech = [g for g in ev.gates if g.gate == "mechanism" and g.arm != base and not g.passed]
-    if mech:
-        return "the mechanism gate shows the lever inert"
+    """Why the grid need not run: the gates alone already fix the verdict (INVALID or REJECT correctness, by the
+    policy's own rules on the gates run so far), or '' to run it."""
+    d = policy.decide(ev)
+    if d.verdict in ("INVALID", "REJECT-CORRECTNESS"):
+        return f"{d.verdict}: " + "; ".join(d.reasons)
     return ""
-
-
-def _excused(ev: Evidence, g) -> bool:
-    nt = ev.gate("near_tie", g.arm)
-    return g.gate == "battery" and nt is not None and nt.passed
 
 
 def _server_env() -> dict[str, str]:
