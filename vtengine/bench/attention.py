@@ -189,6 +189,78 @@ def main(out_dir: str = "bench/results", sweeps: bool = True, max_seconds: float
     return result
 
 
+EXPLORE_TILES = [attn.Tiles(block_n=bn, num_warps=w, num_stages=st)
+                 for bn, w, st in ((64, 4, 1), (64, 4, 2), (64, 4, 3), (128, 4, 1), (128, 4, 2), (128, 8, 2))]
+EXPLORE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def graph_us(fn, warmup_ms: int = 10, rep_ms: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+def explore(out_dir: str, max_seconds: float | None = None) -> dict:
+    """Tuning data: graph-replay time of every (route, tiles, forced split count) at every bench shape, and the
+    host time of one eager launcher call. Picks the tiles and programs_per_sm the launcher defaults use."""
+    from vtengine.backends.torch_backend import TorchBackend
+    ref_backend = TorchBackend()
+    copy_gbs = copy_bandwidth_gbs()
+    res = {"device": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
+           "triton": triton.__version__, "copy_bw_gbs": round(copy_gbs, 1),
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "rows": [], "host_us": {}}
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    scale = D ** -0.5
+    t0 = time.monotonic()
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                break
+            q, k, v, k_cache, v_cache, bt, ctx = make_case(batch, context, gen)
+            nbytes = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
+            ref = ref_backend.decode_attention(q.float(), k_cache.float(), v_cache.float(), bt, ctx, scale)
+            out = torch.empty_like(q)
+            for gqa_swap in (False, True):
+                for tiles in EXPLORE_TILES:
+                    for ns in EXPLORE_SPLITS:
+                        def fn():
+                            attn.decode_attention(q, k_cache, v_cache, bt, ctx, scale, gqa_swap=gqa_swap,
+                                                  num_splits=ns, tiles=tiles, out=out)
+                        out.fill_(float("nan"))
+                        fn()
+                        torch.cuda.synchronize()
+                        err = rel_l2(out, ref)
+                        us = graph_us(fn)
+                        res["rows"].append({"batch": batch, "context": context, "gqa_swap": gqa_swap,
+                                            "block_n": tiles.block_n, "num_warps": tiles.num_warps,
+                                            "num_stages": tiles.num_stages, "num_splits": ns,
+                                            "graph_us": round(us, 2), "rel_l2": err,
+                                            "frac_copy": round(nbytes / (us * 1e-6) / 1e9 / copy_gbs, 3)})
+            for gqa_swap in (False, True):
+                def call():
+                    attn.decode_attention(q, k_cache, v_cache, bt, ctx, scale, gqa_swap=gqa_swap,
+                                          max_context_len=context, out=out)
+                call()
+                torch.cuda.synchronize()
+                h0 = time.perf_counter()
+                for _ in range(100):
+                    call()
+                host = (time.perf_counter() - h0) / 100 * 1e6
+                torch.cuda.synchronize()
+                res["host_us"][f"b{batch}_ctx{context}_{'gqa_swap' if gqa_swap else 'per_q_head'}"] = round(host, 1)
+            del q, k, v, k_cache, v_cache, bt, ctx, ref
+            torch.cuda.empty_cache()
+            (out_path / "attention-explore.json").write_text(json.dumps(res, indent=0) + "\n")
+            print(f"explore: batch {batch} context {context} done at {time.monotonic() - t0:.0f} s", flush=True)
+    return res
+
+
 def evaluate_targets(result: dict) -> dict:
     """DESIGN.md section 8: >= 80% of copy bandwidth at batch >= 8, context >= 4096 (graph timing, best of our
     lever arms and of each arm at its default); faster than SDPA at batch 1, context 1024."""
@@ -272,5 +344,10 @@ def write(result: dict, out_dir: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results",
-         max_seconds=float(sys.argv[2]) if len(sys.argv) > 2 else None)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out_dir = args[0] if args else "bench/results"
+    budget = float(args[1]) if len(args) > 1 else None
+    if "--explore" in sys.argv:
+        explore(out_dir, max_seconds=budget)
+    else:
+        main(out_dir, max_seconds=budget)

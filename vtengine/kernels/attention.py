@@ -9,10 +9,11 @@ program, which writes a partial output normalised by its own softmax sum and tha
 the slices (weights exp(lse_s - max lse)). With one split stage 1 writes the output directly and stage 2 is skipped.
 Three levers shape it:
 
-- ``gqa_swap`` (route): OFF "per_q_head", grid (B, q_heads, splits), one q head per program, so each kv group's
-  K/V is read by all of its q heads (L2 may absorb some of it); ON "gqa_swap", grid (B, kv_heads, splits), the
-  group's q heads are the M rows of one ``tl.dot`` tile (padded to 16, masked), K/V read once per group
-  (FlashAttention's seqlenq_ngroups_swapped).
+- ``gqa_swap`` (route): one kernel, two grids. OFF "per_q_head": grid (B, q_heads, splits), one q head per
+  program (the M tile of tl.dot padded around it, as FlashAttention's unswapped decode pads its M block), so a
+  kv group's K/V is read by each of its q heads (L2 may absorb some of that). ON "gqa_swap": grid
+  (B, kv_heads, splits), the group's q heads are the M rows of the tile (padded to 16, masked), K/V read once per
+  group (FlashAttention's seqlenq_ngroups_swapped).
 - ``nsplits_cap``: the split count, vtengine/kernels/splits.py.
 - ``fast_math`` (a constexpr, its own binary): ON = scores scaled by scale*log2(e) and exponentiated with exp2
   (``ex2.approx``), the normalisation by an approximate reciprocal (``rcp.approx``); OFF = libdevice's precise
@@ -231,11 +232,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, context_len
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch meta-parameters of one kernel: BLOCK_M rows (prefill), BLOCK_N KV tokens per step, warps, stages."""
+    """Launch meta-parameters of one kernel: BLOCK_M rows (prefill), BLOCK_N KV tokens per step, warps, stages.
+
+    programs_per_sm (decode): how many programs of this configuration one SM must hold to keep enough K/V bytes
+    in flight; the split heuristic's wave is SMs x programs_per_sm (FlashAttention-2 passes 2 x SMs for its
+    128-thread split-KV blocks for the same reason)."""
     block_n: int
     num_warps: int
     num_stages: int
     block_m: int = 16
+    programs_per_sm: int = 1
 
 
 if INTERPRET:   # the interpreter runs every program in numpy: few, large-ish tiles keep it fast
@@ -285,85 +291,28 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-# -- decode stage 1, gqa_swap OFF ----------------------------------------------------------------------------
-# grid (B, q_heads, S). Tiles: q [D] in fp32 registers; K, V [BLOCK_N, D] gathered per step through the block
-# table; scores by a broadcast multiply + row sum (M = 1: no tl.dot). Bound: bytes; each kv head's K/V is fetched
-# by its GROUP q heads (GROUP x the K/V bytes from L2/HBM), plus S x D x 4 partial bytes per head when S > 1.
+# -- decode stage 1 (both routes) ----------------------------------------------------------------------------
+# grid (B, q_heads, S) with ROWS = 1 (per_q_head) or (B, kv_heads, S) with ROWS = GROUP (gqa_swap). Program
+# (b, g, s) takes q heads g*ROWS .. g*ROWS+ROWS-1 as the rows of a Q tile [BLOCK_M = max(16, pow2(ROWS)), D]
+# (rows past ROWS masked: tl.dot needs M >= 16, and FlashAttention's unswapped decode likewise pads its M tile
+# around one query row), and walks slice s of sequence b's context in K, V tiles [BLOCK_N, D] gathered through
+# the block table: S = Q K^T [BLOCK_M, BLOCK_N], O += P V, both by tl.dot with fp32 accumulation.
+# Bound: bytes. gqa_swap reads each K/V byte once per group; per_q_head once per q head (GROUP x the bytes from
+# L2/HBM); when S > 1 each row also writes a partial (D + 1) x 4 bytes, read back by the merge.
 @triton.jit
-def _decode_per_q_head_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                              out_ptr, o_part_ptr, lse_part_ptr,
-                              qk_scale, num_splits,
-                              stride_qb, stride_qh,
-                              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                              stride_bt, stride_ob, stride_oh,
-                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                              SPLIT: tl.constexpr, FAST_MATH: tl.constexpr):
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                   out_ptr, o_part_ptr, lse_part_ptr,
+                   qk_scale, num_splits, num_q_heads,
+                   stride_qb, stride_qh,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   stride_bt, stride_ob, stride_oh,
+                   GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   SPLIT: tl.constexpr, FAST_MATH: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    num_heads = tl.num_programs(1)
-    kvh = h // GROUP
-    ctx = tl.load(context_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = s * split_len
-    end = tl.minimum(start + split_len, ctx)
-
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-
-    m_i = float("-inf")
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + b * stride_bt
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None]
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        qk = tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale
-        qk = tl.where(n_mask, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 0))
-        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
-        p = _softmax_exp(qk - m_new, FAST_MATH)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None]
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-        m_i = m_new
-
-    if SPLIT:
-        has_keys = l_i > 0.0                       # an empty trailing slice: partial 0 with weight exp(-inf) = 0
-        o = _normalize(acc, tl.zeros_like(acc) + tl.where(has_keys, l_i, 1.0), FAST_MATH)
-        lse = tl.where(has_keys, m_i + _softmax_log(tl.where(has_keys, l_i, 1.0), FAST_MATH), float("-inf"))
-        row = (b * num_heads + h) * num_splits + s
-        tl.store(o_part_ptr + row * HEAD_DIM + offs_d, o, mask=d_mask)
-        tl.store(lse_part_ptr + row, lse)
-    else:
-        o = _normalize(acc, tl.zeros_like(acc) + l_i, FAST_MATH)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-# -- decode stage 1, gqa_swap ON -----------------------------------------------------------------------------
-# grid (B, kv_heads, S). Tiles: Q [BLOCK_M = max(16, pow2(GROUP)), D] (the group's q heads, rows >= GROUP masked),
-# K, V [BLOCK_N, D] gathered once per group; S = Q K^T [BLOCK_M, BLOCK_N] and P V by tl.dot (fp32 accumulate).
-# Bound: bytes, the K/V bytes once (+ partials when S > 1); the padded M rows cost tensor-core time, not bytes.
-@triton.jit
-def _decode_gqa_swap_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                            out_ptr, o_part_ptr, lse_part_ptr,
-                            qk_scale, num_splits, num_q_heads,
-                            stride_qb, stride_qh,
-                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                            stride_bt, stride_ob, stride_oh,
-                            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                            SPLIT: tl.constexpr, FAST_MATH: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    head0 = tl.program_id(1) * ROWS
+    kvh = head0 // GROUP
     s = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
     split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
@@ -371,8 +320,8 @@ def _decode_gqa_swap_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
     end = tl.minimum(start + split_len, ctx)
 
     offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < GROUP
-    heads = kvh * GROUP + offs_m
+    m_mask = offs_m < ROWS
+    heads = head0 + offs_m
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -387,22 +336,25 @@ def _decode_gqa_swap_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         n_mask = offs_n < end
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        # V is loaded next to K, before the scores need K: both tiles are in flight together (decode is bound
+        # by the bytes in flight per SM, not by the math)
         k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None]
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = _softmax_exp(m_i - m_new, FAST_MATH)
         p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None]
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
         m_i = m_new
 
     out_mask = m_mask[:, None] & d_mask[None, :]
     if SPLIT:
-        has_keys = l_i > 0.0
+        has_keys = l_i > 0.0                 # an empty trailing slice: partial 0 with weight exp(-inf) = 0
         l_safe = tl.where(has_keys, l_i, 1.0)
         o = _normalize(acc, tl.zeros_like(acc) + l_safe[:, None], FAST_MATH)
         lse = tl.where(has_keys, m_i + _softmax_log(l_safe, FAST_MATH), float("-inf"))
@@ -478,7 +430,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page_size
         num_splits = decode_num_splits(bsz * grid_heads, triton.cdiv(max(1, int(bound)), meta.block_n), nsplits_cap,
-                                       num_sms=sm_count(q.device))
+                                       num_sms=sm_count(q.device) * meta.programs_per_sm)
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
     split = num_splits > 1
@@ -494,24 +446,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
               block_tables.stride(0), out.stride(0), out.stride(1))
+    group = hq // hkv
+    rows = group if gqa_swap else 1
+    ddt = dot_dtype(q)
     grid = (bsz, grid_heads, num_splits)
-    if gqa_swap:
-        group = hq // hkv
-        ddt = dot_dtype(q)
-        _decode_gqa_swap_kernel[grid](
-            q, k_cache, v_cache, block_tables, context_lens, out, o_part, lse_part,
-            qk_scale, num_splits, hq, *common,
-            GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=meta.block_n, PAGE_SIZE=page_size, SPLIT=split, FAST_MATH=fast_math,
-            DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
-            num_warps=meta.num_warps, num_stages=meta.num_stages)
-    else:
-        _decode_per_q_head_kernel[grid](
-            q, k_cache, v_cache, block_tables, context_lens, out, o_part, lse_part,
-            qk_scale, num_splits, *common,
-            GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=meta.block_n, PAGE_SIZE=page_size,
-            SPLIT=split, FAST_MATH=fast_math,
-            num_warps=meta.num_warps, num_stages=meta.num_stages)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, out, o_part, lse_part,
+        qk_scale, num_splits, hq, *common,
+        GROUP=group, ROWS=rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=meta.block_n, PAGE_SIZE=page_size, SPLIT=split, FAST_MATH=fast_math,
+        DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
+        num_warps=meta.num_warps, num_stages=meta.num_stages)
     counters.record("decode_attention", route, grid=grid, splits=num_splits, variant=_variant(fast_math))
     if split:
         block_s = triton.next_power_of_2(num_splits)

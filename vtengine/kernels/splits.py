@@ -75,8 +75,8 @@ def num_splits_heuristic(programs: int, num_sms: int, num_n_blocks: int, max_spl
 def wave_cap(programs: int, num_sms: int) -> int:
     """The "auto" cap: the most splits whose grid still fits in one wave, floor(num_sms / programs), at least 1.
 
-    One wave = one program per SM (the decode programs are sized to stream HBM at one per SM). Beyond one wave a
-    split only adds a tail wave and merge traffic, with no more bandwidth in flight."""
+    One wave = ``num_sms`` programs at once (the decode launcher passes SMs x programs_per_sm). Beyond one wave
+    a split only adds a tail wave and merge traffic, with no more bytes in flight."""
     return max(1, num_sms // max(1, programs))
 
 
@@ -102,10 +102,12 @@ def parse_cap(nsplits_cap) -> str | int:
     raise ValueError(f"nsplits_cap {nsplits_cap!r} is not valid; accepted: 'off', 'auto' or a positive integer")
 
 
+@lru_cache(maxsize=4096)
 def decode_num_splits(programs: int, num_n_blocks: int, nsplits_cap="off", num_sms: int | None = None) -> int:
-    """Split count for one decode launch.
+    """Split count for one decode launch (cached: the launcher calls it every step, and the search is Python).
 
     programs:      grid size without splits: batch x q_heads (per-q-head route) or batch x kv_heads (gqa_swap).
+    num_sms:       programs one wave holds: the decode launcher passes SMs x programs_per_sm of its tiles.
     num_n_blocks:  KV tiles (BLOCK_N tokens) in the longest context the launch may see (a host-side bound).
     nsplits_cap:   "off": the heuristic with max_splits = MAX_SPLITS (128; it is further bounded by num_sms and
                    num_n_blocks); "auto": max_splits = wave_cap(programs, num_sms), i.e. at most one wave of
