@@ -39,7 +39,8 @@ class ServerHandle:
 
 
 def server_command(model: str, quant: str, lever: str, value, *, backend: str | None, gpu_util: float | None,
-                   max_num_seqs: int) -> list[str]:
+                   max_num_seqs: int, triton_kernels: list[str] | None = None,
+                   max_model_len: int | None = None) -> list[str]:
     value_text = "off" if value is False else ("on" if value is True else str(value))
     cmd = [sys.executable, "-m", "vtengine.cli", "serve", "--model", model, "--quant", quant, "--port", "0",
            "--lever", f"{lever}={value_text}", "--max-num-seqs", str(max_num_seqs)]
@@ -47,6 +48,10 @@ def server_command(model: str, quant: str, lever: str, value, *, backend: str | 
         cmd += ["--backend", backend]
     if gpu_util:
         cmd += ["--gpu-memory-utilization", str(gpu_util)]
+    if triton_kernels:
+        cmd += ["--triton-kernels", ",".join(triton_kernels)]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
     return cmd
 
 

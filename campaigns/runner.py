@@ -56,6 +56,9 @@ def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any]
     """Run (or resume) the campaign ``cfg`` (a composed AppConfig). ``inject``: deliberate faults for the product's
     own tests, e.g. {"inert_arm": "on"} runs that arm with the lever forced to the baseline value."""
     inject = dict(inject or {})
+    if not _cuda():
+        import torch
+        torch.set_num_threads(1)    # tiny CPU models: one thread beats two on a small, shared host
     repo = Path(repo).resolve()
     out_dir = (repo / cfg.out_dir).resolve()
     t_start = time.perf_counter()
@@ -157,7 +160,14 @@ def _gates_decide(ev: Evidence) -> str:
 def _server_env() -> dict[str, str]:
     env = dict(os.environ)     # each server's lever is set by --lever, which wins over any inherited VT_* value
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if not _cuda():
+        env.setdefault("OMP_NUM_THREADS", "1")      # two CPU servers on a small host: no thread oversubscription
     return env
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
@@ -165,8 +175,12 @@ def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
     cuda = ev.fingerprint.device_type == "cuda"
     util = round(0.9 / len(ev.arms), 3) if cuda else None
     max_seqs = max(16, max(int(c) for c in cfg.grid.concurrency))
+    # on CPU: the Triton interpreter for the lever's own kernels only, and a short max_model_len (see GateContext)
+    kernels = None if cuda else list(levers.get(ev.lever).affects)
+    max_len = None if cuda else int(cfg.grid.input_len) + int(cfg.grid.output_len) + 64
     return gridmod.server_command(str(cfg.model.name), str(cfg.model.quant), ev.lever, value,
-                                  backend=None, gpu_util=util, max_num_seqs=max_seqs)
+                                  backend="triton", gpu_util=util, max_num_seqs=max_seqs, triton_kernels=kernels,
+                                  max_model_len=max_len)
 
 
 def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:

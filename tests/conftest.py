@@ -13,3 +13,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    # tiny CPU models: one thread is several times faster than two on a 2-core host where other work competes
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)

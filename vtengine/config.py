@@ -40,6 +40,12 @@ class ModelConfig:
         if mtype not in ("llama", "qwen3", "mistral"):
             raise ConfigError(f"model_type {mtype!r} is not supported; accepted: 'llama', 'qwen3' (dense)")
         heads = cfg["num_attention_heads"]
+        # transformers 5 writes rope settings under rope_parameters instead of top-level rope_theta/rope_scaling
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -48,8 +54,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"), max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False), bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
         )
@@ -79,6 +84,7 @@ class EngineConfig:
     model: str = "tiny"                 # a preset name (conf/model/) or a path (HF directory or .gguf file)
     quant: str = "bf16"
     backend: str | None = None          # None: "triton" on CUDA, "torch" on CPU
+    triton_kernels: list[str] | None = None   # backend=triton: route only these kernels through Triton (None: all)
     device: str | None = None           # None: "cuda" if available else "cpu"
     dtype: str | None = None            # None: bfloat16 on CUDA, float32 on CPU
     levers: dict[str, Any] = field(default_factory=dict)

@@ -610,6 +610,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lever", action="append", default=[], metavar="NAME=VALUE",
                     help="set a lever for this server (repeatable); VT_* env variables work too")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="eager decode")
+    ap.add_argument("--triton-kernels", default=None, metavar="K1,K2",
+                    help="with the triton backend, route only these kernels through Triton (the rest: torch "
+                         "references); CPU rehearsals use the lever's own kernels")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     args = ap.parse_args(argv)
@@ -627,6 +630,8 @@ def engine_config(args: argparse.Namespace):
     from vtengine.config import EngineConfig
     kw: dict[str, Any] = dict(model=args.model, quant=args.quant, backend=args.backend, levers=args.levers,
                               cuda_graphs=not args.no_cuda_graphs)
+    if args.triton_kernels:
+        kw["triton_kernels"] = [k.strip() for k in args.triton_kernels.split(",") if k.strip()]
     for name in ("max_num_seqs", "max_model_len", "gpu_memory_utilization", "seed"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

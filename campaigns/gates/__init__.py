@@ -50,6 +50,18 @@ class GateContext:
         # the levers route Triton kernels; on CPU those run in Triton's interpreter
         return "triton"
 
+    @property
+    def triton_kernels(self) -> list[str] | None:
+        """On CPU only the lever's own kernels go through the (interpreted) Triton path; on CUDA all of them."""
+        from vtengine import levers
+        return None if self.device == "cuda" else list(levers.get(self.lever).affects)
+
+    @property
+    def max_model_len(self) -> int | None:
+        # CUDA graphs size decode splits for max_model_len: keep it small on CPU, where the interpreter walks
+        # every (mostly empty) split program
+        return None if self.device == "cuda" else 512
+
     def lever_values(self, arm: Arm, inert: bool = False) -> dict[str, Any]:
         value = self.baseline.value if (inert or arm.name == self.inert_arm) else arm.value
         return {self.lever: value}
@@ -61,7 +73,8 @@ class GateContext:
             from vtengine.engine.llm import LLM
             self._engines[key] = LLM(model=self.model, quant=self.quant, backend=self.backend,
                                      levers=self.lever_values(arm, inert), num_kv_blocks=GATE_KV_BLOCKS,
-                                     max_num_seqs=32)
+                                     max_num_seqs=32, triton_kernels=self.triton_kernels,
+                                     max_model_len=self.max_model_len)
         return self._engines[key]
 
     def oracle(self):
@@ -70,7 +83,7 @@ class GateContext:
             from vtengine.engine.llm import LLM
             self._engines["oracle"] = LLM(model=self.model, quant=self.quant, backend="torch",
                                           levers={self.lever: self.baseline.value}, num_kv_blocks=GATE_KV_BLOCKS,
-                                          max_num_seqs=32, cuda_graphs=False)
+                                          max_num_seqs=32, cuda_graphs=False, max_model_len=self.max_model_len)
         return self._engines["oracle"]
 
     def release_engines(self) -> None:

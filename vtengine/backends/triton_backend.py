@@ -12,8 +12,32 @@ from vtengine.kernels import attention, fused, w4a16
 from vtengine.quant import QuantizedWeight
 
 
+# kernel names as lever files list them in `affects`, and the backend methods each one routes
+KERNEL_OPS = {
+    "rms_norm": ("rms_norm", "add_rms_norm"), "silu_mul": ("silu_mul",), "rope": ("rope",),
+    "store_kv": ("store_kv",), "prefill_attention": ("prefill_attention",),
+    "decode_attention": ("decode_attention",), "w4a16_gemm": ("linear",), "argmax": ("greedy",),
+}
+
+
 class TritonBackend(TorchBackend):
+    """``kernels``: route only these kernels (names as in KERNEL_OPS) through Triton and the rest through the torch
+    references; None routes all. Under the CPU interpreter a campaign routes just its lever's kernels, so the
+    lever's own route really runs while a rehearsal stays fast enough for CI."""
     name = "triton"
+
+    def __init__(self, levers=None, kernels=None):
+        super().__init__(levers)
+        if kernels is not None:
+            unknown = sorted(set(kernels) - set(KERNEL_OPS))
+            if unknown:
+                raise ValueError(f"unknown kernel(s) {unknown}; accepted: {sorted(KERNEL_OPS)}")
+            keep = {op for k in kernels for op in KERNEL_OPS[k]}
+            for ops in KERNEL_OPS.values():
+                for op in ops:
+                    if op not in keep:
+                        setattr(self, op, getattr(TorchBackend, op).__get__(self))
+        self.kernels = None if kernels is None else sorted(kernels)
 
     def rms_norm(self, x, weight, eps):
         return fused.rms_norm(x, weight, eps, fast_math=self.levers.on("fast_math"))

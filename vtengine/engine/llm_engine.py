@@ -65,7 +65,7 @@ class LLMEngine:
         dtype = getattr(torch, dtype_name)
         backend_name = config.backend or ("triton" if device.type == "cuda" else "torch")
         self.levers = lever_registry.resolve(config.levers)
-        self.backend = make_backend(backend_name, self.levers)
+        self.backend = make_backend(backend_name, self.levers, config.triton_kernels)
         self.device, self.dtype = device, dtype
 
         cfg, weights, self.tokenizer, self.model_name = load_model_source(config.model, device, dtype)
