@@ -134,7 +134,7 @@ def test_counters_record_route_grid_and_variant():
     assert dense["grids"] == {f"1x{n_tiles_d}x{cfg_d['SPLIT_K']}": 1}
     assert grouped["grids"] == {f"1x{n_tiles_g}x1": 2}      # 3 tokens padded to one BLOCK_M block
     (variant,) = dense["variants"]
-    assert variant.startswith("('nvfp4', 16,") and "swap_ab" in variant
+    assert variant.startswith(f"('nvfp4', {cfg_d['BLOCK_M']},") and "swap_ab" in variant
     (variant,) = grouped["variants"]
     assert variant.startswith(f"('nvfp4', {cfg_g['BLOCK_M']},") and "tile" in variant
 

@@ -34,26 +34,23 @@ FORMATS = ("mxfp4", "nvfp4")
 TINYGEMM_GROUP = 128
 REP_MS = 10
 
-# dense-route candidates for M <= 16 (swap-AB GEMV tiles and plain A @ W^T tiles); split counts tried per shape
-_T = dict(BLOCK_M=16)
-SWEEP_TILES = [
-    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4),
-    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4, REPACKED=False),
-    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=2),
-    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=3),
-    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=512, num_warps=2, num_stages=3),
-    dict(_T, SWAP_AB=True, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=4),
-    dict(_T, SWAP_AB=True, BLOCK_N=16, BLOCK_K=256, num_warps=1, num_stages=4),
-    dict(_T, SWAP_AB=True, BLOCK_N=16, BLOCK_K=512, num_warps=1, num_stages=3),
-    dict(_T, SWAP_AB=True, BLOCK_N=64, BLOCK_K=256, num_warps=2, num_stages=3),
-    dict(_T, SWAP_AB=True, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=4),
-    dict(_T, SWAP_AB=True, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),      # wgmma
-    dict(_T, SWAP_AB=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-    dict(_T, SWAP_AB=False, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
-    dict(_T, SWAP_AB=False, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4),
-    dict(_T, SWAP_AB=False, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
-]
-SWEEP_SPLITS = (1, 2, 4, 8)
+# dense-route variants around the default tile (M <= 16), and the best alternates of the 2026-11-30 sweeps
+def sweep_variants(n: int, k: int, fmt: str) -> list:
+    from vtengine.kernels import w4a16
+    base = w4a16.dense_config(1, n, k, fmt)
+    out = []
+    for decode in (w4a16.DECODE_ASM, w4a16.DECODE_ASM_PAIRS):
+        for stages in (2, 3, 4):
+            for split in sorted({max(1, base["SPLIT_K"] // 2), base["SPLIT_K"], base["SPLIT_K"] * 2}):
+                if k % (base["BLOCK_K"] * split) == 0 and k // (base["BLOCK_K"] * split) >= 2:
+                    out.append(dict(base, DECODE=decode, num_stages=stages, SPLIT_K=split))
+    out.append(dict(base, BLOCK_M=16))
+    out.append(dict(base, DECODE=w4a16.DECODE_BF16))
+    out.append(dict(base, BLOCK_N=64, BLOCK_K=128, num_stages=4))
+    out.append(dict(base, SWAP_AB=False, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3))
+    return out
+
+
 
 
 def _log(msg: str) -> None:
@@ -153,7 +150,8 @@ def check_routes(k: int, n: int, fmt: str, gen, w4a16, quant) -> dict:
             w4a16.w4a16_linear(x, q, dense=dense, out=y)
             out[f"M{m}_{'dense' if dense else 'grouped'}"] = rel_l2(y, ref)
         if m <= 16:
-            for decode, name in ((w4a16.DECODE_BF16, "bf16"), (w4a16.DECODE_WIDE, "wide")):
+            for decode, name in ((w4a16.DECODE_BF16, "bf16"), (w4a16.DECODE_WIDE, "wide"),
+                                 (w4a16.DECODE_ASM_PAIRS, "asm_pairs")):
                 cfg = dict(w4a16.dense_config(m, n, k, fmt), DECODE=decode)
                 y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 w4a16.w4a16_linear(x, q, dense=True, config=cfg, out=y)
@@ -183,8 +181,9 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> d
     for fmt in FORMATS:
         probe = random_weight(fmt, n, k, gen)
         sets = [probe] + [random_weight(fmt, n, k, gen) for _ in range(n_sets(w4a16_bytes(probe, 0), l2) - 1)]
-        for q in sets:
-            w4a16.decode_path(q)                   # the one-time scale check syncs: keep it out of graph capture
+        for q in sets:                             # one-time work per weight stays out of graph capture
+            w4a16.decode_path(q)
+            w4a16.repacked_words(q)
         wbytes = w4a16_bytes(probe, 0)
 
         def timed(m, dense, cfg=None):
@@ -201,13 +200,7 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> d
                     res["rows"].append(dict(method=f"{fmt}_{'dense' if dense else 'grouped'}", M=m, us=r[0],
                                             gbs=r[1] * copy_gbs, frac_copy=r[1], config=cfg))
         if sweep:
-            variants = [dict(w4a16.dense_config(1, n, k, fmt), DECODE=w4a16.DECODE_BF16)]
-            for tile in SWEEP_TILES:
-                programs = -(-n // tile["BLOCK_N"])
-                for split in SWEEP_SPLITS:
-                    steps = k // (tile["BLOCK_K"] * split)
-                    if k % (tile["BLOCK_K"] * split) == 0 and steps >= 2 and 100 <= programs * split <= 1600:
-                        variants.append(dict(tile, SPLIT_K=split))
+            variants = sweep_variants(n, k, fmt)
             timed_m1 = []
             for cfg in variants:
                 r = _try(errs, f"sweep {fmt} {cfg}", lambda: timed(1, True, cfg))
@@ -289,14 +282,13 @@ def precompile(shapes, sweep: bool, workers: int = 15) -> list:
             for m in (64,):
                 jobs.add((fmt, k, True, json.dumps(w4a16.dense_config(m, n, k, fmt), sort_keys=True)))
                 jobs.add((fmt, k, False, json.dumps(w4a16.grouped_config(m, n, k, fmt), sort_keys=True)))
-            for decode in (w4a16.DECODE_BF16, w4a16.DECODE_WIDE):
-                jobs.add((fmt, k, True, json.dumps(dict(w4a16.dense_config(1, n, k, fmt), DECODE=decode),
-                                                   sort_keys=True)))
+            for decode in (w4a16.DECODE_BF16, w4a16.DECODE_WIDE, w4a16.DECODE_ASM_PAIRS):
+                for m in (1, 16):
+                    jobs.add((fmt, k, True, json.dumps(dict(w4a16.dense_config(m, n, k, fmt), DECODE=decode),
+                                                       sort_keys=True)))
             if sweep:
-                for tile in SWEEP_TILES:
-                    for split in (1, 2):
-                        jobs.add((fmt, k, True, json.dumps(dict(tile, SPLIT_K=split), sort_keys=True)))
-    # EVEN_K differs only when K is not a multiple of BLOCK_K x split; the real K values here always are
+                for cfg in sweep_variants(n, k, fmt):
+                    jobs.add((fmt, k, True, json.dumps(cfg, sort_keys=True)))
     # one binary serves every split count > 1 and both K values (EVEN_K holds for all of them): compile once
     norm = set()
     for fmt, k, dense, c in jobs:

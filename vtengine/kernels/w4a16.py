@@ -78,6 +78,40 @@ mov.b32 {$3, $7}, o;
 """)
 
 
+# The same decode with Triton packing: the word arrives as two int16 halves in one 32-bit register and each of the
+# four outputs is one bf16x2 register (pack=2), the scale arrives duplicated in one register. With the repacked
+# nibble order, output j = (e_2j, e_2j+1) is exactly an MMA operand register, so nothing is shuffled afterwards.
+_DECODE_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 m, g, z;
+mov.b32 z, 0x80008000;
+shl.b32 m, $4, 6;
+shl.b32 g, $4, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 g, g, 0x80008000;
+or.b32 m, m, g;
+fma.rn.bf16x2 $0, m, $5, z;
+shl.b32 m, $4, 2;
+shl.b32 g, $4, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 g, g, 0x80008000;
+or.b32 m, m, g;
+fma.rn.bf16x2 $1, m, $5, z;
+shr.b32 m, $4, 2;
+shl.b32 g, $4, 4;
+and.b32 m, m, 0x01C001C0;
+and.b32 g, g, 0x80008000;
+or.b32 m, m, g;
+fma.rn.bf16x2 $2, m, $5, z;
+shr.b32 m, $4, 6;
+and.b32 m, m, 0x01C001C0;
+and.b32 g, $4, 0x80008000;
+or.b32 m, m, g;
+fma.rn.bf16x2 $3, m, $5, z;
+}
+""")
+
+
 @triton.jit
 def _interleave8(e0, e1, e2, e3, e4, e5, e6, e7):
     """Eight [R, C] tensors (element k of each 8-code word) -> [R, C*8] in the kernel's K order within a word:
@@ -149,6 +183,16 @@ def _dequant_tile(words, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE
             w = tl.reshape(_interleave8(e0, e1, e2, e3, e4, e5, e6, e7), [BLOCK_N, NSB, SCALE_BLOCK])
             w = w * s[:, :, None]
             return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(OUT_DTYPE)
+        elif DECODE == 3:
+            # words: int16 halves [BLOCK_N, BLOCK_K/4]; t_j[2w + h] = element 8w + 2j + h (repacked order)
+            s_h = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, NSB, 2 * WPB]), [BLOCK_N, BLOCK_K // 4])
+            t0, t1, t2, t3 = tl.inline_asm_elementwise(
+                _DECODE_PAIRS_ASM, "=r,=r,=r,=r,r,r", [words, s_h], dtype=(tl.bfloat16,) * 4, is_pure=True,
+                pack=2)
+            q01 = tl.join(tl.reshape(t0, [BLOCK_N, BLOCK_K // 8, 2]), tl.reshape(t1, [BLOCK_N, BLOCK_K // 8, 2]))
+            q23 = tl.join(tl.reshape(t2, [BLOCK_N, BLOCK_K // 8, 2]), tl.reshape(t3, [BLOCK_N, BLOCK_K // 8, 2]))
+            w = tl.permute(tl.join(q01, q23), (0, 1, 4, 3, 2))          # (word, j_hi, j_lo, h)
+            return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(OUT_DTYPE)
         else:
             s_w = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, NSB, WPB]), [BLOCK_N, BLOCK_K // 8])
             e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
@@ -205,10 +249,11 @@ def _w4a16_gemm_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
 
-    offs_b = tl.arange(0, BLOCK_K // 8)
+    UNIT: tl.constexpr = 4 if DECODE == 3 else 8        # codes per loaded W element (int16 or int32 view)
+    offs_b = tl.arange(0, BLOCK_K // UNIT)
     offs_s = tl.arange(0, BLOCK_K // SCALE_BLOCK)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo // 8 + offs_b)[None, :]
+    w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo // UNIT + offs_b)[None, :]
     s_ptrs = s_ptr + offs_n_ld[:, None].to(tl.int64) * stride_sn + (k_lo // SCALE_BLOCK + offs_s)[None, :]
     x_ptrs = x_ptr + rows_ld[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
 
@@ -222,7 +267,7 @@ def _w4a16_gemm_kernel(
             sc = tl.load(s_ptrs)
             a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
         else:
-            kb = k0 + 8 * offs_b < k_hi
+            kb = k0 + UNIT * offs_b < k_hi
             p = tl.load(w_ptrs, mask=kb[None, :], other=0)
             sc = tl.load(s_ptrs, mask=(k0 + offs_s * SCALE_BLOCK < k_hi)[None, :], other=0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + offs_k < k_hi)[None, :], other=0.0)
@@ -233,7 +278,7 @@ def _w4a16_gemm_kernel(
             acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PREC)
         else:
             acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PREC)
-        w_ptrs += BLOCK_K // 8
+        w_ptrs += BLOCK_K // UNIT
         s_ptrs += BLOCK_K // SCALE_BLOCK
         x_ptrs += BLOCK_K
 
@@ -313,17 +358,20 @@ def _num_sms(device) -> int:
 
 
 def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = NUM_SMS_DEFAULT) -> dict:
-    """Tiles of the dense route (lever ON). M <= 16: swap-AB GEMV tiles, 32 rows of W per 2-warp program (mma.sync;
-    measured on H200 to beat 64-row wgmma tiles, whose register-A operand serializes), split-K until there are
-    about 3.5 programs per SM, with split counts that divide the K steps evenly. M > 16: prefill tiles."""
+    """Tiles of the dense route (lever ON), from the H200 sweeps in bench/results/w4a16-*.md.
+
+    M <= 16: swap-AB GEMV tiles: 32 rows of W per 2-warp program (mma.sync; 64-row wgmma tiles measured 2-3x
+    slower: their register-A operand serializes), the tokens padded to 8 or 16 (the MMA's N side: padding costs
+    MMA and A-tile work, not W bytes), split-K until there are about 3.5 programs per SM, with split counts that
+    divide the K steps evenly. M > 16: prefill tiles."""
     if m <= 16:
         block_n, block_k = 32, 256
         programs = triton.cdiv(n, block_n)
         k_steps = triton.cdiv(k, block_k)
         splits = [d for d in range(1, 9) if k_steps % d == 0 and k_steps // d >= 2] or [1]
         split = next((d for d in splits if programs * d >= 3.5 * num_sms), splits[-1])
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP_AB=True,
-                    num_warps=2, num_stages=4)
+        return dict(BLOCK_M=8 if m <= 8 else 16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP_AB=True,
+                    num_warps=2, num_stages=3)
     block_m = 64 if m <= 64 else 128
     return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False,
                 num_warps=4 if block_m == 64 else 8, num_stages=3)
@@ -351,8 +399,14 @@ def _interpreter_config(cfg: dict, k: int, block: int) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 
 
-DECODE_WIDE, DECODE_BF16, DECODE_ASM = 0, 1, 2
-DECODE_NAMES = {DECODE_WIDE: "wide", DECODE_BF16: "bf16", DECODE_ASM: "bf16_asm"}
+def _refuse_during_capture(q: QuantizedWeight, what: str) -> None:
+    if q.packed.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"w4a16: {what} for a [{q.shape[0]}, {q.shape[1]}] {q.fmt} weight would be built inside "
+                           "CUDA-graph capture (it would be captured, not run); call the layer once before capturing")
+
+
+DECODE_WIDE, DECODE_BF16, DECODE_ASM, DECODE_ASM_PAIRS = 0, 1, 2, 3
+DECODE_NAMES = {DECODE_WIDE: "wide", DECODE_BF16: "bf16", DECODE_ASM: "bf16_asm", DECODE_ASM_PAIRS: "bf16_asm_pairs"}
 
 
 def decode_path(q: QuantizedWeight) -> int:
@@ -364,6 +418,7 @@ def decode_path(q: QuantizedWeight) -> int:
         return DECODE_WIDE
     wide = getattr(q, "_w4a16_wide", None)
     if wide is None:
+        _refuse_during_capture(q, "the one-time scale check")
         wide = bool(q.fmt == "mxfp4" and q.scales.numel() and int(q.scales.max()) > 128)
         q._w4a16_wide = wide
     return DECODE_WIDE if wide else DECODE_ASM
@@ -378,6 +433,7 @@ def repacked_words(q: QuantizedWeight) -> torch.Tensor:
     cached = getattr(q, "_w4a16_pairs", None)
     if cached is not None and cached.device == q.packed.device:
         return cached
+    _refuse_during_capture(q, "the repacked copy of the weight")
     n, k = q.shape
     p = q.packed.reshape(n, k // 8, 4)
     p0, p1, p2, p3 = p.unbind(-1)
@@ -454,6 +510,10 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
                          "only the wide decode (DECODE=0) handles it")
     repacked = bool(cfg.get("REPACKED", True))
     words = repacked_words(qweight) if repacked else packed_words(qweight)
+    if decode == DECODE_ASM_PAIRS:
+        if not repacked:
+            raise ValueError("w4a16_linear: DECODE=3 (pair-packed PTX) needs the repacked words (REPACKED=True)")
+        words = words.view(torch.int16)
     if out is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
