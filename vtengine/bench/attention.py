@@ -45,7 +45,7 @@ ARMS = [  # name, kwargs
     ("per_q_head/off/fast_math", dict(gqa_swap=False, nsplits_cap="off", fast_math=True)),
     ("gqa_swap/off/fast_math", dict(gqa_swap=True, nsplits_cap="off", fast_math=True)),
 ]
-SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 TILE_SWEEP = [attn.Tiles(block_n=bn, num_warps=w, num_stages=st)
               for bn, w, st in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2))]
 

@@ -250,8 +250,12 @@ if INTERPRET:   # the interpreter runs every program in numpy: few, large-ish ti
                     "gqa_swap": Tiles(block_n=16, num_warps=1, num_stages=1)}
 else:
     PREFILL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
-    DECODE_TILES = {"per_q_head": Tiles(block_n=64, num_warps=4, num_stages=2),
-                    "gqa_swap": Tiles(block_n=64, num_warps=4, num_stages=2)}
+    # Decode, measured on an H200 (bench/results/attention-explore-2026-11-30-h200.json: 6 tile configs x 7 forced
+    # split counts x 6 shapes per route): BLOCK_N 64 / 4 warps / 2 stages is within a few % of the best config at
+    # every shape for both routes, and the fastest split counts put ~512 programs in flight (about 4 per SM:
+    # one program alone keeps too few K/V bytes in flight to stream HBM), hence programs_per_sm = 4.
+    DECODE_TILES = {"per_q_head": Tiles(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4),
+                    "gqa_swap": Tiles(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)}
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
