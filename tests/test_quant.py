@@ -146,7 +146,8 @@ def test_round_trip_error_bounds_on_random_data(fmt):
     assert ((w - dq).abs() <= half_gap * (1 + 1e-6)).all()
     rel = ((w - dq).norm() / w.norm()).item()
     assert 0.02 < rel < 0.15, rel          # 4-bit: clearly lossy, clearly not garbage
-    assert torch.equal(dequantize(quantize(dq, fmt)), dq)   # dequantized values are fixed points
+    if fmt == "mxfp4":     # power-of-two scales: dequantized values are fixed points (NVFP4's global moves)
+        assert torch.equal(dequantize(quantize(dq, fmt)), dq)
 
 
 # -- errors ----------------------------------------------------------------------------------------------------
