@@ -6,9 +6,9 @@ materializes W in bf16: each program loads packed bytes and scale bytes and turn
 Two routes, chosen by the lever ``marlin_dense`` (conf/lever/marlin_dense.yaml):
 
 - ``dense`` (ON): A rows are read directly. For M <= 16 the tiles are swapped (swap-AB): a BLOCK_N slice of W is
-  the MMA's M side and the tokens, padded to 16, are its N side, so a program streams its W rows once over K, as
-  a GEMV does; split-K (a counter per tile, the last program reduces) adds programs when N / BLOCK_N leaves the SMs idle. For M > 16 (prefill)
-  plain [BLOCK_M, BLOCK_N] output tiles.
+  the MMA's M side and the tokens, padded to 8 or 16, are its N side, so a program streams its W rows once over
+  K, as a GEMV does; split-K (a counter per tile, the last program reduces) adds programs when N / BLOCK_N leaves
+  the SMs idle. For M > 16 (prefill) plain [BLOCK_M, BLOCK_N] output tiles.
 - ``grouped`` (OFF): the route a fused-MoE kernel takes with one expert (E = 1). An align step writes
   sorted_token_ids padded to a multiple of BLOCK_M (vLLM's moe_align_block_size with one expert: every token goes
   to expert 0, pads carry the sentinel M), then the GEMM gathers its A rows through it, masking rows past M.
@@ -20,6 +20,14 @@ MXFP4 scale 2**(e-127) becomes the bf16 2**(e-1) (bits (e+126) << 7), exact whil
 NVFP4 scale e4m3 becomes e4m3 * 2**117 (exact, at most 2**126) and the remaining 2**9 * global is applied once to
 the fp32 accumulator. A weight with an MXFP4 exponent byte above 128 takes the ``wide`` decode (codes as fp16,
 value * 2**-14, scaled in fp32); the launcher checks that once per weight and caches the answer.
+
+The kernel reads a repacked copy of the codes (repacked_words: nibble slots e0 e2 e4 e6 e1 e3 e5 e7 per 32-bit
+word), built once per weight: the decode's bf16x2 pairs are then consecutive K elements, so neither the W tile nor
+the A tile is permuted (5-18% faster on H200 than the quant layout with A permuted, REPACKED=False).
+
+Measured on one H200 (bench/results/w4a16-NVIDIA_H200-2026-11-30.md, M = 1..8): the dense route moves 26-61% of
+copy bandwidth (small shapes pay launch/ramp, large ones ~3.7 issued instructions per weight, 2.6 of them the
+decode), 1.6-3.5x faster than the grouped route and at or above torch's int4 tinygemm.
 """
 from __future__ import annotations
 
@@ -78,45 +86,12 @@ mov.b32 {$3, $7}, o;
 """)
 
 
-# The same decode with Triton packing: the word arrives as two int16 halves in one 32-bit register and each of the
-# four outputs is one bf16x2 register (pack=2), the scale arrives duplicated in one register. With the repacked
-# nibble order, output j = (e_2j, e_2j+1) is exactly an MMA operand register, so nothing is shuffled afterwards.
-_DECODE_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 m, g, z;
-mov.b32 z, 0x80008000;
-shl.b32 m, $4, 6;
-shl.b32 g, $4, 12;
-and.b32 m, m, 0x01C001C0;
-and.b32 g, g, 0x80008000;
-or.b32 m, m, g;
-fma.rn.bf16x2 $0, m, $5, z;
-shl.b32 m, $4, 2;
-shl.b32 g, $4, 8;
-and.b32 m, m, 0x01C001C0;
-and.b32 g, g, 0x80008000;
-or.b32 m, m, g;
-fma.rn.bf16x2 $1, m, $5, z;
-shr.b32 m, $4, 2;
-shl.b32 g, $4, 4;
-and.b32 m, m, 0x01C001C0;
-and.b32 g, g, 0x80008000;
-or.b32 m, m, g;
-fma.rn.bf16x2 $2, m, $5, z;
-shr.b32 m, $4, 6;
-and.b32 m, m, 0x01C001C0;
-and.b32 g, $4, 0x80008000;
-or.b32 m, m, g;
-fma.rn.bf16x2 $3, m, $5, z;
-}
-""")
-
-
 @triton.jit
 def _interleave8(e0, e1, e2, e3, e4, e5, e6, e7):
-    """Eight [R, C] tensors (element k of each 8-code word) -> [R, C*8] in the kernel's K order within a word:
-    e0 e4 e1 e5 e2 e6 e3 e7, i.e. the bf16x2 pairs (e_j, e_j+4) the word decode produces, so each pair stays one
-    32-bit MMA operand register. A is permuted to the same order (_pair_order). tl.join appends a minor dim: the
+    """Eight [R, C] tensors (the code in nibble slot k of each word) -> [R, C*8] with position 2j + h taken from
+    slot 4h + j, so each bf16x2 pair (slot j, slot j+4) the word decode produces stays one 32-bit MMA operand
+    register. With the repacked words (slots e0 e2 e4 e6 e1 e3 e5 e7) that is natural K order; with the quant
+    layout it is e0 e4 e1 e5 ..., and A is permuted the same way (_pair_order). tl.join appends a minor dim: the
     last join supplies the least significant bit of the position."""
     r: tl.constexpr = e0.shape[0]
     c: tl.constexpr = e0.shape[1]
@@ -137,7 +112,7 @@ def _pair_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 def _dequant_tile(words, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                   NVFP4: tl.constexpr, DECODE: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """words [BLOCK_N, BLOCK_K/8] int32 (8 codes each), sc [BLOCK_N, BLOCK_K/SCALE_BLOCK] uint8 scale bytes ->
-    W tile [BLOCK_N, BLOCK_K] in OUT_DTYPE, K in the kernel's order (_interleave8: a permutation inside each
+    W tile [BLOCK_N, BLOCK_K] in OUT_DTYPE, K in the order of _interleave8 (at most a permutation inside each
     8-code word, so a scale block, a whole number of words, keeps its columns).
 
     DECODE 0 (wide): codes as fp16 (value * 2**-14, exact through the fp16->fp32 conversion) times fp32 scales;
@@ -183,16 +158,6 @@ def _dequant_tile(words, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE
             w = tl.reshape(_interleave8(e0, e1, e2, e3, e4, e5, e6, e7), [BLOCK_N, NSB, SCALE_BLOCK])
             w = w * s[:, :, None]
             return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(OUT_DTYPE)
-        elif DECODE == 3:
-            # words: int16 halves [BLOCK_N, BLOCK_K/4]; t_j[2w + h] = element 8w + 2j + h (repacked order)
-            s_h = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, NSB, 2 * WPB]), [BLOCK_N, BLOCK_K // 4])
-            t0, t1, t2, t3 = tl.inline_asm_elementwise(
-                _DECODE_PAIRS_ASM, "=r,=r,=r,=r,r,r", [words, s_h], dtype=(tl.bfloat16,) * 4, is_pure=True,
-                pack=2)
-            q01 = tl.join(tl.reshape(t0, [BLOCK_N, BLOCK_K // 8, 2]), tl.reshape(t1, [BLOCK_N, BLOCK_K // 8, 2]))
-            q23 = tl.join(tl.reshape(t2, [BLOCK_N, BLOCK_K // 8, 2]), tl.reshape(t3, [BLOCK_N, BLOCK_K // 8, 2]))
-            w = tl.permute(tl.join(q01, q23), (0, 1, 4, 3, 2))          # (word, j_hi, j_lo, h)
-            return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(OUT_DTYPE)
         else:
             s_w = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, NSB, WPB]), [BLOCK_N, BLOCK_K // 8])
             e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
@@ -217,14 +182,16 @@ def _w4a16_gemm_kernel(
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
     Per K step a program loads W [BLOCK_N, BLOCK_K/2] packed bytes + [BLOCK_N, BLOCK_K/block] scale bytes and
-    A [BLOCK_M, BLOCK_K]. SWAP_AB accumulates [BLOCK_N, BLOCK_M] = W @ A^T (decode: M <= 16, bound by W's bytes:
-    0.53 B/weight for MXFP4, 0.56 for NVFP4); otherwise [BLOCK_M, BLOCK_N] = A @ W^T (prefill, bound by the MMA
-    rate once M is a few hundred).
+    A [BLOCK_M, BLOCK_K]. SWAP_AB accumulates [BLOCK_N, BLOCK_M] = W @ A^T (decode, M <= 16: the floor is W's
+    bytes, 0.53 B/weight for MXFP4 and 0.56 for NVFP4, but on H200 the issue rate binds first: ~3.7 instructions
+    per weight, 2.6 of them the decode); otherwise [BLOCK_M, BLOCK_N] = A @ W^T (prefill, bound by the MMA rate
+    once M is a few hundred).
 
-    SPLIT (SPLIT_K > 1; SPLIT_K itself is a runtime value, so every split count shares one binary): each program stores its fp32 partial tile to a workspace and bumps the tile's counter; the last
-    one to arrive sums the SPLIT_K partials in split order (so the result does not depend on arrival order),
-    writes y and resets the counter for the next launch. One launch, no zero-fill, graph-replay safe; two
-    launches must not share the counters concurrently (one stream)."""
+    SPLIT (SPLIT_K > 1; SPLIT_K itself is a runtime value, so every split count shares one binary): each program
+    stores its fp32 partial tile to a workspace and bumps the tile's counter; the last one to arrive sums the
+    SPLIT_K partials in split order (so the result does not depend on arrival order), writes y and resets the
+    counter for the next launch. One launch, no zero-fill, graph-replay safe; two launches must not share the
+    counters concurrently (one stream)."""
     SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -249,11 +216,10 @@ def _w4a16_gemm_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
 
-    UNIT: tl.constexpr = 4 if DECODE == 3 else 8        # codes per loaded W element (int16 or int32 view)
-    offs_b = tl.arange(0, BLOCK_K // UNIT)
+    offs_b = tl.arange(0, BLOCK_K // 8)
     offs_s = tl.arange(0, BLOCK_K // SCALE_BLOCK)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo // UNIT + offs_b)[None, :]
+    w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo // 8 + offs_b)[None, :]
     s_ptrs = s_ptr + offs_n_ld[:, None].to(tl.int64) * stride_sn + (k_lo // SCALE_BLOCK + offs_s)[None, :]
     x_ptrs = x_ptr + rows_ld[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
 
@@ -267,7 +233,7 @@ def _w4a16_gemm_kernel(
             sc = tl.load(s_ptrs)
             a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
         else:
-            kb = k0 + UNIT * offs_b < k_hi
+            kb = k0 + 8 * offs_b < k_hi
             p = tl.load(w_ptrs, mask=kb[None, :], other=0)
             sc = tl.load(s_ptrs, mask=(k0 + offs_s * SCALE_BLOCK < k_hi)[None, :], other=0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + offs_k < k_hi)[None, :], other=0.0)
@@ -278,7 +244,7 @@ def _w4a16_gemm_kernel(
             acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PREC)
         else:
             acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PREC)
-        w_ptrs += BLOCK_K // UNIT
+        w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // SCALE_BLOCK
         x_ptrs += BLOCK_K
 
@@ -405,8 +371,8 @@ def _refuse_during_capture(q: QuantizedWeight, what: str) -> None:
                            "CUDA-graph capture (it would be captured, not run); call the layer once before capturing")
 
 
-DECODE_WIDE, DECODE_BF16, DECODE_ASM, DECODE_ASM_PAIRS = 0, 1, 2, 3
-DECODE_NAMES = {DECODE_WIDE: "wide", DECODE_BF16: "bf16", DECODE_ASM: "bf16_asm", DECODE_ASM_PAIRS: "bf16_asm_pairs"}
+DECODE_WIDE, DECODE_BF16, DECODE_ASM = 0, 1, 2
+DECODE_NAMES = {DECODE_WIDE: "wide", DECODE_BF16: "bf16", DECODE_ASM: "bf16_asm"}
 
 
 def decode_path(q: QuantizedWeight) -> int:
@@ -510,10 +476,6 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
                          "only the wide decode (DECODE=0) handles it")
     repacked = bool(cfg.get("REPACKED", True))
     words = repacked_words(qweight) if repacked else packed_words(qweight)
-    if decode == DECODE_ASM_PAIRS:
-        if not repacked:
-            raise ValueError("w4a16_linear: DECODE=3 (pair-packed PTX) needs the repacked words (REPACKED=True)")
-        words = words.view(torch.int16)
     if out is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
