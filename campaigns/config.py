@@ -192,6 +192,8 @@ def compose(overrides: list[str] | tuple[str, ...] = (), conf_dir: Path | str = 
     extra = []
     if "grid" not in user_keys:
         extra.append(f"grid={'online' if device == 'cuda' else 'rehearsal'}")
+    if "gate" not in user_keys and device != "cuda":
+        extra.append("gate=quick")      # the CPU rehearsal: Triton's interpreter is slow, keep the gates small
     if "model" not in user_keys:
         extra.append(f"model={choice.preset}")
     if "model.quant" not in user_keys:

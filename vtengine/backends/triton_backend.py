@@ -8,7 +8,11 @@ from __future__ import annotations
 import torch
 
 from vtengine.backends.torch_backend import TorchBackend
-from vtengine.kernels import attention, fused, w4a16
+from vtengine.kernels import INTERPRET, attention, fused, w4a16
+
+# Under the CPU interpreter each program runs one after another in Python: present a 2-SM machine to the split
+# heuristic, so decode still splits (nsplits_cap stays live) over a handful of programs instead of hundreds.
+INTERPRETER_SMS = 2
 from vtengine.quant import QuantizedWeight
 
 
@@ -61,6 +65,7 @@ class TritonBackend(TorchBackend):
     def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None):
         return attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                           max_context_len=max_context_len,
+                                          num_sms=INTERPRETER_SMS if INTERPRET else None,
                                           gqa_swap=self.levers.on("gqa_swap"),
                                           nsplits_cap=self.levers.nsplits_cap,
                                           fast_math=self.levers.on("fast_math"))

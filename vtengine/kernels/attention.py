@@ -405,6 +405,7 @@ def _decode_merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, num_splits,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, gqa_swap: bool = False, nsplits_cap="off",
                      fast_math: bool = False, num_splits: int | None = None, max_context_len: int | None = None,
+                     num_sms: int | None = None,
                      tiles: Tiles | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, D] attends to its whole cached context; returns [B, Hq, D].
 
@@ -412,6 +413,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     nsplits_cap:     "off" | "auto" | N, see vtengine/kernels/splits.py.
     fast_math:       the exp2/approximate-reciprocal binary.
     num_splits:      force the split count (tests, benches); None = the heuristic under nsplits_cap.
+    num_sms:         the SM count the split heuristic assumes (None: the device's); the engine passes a small
+                     virtual count under the CPU interpreter, which walks every program one by one.
     max_context_len: host-side upper bound on context_lens that sizes the heuristic; None = the block table's
                      width x block_size. It never changes which keys are read, only how many splits.
     tiles:           override the launch meta-parameters (benches).
@@ -434,7 +437,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page_size
         num_splits = decode_num_splits(bsz * grid_heads, triton.cdiv(max(1, int(bound)), meta.block_n), nsplits_cap,
-                                       num_sms=sm_count(q.device) * meta.programs_per_sm)
+                                       num_sms=(num_sms or sm_count(q.device)) * meta.programs_per_sm)
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
     split = num_splits > 1
