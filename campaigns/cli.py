@@ -95,8 +95,14 @@ def cmd_run(overrides: list[str], dry_run: bool) -> int:
             raise
         raise UsageError("the campaign runner (campaigns/runner.py) is not built yet; "
                          "`vtcampaign run ... --dry-run` shows the composed config") from None
-    result = run_campaign(cfg)
-    return int(result) if isinstance(result, int) else 0
+    from campaigns.runner import CampaignError
+    try:
+        run_campaign(cfg)
+    except CampaignError as e:
+        raise UsageError(str(e)) from None
+    except KeyboardInterrupt:
+        return 130          # the runner saved the evidence and printed how to resume
+    return 0
 
 
 def _evidence_by_lever(out_dir: str) -> dict[str, list]:

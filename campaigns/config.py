@@ -113,6 +113,7 @@ class ParityGateConfig:
 class MemcheckGateConfig:
     max_tokens: int = 4
     timeout_s: int = 600
+    model: Optional[str] = None          # None: the campaign's model; a smaller preset runs the same kernels faster
 
 
 @dataclass

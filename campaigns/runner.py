@@ -29,6 +29,10 @@ from vtengine import levers
 console = Console(stderr=True)
 
 
+class _Done(Exception):
+    """Nothing more to measure (the gates fixed the verdict)."""
+
+
 class CampaignError(RuntimeError):
     """A campaign could not run (a server failed to start, a resume id is unknown...): one clear message."""
 
@@ -97,6 +101,9 @@ def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any]
                 sync_reference(ctx, arm)
         ctx.release_engines()
         stop_early = _gates_decide(ev)
+        if stop_early and "async_parity" not in gates:
+            console.print(f"[yellow]grid skipped:[/] {stop_early}")
+            raise _Done
         with gridmod.servers(ev.arms, lambda a: _server_cmd(cfg, ev, a, inject), str(cdir), _server_env(),
                              on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
             ctx.server_urls = {n: h.url for n, h in handles.items()}
@@ -109,6 +116,8 @@ def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any]
                 _run_grid(ev, cdir, cfg, handles)
             for n, h in handles.items():
                 ev.peak_memory_gib[n] = gridmod.peak_memory_gib(h.url)
+    except _Done:
+        pass
     except KeyboardInterrupt:
         _save(ev, cdir)
         console.print(f"[red]interrupted[/]: {len(ev.legs)} legs kept; continue with "
@@ -243,7 +252,7 @@ def _summary(ev: Evidence, cdir: Path, elapsed_s: float) -> None:
             row.append("-" if g is None else ("skip" if g.skipped else ("pass" if g.passed else "FAIL")))
         t.add_row(*row)
     console.print(t)
-    console.print(f"[bold]{ev.decision.verdict}[/] — {ev.decision.rule}")
+    console.print(f"[bold]{ev.decision.verdict}[/]: {ev.decision.rule}")
     for r in ev.decision.reasons:
         console.print(f"  - {r}")
     console.print(f"records: {cdir / 'record.md'}  PR text: {cdir / 'pr.md'}  ({elapsed_s:.0f} s)")

@@ -39,7 +39,8 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
         return skipped("memcheck", arm, "compute-sanitizer is not installed on this host")
     t0 = time.perf_counter()
     cfg = ctx.gate_cfg.memcheck
-    spec = {"model": ctx.model, "quant": ctx.quant, "levers": ctx.lever_values(arm),
+    model = cfg.get("model") or ctx.model
+    spec = {"model": model, "quant": ctx.quant, "levers": ctx.lever_values(arm),
             "max_tokens": int(cfg.max_tokens), "fault": bool(fault)}
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     cmd = [tool, "--tool", "memcheck", "--print-limit", "20", sys.executable, "-m",
@@ -55,4 +56,4 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     ran = "MEMCHECK_TARGET_DONE" in text or fault
     passed = errors == 0 and proc.returncode == 0 and ran
     return result("memcheck", arm, passed, t0, counts={"errors": errors, "returncode": proc.returncode},
-                  details={"tail": text[-1500:], "fault": "planted OOB write" if fault else ""})
+                  details={"model": model, "tail": text[-1500:], "fault": "planted OOB write" if fault else ""})

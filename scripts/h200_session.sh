@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on the lent H200 (see /work/.library/device): `bash scripts/h200_session.sh STEP...` with `.whl` and
+# `.git` carried. Steps: [SECONDS@]campaign:<name>[:<overrides,comma,separated>] | [SECONDS@]decode[:<args>] |
+# [SECONDS@]gputests. A step past its SECONDS (default 400) gets SIGINT: servers stop, evidence is kept (resume=<id>).
+# Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+git config core.fileMode false            # the copy may not keep exec bits: content decides dirtiness
+git config user.name "vt dev" && git config user.email "dev@vtengine.local"
+echo "== $(git log -1 --oneline)  dirty: $(git status --porcelain | grep -v '^??' | wc -l) tracked files"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+mkdir -p "${OUT:-/tmp/out}" logs
+for step in "$@"; do
+  limit=400; case $step in *@*) limit=${step%%@*}; step=${step#*@} ;; esac
+  kind=${step%%:*}; rest=${step#*:}; [ "$rest" = "$step" ] && rest=""
+  t0=$(date +%s)
+  case $kind in
+    campaign) name=${rest%%:*}; ov=${rest#*:}; [ "$ov" = "$rest" ] && ov=""
+              timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off ${ov//,/ } 2>&1 | tee logs/campaign-$name.log ;;
+    decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results ${rest//,/ } 2>&1 | tee logs/decode.log ;;
+    gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -30 | tee logs/gputests.log ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "== step $step took $(( $(date +%s) - t0 )) s"
+  tar czf "${OUT:-/tmp/out}/results.tgz" records bench/results logs 2>/dev/null
+done
