@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (see /work/.library/device): `bash scripts/h200_session.sh STEP...` with `.whl` and
-# `.git` carried. Steps: [SECONDS@]campaign:<name>[:<overrides,comma,separated>] | [SECONDS@]decode[:<args>] |
+# `.git` carried. Each step is one argument: [SECONDS@]campaign:<name>[:<space-separated overrides>] | [SECONDS@]decode[:<args>] |
 # [SECONDS@]gputests. A step past its SECONDS (default 400) gets SIGINT: servers stop, evidence is kept (resume=<id>).
 # Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
 set -uo pipefail
@@ -19,8 +19,8 @@ for step in "$@"; do
   t0=$(date +%s)
   case $kind in
     campaign) name=${rest%%:*}; ov=${rest#*:}; [ "$ov" = "$rest" ] && ov=""
-              timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off ${ov//,/ } 2>&1 | tee logs/campaign-$name.log ;;
-    decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results ${rest//,/ } 2>&1 | tee logs/decode.log ;;
+              timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee logs/campaign-$name.log ;;
+    decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee logs/decode.log ;;
     gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -30 | tee logs/gputests.log ;;
     *) echo "unknown step $step" ;;
   esac
