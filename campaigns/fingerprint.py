@@ -4,6 +4,7 @@ Two arms compare only on the same fingerprint; the policy reads ``device_type`` 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import socket
@@ -49,6 +50,12 @@ def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm],
     except ImportError:
         triton_version = None
     state = repo_state(repo_path, ignore=ignore_dirty)
+    # A lent GPU host gets a copy of the checkout without .git; the copy is committed there as a fresh repository
+    # (so dirtiness is still measured against it) and the source commit is named by CAMPAIGN_SOURCE_SHA.
+    source = os.environ.get("CAMPAIGN_SOURCE_SHA", "").strip()
+    if source:
+        state = dataclasses.replace(state, sha=source, short_sha=source[:7],
+                                    branch=os.environ.get("CAMPAIGN_SOURCE_BRANCH", state.branch))
     device_type, device_name, cuda_version = device_info(device)
     return Fingerprint(
         git_sha=state.sha, git_short_sha=state.short_sha, dirty=state.dirty, branch=state.branch,

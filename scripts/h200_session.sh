@@ -7,8 +7,13 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-git config core.fileMode false            # the copy may not keep exec bits: content decides dirtiness
-git config user.name "vt dev" && git config user.email "dev@vtengine.local"
+# The copy arrives without .git: commit it as a fresh repository (dirtiness is measured against the copy) and name
+# the source commit for the fingerprint: CAMPAIGN_SOURCE_SHA=<sha> [CAMPAIGN_SOURCE_BRANCH=<branch>] in the env.
+if [ ! -d .git ]; then
+  git init -q && git config user.name "vt dev" && git config user.email "dev@vtengine.local"
+  git add -A && git commit -qm "device copy of ${CAMPAIGN_SOURCE_SHA:-unknown}"
+fi
+git config core.fileMode false
 echo "== $(git log -1 --oneline)  dirty: $(git status --porcelain | grep -v '^??' | wc -l) tracked files"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
