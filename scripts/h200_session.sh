@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The copy arrives without .git: commit it as a fresh repository (dirtiness is measured against the copy) and name
 # the source commit for the fingerprint: CAMPAIGN_SOURCE_SHA=<sha> [CAMPAIGN_SOURCE_BRANCH=<branch>] in the env.
-if [ ! -d .git ]; then
+if ! git rev-parse -q --verify HEAD >/dev/null 2>&1; then
   git init -q && git config user.name "vt dev" && git config user.email "dev@vtengine.local"
   git add -A && git commit -qm "device copy of ${CAMPAIGN_SOURCE_SHA:-unknown}"
 fi
