@@ -134,8 +134,15 @@ def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
     if mech is not None and not mech.skipped and not mech.passed:
         invalid.append(f"the mechanism gate shows the lever inert on arm {cand.name}"
                        + (f": {mech.reason}" if mech.reason else ""))
+    base_near = gate("near_tie", base)
+    base_ratified = (base_near is not None and not base_near.skipped and base_near.passed
+                     and (base_near.counts.get("max_gap_mnats") or 0) <= p.near_tie_max_mnats)
     for g in run:
         if g.arm == base and not g.passed:
+            if g.gate == "battery" and base_ratified:
+                reasons.append(f"battery divergences on the baseline arm {base} all ratified by near_tie (max gap "
+                               f"{base_near.counts.get('max_gap_mnats')} mnats <= {p.near_tie_max_mnats:g})")
+                continue
             if p.flip_on_correctness and g.gate in CORRECTNESS_GATES:
                 reasons.append(f"baseline arm {base} fails {g.gate} (the bug this correctness fix addresses)")
             else:
