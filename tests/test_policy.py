@@ -254,8 +254,19 @@ def test_invalid_when_the_lever_is_inert():
 
 
 def test_invalid_when_the_baseline_fails_a_gate():
-    g = gates(**{"battery@off": {"passed": False}})
+    g = gates(**{"battery@off": {"passed": False}, "near_tie@off": {"passed": False}})
     assert verdict(make_evidence(TPUT_WIN, gate_results=g)) == "INVALID"
+
+
+def test_baseline_battery_near_ties_ratified_are_not_a_failure():
+    # bf16 kernels vs the oracle: the baseline diverges only at near-ties, all ratified -> not INVALID
+    g = gates(**{"battery@off": {"passed": False}, "near_tie@off": {"counts": {"divergences": 3,
+                                                                                "max_gap_mnats": 420.0}}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert verdict(ev) == "FLIP" and any("baseline arm off all ratified" in r for r in ev.decision.reasons)
+    g = gates(**{"battery@off": {"passed": False}, "near_tie@off": {"counts": {"divergences": 3,
+                                                                                "max_gap_mnats": 520.0}}})
+    assert verdict(make_evidence(TPUT_WIN, gate_results=g)) == "INVALID"      # a gap over the policy's 500
 
 
 def test_invalid_comes_before_everything_even_on_cpu():
@@ -339,7 +350,8 @@ def test_skipped_mechanism_gate_is_no_proof():
 
 
 def test_flip_on_correctness_alone():
-    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "reason": "prompt 3 diverges"}})
+    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "reason": "prompt 3 diverges"},
+                                   "near_tie@off": {"passed": False}})
     ev = make_evidence({}, gate_results=g, policy_cfg={"flip_on_correctness": True})
     d = ev.decision
     assert d.verdict == "FLIP" and d.rule.startswith("4. FLIP (correctness fix)") and d.new_default is True
