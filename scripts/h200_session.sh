@@ -17,18 +17,18 @@ git config core.fileMode false
 echo "== $(git log -1 --oneline)  dirty: $(git status --porcelain | grep -v '^??' | wc -l) tracked files"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-mkdir -p "${OUT:-/tmp/out}" logs
+LOGS=/tmp/vt-logs; mkdir -p "${OUT:-/tmp/out}" $LOGS   # outside the tree: a log there would make it dirty
 for step in "$@"; do
   limit=400; case $step in *@*) limit=${step%%@*}; step=${step#*@} ;; esac
   kind=${step%%:*}; rest=${step#*:}; [ "$rest" = "$step" ] && rest=""
   t0=$(date +%s)
   case $kind in
     campaign) name=${rest%%:*}; ov=${rest#*:}; [ "$ov" = "$rest" ] && ov=""
-              timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee logs/campaign-$name.log ;;
-    decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee logs/decode.log ;;
-    gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -30 | tee logs/gputests.log ;;
+              timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee $LOGS/campaign-$name.log ;;
+    decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
+    gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -30 | tee $LOGS/gputests.log ;;
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - t0 )) s"
-  tar czf "${OUT:-/tmp/out}/results.tgz" records bench/results logs 2>/dev/null
+  tar czf "${OUT:-/tmp/out}/results.tgz" records bench/results -C /tmp vt-logs 2>/dev/null
 done
