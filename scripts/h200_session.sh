@@ -9,10 +9,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The copy arrives without .git: commit it as a fresh repository (dirtiness is measured against the copy) and name
 # the source commit for the fingerprint: CAMPAIGN_SOURCE_SHA=<sha> [CAMPAIGN_SOURCE_BRANCH=<branch>] in the env.
-if ! git rev-parse -q --verify HEAD >/dev/null 2>&1; then
-  git init -q && git config user.name "vt dev" && git config user.email "dev@vtengine.local"
-  git add -A && git commit -qm "device copy of ${CAMPAIGN_SOURCE_SHA:-unknown}"
-fi
+# Commit every time: a warm machine keeps the last call's repository under the new copy.
+git init -q && git config user.name "vt dev" && git config user.email "dev@vtengine.local"
+git add -A && git commit -q --allow-empty -m "device copy of ${CAMPAIGN_SOURCE_SHA:-unknown}"
 git config core.fileMode false
 echo "== $(git log -1 --oneline)  dirty: $(git status --porcelain | grep -v '^??' | wc -l) tracked files"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv

@@ -436,7 +436,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     page_size = k_cache.shape[1]
     if num_splits is None:
         bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page_size
-        num_splits = decode_num_splits(bsz * grid_heads, triton.cdiv(max(1, int(bound)), meta.block_n), nsplits_cap,
+        # Batch-invariant: the split count depends on one sequence's programs (its heads) and the context bound,
+        # never on the batch size, so a request's tokens do not depend on which requests share its batch (the
+        # campaign's async_parity gate compares served against in-process tokens; with batch-dependent splits a
+        # concurrent arrival order changed bf16 near-ties). Larger batches pay in more, smaller split programs.
+        num_splits = decode_num_splits(grid_heads, triton.cdiv(max(1, int(bound)), meta.block_n), nsplits_cap,
                                        num_sms=(num_sms or sm_count(q.device)) * meta.programs_per_sm)
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
