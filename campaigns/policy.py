@@ -92,6 +92,8 @@ def headline(ev: Evidence, cand: str, p: PolicyConfig, worst: bool = False) -> s
     stats = [s for s in ev.stats if s.candidate == cand and s.axis in p.primary_axes and s.ratio is not None]
     if not stats:
         return "no grid figures"
+    if not worst and any(s.separation == "WIN" for s in stats):
+        stats = [s for s in stats if s.separation == "WIN"]      # quote a separated figure, not a neutral one
     best = (min if worst else max)(stats, key=lambda s: s.ratio)
     label = AXIS_BY_NAME[best.axis].label if best.axis in AXIS_BY_NAME else best.axis
     return f"{label} ×{best.ratio:.3f} at c{best.concurrency} ({best.separation})"

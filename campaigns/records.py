@@ -234,6 +234,14 @@ def _link(ev: Evidence, campaign_dirs: dict[str, Path], records_dir: Path, name:
     return Path(rel).as_posix()
 
 
+def _superseded(ev: Evidence, done: list[Evidence]) -> bool:
+    """A refutation stops being listed once a later campaign of the same lever and arm reaches another verdict
+    (e.g. the bug behind a REJECT was fixed and the lever re-ran); its record stays in records/campaigns/."""
+    later = [e for e in done if e.lever == ev.lever and e.decision.candidate == ev.decision.candidate
+             and (e.created, e.campaign_id) > (ev.created, ev.campaign_id)]
+    return any(e.decision.verdict != ev.decision.verdict for e in later)
+
+
 def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path,
                   lever_dir: Path | None = None) -> str:
     from vtengine import levers as lever_registry
@@ -258,7 +266,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
         "lever": e.lever, "arm": e.decision.candidate or "?", "verdict": e.decision.verdict,
         "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
         "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"),
-    } for e in done if e.decision.verdict in REFUTED]
+    } for e in done if e.decision.verdict in REFUTED and not _superseded(e, done)]
     return render_template("STATUS.md.j2", rows=rows, refuted=refuted)
 
 
