@@ -2,6 +2,7 @@
 one thread, see async_engine.py)."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -48,7 +49,14 @@ def load_model_source(name_or_path: str, device, dtype):
         return cfg, weights, tok.load_tokenizer(path), path.stem
     if path.is_dir():
         cfg, weights = loader.load_hf_checkpoint(path)
-        return cfg, weights, tok.load_tokenizer(path), path.name
+        try:
+            tokenizer = tok.load_tokenizer(path)
+        except ConfigError as e:
+            # a checkpoint saved without tokenizer files (e.g. random weights for benchmarking): token-id prompts
+            # still work; text goes through bytes
+            print(f"vtengine: {e}; using a byte tokenizer (token-id prompts are unaffected)", file=sys.stderr)
+            tokenizer = tok.ByteTokenizer(vocab_size=max(cfg.vocab_size, 259))
+        return cfg, weights, tokenizer, path.name
     raise ConfigError(f"model {name_or_path!r} is neither a known preset ({preset_names()}) nor an existing "
                       f"HF checkpoint directory or .gguf file")
 

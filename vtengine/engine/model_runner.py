@@ -3,9 +3,9 @@ CUDA-graph replay, and samples.
 
 CUDA graphs: decode steps are captured once per batch size in ``graph_batch_sizes`` with static input buffers;
 a step of B sequences replays the smallest captured size >= B with the extra rows padded (slot -1: nothing is
-written; context length 1 over block 0: read and discarded). Split-KV decode attention must not depend on the
-step's context lengths on the host, so graphed steps size their splits for ``max_model_len`` (the kernel skips
-empty splits). Prefill always runs eagerly.
+written; context length 1 over block 0: read and discarded). Split-KV decode attention must not read the step's
+context lengths on the host, so every decode step (graphed or eager, hence bitwise equal) takes its split count
+from ``max_model_len``; each sequence divides its own context over those splits. Prefill always runs eagerly.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class ModelRunner:
             slot_mapping=torch.tensor([self._slot(s, len(s) - 1) for s in seqs], dtype=torch.int64, device=dev),
             context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev),
             block_tables=self._block_tables(seqs).to(dev),
-            # splits sized for max_model_len in eager and graphed decode alike, so the two are bitwise equal
+            # split count from max_model_len in eager and graphed decode alike, so the two are bitwise equal
             max_context_len=self.max_model_len,
         )
         return ids, pos, ctx
