@@ -9,7 +9,6 @@ bitwise is measured and printed (run with -s to see it), not asserted.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from vtengine.backends.torch_backend import TorchBackend
 from vtengine.kernels import INTERPRET
 from vtengine.kernels import attention as attn
 from vtengine.kernels import splits
+from vtengine.testing import fresh_generator, rel_l2
 
 REF = TorchBackend()
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
@@ -29,16 +29,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the CPU inte
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def fresh_generator() -> tuple[torch.Generator, int]:
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator().manual_seed(seed), seed
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if torch.isnan(out).any():
-        return float("inf")        # an unwritten (poisoned) or NaN element never passes
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def make_paged(ctx_lens, hkv, d, page, dtype, gen, spare_blocks=3, extra_cols=2, strided=False):

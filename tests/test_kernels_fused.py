@@ -7,7 +7,6 @@ fresh random draws (seed printed), outputs are poisoned with NaN before each run
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch
 from vtengine import counters
 from vtengine.backends.torch_backend import TorchBackend, rope_cos_sin
 from vtengine.kernels import fused
+from vtengine.testing import fresh_generator, rel_l2
 
 REF = TorchBackend()
 CUDA = torch.cuda.is_available()
@@ -24,24 +24,12 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the CPU interpreter runs the tiny-shape tests)")
 
 
-def fresh_generator() -> tuple[torch.Generator, int]:
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator().manual_seed(seed), seed
-
-
 def rnd(*shape, gen, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
 
 
 def poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
-
-
-def rel_l2(out, ref):
-    if torch.isnan(out).any():
-        return float("inf")
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 # -- RMSNorm ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ and grouped routes agree bitwise is measured and printed (-s), not asserted.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from vtengine import counters
 from vtengine.kernels import INTERPRET
 from vtengine.kernels import w4a16
 from vtengine.quant import QuantizedWeight, dequantize, quantize
+from vtengine.testing import fresh_generator, rel_l2
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -27,16 +27,7 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the CPU interpreter runs the tiny-shape tests)")
 
 
-def fresh_generator() -> tuple[torch.Generator, int]:
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator().manual_seed(seed), seed
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if torch.isnan(out).any():
-        return float("inf")        # an unwritten (poisoned) or NaN element never passes
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def make_case(m, n, k, fmt, gen, act=ACT):

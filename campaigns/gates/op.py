@@ -18,15 +18,9 @@ from campaigns.gates import GateContext, result
 from campaigns.evidence import Arm, GateResult
 from vtengine.backends.torch_backend import TorchBackend
 from vtengine.quant import QuantizedWeight, quantize
+from vtengine.testing import rel_l2
 
 REL_L2_BOUND = {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _shapes(device: str) -> dict[str, Any]:
@@ -87,7 +81,7 @@ def decode_cases(gen, dev, sh, lever: str) -> list[tuple[str, Callable, Callable
 def prefill_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     from vtengine.kernels import attention
     ctx_lens = [sh["ctx"][-1], sh["ctx"][1]]
-    q_lens = [min(c, 37), sh["ctx"][1]]                 # the first sequence has a cached prefix
+    q_lens = [min(ctx_lens[0], 37), sh["ctx"][1]]       # the first sequence has a cached prefix
     k_cache, v_cache, bt, cl = _paged(gen, dev, sh["dtype"], 2, sh["hq"], sh["hkv"], sh["d"], ctx_lens)
     cu = torch.tensor([0, q_lens[0], q_lens[0] + q_lens[1]], dtype=torch.int32, device=dev)
     q = torch.randn(sum(q_lens), sh["hq"], sh["d"], generator=gen).to(dev, sh["dtype"])
