@@ -252,7 +252,9 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
     for name in sorted(set(levers) | {e.lever for e in done}):
         lever = levers.get(name)
         mine = [e for e in done if e.lever == name]
-        last = mine[-1] if mine else None
+        # a rehearsal (non-binding) never displaces a binding verdict: show the latest binding campaign if any
+        binding = [e for e in mine if e.decision.binding]
+        last = (binding or mine)[-1] if mine else None
         rows.append({
             "lever": name,
             "default": fmt_lever_value(lever.default) if lever else "(no lever file)",

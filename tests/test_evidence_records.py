@@ -198,15 +198,25 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     assert "2026-11-30-gqa_swap-abc1234" in gqa and "2026-11-29" not in gqa
     assert "| 8 | on | 111.0 | 101.0 | 1.099 WIN |" in gqa
 
-    # A later non-binding rehearsal is the last campaign in STATUS, but BENCHMARKS keeps the binding grid.
+    # A later non-binding rehearsal displaces neither the binding verdict in STATUS nor the grid in BENCHMARKS.
     rehearsal = make_evidence(LOSS, device_type="cpu", created="2026-12-01T09:00:00Z",
                               campaign_id="2026-12-01-gqa_swap-abc1234")
     _campaigns(tmp_path, rehearsal)
     records.render_all(out, plots=False)
-    assert _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")[5] == "NON-BINDING"
+    row = _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")
+    assert row[5] == "FLIP" and "2026-11-30-gqa_swap-abc1234" in row[4]
     gqa = (tmp_path / "records" / "BENCHMARKS.md").read_text().split("## gqa_swap")[1]
     assert "2026-11-30-gqa_swap-abc1234" in gqa and "| 8 | on | 111.0 | 101.0 | 1.099 WIN |" in gqa
     assert len(find_evidence(out)) == 4
+
+    # A refutation that a later campaign of the same lever and arm superseded leaves the refuted section.
+    rerun = make_evidence(NEUTRAL, lever="fast_math", created="2026-12-02T09:00:00Z",
+                          campaign_id="2026-12-02-fast_math-abc1234")
+    _campaigns(tmp_path, rerun)
+    records.render_all(out, plots=False)
+    status = (tmp_path / "records" / "STATUS.md").read_text()
+    assert _status_row(status, "fast_math")[5] == "KEEP"
+    assert "fast_math" not in status.split("## Refuted levers")[1]
 
 
 def test_in_progress_evidence_renders_without_a_decision(tmp_path):
