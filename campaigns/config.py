@@ -332,6 +332,9 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     for key in ("concurrency", "prompts_per_leg"):
         if any(int(v) < 1 for v in grid[key]) or not grid[key]:
             raise CampaignConfigError(f"grid.{key} {list(grid[key])} must be a non-empty list of positive integers")
+    if len(set(grid.concurrency)) != len(grid.concurrency):
+        raise CampaignConfigError(f"grid.concurrency {list(grid.concurrency)} repeats a value; each concurrency "
+                                  "is one point of the grid (use grid.reps for repetitions)")
     for key in ("reps", "input_len", "output_len"):
         if grid[key] < 1:
             raise CampaignConfigError(f"grid.{key}={grid[key]} must be >= 1")

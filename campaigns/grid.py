@@ -9,6 +9,7 @@ sampled during each leg (pynvml). Evidence is written by the caller after every 
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -55,41 +56,49 @@ def server_command(model: str, quant: str, lever: str, value, *, backend: str | 
     return cmd
 
 
-def start_server(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str]) -> ServerHandle:
-    """Start a server and wait for its ready line; its output goes to log_path."""
+def start_server(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str],
+                 timeout_s: float = SERVER_START_TIMEOUT_S) -> ServerHandle:
+    """Start a server and wait (at most ``timeout_s``, even if it prints nothing) for its ready line; its output
+    goes to log_path. On any failure or interruption while starting, the process is killed: never an orphan."""
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    url = None
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        log.write(line)
-        log.flush()
-        if "ready at " in line:
-            url = line.split("ready at ", 1)[1].split()[0]
-            break
-    if url is None:
-        proc.kill()
-        log.close()
-        tail = open(log_path).read()[-2000:]
-        raise GridError(f"the {arm.name!r} server did not start (exit {proc.poll()}); log {log_path}:\n{tail}")
-    # keep draining its output into the log so the pipe never fills
-    threading.Thread(target=_drain, args=(proc, log), daemon=True).start()
-    info = loadgen.get_model_info(url)
-    return ServerHandle(arm.name, url, proc, info.get("id") or info.get("model") or "", log_path)
+    ready: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_drain, args=(proc, log, ready), daemon=True).start()
+    try:
+        try:
+            url = ready.get(timeout=timeout_s)
+        except queue.Empty:
+            url = None
+        if not url:
+            why = f"exited with {proc.poll()}" if proc.poll() is not None else f"not ready after {timeout_s:.0f} s"
+            raise GridError(f"the {arm.name!r} server did not start ({why}); log {log_path}:\n"
+                            f"{open(log_path).read()[-2000:]}")
+        info = loadgen.get_model_info(url)
+        return ServerHandle(arm.name, url, proc, info.get("id") or info.get("model") or "", log_path)
+    except BaseException:
+        _kill(proc)
+        raise
 
 
-def _drain(proc: subprocess.Popen, log) -> None:
+def _drain(proc: subprocess.Popen, log, ready: queue.Queue) -> None:
+    """Copy the server's output into its log (so the pipe never fills) and hand over the URL of its ready line."""
+    announced = False
     for line in proc.stdout:
         log.write(line)
         log.flush()
+        if not announced and "ready at " in line:
+            ready.put(line.split("ready at ", 1)[1].split()[0])
+            announced = True
     log.close()
+    if not announced:
+        ready.put("")               # exited before it was ready
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def stop_server(h: ServerHandle) -> None:
@@ -98,8 +107,7 @@ def stop_server(h: ServerHandle) -> None:
         try:
             h.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            h.proc.kill()
-            h.proc.wait(timeout=30)
+            _kill(h.proc)
 
 
 @contextmanager

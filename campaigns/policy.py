@@ -243,6 +243,14 @@ def _non_binding(ev: Evidence, base: str, cand: str, p: PolicyConfig) -> list[st
         leg = bad[0]
         out.append(f"void grid: {len(bad)} invalid leg(s) (first: c{leg.concurrency} rep {leg.rep} arm {leg.arm}: "
                    + "; ".join(leg.reasons) + ")")
+    by_point: dict[tuple[int, int], set[str]] = {}
+    for leg in ev.legs:
+        if leg.arm in (base, cand):
+            by_point.setdefault((leg.concurrency, leg.rep), set()).add(leg.prompts_sha256)
+    unlike = sorted(k for k, shas in by_point.items() if len(shas) > 1)
+    if unlike:
+        out.append(f"void grid: the arms served different prompts at {len(unlike)} point(s) "
+                   f"(first: c{unlike[0][0]} rep {unlike[0][1]})")
     mech = ev.gate("mechanism", cand)
     if mech is None:
         out.append("no mechanism proof: the mechanism gate has no result for the candidate")

@@ -74,6 +74,7 @@ def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any]
         ev = load_evidence(cdir)
         if ev.lever != cfg.campaign.lever:
             raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
+        _check_resumable(ev, cfg, repo)
         ev.status = "in-progress"
         console.print(f"[bold]resuming[/] {ev.campaign_id}: {len(ev.gates)} gate results and {len(ev.legs)} legs kept")
     else:
@@ -87,7 +88,7 @@ def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any]
     ctx = GateContext(lever=ev.lever, arms=ev.arms, model=str(cfg.model.name), quant=str(cfg.model.quant),
                       device=ev.fingerprint.device_type, gate_cfg=cfg.gate,
                       near_tie_max_mnats=float(cfg.campaign.policy.near_tie_max_mnats), work_dir=cdir,
-                      inert_arm=inject.get("inert_arm"))
+                      inert_arm=inject.get("inert_arm"), cpu_max_model_len=_cpu_max_model_len(cfg))
     gates = [g for g in cfg.campaign.gates]
     unknown = sorted(set(gates) - set(IN_PROCESS_GATES) - set(SERVER_GATES))
     if unknown:
@@ -140,6 +141,19 @@ def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any]
     return ev
 
 
+def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path) -> None:
+    """New legs must compare like with like: the same composed config and the same commit as the first run."""
+    if config_hash(cfg) != ev.fingerprint.config_hash:
+        raise CampaignError(f"resume={cfg.resume!r}: the composed config differs from the campaign's (its overrides "
+                            f"were recorded in {ev.campaign_id}/evidence.json under 'config'); resume with the same "
+                            "campaign and overrides, or start a new campaign")
+    now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, ev.fingerprint.config_hash,
+                     ignore_dirty=("records", "mlflow.db", "mlruns", "mlartifacts"))
+    if now.git_sha != ev.fingerprint.git_sha:
+        raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at {ev.fingerprint.git_short_sha}, the checkout "
+                            f"is now at {now.git_short_sha}; legs from two commits would not compare")
+
+
 def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], self_check: bool) -> None:
     todo = [(g, a) for g in names for a in ev.arms if ev.gate(g, a.name) is None]
     if not todo:
@@ -174,6 +188,11 @@ def _server_env() -> dict[str, str]:
     return env
 
 
+def _cpu_max_model_len(cfg: DictConfig) -> int:
+    """max_model_len of every CPU engine of the campaign (gates and servers alike: decode splits follow it)."""
+    return max(512, int(cfg.grid.input_len) + int(cfg.grid.output_len) + 64)
+
+
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()
@@ -186,7 +205,7 @@ def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
     max_seqs = max(16, max(int(c) for c in cfg.grid.concurrency))
     # on CPU: the Triton interpreter for the lever's own kernels only, and a short max_model_len (see GateContext)
     kernels = None if cuda else list(levers.get(ev.lever).affects)
-    max_len = None if cuda else int(cfg.grid.input_len) + int(cfg.grid.output_len) + 64
+    max_len = None if cuda else _cpu_max_model_len(cfg)
     return gridmod.server_command(str(cfg.model.name), str(cfg.model.quant), ev.lever, value,
                                   backend="triton", gpu_util=util, max_num_seqs=max_seqs, triton_kernels=kernels,
                                   max_model_len=max_len)

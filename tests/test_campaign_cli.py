@@ -70,6 +70,7 @@ def test_user_choices_override_the_host_defaults():
     (["campaign=gqa_swap", "model.quant=int8"], "model.quant='int8' is not accepted; accepted: bf16, mxfp4, nvfp4"),
     (["campaign=gqa_swap", "campaign.arms.candidates=[7]"], "candidate arm 7 is not valid; accepted: true/false"),
     (["campaign=gqa_swap", "grid.concurrency=[1,2,3]"], "must have one entry per grid.concurrency [1, 2, 3]"),
+    (["campaign=gqa_swap", "grid.concurrency=[2,2]", "grid.prompts_per_leg=[2,2]"], "repeats a value"),
     (["campaign=gqa_swap", "tracking=remote"], "tracking=remote needs tracking.uri=<uri>"),
     (["campaign=gqa_swap", "device=tpu"], "device='tpu' is not accepted; accepted: auto, cuda, cpu"),
     (["campaign=gqa_swap", "allow_dirty=maybe"], "bad value for allow_dirty"),

@@ -133,6 +133,15 @@ def test_invalid_legs_are_left_out_of_statistics():
     assert max(s.reps["off"] + s.reps["on"]) == 112.0 and sum(len(v) for v in s.reps.values()) == 5
 
 
+def test_arms_that_served_different_prompts_void_the_grid():
+    from campaigns import policy
+    ev = make_evidence(TPUT_WIN)
+    assert ev.decision.verdict == "FLIP"
+    next(leg for leg in ev.legs if leg.arm == "on" and leg.concurrency == 4).prompts_sha256 = "something-else"
+    d = policy.decide(ev)
+    assert d.verdict == "NON-BINDING" and any("different prompts" in r and "c4" in r for r in d.reasons)
+
+
 # ----------------------------------------------------------------------------------------------- verdicts
 
 

@@ -206,6 +206,9 @@ BAD_REQUESTS = [
     ("missing prompt", "/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("n > 1", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
     ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("NaN temperature", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    # an out-of-range seed once killed the engine thread (torch's manual_seed overflowed): it must fail alone
+    ("seed out of range", "/v1/completions", {"prompt": "hi", "temperature": 0.7, "seed": 2**64}, 400, "seed"),
     ("top_p out of range", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("bad top_k", "/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
     ("stop strings", "/v1/completions", {"prompt": "hi", "stop": ["\n"]}, 400, "stop"),

@@ -146,7 +146,9 @@ class Server:
         if vocab is None:
             raise RuntimeError("cannot tell the model's vocabulary size from the engine (looked for vocab_size, "
                                "model_config.vocab_size)")
-        return cls(async_engine or AsyncEngine(engine), engine.model_name, tok, int(engine.max_model_len),
+        # the usable length: max_model_len, or less when the KV pool cannot hold that many tokens
+        usable = int(getattr(engine, "max_seq_tokens", engine.max_model_len))
+        return cls(async_engine or AsyncEngine(engine), engine.model_name, tok, usable,
                    int(vocab), min(int(tok_vocab), int(vocab)) if tok_vocab else None)
 
     # -- parsing --------------------------------------------------------------------------------------------

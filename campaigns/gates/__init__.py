@@ -38,6 +38,7 @@ class GateContext:
     server_urls: dict[str, str] = field(default_factory=dict)       # arm -> base URL (async_parity)
     server_model: str = ""
     inert_arm: str | None = None       # fault injection for tests: this arm runs with the lever forced to baseline
+    cpu_max_model_len: int = 512
     _engines: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
 
@@ -58,9 +59,9 @@ class GateContext:
 
     @property
     def max_model_len(self) -> int | None:
-        # CUDA graphs size decode splits for max_model_len: keep it small on CPU, where the interpreter walks
-        # every (mostly empty) split program
-        return None if self.device == "cuda" else 512
+        # decode splits follow max_model_len: keep it small on CPU, where the interpreter walks every program;
+        # the runner gives the grid's servers the same value, so served and in-process decode split alike
+        return None if self.device == "cuda" else self.cpu_max_model_len
 
     def lever_values(self, arm: Arm, inert: bool = False) -> dict[str, Any]:
         value = self.baseline.value if (inert or arm.name == self.inert_arm) else arm.value

@@ -40,13 +40,17 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
     llm = ctx.engine(arm)
     runner = llm.engine.runner
     prompts = parity_prompts(ctx, int(cfg.prompts))
+    # staggered lengths: the decode batch shrinks one sequence at a time (4, 3, 2, 1 ...), so replays also run
+    # batch sizes that were not captured, i.e. padded graph rows (slot -1, context 1, block 0)
+    params = [SamplingParams(max_tokens=max(2, int(cfg.max_tokens) - 3 * i), temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts))]
     key = f"graphed:{arm.name}"
     if key not in ctx.cache:
         assert runner.use_graphs, "the arm's engine was built without CUDA graphs"
-        ctx.cache[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, _params(cfg))]
+        ctx.cache[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         runner.use_graphs = False
         try:
-            ctx.cache[f"eager:{arm.name}"] = [o.outputs[0].token_ids for o in llm.generate(prompts, _params(cfg))]
+            ctx.cache[f"eager:{arm.name}"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         finally:
             runner.use_graphs = True
     graphed = [list(t) for t in ctx.cache[key]]

@@ -199,6 +199,9 @@ class AsyncEngine:
                     result = _ACCEPTED
                 except RequestError as e:
                     result = e
+                except Exception as e:      # a bad request must fail alone, never the engine thread
+                    eng.abort_request(stream.request_id)
+                    result = RequestError(f"request rejected: {e}")
             deliveries[stream.loop].append((stream.queue, result))
         elif cmd[0] == "abort":
             stream = self._streams.pop(cmd[1], None)

@@ -27,6 +27,12 @@ class SamplingParams:
             self.top_k = -1
         if self.top_k < -1:
             raise RequestError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        for name in ("temperature", "top_p"):
+            if getattr(self, name) != getattr(self, name):          # NaN passes every comparison below
+                raise RequestError(f"{name} must be a number, got NaN")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
 

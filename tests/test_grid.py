@@ -1,0 +1,65 @@
+"""The grid's building blocks: server start-up never hangs and never orphans a process; the leg plan alternates
+arm order per rep; prompt partitions are disjoint across (concurrency, rep) and reproducible."""
+import sys
+import time
+
+import httpx
+import pytest
+from omegaconf import OmegaConf
+
+from campaigns import grid
+from campaigns.evidence import Arm
+
+ARMS = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
+
+
+def _start(tmp_path, code: str, timeout_s: float):
+    cmd = [sys.executable, "-u", "-c", code]
+    return grid.start_server(ARMS[0], cmd, str(tmp_path / "server.log"), env={}, timeout_s=timeout_s)
+
+
+def test_silent_server_times_out_and_is_killed(tmp_path, monkeypatch):
+    procs = []
+    real_popen = grid.subprocess.Popen
+    monkeypatch.setattr(grid.subprocess, "Popen", lambda *a, **k: procs.append(real_popen(*a, **k)) or procs[-1])
+    t0 = time.monotonic()
+    with pytest.raises(grid.GridError, match="not ready after 2 s"):
+        _start(tmp_path, "import time; time.sleep(60)", timeout_s=2)
+    assert time.monotonic() - t0 < 10
+    assert procs[0].poll() is not None                    # killed, not left running
+
+
+def test_server_that_exits_early_is_reported_with_its_log(tmp_path):
+    with pytest.raises(grid.GridError, match="exited with 3") as e:
+        _start(tmp_path, "print('loading failed: no such model'); raise SystemExit(3)", timeout_s=30)
+    assert "no such model" in str(e.value)
+
+
+def test_failure_after_the_ready_line_kills_the_server(tmp_path, monkeypatch):
+    procs = []
+    real_popen = grid.subprocess.Popen
+    monkeypatch.setattr(grid.subprocess, "Popen", lambda *a, **k: procs.append(real_popen(*a, **k)) or procs[-1])
+    # it claims to be ready on a port where nothing listens: /v1/models fails, the process must not survive
+    code = "import time; print('vtengine serve: ready at http://127.0.0.1:9 (model x)', flush=True); time.sleep(60)"
+    with pytest.raises(httpx.HTTPError):
+        _start(tmp_path, code, timeout_s=30)
+    assert procs[0].poll() is not None
+
+
+def test_leg_plan_alternates_arm_order_per_rep():
+    plan = grid.leg_plan(ARMS, [1, 2], reps=3, alternate=True)
+    assert [(c, r, a.name) for c, r, a in plan[:4]] == [(1, 0, "off"), (1, 0, "on"), (2, 0, "off"), (2, 0, "on")]
+    assert [(c, r, a.name) for c, r, a in plan[4:6]] == [(1, 1, "on"), (1, 1, "off")]
+    assert len(plan) == 12 and len({(c, r, a.name) for c, r, a in plan}) == 12
+
+
+def test_prompt_partitions_are_disjoint_and_reproducible():
+    g = OmegaConf.create({"concurrency": [1, 2, 4], "reps": 2, "prompts_per_leg": [2, 3, 4], "input_len": 16,
+                          "seed": 0, "warmup_requests": 1})
+    parts, warm = grid.prompt_partitions(g, (16, 500))
+    again, _ = grid.prompt_partitions(g, (16, 500))
+    assert parts == again                                 # a resumed campaign sees the same prompts
+    assert [len(parts[(c, r)]) for r in range(2) for c in (1, 2, 4)] == [2, 3, 4, 2, 3, 4]
+    seen = [tuple(p) for ps in parts.values() for p in ps] + [tuple(p) for p in warm]
+    assert len(seen) == len(set(seen))
+    assert all(len(p) == 16 and all(16 <= t < 500 for t in p) for p in seen)
