@@ -102,6 +102,100 @@ def test_rope_fault_wrong_positions_fail():
     assert rel_l2(fused.rope(q, k, pos + 1, cs)[0], rq) > 1e-2, f"seed {seed}: an off-by-one position passed"
 
 
+# -- qkv epilogue: q/k norm + RoPE + KV store ------------------------------------------------------------------
+def epilogue_case(t, hq, hkv, d, gen, dtype=torch.float32, norm=True, block_size=4, num_blocks=16):
+    qkv = rnd(t, (hq + 2 * hkv) * d, gen=gen, dtype=dtype, scale=2.0)
+    pos = torch.randint(0, 1000, (t,), generator=gen).to(DEV)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEV)
+    if t > 2:
+        slots[1] = -1                                   # a padded graph row: nothing may be stored for it
+    qn = rnd(d, gen=gen, dtype=dtype) if norm else None
+    kn = rnd(d, gen=gen, dtype=dtype) if norm else None
+    cache = [poisoned((num_blocks, block_size, hkv, d), dtype) for _ in range(2)]
+    return qkv, pos, slots, qn, kn, cache
+
+
+def run_epilogue(be_fn, qkv, hq, hkv, pos, cs, slots, qn, kn, cache, **kw):
+    kc, vc = cache[0].clone(), cache[1].clone()
+    q = be_fn(qkv, hq, hkv, pos, cs, kc, vc, slots, qn, kn, 1e-6, **kw)
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_qkv_epilogue_matches_the_unfused_reference(norm, fast_math):
+    gen, seed = fresh_generator()
+    t, hq, hkv, d = 5, 4, 2, 32
+    qkv, pos, slots, qn, kn, cache = epilogue_case(t, hq, hkv, d, gen, norm=norm)
+    cs = rope_cos_sin(d, 1024, 1e6, device=DEV)
+    q, kc, vc = run_epilogue(fused.qkv_epilogue, qkv, hq, hkv, pos, cs, slots, qn, kn, cache, fast_math=fast_math,
+                             q_out=poisoned((t, hq, d), qkv.dtype))
+    rq, rkc, rvc = run_epilogue(REF.qkv_epilogue, qkv.double(), hq, hkv, pos, cs.double(), slots,
+                                None if qn is None else qn.double(), None if kn is None else kn.double(),
+                                [c.double() for c in cache])
+    assert rel_l2(q, rq) < BOUND[qkv.dtype], f"seed {seed}"
+    stored = slots >= 0
+    nb, bs = cache[0].shape[:2]
+    for got, want in ((kc, rkc), (vc, rvc)):
+        got, want = got.view(nb * bs, hkv, d), want.view(nb * bs, hkv, d)
+        assert rel_l2(got[slots[stored]], want[slots[stored]]) < BOUND[qkv.dtype], f"seed {seed}"
+        untouched = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+        untouched[slots[stored]] = False
+        assert torch.isnan(got[untouched]).all(), f"seed {seed}: a slot outside slot_mapping was written"
+
+
+def test_qkv_epilogue_backend_routes_and_subsets_agree():
+    """The Triton backend's fused launch, its unfused composition (a kernel subset without rope) and the torch
+    backend give the same q and cache on one input; the counters show which ran."""
+    from vtengine.backends.triton_backend import TritonBackend
+    gen, seed = fresh_generator()
+    t, hq, hkv, d = 3, 4, 1, 16
+    qkv, pos, slots, qn, kn, cache = epilogue_case(t, hq, hkv, d, gen)
+    cs = rope_cos_sin(d, 1024, 1e4, device=DEV)
+    counters.reset()
+    fused_out = run_epilogue(TritonBackend().qkv_epilogue, qkv, hq, hkv, pos, cs, slots, qn, kn, cache)
+    assert counters.snapshot()["qkv_epilogue"]["precise"]["launches"] == 1
+    counters.reset()
+    subset = TritonBackend(kernels=["rms_norm", "store_kv"])
+    assert not subset.fuse_qkv_epilogue
+    unfused_out = run_epilogue(subset.qkv_epilogue, qkv, hq, hkv, pos, cs, slots, qn, kn, cache)
+    snap = counters.snapshot()
+    assert "qkv_epilogue" not in snap and snap["rms_norm"]["precise"]["launches"] == 2
+    ref_out = run_epilogue(REF.qkv_epilogue, qkv, hq, hkv, pos, cs, slots, qn, kn, cache)
+    for a, b, c in zip(fused_out, unfused_out, ref_out):
+        ok = ~torch.isnan(c)
+        assert torch.equal(torch.isnan(a), ~ok) and torch.equal(torch.isnan(b), ~ok), f"seed {seed}"
+        assert rel_l2(a[ok], c[ok]) < BOUND[qkv.dtype] and rel_l2(b[ok], c[ok]) < BOUND[qkv.dtype], f"seed {seed}"
+
+
+def test_qkv_epilogue_faults_fail():
+    """Each part can fail the comparison: a wrong k_norm, a shifted position, a swapped slot."""
+    gen, seed = fresh_generator()
+    t, hq, hkv, d = 4, 2, 2, 16
+    qkv, pos, slots, qn, kn, cache = epilogue_case(t, hq, hkv, d, gen)
+    cs = rope_cos_sin(d, 2048, 1e4, device=DEV)
+    rq, rkc, _ = run_epilogue(REF.qkv_epilogue, qkv, hq, hkv, pos, cs, slots, qn, kn, cache)
+    ok = ~torch.isnan(rkc)
+    _, kc, _ = run_epilogue(fused.qkv_epilogue, qkv, hq, hkv, pos, cs, slots, qn, kn * 1.5, cache)
+    assert rel_l2(kc[ok], rkc[ok]) > 1e-2, f"seed {seed}: a wrong k_norm passed"
+    q, _, _ = run_epilogue(fused.qkv_epilogue, qkv, hq, hkv, pos + 1, cs, slots, qn, kn, cache)
+    assert rel_l2(q, rq) > 1e-2, f"seed {seed}: an off-by-one position passed"
+    _, kc, _ = run_epilogue(fused.qkv_epilogue, qkv, hq, hkv, pos, cs, slots.flip(0), qn, kn, cache)
+    assert not torch.equal(torch.isnan(kc), torch.isnan(rkc)) or rel_l2(kc[ok], rkc[ok]) > 1e-2, f"seed {seed}"
+
+
+def test_qkv_epilogue_bad_inputs_are_clear_errors():
+    gen, _ = fresh_generator()
+    qkv, pos, slots, qn, kn, cache = epilogue_case(3, 4, 2, 16, gen)
+    cs = rope_cos_sin(16, 64, 1e4, device=DEV)
+    with pytest.raises(ValueError, match="do not match 3 q heads"):
+        fused.qkv_epilogue(qkv, 3, 2, pos, cs, *cache, slots, qn, kn)
+    with pytest.raises(ValueError, match="go together"):
+        fused.qkv_epilogue(qkv, 4, 2, pos, cs, *cache, slots, qn, None)
+    with pytest.raises(ValueError, match=r"must both be \[3\]"):
+        fused.qkv_epilogue(qkv, 4, 2, pos[:2], cs, *cache, slots, qn, kn)
+
+
 # -- argmax ----------------------------------------------------------------------------------------------------
 def test_argmax_lowest_index_on_ties_across_chunks():
     gen, seed = fresh_generator()
@@ -181,3 +275,23 @@ def test_gpu_silu_rope_argmax_bf16_real_shapes():
     assert rel_l2(qo, rq) < BOUND[bf] and rel_l2(ko, rk) < BOUND[bf], f"seed {seed}"
     lg = rnd(8, 151936, gen=gen, dtype=bf, scale=5)
     assert torch.equal(fused.argmax(lg), REF.greedy(lg)), f"seed {seed}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_gpu_qkv_epilogue_bf16_real_shapes(fast_math):
+    """Qwen3-8B heads (32 q / 8 kv, d 128) in bf16: the fused launch against the torch backend's composition in
+    bf16 (same rounding points) and fp64; the bf16 k cache must match the composition's bit for bit but for the
+    norm's summation order (bounded)."""
+    gen, seed = fresh_generator()
+    bf = torch.bfloat16
+    t, hq, hkv, d = 64, 32, 8, 128
+    qkv, pos, slots, qn, kn, cache = epilogue_case(t, hq, hkv, d, gen, dtype=bf, block_size=16, num_blocks=64)
+    cs = rope_cos_sin(d, 4096, 1e6, device=DEV)
+    q, kc, vc = run_epilogue(fused.qkv_epilogue, qkv, hq, hkv, pos, cs, slots, qn, kn, cache, fast_math=fast_math)
+    rq, rkc, rvc = run_epilogue(REF.qkv_epilogue, qkv.double(), hq, hkv, pos, cs.double(), slots, qn.double(),
+                                kn.double(), [c.double() for c in cache])
+    ok = ~torch.isnan(rkc)
+    assert rel_l2(q, rq) < BOUND[bf] and rel_l2(kc[ok], rkc[ok]) < BOUND[bf], f"seed {seed}"
+    assert torch.equal(vc[ok], rvc[ok].to(bf)), f"seed {seed}: v must be copied exactly"

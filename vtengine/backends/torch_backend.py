@@ -69,6 +69,23 @@ class TorchBackend:
         k_cache.view(nb * bs, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
         v_cache.view(nb * bs, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
+    def qkv_epilogue(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> torch.Tensor:
+        """After the qkv projection: split qkv [T, (Hq + 2 Hkv) x D] into heads, RMSNorm q and k per head (Qwen3;
+        None skips), rotate them, store k and v in the paged cache; returns q [T, Hq, D]. Composed from this
+        backend's own ops, so a backend that routes only some of them still composes its routed ones."""
+        t, d = qkv.shape[0], k_cache.shape[-1]
+        q, k, v = qkv.split([num_q_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+        q, k, v = q.reshape(t, num_q_heads, d), k.reshape(t, num_kv_heads, d), v.reshape(t, num_kv_heads, d)
+        if q_norm is not None:
+            q = self.rms_norm(q.reshape(t * num_q_heads, d), q_norm, eps).reshape(t, num_q_heads, d)
+            k = self.rms_norm(k.reshape(t * num_kv_heads, d), k_norm, eps).reshape(t, num_kv_heads, d)
+        q, k = self.rope(q, k, positions, cos_sin)
+        self.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
     @staticmethod
     def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """The first ``length`` cached tokens of one sequence: [length, Hkv, D]."""

@@ -42,6 +42,8 @@ class TritonBackend(TorchBackend):
                     if op not in keep:
                         setattr(self, op, getattr(TorchBackend, op).__get__(self))
         self.kernels = None if kernels is None else sorted(kernels)
+        # the fused qkv epilogue stands in for rms_norm (q/k norms), rope and store_kv: only when all three are routed
+        self.fuse_qkv_epilogue = kernels is None or {"rms_norm", "rope", "store_kv"} <= set(kernels)
 
     def rms_norm(self, x, weight, eps):
         return fused.rms_norm(x, weight, eps, fast_math=self.levers.on("fast_math"))
@@ -57,6 +59,14 @@ class TritonBackend(TorchBackend):
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def qkv_epilogue(self, qkv, num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                     q_norm=None, k_norm=None, eps=1e-6):
+        if not self.fuse_qkv_epilogue:
+            return super().qkv_epilogue(qkv, num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache,
+                                        slot_mapping, q_norm, k_norm, eps)
+        return fused.qkv_epilogue(qkv, num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache,
+                                  slot_mapping, q_norm, k_norm, eps, fast_math=self.levers.on("fast_math"))
 
     def prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
         return attention.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,

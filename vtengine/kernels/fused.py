@@ -1,4 +1,5 @@
-"""Fused elementwise / row kernels: RMSNorm, add + RMSNorm, SiLU-and-mul, neox RoPE, greedy argmax.
+"""Fused elementwise / row kernels: RMSNorm, add + RMSNorm, SiLU-and-mul, neox RoPE, the qkv epilogue (q/k norm +
+RoPE + KV store in one launch), greedy argmax.
 
 The torch references are the methods of the same names on ``TorchBackend`` (vtengine/backends/torch_backend.py);
 each launcher here returns what its reference returns, with the same rounding points (fp32 math, one rounding to
@@ -221,6 +222,136 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
                            HALF=d // 2, BLOCK_H=block_h, num_warps=4)
     counters.record("rope", "default", grid=grid, variant=("rope", d, block_h))
     return q_out, k_out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# qkv epilogue: Qwen3 q/k RMSNorm + RoPE + KV-cache store in one launch
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_halves(x1, x2, w_ptr, d, eps, HALF: tl.constexpr, FAST_MATH: tl.constexpr):
+    """RMSNorm of each row of a [heads, 2 * HALF] tile held as its two halves (fp32), then one rounding to the
+    activation dtype (as the reference's rms_norm returns it) and back to fp32 for the rotation."""
+    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+    if FAST_MATH:
+        inv = tl.math.rsqrt(ms + eps)
+    else:
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+    y1 = x1 * inv[:, None] * w1
+    y2 = x2 * inv[:, None] * w2
+    return y1, y2
+
+
+@triton.jit
+def _qkv_epilogue_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cs_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                         HQ, HK, stride_t, stride_cs, stride_qot, stride_qoh,
+                         stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, eps,
+                         HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                         PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Grid (T,). One program takes one token's fused qkv row [Hq + 2 Hkv heads of 2 x HALF]: q and k heads get
+    their RMSNorm (Qwen3; HAS_NORM) and the neox rotation, q goes to q_out, k and v to the paged cache at the
+    token's slot (slot -1: padded graph row, nothing stored). Rounding points are the unfused path's: the normed
+    head rounded to the activation dtype, the rotation in fp32 rounded once. Bound by HBM bytes (the row read once,
+    q and k/v written once) and, at decode, by launch latency: it replaces up to six launches (q norm, k norm,
+    their copies of strided views, RoPE, KV store)."""
+    t = tl.program_id(0).to(tl.int64)
+    dt = q_out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cs_ptr + pos * stride_cs + d).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d).to(tl.float32)[None, :]
+    row = qkv_ptr + t * stride_t
+
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    qm = hq < HQ
+    q1 = tl.load(row + hq * (2 * HALF) + d[None, :], mask=qm, other=0.0).to(tl.float32)
+    q2 = tl.load(row + hq * (2 * HALF) + HALF + d[None, :], mask=qm, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        q1, q2 = _norm_halves(q1, q2, qn_ptr, d, eps, HALF, FAST_MATH)
+        q1, q2 = q1.to(dt).to(tl.float32), q2.to(dt).to(tl.float32)
+    qo = q_out_ptr + t * stride_qot + hq * stride_qoh + d[None, :]
+    tl.store(qo, (q1 * cos - q2 * sin).to(dt), mask=qm)
+    tl.store(qo + HALF, (q2 * cos + q1 * sin).to(dt), mask=qm)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    hk = tl.arange(0, BLOCK_HK)[:, None]
+    km = hk < tl.where(slot >= 0, HK, 0)              # no row of a padded token (slot -1) is stored
+    krow = row + HQ * (2 * HALF)
+    k1 = tl.load(krow + hk * (2 * HALF) + d[None, :], mask=km, other=0.0).to(tl.float32)
+    k2 = tl.load(krow + hk * (2 * HALF) + HALF + d[None, :], mask=km, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        k1, k2 = _norm_halves(k1, k2, kn_ptr, d, eps, HALF, FAST_MATH)
+        k1, k2 = k1.to(dt).to(tl.float32), k2.to(dt).to(tl.float32)
+    kc = k_cache_ptr + page * stride_kcb + off * stride_kct + hk * stride_kch + d[None, :]
+    kdt = k_cache_ptr.dtype.element_ty
+    tl.store(kc, (k1 * cos - k2 * sin).to(dt).to(kdt), mask=km)
+    tl.store(kc + HALF, (k2 * cos + k1 * sin).to(dt).to(kdt), mask=km)
+
+    vrow = krow + HK * (2 * HALF)
+    vc = v_cache_ptr + page * stride_vcb + off * stride_vct + hk * stride_vch + d[None, :]
+    vdt = v_cache_ptr.dtype.element_ty
+    v1 = tl.load(vrow + hk * (2 * HALF) + d[None, :], mask=km, other=0.0)
+    v2 = tl.load(vrow + hk * (2 * HALF) + HALF + d[None, :], mask=km, other=0.0)
+    tl.store(vc, v1.to(vdt), mask=km)
+    tl.store(vc + HALF, v2.to(vdt), mask=km)
+
+
+def qkv_epilogue(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                 fast_math: bool = False, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention block's prologue after the qkv projection, in one launch: qkv [T, (Hq + 2 Hkv) x D] (q, k, v
+    heads in that order) -> q [T, Hq, D] normed (q_norm given) and rotated; k normed (k_norm) and rotated and v
+    written to the paged cache [num_blocks, block_size, Hkv, D] at slot_mapping [T] (-1 skips). The reference is
+    ``TorchBackend.qkv_epilogue`` (rms_norm, rope and store_kv in sequence)."""
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv_epilogue expects qkv [T, (Hq + 2 Hkv) x D], got shape {tuple(qkv.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("qkv_epilogue: q_norm and k_norm go together (Qwen3 has both, Llama neither)")
+    t = qkv.shape[0]
+    hq, hk = int(num_q_heads), int(num_kv_heads)
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"qkv_epilogue: KV cache must be two [num_blocks, block_size, Hkv, D] tensors of one "
+                         f"shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    d = k_cache.shape[3]
+    if k_cache.shape[2] != hk or qkv.shape[1] != (hq + 2 * hk) * d:
+        raise ValueError(f"qkv_epilogue: qkv {tuple(qkv.shape)} and KV cache {tuple(k_cache.shape)} do not match "
+                         f"{hq} q heads, {hk} kv heads of head_dim {d}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"qkv_epilogue: q heads {hq} must be a multiple of kv heads {hk}")
+    if d % 2 or (d // 2) & (d // 2 - 1):
+        raise ValueError(f"qkv_epilogue: head_dim {d} must be twice a power of two (e.g. 64, 128)")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != d:
+        raise ValueError(f"qkv_epilogue: cos_sin shape {tuple(cos_sin.shape)} must be [max_pos, {d}]")
+    if positions.shape != (t,) or slot_mapping.shape != (t,):
+        raise ValueError(f"qkv_epilogue: positions {tuple(positions.shape)} and slot_mapping "
+                         f"{tuple(slot_mapping.shape)} must both be [{t}]")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and tuple(w.shape) != (d,):
+            raise ValueError(f"qkv_epilogue: {name} shape {tuple(w.shape)} must be [{d}]")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"qkv_epilogue: KV cache head_dim must be contiguous; strides {k_cache.stride()}")
+    x = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    cs = cos_sin if cos_sin.stride(1) == 1 else cos_sin.contiguous()
+    q_out = _out(q_out, (t, hq, d), x.dtype, x.device, "qkv_epilogue")
+    has_norm = q_norm is not None
+    grid = (t,)
+    if t:
+        _qkv_epilogue_kernel[grid](
+            x, q_norm if has_norm else x, k_norm if has_norm else x, positions, cs, slot_mapping, q_out,
+            k_cache, v_cache, hq, hk, x.stride(0), cs.stride(0), q_out.stride(0), q_out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
+            HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+            PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, FAST_MATH=bool(fast_math), num_warps=4)
+    counters.record("qkv_epilogue", "fast_math" if fast_math else "precise", grid=grid,
+                    variant=("qkv_epilogue", d, has_norm, bool(fast_math)))
+    return q_out
 
 
 # --------------------------------------------------------------------------------------------------------------

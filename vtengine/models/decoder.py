@@ -111,14 +111,8 @@ class DecoderModel:
                 residual, x = h, be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
-            qkv = be.linear(x, layer.qkv)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
-            if layer.q_norm is not None:
-                q = be.rms_norm(q.reshape(t * hq, d), layer.q_norm, cfg.rms_norm_eps).reshape(t, hq, d)
-                k = be.rms_norm(k.reshape(t * hkv, d), layer.k_norm, cfg.rms_norm_eps).reshape(t, hkv, d)
-            q, k = be.rope(q, k, positions, self.cos_sin)
-            be.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+            q = be.qkv_epilogue(be.linear(x, layer.qkv), hq, hkv, positions, self.cos_sin, k_cache, v_cache,
+                                ctx.slot_mapping, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
             if ctx.is_prefill:
                 attn = be.prefill_attention(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens,
                                             ctx.block_tables, self.scale)
