@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One call on the lent H200 (see /work/.library/device): `bash scripts/h200_session.sh STEP...` with `.whl` and
-# `.git` carried. Each step is one argument: [SECONDS@]campaign:<name>[:<space-separated overrides>] | [SECONDS@]decode[:<args>] |
-# [SECONDS@]gputests. A step past its SECONDS (default 400) gets SIGINT: servers stop, evidence is kept (resume=<id>).
+# One call on the lent GPU machine: `bash scripts/h200_session.sh STEP...` with the `.whl` wheelhouse carried.
+# Each step is one argument: [SECONDS@]campaign:<name>[:<space-separated overrides>] | [SECONDS@]decode[:<args>] |
+# [SECONDS@]gputests[:<pytest args>] | [SECONDS@]py:<module> [args] (python3 -m <module> [args]). A step past its SECONDS (default 400) gets SIGINT: servers stop, evidence is kept (resume=<id>).
 # Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -25,7 +25,8 @@ for step in "$@"; do
     campaign) name=${rest%%:*}; ov=${rest#*:}; [ "$ov" = "$rest" ] && ov=""
               timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee $LOGS/campaign-$name.log ;;
     decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
-    gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -30 | tee $LOGS/gputests.log ;;
+    gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider ${rest:-tests} 2>&1 | tail -40 | tee -a $LOGS/gputests.log ;;
+    py)       timeout -s INT -k 30 $limit python3 -m $rest 2>&1 | tee -a $LOGS/py-${rest%% *}.log ;;
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - t0 )) s"

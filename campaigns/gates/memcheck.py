@@ -40,20 +40,61 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     t0 = time.perf_counter()
     cfg = ctx.gate_cfg.memcheck
     model = cfg.get("model") or ctx.model
-    spec = {"model": model, "quant": ctx.quant, "levers": ctx.lever_values(arm),
-            "max_tokens": int(cfg.max_tokens), "fault": bool(fault)}
+    out = sanitize(tool, {"model": model, "quant": ctx.quant, "levers": ctx.lever_values(arm),
+                          "max_tokens": int(cfg.max_tokens), "fault": bool(fault)}, int(cfg.timeout_s))
+    fault_name = "planted OOB write" if fault else ""
+    if "error" in out:
+        return result("memcheck", arm, False, t0, details={"error": out["error"], "fault": fault_name})
+    return result("memcheck", arm, out["passed"], t0,
+                  counts={"errors": out["errors"], "returncode": out["returncode"]},
+                  details={"model": model, "tail": out["tail"], "fault": fault_name})
+
+
+def sanitize(tool: str, spec: dict, timeout_s: int) -> dict:
+    """Run memcheck_target under compute-sanitizer: {passed, errors, returncode, tail} or {error}."""
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     cmd = [tool, "--tool", "memcheck", "--print-limit", "20", sys.executable, "-m",
            "campaigns.gates.memcheck_target", json.dumps(spec)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=int(cfg.timeout_s), env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
-        return result("memcheck", arm, False, t0, details={"error": f"timed out after {cfg.timeout_s} s",
-                                                           "fault": "planted OOB write" if fault else ""})
+        return {"error": f"timed out after {timeout_s} s"}
     text = proc.stdout + proc.stderr
     m = SUMMARY.search(text)
     errors = int(m.group(1)) if m else -1
-    ran = "MEMCHECK_TARGET_DONE" in text or fault
-    passed = errors == 0 and proc.returncode == 0 and ran
-    return result("memcheck", arm, passed, t0, counts={"errors": errors, "returncode": proc.returncode},
-                  details={"model": model, "tail": text[-1500:], "fault": "planted OOB write" if fault else ""})
+    ran = "MEMCHECK_TARGET_DONE" in text or bool(spec.get("fault"))
+    return {"passed": errors == 0 and proc.returncode == 0 and ran, "errors": errors,
+            "returncode": proc.returncode, "tail": text[-1500:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m campaigns.gates.memcheck MODEL QUANT [LEVER=VALUE ...]``: the gate outside a campaign (the
+    engine run, then the planted fault, which must be caught); prints one JSON line per run, exit 0 when the run is
+    clean and the fault was caught."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m campaigns.gates.memcheck")
+    ap.add_argument("model")
+    ap.add_argument("quant")
+    ap.add_argument("levers", nargs="*", metavar="LEVER=VALUE")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--timeout-s", type=int, default=900)
+    args = ap.parse_args(argv)
+    tool = sanitizer()
+    if tool is None:
+        print("compute-sanitizer is not installed on this host")
+        return 2
+    levers = dict(kv.split("=", 1) for kv in args.levers)
+    ok = True
+    for fault in (False, True):
+        t0 = time.perf_counter()
+        out = sanitize(tool, {"model": args.model, "quant": args.quant, "levers": levers,
+                              "max_tokens": args.max_tokens, "fault": fault}, args.timeout_s)
+        want = not fault                   # the clean run must pass, the planted fault must fail
+        ok &= out.get("passed", False) == want and "error" not in out
+        print(json.dumps({"model": args.model, "quant": args.quant, "levers": levers, "fault": fault,
+                          "seconds": round(time.perf_counter() - t0, 1), **out}), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
