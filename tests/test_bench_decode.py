@@ -1,0 +1,233 @@
+"""`vtengine bench decode` on CPU: HF timing (tiny preset, eager), the step-by-step engine profile (CPU ops stand
+in for kernels), the markdown view, result file names. The timings are checked for form (positive, the asked
+counts), never against thresholds."""
+import json
+
+import pytest
+import torch
+
+from vtengine.bench import decode
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return decode.build_llm("tiny", "bf16", max_num_seqs=4, levers={}, device="cpu", backend="torch",
+                            num_kv_blocks=64, max_model_len=256)
+
+
+def test_hf_decode_eager_on_cpu_times_every_rep():
+    import transformers
+    h = decode.hf_decode_ms("tiny", batch=2, prompt_len=16, gen_len=8, device="cpu", compile=False, reps=3)
+    assert "error" not in h, h.get("error")
+    assert h["ms_per_step"] > 0 and h["ms_per_step_from_1tok"] > 0 and h["prefill_ms"] > 0
+    assert [len(h["generate_s"][k]) for k in ("1", "2", "8")] == [3, 3, 3]
+    assert h["compile"].startswith("none") and h["transformers"] == transformers.__version__
+    assert h["dtype"] == "float32"
+
+
+def test_hf_decode_records_errors_instead_of_raising():
+    h = decode.hf_decode_ms("no-such-preset", batch=1, prompt_len=8, gen_len=8, device="cpu", compile=False)
+    assert "no-such-preset" in h["error"] and "ms_per_step" not in h
+    h = decode.hf_decode_ms("tiny", batch=1, prompt_len=8, gen_len=2, device="cpu", compile=False)
+    assert "gen_len must be >= 3" in h["error"]
+
+
+@pytest.mark.slow
+def test_hf_decode_compiles_once_through_generate(request):
+    """The GPU path (generate's auto-compile, static cache) on CPU: exactly one dynamo graph, positive time."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("slow (an inductor compile, ~40 s on 2 cores): run with -m slow")
+    h = decode.hf_decode_ms("tiny", batch=2, prompt_len=16, gen_len=8, device="cpu", compile=True, reps=2)
+    assert "error" not in h, h.get("error")
+    assert h["compile"].startswith("generate auto-compile") and "fullgraph=True" in h["compile"]
+    assert h["dynamo_graphs_compiled"] == 1
+    assert h["ms_per_step"] > 0
+
+
+def test_engine_decode_ms_on_cpu(tiny_llm):
+    r = decode.engine_decode_ms(tiny_llm, batch=2, prompt_len=16, gen_len=8)
+    assert r["decode_steps"] == 7 and r["ms_per_step"] > 0
+    assert r["weight_bytes"] > 0 and r["kv_bytes_per_step"] > 0 and r["quant"] == "bf16"
+
+
+def test_profile_engine_decode_on_cpu(tiny_llm):
+    p = decode.profile_engine_decode(tiny_llm, batch=2, prompt_len=16, steps=4, warm_steps=1)
+    assert p["activity"] == "cpu" and p["steps"] == 4 and p["steps_asked"] == 4 and "warning" not in p
+    assert p["kernels"] and all(k["us_per_step"] > 0 and k["launches_per_step"] > 0 for k in p["kernels"])
+    assert p["kernels"] == sorted(p["kernels"], key=lambda k: -k["us_per_step"])
+    assert any(k["name_full"].startswith("aten::") for k in p["kernels"])
+    # self times of ops inside the steps cannot exceed the steps' wall time
+    assert 0 < p["kernel_us_per_step"] <= p["step_us_measured"] * 1.01
+    assert p["gap_us_per_step"] == pytest.approx(p["step_us_measured"] - p["kernel_us_per_step"])
+    assert sum(k["share_of_step"] for k in p["kernels"]) == pytest.approx(
+        p["kernel_us_per_step"] / p["step_us_measured"])
+    assert not tiny_llm.engine.has_unfinished_requests()       # the profile's requests were aborted
+    md = decode.render_markdown({"engine": [], "profiles": [dict(p, step_us_timed=123.0)]})
+    assert "sum of kernel time" in md and "123.0 us/step in the timed run" in md
+    assert f"`{p['kernels'][0]['kernel']}`" in md
+
+
+def test_kernel_table_self_time_and_device_events():
+    nested = [  # aten::linear [0, 10) holds aten::mm [2, 6); another thread's op overlaps but is not nested
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "pid": 1, "tid": 1, "ts": 0.0, "dur": 10.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 2.0, "dur": 4.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 2, "ts": 3.0, "dur": 1.0},
+        {"ph": "X", "cat": "user_annotation", "name": decode.STEP_MARK, "pid": 1, "tid": 1, "ts": 0.0, "dur": 12.0},
+    ]
+    rows = {r["name_full"]: r["us_per_step"] for r in decode.kernel_table(nested, steps=2, on_device=False)}
+    assert rows == {"aten::linear": 3.0, "aten::mm": 2.0, "aten::add": 0.5}
+    dev = [{"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 5.0},
+           {"ph": "X", "cat": "kernel", "name": "k1", "ts": 9, "dur": 3.0},
+           {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 20, "dur": 1.0},
+           {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50.0}]
+    rows = decode.kernel_table(dev, steps=2, on_device=True)
+    assert [(r["kernel"], r["us_per_step"], r["launches_per_step"]) for r in rows] == [
+        ("k1", 4.0, 1.0), ("Memcpy HtoD (Pageable -> Device)", 0.5, 0.5)]
+
+
+def test_short_kernel_name():
+    s = decode.short_kernel_name
+    assert s("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, "
+             "at::detail::Array<char*, 1> >(int, at::native::FillFunctor<int>, at::detail::Array<char*, 1>)"
+             ) == "vectorized_elementwise_kernel<4, FillFunctor<int>, Array<char*, 1>>"
+    assert s("_paged_decode_kernel") == "_paged_decode_kernel" and s("aten::mm") == "aten::mm"
+    assert s("Memcpy HtoD (Pageable -> Device)") == "Memcpy HtoD (Pageable -> Device)"
+    long = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas"
+    short = s(long)
+    assert len(short) == decode.KERNEL_NAME_MAX and short.startswith("sm90_xmma_gemm_bf16bf16")
+    assert short.endswith("kernel__5x_cublas") and "…" in short
+
+
+def _synthetic_result():
+    eng = lambda q, b, ms: {"model": "qwen3-8b", "quant": q, "batch": b, "ms_per_step": ms, "floor_ms": 3.6,  # noqa: E731
+                            "frac_of_floor": 3.6 / ms}
+    return {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-12-01", "complete": True,
+            "copy_bandwidth_gbs": 4200.0, "prompt_len": 1024, "gen_len": 128,
+            "engine": [eng("bf16", 1, 5.0), eng("bf16", 8, 6.0), eng("mxfp4", 1, 3.0),
+                       {"model": "qwen3-8b", "quant": "mxfp4", "batch": 8, "error": "RuntimeError: boom"}],
+            "hf_transformers_compiled": [
+                {"model": "qwen3-8b", "batch": 1, "ms_per_step": 10.0, "transformers": "5.17.0", "reps": 3,
+                 "compile": "generate auto-compile: static cache + CompileConfig(mode='reduce-overhead', "
+                            "fullgraph=True)"},
+                {"model": "qwen3-8b", "batch": 8, "error": "RuntimeError: compile failed", "transformers": "5.17.0",
+                 "compile": "generate auto-compile: static cache + CompileConfig(mode='reduce-overhead', "
+                            "fullgraph=True)"}],
+            "profiles": []}
+
+
+def test_markdown_hf_column_and_ratio():
+    md = decode.render_markdown(_synthetic_result())
+    rows = {tuple(c.strip() for i, c in enumerate(line.split("|")[1:5]) if i != 2): line
+            for line in md.splitlines() if line.startswith("| qwen3-8b")}
+    assert all("| base |" in line for line in rows.values())
+    assert "HF compiled ms/step" in md and "engine speed-up vs HF" in md
+    assert "| 5.000 |" in rows[("qwen3-8b", "bf16", "1")] and rows[("qwen3-8b", "bf16", "1")].endswith(
+        "| 10.000 | 2.00× |")
+    assert rows[("qwen3-8b", "bf16", "8")].endswith("| error |  |")
+    assert rows[("qwen3-8b", "mxfp4", "1")].endswith("|  |  |")          # no HF figure against a quantized row
+    assert "error: RuntimeError: boom" in rows[("qwen3-8b", "mxfp4", "8")]
+    assert "HF transformers 5.17.0: generate auto-compile" in md and "median of 3" in md
+    assert "HF qwen3-8b c8: error: RuntimeError: compile failed" in md
+    assert "Incomplete run" not in md
+    assert "Incomplete run" in decode.render_markdown(dict(_synthetic_result(), complete=False))
+
+
+def test_unique_stem_and_outputs(tmp_path, monkeypatch):
+    out, copy = tmp_path / "results", tmp_path / "OUT"
+    copy.mkdir()
+    base = "decode-2026-12-01"
+    assert decode.unique_stem(out, base) == base
+    monkeypatch.setenv("OUT", str(copy))
+    result = _synthetic_result()
+    decode.write_outputs(result, out, base)
+    assert decode.unique_stem(out, base) == base + "-2"
+    (out / f"{base}-2.md").write_text("an earlier run's markdown alone still claims the name\n")
+    assert decode.unique_stem(out, base) == base + "-3"
+    for d in (out, copy):
+        assert json.loads((d / f"{base}.json").read_text()) == result
+        assert (d / f"{base}.md").read_text() == decode.render_markdown(result)
+
+
+def test_model_specs_error_names_the_bad_value():
+    assert decode._model_specs("qwen3-8b:bf16, tiny:mxfp4") == [("qwen3-8b", "bf16"), ("tiny", "mxfp4")]
+    with pytest.raises(ValueError, match="'qwen3-8b'"):
+        decode._model_specs("qwen3-8b")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-host refusal")
+def test_main_refuses_without_cuda(tmp_path):
+    assert decode.main(str(tmp_path), ["--hf", "--profile"]) == 2
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def cpu_stand_ins(monkeypatch, tmp_path):
+    """main() on CPU: the GPU-only pieces stood in for (CUDA probes, copy bandwidth), engines and HF built on CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu-stand-in")
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(decode, "copy_bandwidth_gbs", lambda: 100.0)
+    build = decode.build_llm
+    monkeypatch.setattr(decode, "build_llm", lambda model, quant, n, levers: build(
+        model, quant, n, levers, device="cpu", backend="torch", num_kv_blocks=64, max_model_len=256))
+    hf = decode.hf_decode_ms
+    monkeypatch.setattr(decode, "hf_decode_ms", lambda *a, **k: hf(*a, **dict(k, device="cpu", compile=False)))
+    monkeypatch.setenv("OUT", str(tmp_path / "OUT"))
+    (tmp_path / "OUT").mkdir()
+    return monkeypatch
+
+
+def test_main_orchestration_on_cpu(tmp_path, cpu_stand_ins):
+    """Every figure lands in the JSON, HF only for bf16 specs, a failing part is recorded and the rest goes on."""
+    from vtengine import cli
+    argv = ["--models", "tiny:bf16,tiny:mxfp4,tiny:int3", "--batches", "1,2", "--prompt-len", "16", "--gen-len", "8",
+            "--hf", "--hf-reps", "2", "--profile", "--profile-steps", "3"]
+    assert cli.main(["bench", "decode", "--out", str(tmp_path / "res")] + argv) == 0
+    [path] = (tmp_path / "res").glob("decode-*.json")
+    res = json.loads(path.read_text())
+    assert res["complete"] and res["copy_bandwidth_gbs"] == 100.0 and "interrupted" not in res
+    eng = {(r["model"], r["quant"], r["batch"]): r for r in res["engine"]}
+    assert all(eng[("tiny", q, b)]["ms_per_step"] > 0 for q in ("bf16", "mxfp4") for b in (1, 2))
+    assert "int3" in eng[("tiny", "int3", 1)]["error"] and "int3" in eng[("tiny", "int3", 2)]["error"]
+    assert [(h["model"], h["batch"]) for h in res["hf_transformers_compiled"]] == [("tiny", 1), ("tiny", 2)]
+    assert all(h["ms_per_step"] > 0 for h in res["hf_transformers_compiled"])
+    prof = [p for p in res["profiles"] if "error" not in p]
+    assert [(p["quant"], p["batch"], p["steps"]) for p in prof] == [("bf16", 1, 3), ("bf16", 2, 3), ("mxfp4", 1, 3),
+                                                                     ("mxfp4", 2, 3)]
+    assert all(p["step_us_timed"] == pytest.approx(1e3 * eng[("tiny", p["quant"], p["batch"])]["ms_per_step"])
+               for p in prof)
+    md = path.with_suffix(".md").read_text()
+    assert "×" in md and md.count("sum of kernel time") == 4
+    assert (tmp_path / "OUT" / path.name).read_text() == path.read_text()
+
+
+def test_main_interrupted_keeps_the_engine_figures(tmp_path, cpu_stand_ins):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt          # what a step time limit (SIGINT) raises
+
+    cpu_stand_ins.setattr(decode, "hf_decode_ms", interrupted)
+    argv = ["--models", "tiny:bf16", "--batches", "1", "--prompt-len", "16", "--gen-len", "8", "--hf", "--profile"]
+    assert decode.main(str(tmp_path / "res"), argv) == 130
+    [path] = (tmp_path / "OUT").glob("decode-*.json")
+    res = json.loads(path.read_text())
+    assert res["interrupted"] and not res["complete"] and res["engine"][0]["ms_per_step"] > 0
+    assert [p["batch"] for p in res["profiles"]] == [1]          # profiled on the timed engine, before HF
+    assert "Interrupted run" in path.with_suffix(".md").read_text()
+
+
+def test_variants_parse_and_run_beside_the_base(tmp_path, cpu_stand_ins):
+    assert decode.parse_variants({"gqa_swap": "on"}, ["pdl=on", "pdl=on, triton_gemv=on"]) == [
+        ("base", {"gqa_swap": "on"}), ("pdl=on", {"gqa_swap": "on", "pdl": "on"}),
+        ("pdl=on,triton_gemv=on", {"gqa_swap": "on", "pdl": "on", "triton_gemv": "on"})]
+    with pytest.raises(ValueError, match="'pdl'"):
+        decode.parse_variants({}, ["pdl"])
+    argv = ["--models", "tiny:bf16", "--batches", "1", "--prompt-len", "16", "--gen-len", "8",
+            "--lever", "gqa_swap=on", "--variant", "fast_math=on"]
+    assert decode.main(str(tmp_path / "res"), argv) == 0
+    [path] = (tmp_path / "res").glob("decode-*.json")
+    res = json.loads(path.read_text())
+    assert [(r["variant"], r["levers"]) for r in res["engine"]] == [
+        ("base", {"gqa_swap": "on"}), ("fast_math=on", {"gqa_swap": "on", "fast_math": "on"})]
+    md = path.with_suffix(".md").read_text()
+    assert "| tiny | bf16 | fast_math=on | 1 |" in md and "variant `fast_math=on`" in md
