@@ -5,7 +5,8 @@ On a CPU host the kernels run in Triton's interpreter at tiny shapes (fp32, and 
 the same tests run compiled, and the ``gpu`` tests add the real shapes (32 q / 8 kv heads, d=128, bf16).
 Every check draws fresh random inputs (the seed is printed on failure), poisons the output with NaN, and compares
 by relative L2 against the reference computed in fp32 from fp64-upcast inputs. Whether two lever arms agree
-bitwise is measured and printed (run with -s to see it), not asserted.
+bitwise is measured and printed (run with -s to see it), not asserted; the fused and the two-launch merge are two
+forms of one computation and must agree bitwise, which is asserted (on the GPU too: the memory-ordering stress).
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import torch
 
 from vtengine import counters
 from vtengine.backends.torch_backend import TorchBackend
-from vtengine.kernels import INTERPRET
 from vtengine.kernels import attention as attn
 from vtengine.kernels import splits
 from vtengine.testing import fresh_generator, rel_l2
@@ -220,8 +220,11 @@ def test_decode_arm_matches_reference(gqa_swap, fast_math):
         assert st["variants"] == {"fast_math" if fast_math else "precise": 1}
         other = "per_q_head" if gqa_swap else "gqa_swap"
         assert other not in snap["decode_attention"]
-        merges = snap.get("decode_attention_merge", {}).get(route, {}).get("launches", 0)
-        assert merges == (1 if want > 1 else 0)
+        merge = snap.get("decode_attention_merge", {}).get(route, {})
+        assert merge.get("launches", 0) == (1 if want > 1 else 0)
+        if want > 1:        # fused (the default): recorded with the merging programs' grid, no launch of its own
+            assert merge["variants"] == {("fast_math" if fast_math else "precise") + "/fused_merge": 1}
+            assert merge["grids"] == {"x".join(map(str, decode_grid(route, bsz, s["hq"], s["hkv"], want)[:2])): 1}
 
 
 def test_decode_bf16_inputs_under_either_backend():
@@ -253,6 +256,119 @@ def test_decode_on_vs_off_bitwise_is_measured():
     bitwise_report("fast_math ON vs OFF (per_q_head, 3 splits)", run(num_splits=3, fast_math=True), base)
     bitwise_report("nsplits 2 vs 3 (per_q_head, precise)", run(num_splits=2), base)
     bitwise_report("nsplits 1 vs 3 (per_q_head, precise)", run(num_splits=1), base)
+
+
+# -- decode: the fused merge against the two-launch merge ---------------------------------------------------------
+FUSED_CTX = [1, 21, 38]      # 38 tokens = 3 KV tiles of 16: 5 splits leave trailing ones empty for every sequence
+
+
+@pytest.fixture
+def poisoned_partials(monkeypatch):
+    """NaN-filled split partials: a partial read before its program wrote it shows up as NaN in the output."""
+    alloc = attn._split_workspace
+
+    def poisoned_workspace(*args):
+        return tuple(t.fill_(float("nan")) for t in alloc(*args))
+    monkeypatch.setattr(attn, "_split_workspace", poisoned_workspace)
+
+
+def arrivals_of(device) -> torch.Tensor:
+    return attn._ARRIVALS[torch.device(device)]
+
+
+@pytest.mark.parametrize("gqa_swap", [False, True], ids=["per_q_head", "gqa_swap"])
+@pytest.mark.parametrize("fast_math", [False, True], ids=["precise", "fast_math"])
+def test_decode_fused_merge_bitwise_equals_two_launches(gqa_swap, fast_math, poisoned_partials):
+    gen, seed = fresh_generator()
+    s = DECODE_SHAPE
+    kc, vc, bt, ctx = make_paged(FUSED_CTX, s["hkv"], s["d"], s["page"], torch.float32, gen, strided=gqa_swap)
+    q = make_q(len(FUSED_CTX), s["hq"], s["d"], torch.float32, gen)
+    scale = s["d"] ** -0.5
+    ref = ref_decode(q, kc, vc, bt, ctx, scale)
+    route = "gqa_swap" if gqa_swap else "per_q_head"
+    for num_splits in (1, 2, 5):
+        outs = {}
+        for fused_merge in (True, False):
+            counters.reset()
+            outs[fused_merge] = attn.decode_attention(q, kc, vc, bt, ctx, scale, gqa_swap=gqa_swap,
+                                                      fast_math=fast_math, num_splits=num_splits, tiles=TINY_TILES,
+                                                      out=poisoned(q), fused_merge=fused_merge)
+            err = rel_l2(outs[fused_merge], ref)
+            assert err < BOUND[torch.float32], \
+                f"{route} S={num_splits} fused_merge={fused_merge}: rel L2 {err:.3e}, seed {seed}"
+            merge = counters.snapshot().get("decode_attention_merge", {}).get(route, {"variants": {}})
+            want = ("fast_math" if fast_math else "precise") + ("/fused_merge" if fused_merge else "")
+            assert merge["variants"] == ({want: 1} if num_splits > 1 else {}), (num_splits, fused_merge)
+        assert torch.equal(outs[True], outs[False]), \
+            f"{route} fast_math={fast_math} S={num_splits}: fused merge differs from two launches, seed {seed}"
+        if num_splits > 1:
+            assert not arrivals_of(DEV).any(), f"S={num_splits}: arrival counters left dirty"
+
+
+def test_decode_fused_merge_many_splits_in_chunks(poisoned_partials):
+    # 17 splits: two chunks of the merge loop (CHUNK_S = 16), most of them empty, on the smaller gqa_swap grid
+    gen, seed = fresh_generator()
+    s = DECODE_SHAPE
+    kc, vc, bt, ctx = make_paged([70, 5], s["hkv"], s["d"], s["page"], torch.float32, gen)
+    q = make_q(2, s["hq"], s["d"], torch.float32, gen)
+    outs = [attn.decode_attention(q, kc, vc, bt, ctx, 0.25, gqa_swap=True, num_splits=17, tiles=TINY_TILES,
+                                  out=poisoned(q), fused_merge=fm) for fm in (True, False)]
+    assert torch.equal(outs[0], outs[1]), f"seed {seed}"
+    err = rel_l2(outs[0], ref_decode(q, kc, vc, bt, ctx, 0.25))
+    assert err < BOUND[torch.float32], f"rel L2 {err:.3e}, seed {seed}"
+
+
+def test_decode_fused_merge_counters_clean_themselves():
+    gen, seed = fresh_generator()
+    s = DECODE_SHAPE
+    kc, vc, bt, ctx = make_paged(FUSED_CTX, s["hkv"], s["d"], s["page"], torch.float32, gen)
+    q = make_q(len(FUSED_CTX), s["hq"], s["d"], torch.float32, gen)
+
+    def run():
+        return attn.decode_attention(q, kc, vc, bt, ctx, 0.25, num_splits=3, tiles=TINY_TILES, out=poisoned(q))
+
+    first = run()
+    buf = arrivals_of(DEV)
+    assert buf.dtype == torch.int32 and buf.numel() >= len(FUSED_CTX) * s["hq"]
+    assert not buf.any(), f"counters after one call: {buf[:len(FUSED_CTX) * s['hq']].tolist()}"
+    second = run()
+    assert arrivals_of(DEV) is buf, "a large enough buffer must be reused, not reallocated"
+    assert not buf.any() and torch.equal(first, second), f"seed {seed}"
+
+
+@pytest.mark.parametrize("gqa_swap", [False, True], ids=["per_q_head", "gqa_swap"])
+def test_decode_fused_merge_faults_fail_the_comparison(gqa_swap, poisoned_partials):
+    gen, seed = fresh_generator()
+    s = DECODE_SHAPE
+    kc, vc, bt, ctx = make_paged(FUSED_CTX, s["hkv"], s["d"], s["page"], torch.float32, gen)
+    q = make_q(len(FUSED_CTX), s["hq"], s["d"], torch.float32, gen)
+    num_splits = 3
+    n = len(FUSED_CTX) * (s["hkv"] if gqa_swap else s["hq"])
+
+    def run(**kw):
+        return attn.decode_attention(q, kc, vc, bt, ctx, 0.25, gqa_swap=gqa_swap, num_splits=num_splits,
+                                     tiles=TINY_TILES, out=poisoned(q), **kw)
+
+    two_launch = run(fused_merge=False)
+    assert torch.equal(run(), two_launch), f"seed {seed}"
+    buf = arrivals_of(DEV)
+    faults = {
+        # a skipped reset leaves S per (b, g): the next call's arrivals count S .. 2S - 1, none is the last
+        "reset skipped": num_splits,
+        # one arrival too many (an early merge, as a missing release/acquire would allow): the merge runs before
+        # the last split's partial is written and reads its NaN poison
+        "counter one ahead": 1,
+    }
+    try:
+        for name, dirty in faults.items():
+            buf[:n] = dirty
+            out = run()
+            assert not torch.equal(out, two_launch), f"fault '{name}' went unnoticed, seed {seed}"
+            assert rel_l2(out, two_launch) == float("inf"), f"fault '{name}': expected NaN rows, seed {seed}"
+            buf.zero_()
+    finally:
+        buf.zero_()          # the buffer is shared by every later test on this device
+    assert torch.equal(run(), two_launch), f"a clean buffer must give the right result again, seed {seed}"
 
 
 # -- the comparison must be able to fail ----------------------------------------------------------------------
@@ -381,3 +497,92 @@ def test_gpu_store_kv_real_shapes_bitwise():
     REF.store_kv(k, v, kr, vr, slots)
     attn.store_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, kr) and torch.equal(vc, vr), f"seed {seed}"
+
+
+STRESS_REPS = 50
+
+
+def real_paged_on_device(batch, context, gen):
+    """Real-shape bf16 paged K/V made on the GPU (the CPU helper is slow at 32 x 8192 tokens): shuffled blocks,
+    sequence 0 at the full context and the others ragged in [1, context] (short ones leave trailing splits empty)."""
+    nbps = context // REAL["page"]
+    shape = (batch * nbps, REAL["page"], REAL["hkv"], REAL["d"])
+    kc = torch.randn(shape, device=DEV, generator=gen, dtype=torch.bfloat16)
+    vc = torch.randn(shape, device=DEV, generator=gen, dtype=torch.bfloat16)
+    bt = torch.randperm(batch * nbps, device=DEV, generator=gen).view(batch, nbps).to(torch.int32)
+    ctx = torch.randint(1, context + 1, (batch,), device=DEV, generator=gen, dtype=torch.int32)
+    ctx[0] = context
+    q = torch.randn(batch, REAL["hq"], REAL["d"], device=DEV, generator=gen, dtype=torch.bfloat16)
+    return q, kc, vc, bt, ctx
+
+
+def stress_fused_merge(q, kc, vc, bt, ctx, where, **kw):
+    """STRESS_REPS fused launches back to back and STRESS_REPS replays of a graph of one, each against the
+    two-launch result, bitwise."""
+    def call(out, fused_merge=True):
+        return attn.decode_attention(q, kc, vc, bt, ctx, REAL["d"] ** -0.5, out=out, fused_merge=fused_merge, **kw)
+
+    two_launch = call(poisoned(q), fused_merge=False)
+    eager = [poisoned(q) for _ in range(STRESS_REPS)]
+    for out in eager:                 # no sync between launches: each one's counters must be clean for the next
+        call(out)
+    g_out = poisoned(q)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(g_out)
+    replays = [poisoned(q) for _ in range(STRESS_REPS)]
+    for out in replays:
+        g_out.fill_(float("nan"))
+        graph.replay()
+        out.copy_(g_out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(two_launch).all(), where
+    bad = [i for i, out in enumerate(eager) if not torch.equal(out, two_launch)]
+    assert not bad, f"{where}: eager launches {bad} differ from the two-launch result"
+    bad = [i for i, out in enumerate(replays) if not torch.equal(out, two_launch)]
+    assert not bad, f"{where}: graph replays {bad} differ from the two-launch result"
+    assert not attn._ARRIVALS[q.device].any(), f"{where}: arrival counters left dirty"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gqa_swap", [False, True], ids=["per_q_head", "gqa_swap"])
+def test_gpu_fused_merge_bitwise_stress(gqa_swap):
+    """The memory-ordering stress: the fused merge reads partials that other programs wrote, ordered only by the
+    arrival counter's release/acquire. A missing barrier, release, acquire or counter reset shows up as a stale
+    or NaN-poisoned row in some of the launches or replays. Forced 16 and 64 splits make every shape merge (the
+    heuristic gives 1 split at large batches); 64 leaves many trailing splits empty."""
+    _, seed = fresh_generator()
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    for batch in (1, 8, 32):
+        for context in (1024, 8192):
+            tensors = real_paged_on_device(batch, context, gen)
+            for case in (dict(max_context_len=context), dict(num_splits=16), dict(num_splits=64)):
+                stress_fused_merge(*tensors, f"gqa_swap={gqa_swap} batch {batch} context {context} {case} "
+                                             f"seed {seed}", gqa_swap=gqa_swap, **case)
+            del tensors
+            torch.cuda.empty_cache()
+
+
+@gpu
+@needs_cuda
+def test_gpu_fused_merge_counters_allocated_during_capture():
+    # no cached counter buffer when the graph is captured: the launcher allocates one inside the capture (its
+    # zero fill becomes a memset node), and every replay must still start from zeros
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    q, kc, vc, bt, ctx = real_paged_on_device(8, 1024, gen)
+    two_launch = attn.decode_attention(q, kc, vc, bt, ctx, 0.088, gqa_swap=True, num_splits=16, fused_merge=False)
+    out = poisoned(q)
+    attn.decode_attention(q, kc, vc, bt, ctx, 0.088, gqa_swap=True, num_splits=16, out=out)   # compile
+    torch.cuda.synchronize()
+    attn._RETIRED_ARRIVALS.append(attn._ARRIVALS.pop(q.device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.decode_attention(q, kc, vc, bt, ctx, 0.088, gqa_swap=True, num_splits=16, out=out)
+    assert q.device not in attn._ARRIVALS, "a buffer allocated during capture must not be cached"
+    for i in range(STRESS_REPS):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, two_launch), f"replay {i} differs from the two-launch result"

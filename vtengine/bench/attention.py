@@ -12,6 +12,10 @@ Definitions:
   the 60 MB L2, so K/V come from HBM each time (no buffer rotation is needed on top). ``eager_us`` times the
   Python launch path; ``graph_us`` replays a CUDA graph of the same call (what the engine's decode does), which
   removes host launch gaps between stage 1 and the merge.
+- two launches: the arms run the default fused merge (one launch). Where an arm splits, the same call with
+  ``fused_merge=False`` (stage 1, then the merge as a second launch) is timed beside it (``two_launch_eager_us``,
+  ``two_launch_graph_us``), and ``bitwise_vs_two_launch`` says whether the two outputs are bitwise equal (they
+  must be).
 - rel_l2 = ||out - ref|| / ||ref|| against the torch reference backend (fp32 math and output, same bf16 inputs).
 
 ``python -m vtengine.bench.attention OUT_DIR`` or ``vtengine bench kernels``.
@@ -19,6 +23,7 @@ Definitions:
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import sys
 import time
@@ -143,8 +148,16 @@ def main(out_dir: str = "bench/results", sweeps: bool = True, max_seconds: float
                 grid = next(iter(route_stats["grids"]))
                 t = time_us(lambda: attn.decode_attention(q, k_cache, v_cache, bt, ctx, scale,
                                                           max_context_len=context, out=out, **kw))
-                result["cases"].append(row(arm, t, err, {"route": next(iter(st)), "num_splits": splits,
-                                                         "grid": grid}))
+                extra = {"route": next(iter(st)), "num_splits": splits, "grid": grid}
+                if splits > 1:      # the merge as its own launch, same call otherwise
+                    out2 = torch.full_like(q, float("nan"))
+                    two = functools.partial(attn.decode_attention, q, k_cache, v_cache, bt, ctx, scale,
+                                            max_context_len=context, out=out2, fused_merge=False, **kw)
+                    two()
+                    torch.cuda.synchronize()
+                    extra["bitwise_vs_two_launch"] = torch.equal(out, out2)
+                    extra.update({f"two_launch_{key}": us for key, us in time_us(two).items()})
+                result["cases"].append(row(arm, t, err, extra))
             q4 = q.view(batch, HQ, 1, D)
             sdpa_out = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
             err = rel_l2(sdpa_out.view(batch, HQ, D), ref)
@@ -297,12 +310,18 @@ def summary_table(result: dict) -> str:
              f"Copy bandwidth (1 GiB device-to-device, read + write): {result['copy_bw_gbs']} GB/s. "
              "32 q / 8 kv heads, d=128, bf16, block_size 16. Times: do_bench median, L2 flushed per rep.",
              "",
-             "| batch | context | arm | splits | grid | eager µs | graph µs | GB/s (graph) | % of copy (graph) | rel L2 |",
-             "|---:|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+             "Arms merge split outputs inside stage 1 (one launch); 'graph µs, 2 launches' is the same call with the "
+             "merge as a second launch, and '= 2 launches' whether the two outputs are bitwise equal.",
+             "",
+             "| batch | context | arm | splits | grid | eager µs | graph µs | GB/s (graph) | % of copy (graph) "
+             "| rel L2 | graph µs, 2 launches | = 2 launches |",
+             "|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for c in result["cases"]:
+        same = {True: "yes", False: "NO", None: ""}[c.get("bitwise_vs_two_launch")]
         lines.append(f"| {c['batch']} | {c['context']} | {c['arm']} | {c.get('num_splits', '')} | "
                      f"{c.get('grid', '')} | {c['eager_us']} | {c['graph_us']} | {c['graph_gbs']} | "
-                     f"{100 * c['graph_frac_copy']:.1f} | {c['rel_l2']:.2e} |")
+                     f"{100 * c['graph_frac_copy']:.1f} | {c['rel_l2']:.2e} | {c.get('two_launch_graph_us', '')} | "
+                     f"{same} |")
     if result["split_sweep"]:
         lines += ["", "## Forced split counts (graph µs)", "",
                   "| batch | context | route | " + " | ".join(f"S={s}" for s in SPLIT_SWEEP) + " |",

@@ -4,9 +4,16 @@ The contract and the oracle are vtengine/backends/torch_backend.py: k_cache, v_c
 [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [B, max_blocks] int32, -1 padded; context_lens [B]
 int32 = tokens in the cache per sequence, this step's included (they were stored first, by ``store_kv``).
 
-Decode is two stages. Stage 1 cuts each sequence's context into ``num_splits`` slices and gives each slice its own
-program, which writes a partial output normalised by its own softmax sum and that sum's log-sum-exp; stage 2 merges
-the slices (weights exp(lse_s - max lse)). With one split stage 1 writes the output directly and stage 2 is skipped.
+Decode is split-KV. Stage 1 cuts each sequence's context into ``num_splits`` slices and gives each slice its own
+program, which writes a partial output normalised by its own softmax sum and that sum's log-sum-exp; the merge
+combines the slices (weights exp(lse_s - max lse), read in split order). By default the merge is fused into stage 1
+(one launch): after storing its partials each program bumps an arrival counter for its (sequence, grid head), and
+the program that arrives last zeroes the counter (so the buffer is clean again for the next launch and every CUDA
+graph replay) and merges every q head that (sequence, grid head) covers. ``fused_merge=False`` launches
+the merge as a second kernel instead; both call one merge function, whose sum over the splits runs in split order
+(not as a tl.sum tree, whose order follows the register layout Triton picks for the kernel it is compiled into), so
+the two forms are bitwise equal. With one split stage 1 writes the output directly and there is no merge.
+
 Three levers shape it:
 
 - ``gqa_swap`` (route): one kernel, two grids. OFF "per_q_head": grid (B, q_heads, splits), one q head per
@@ -25,7 +32,10 @@ split of a long sequence has work whatever the batch's other lengths; trailing s
 empty and are skipped (partial = 0, lse = -inf). The result depends only on (S, ctx_b), and S depends only on host
 shapes (B, heads, ``max_context_len`` or the block table width), so eager and CUDA-graphed decode agree bitwise.
 
-Every launch records a counter (vtengine/counters.py): kernel, route, grid, split count and compiled variant.
+Every launch records a counter (vtengine/counters.py): kernel, route, grid, split count and compiled variant. The
+merge records ``decode_attention_merge`` in either form (so a reader sees the split outputs merged): as its own
+launch with grid (B, q_heads) and the math variant, or fused with grid (B, grid heads), the merging programs, and
+the variant suffixed "/fused_merge" (no launch of its own). The stage-1 variant is the math variant alone.
 """
 from __future__ import annotations
 
@@ -34,7 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from vtengine import counters
-from vtengine.kernels import INTERPRET, dot_dtype
+from vtengine.kernels import INTERPRET, dot_dtype, launch_options
+from vtengine.kernels.fused import pdl_launch_dependents, pdl_wait, use_pdl
 from vtengine.kernels.splits import decode_num_splits, sm_count
 
 import triton  # noqa: E402  (after vtengine.kernels: it sets TRITON_INTERPRET on CPU hosts)
@@ -302,10 +313,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 # around one query row), and walks slice s of sequence b's context in K, V tiles [BLOCK_N, D] gathered through
 # the block table: S = Q K^T [BLOCK_M, BLOCK_N], O += P V, both by tl.dot with fp32 accumulation.
 # Bound: bytes. gqa_swap reads each K/V byte once per group; per_q_head once per q head (GROUP x the bytes from
-# L2/HBM); when S > 1 each row also writes a partial (D + 1) x 4 bytes, read back by the merge.
+# L2/HBM); when S > 1 each row also writes a partial (D + 1) x 4 bytes, read back by the merge. With
+# FUSED_MERGE the last of the S programs of (b, g) to finish also merges the ROWS heads (_merge_splits): the merge
+# costs no launch, but every program one release atomic after its stores, and the last one per (b, g) the merge.
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, o_part_ptr, lse_part_ptr,
+                   out_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
                    qk_scale, num_splits, num_q_heads,
                    stride_qb, stride_qh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -313,11 +326,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    SPLIT: tl.constexpr, FAST_MATH: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr,
+                   FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   CHUNK_S: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     head0 = tl.program_id(1) * ROWS
     kvh = head0 // GROUP
     s = tl.program_id(2)
+    pdl_wait(USE_PDL)                        # q, the cache and the lengths come from earlier kernels
     ctx = tl.load(context_lens_ptr + b)
     split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = s * split_len
@@ -355,6 +371,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
         m_i = m_new
+    pdl_launch_dependents(USE_PDL)
 
     out_mask = m_mask[:, None] & d_mask[None, :]
     if SPLIT:
@@ -365,48 +382,149 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         rows = (b * num_q_heads + heads) * num_splits + s
         tl.store(o_part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
         tl.store(lse_part_ptr + rows, lse, mask=m_mask)
+        if FUSED_MERGE:
+            # Memory ordering (PTX memory model; the interpreter runs programs one by one, so there it is moot):
+            # - Release. The partials above are stored by all of this program's threads, while a scalar atomic is
+            #   issued by one thread. The barrier makes every thread's stores precede that thread's atomic (CTA
+            #   scope), and the atomic's release at gpu scope is cumulative: whoever acquires a count at or after
+            #   the one this atomic produced also sees those stores.
+            # - Acquire, by the last arrival only. The program that reads old == S - 1 swaps the counter back to 0
+            #   with acquire semantics: it reads S, the end of the chain of S release read-modify-writes, so it
+            #   synchronises with all of them and every program's partials happen-before its merge. The barrier
+            #   after it extends that order from the issuing thread to the threads that load the partials. (An
+            #   acq_rel add in every program would also be correct; measured on the H200 it cost the programs
+            #   that do not merge about 11 µs more at batch 32 x 8192, gqa_swap, 64 splits.)
+            # - Caches. The merge loads bypass L1 (.cg, in _merge_splits): L2 is the GPU's point of coherence
+            #   and L1 is not kept coherent with other SMs' stores, so a line of these partials left in this
+            #   SM's L1 by an earlier program (one 128-byte line holds the LSEs of several heads, which other
+            #   (b, g) programs on this SM may have merged) must not serve a load. A gpu-scope acquire should
+            #   already invalidate L1; .cg does not rely on it, and costs nothing as each partial is read once.
+            # - Reset. The swap leaves 0 for the next launch (or graph replay), which the stream starts only after
+            #   this one ends; every program of (b, g) has arrived by then, so nothing else in this launch
+            #   touches the counter.
+            tl.debug_barrier()
+            arrival = arrivals_ptr + b * tl.num_programs(1) + tl.program_id(1)
+            old = tl.atomic_add(arrival, 1, sem="release", scope="gpu")
+            if old == num_splits - 1:
+                tl.atomic_xchg(arrival, 0, sem="acquire", scope="gpu")
+                tl.debug_barrier()
+                _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, head0, num_q_heads, num_splits,
+                              stride_ob, stride_oh, ROWS=ROWS, BLOCK_R=MERGE_ROWS, HEAD_DIM=HEAD_DIM,
+                              BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, CHUNK_S=CHUNK_S, FAST_MATH=FAST_MATH)
     else:
         o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-# -- decode stage 2: LSE merge -------------------------------------------------------------------------------
-# grid (B, q_heads). Tiles: the S log-sum-exps [BLOCK_S] once for their max, then partials [CHUNK_S, D] in chunks.
+# -- decode: LSE merge -----------------------------------------------------------------------------------------
+# One function for both forms, so their arithmetic is one. Pass 1 loads each head's S log-sum-exps at once
+# [BLOCK_R, BLOCK_S], takes their max (exact in any order) and writes the weights w_s = exp(lse_s - max) over the
+# LSEs it read (only this program reads them). Pass 2 adds acc = acc + w_s * o_s and denom = denom + w_s for
+# s = 0, 1, ..., S - 1, each element on its own: a tl.sum over splits would add in a tree whose shape follows the
+# register layout Triton picks, which depends on num_warps and on the kernel around it, so the fused and the
+# separate merge could round differently. The CHUNK_S splits of a chunk are unrolled and their loads independent,
+# so they are in flight together; only the adds chain.
+# Why the weights are precomputed: pass 2's per-split weight [BLOCK_R] then comes straight from a tiny load, which
+# Triton places in the row layout of the partial tile, so w_s[:, None] * o_s needs no conversion. Computing
+# exp(lse_s - max) inside the loop mixed the max's layout with the load's and cost a shared-memory conversion with
+# a CTA barrier at every split, serialising the loads (measured on the H200, fused gqa_swap, 4 heads x 64 splits:
+# 12 µs longer at batch 1 x 8192).
+@triton.jit
+def _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, head0, num_q_heads, num_splits, stride_ob, stride_oh,
+                  ROWS: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Merge the S partials of q heads head0 .. head0 + ROWS - 1 of sequence b into out (rows past ROWS of the
+    [BLOCK_R, D] tile are masked). Overwrites the heads' LSEs with their weights."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < ROWS
+    heads = head0 + offs_r
+    row0 = (b * num_q_heads + heads) * num_splits          # each head's split-0 partial row
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = r_mask[:, None] & (offs_s < num_splits)[None, :]
+    lse = tl.load(lse_part_ptr + row0[:, None] + offs_s[None, :], mask=s_mask, other=float("-inf"),
+                  cache_modifier=".cg")
+    lse_max = tl.max(lse, 1)           # finite for live heads: slice 0 always holds key 0 (context_len >= 1)
+    w = _softmax_exp(lse - tl.where(r_mask, lse_max, 0.0)[:, None], FAST_MATH)
+    tl.debug_barrier()                 # every thread (replicas of the tile too) has its LSEs before any is replaced
+    tl.store(lse_part_ptr + row0[:, None] + offs_s[None, :], w, mask=s_mask)
+    tl.debug_barrier()                 # and the weights are stored before other threads load them below
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    denom = tl.zeros([BLOCK_R], tl.float32)
+    # num_stages=1: plain register loads, never async copies staged in shared memory, which in the fused form
+    # would add to every stage-1 program's footprint
+    for s0 in tl.range(0, num_splits, CHUNK_S, num_stages=1):
+        for i in tl.static_range(CHUNK_S):
+            # split s0 + i as a vector (the interpreter mis-types a vector mask & a scalar one)
+            split = tl.zeros([BLOCK_R], tl.int32) + (s0 + i)
+            live = r_mask & (split < num_splits)       # past the last split: w = 0, o = 0
+            w_s = tl.load(lse_part_ptr + row0 + split, mask=live, other=0.0, cache_modifier=".cg")
+            o_s = tl.load(o_part_ptr + (row0 + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                          mask=live[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+            acc = acc + w_s[:, None] * o_s
+            denom = denom + w_s
+    out = _normalize(acc, tl.zeros_like(acc) + denom[:, None], FAST_MATH)
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+# The merge as its own launch (fused_merge=False): grid (B, q_heads), one q head per program.
 # Bound: bytes, B x Hq x S x (D + 1) x 4 read, B x Hq x D written; it exists only when S > 1.
 @triton.jit
 def _decode_merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, num_splits,
                          stride_ob, stride_oh,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         CHUNK_S: tl.constexpr, FAST_MATH: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    row0 = (b * tl.num_programs(1) + h) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_all = tl.load(lse_part_ptr + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse_all, 0)       # finite: slice 0 always holds key 0 (context_len >= 1)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    denom = 0.0
-    for s0 in range(0, num_splits, CHUNK_S):
-        offs_c = s0 + tl.arange(0, CHUNK_S)
-        c_mask = offs_c < num_splits
-        lse = tl.load(lse_part_ptr + row0 + offs_c, mask=c_mask, other=float("-inf"))
-        w = _softmax_exp(lse - lse_max, FAST_MATH)
-        o = tl.load(o_part_ptr + (row0 + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=c_mask[:, None] & d_mask[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-        denom += tl.sum(w, 0)
-    out = _normalize(acc, tl.zeros_like(acc) + denom, FAST_MATH)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+                         CHUNK_S: tl.constexpr, FAST_MATH: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
+                  num_splits, stride_ob, stride_oh, ROWS=1, BLOCK_R=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                  BLOCK_S=BLOCK_S, CHUNK_S=CHUNK_S, FAST_MATH=FAST_MATH)
+
+
+# -- decode: arrival counters of the fused merge ---------------------------------------------------------------
+# One int32 per (sequence, grid head) of a launch, zero between launches: the merging program zeroes its own.
+# Cached per device and only grown, outside CUDA-graph capture (the engine's warm-up runs the largest batch
+# eagerly before capturing, so capture finds it large enough). A buffer that was replaced stays referenced in
+# _RETIRED_ARRIVALS: graphs captured earlier still point at it, and its memory must not be handed to another
+# tensor. Launches on one device share the buffer, so they must not overlap in time: calls on one stream (and
+# replays of graphs captured on it) are ordered; concurrent decode calls on several streams need
+# fused_merge=False.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_ARRIVALS: list[torch.Tensor] = []
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    buf = _ARRIVALS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Too small while capturing (a batch larger than any run eagerly before): a fresh zeroed buffer for this
+        # call alone, allocated from the graph's pool; its zero fill is captured as a memset node, so every
+        # replay starts from zeros. Correct, one memset dearer; not cached, since it belongs to the graph.
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    if buf is not None:
+        _RETIRED_ARRIVALS.append(buf)
+    buf = torch.zeros(triton.next_power_of_2(max(n, 1024)), dtype=torch.int32, device=device)
+    _ARRIVALS[device] = buf
+    return buf
+
+
+def _split_workspace(bsz: int, hq: int, num_splits: int, d: int, device: torch.device):
+    """The partials of a split decode: o_part [B, Hq, S, D] and lse_part [B, Hq, S], fp32 (tests poison them)."""
+    return (torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=device),
+            torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=device))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, gqa_swap: bool = False, nsplits_cap="off",
                      fast_math: bool = False, num_splits: int | None = None, max_context_len: int | None = None,
                      num_sms: int | None = None,
-                     tiles: Tiles | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     tiles: Tiles | None = None, out: torch.Tensor | None = None,
+                     fused_merge: bool = True, pdl: bool = False) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, D] attends to its whole cached context; returns [B, Hq, D].
 
     gqa_swap:        route, see the module docstring.
@@ -419,6 +537,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      width x block_size. It never changes which keys are read, only how many splits.
     tiles:           override the launch meta-parameters (benches).
     out:             [B, Hq, D] in q's dtype, written in place and returned (static buffers, poisoned tests).
+    fused_merge:     True: the last split program of each (sequence, grid head) merges (one launch); False: the
+                     merge is a second launch. Bitwise equal results; see the module docstring.
+    pdl:             the lever pdl (programmatic dependent launch; sm_90+, ignored elsewhere).
     """
     bsz, hq, d = q.shape
     hkv = _check_cache(k_cache, v_cache, None, d)
@@ -445,14 +566,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
     split = num_splits > 1
+    fused = split and bool(fused_merge)
     fast_math = bool(fast_math)
     if split:
-        o_part = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+        o_part, lse_part = _split_workspace(bsz, hq, num_splits, d, q.device)
     else:
         o_part = lse_part = out        # unused: the kernel's SPLIT=False binary never touches them
+    # unused unless fused (FUSED_MERGE=False never touches it)
+    arrivals = _arrival_counters(q.device, bsz * grid_heads) if fused else lse_part
     qk_scale = scale * LOG2E if fast_math else scale
     block_d = max(16, triton.next_power_of_2(d))
+    block_s = triton.next_power_of_2(num_splits)
+    chunk_s = min(block_s, 16)
     common = (q.stride(0), q.stride(1),
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -461,21 +586,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows = group if gqa_swap else 1
     ddt = dot_dtype(q)
     grid = (bsz, grid_heads, num_splits)
+    on = use_pdl(pdl, "decode_attention", q.device)
     _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, o_part, lse_part,
+        q, k_cache, v_cache, block_tables, context_lens, out, o_part, lse_part, arrivals,
         qk_scale, num_splits, hq, *common,
         GROUP=group, ROWS=rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(rows)),
         BLOCK_N=meta.block_n, PAGE_SIZE=page_size, SPLIT=split, FAST_MATH=fast_math,
         DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
-        num_warps=meta.num_warps, num_stages=meta.num_stages)
+        # the merge constexprs stay fixed when unused, so they add no binaries to the unfused variants
+        FUSED_MERGE=fused, MERGE_ROWS=triton.next_power_of_2(rows) if fused else 1,
+        BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, USE_PDL=on,
+        num_warps=meta.num_warps, num_stages=meta.num_stages, **launch_options(on))
     counters.record("decode_attention", route, grid=grid, splits=num_splits, variant=_variant(fast_math))
-    if split:
-        block_s = triton.next_power_of_2(num_splits)
+    if fused:
+        counters.record("decode_attention_merge", route, grid=(bsz, grid_heads), splits=num_splits,
+                        variant=_variant(fast_math) + "/fused_merge")
+    elif split:
         merge_grid = (bsz, hq)
         _decode_merge_kernel[merge_grid](
             o_part, lse_part, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=min(block_s, 16), FAST_MATH=fast_math,
-            num_warps=4 if d >= 128 else 2)
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=chunk_s, FAST_MATH=fast_math, USE_PDL=on,
+            num_warps=4 if d >= 128 else 2, **launch_options(on))
         counters.record("decode_attention_merge", route, grid=merge_grid, splits=num_splits,
                         variant=_variant(fast_math))
     return out
