@@ -295,3 +295,99 @@ def test_gpu_qkv_epilogue_bf16_real_shapes(fast_math):
     ok = ~torch.isnan(rkc)
     assert rel_l2(q, rq) < BOUND[bf] and rel_l2(kc[ok], rkc[ok]) < BOUND[bf], f"seed {seed}"
     assert torch.equal(vc[ok], rvc[ok].to(bf)), f"seed {seed}: v must be copied exactly"
+
+
+# -- pdl: programmatic dependent launch ------------------------------------------------------------------------
+def _chain(x, res, w_norm, qw_up, qw_down, pdl):
+    """A decode layer's MLP half as the engine chains it: every output feeds the next launch."""
+    from vtengine.kernels import w4a16
+    h, res = fused.add_rms_norm(x, res, w_norm, 1e-6, pdl=pdl)
+    gu = w4a16.w4a16_linear(h, qw_up, dense=True, pdl=pdl)
+    act = fused.silu_mul(gu, pdl=pdl)
+    y = w4a16.w4a16_linear(act, qw_down, dense=True, pdl=pdl)
+    out = fused.rms_norm(y, w_norm, 1e-6, pdl=pdl)
+    return out, fused.argmax(out, pdl=pdl)
+
+
+def test_pdl_is_inert_and_recorded_plain_where_unsupported():
+    """Without sm_90 (here: the interpreter) the lever cannot act; the launch counter must say so rather than
+    claim PDL ran (the mechanism gate reads it)."""
+    from vtengine.kernels import pdl_supported
+    gen, _ = fresh_generator()
+    x = rnd(3, 64, gen=gen)
+    counters.reset()
+    fused.rms_norm(x, rnd(64, gen=gen), 1e-6, pdl=True)
+    routes = counters.snapshot()["launch"]
+    assert list(routes) == (["pdl"] if pdl_supported(x.device) else ["plain"])
+    assert routes[next(iter(routes))]["variants"] == {"rms_norm": 1}
+
+
+@gpu
+@needs_cuda
+def test_gpu_pdl_chain_bitwise_equal_eager_and_graphed():
+    """The lever pdl changes when kernels start, never what they compute: the chain with PDL equals the chain
+    without it bit for bit, eagerly and over 50 CUDA-graph replays with fresh inputs each time (a missing
+    griddepcontrol.wait would read a half-written input and show up here)."""
+    from vtengine.kernels import pdl_supported
+    from vtengine.quant import quantize
+    if not pdl_supported():
+        pytest.skip("PDL needs sm_90 or newer")
+    gen, seed = fresh_generator()
+    bf = torch.bfloat16
+    hidden, inter = 4096, 12288
+    qw_up = quantize(torch.randn(2 * inter, hidden, generator=gen).to(DEV), "mxfp4")
+    qw_down = quantize(torch.randn(hidden, inter, generator=gen).to(DEV), "mxfp4")
+    w_norm = rnd(hidden, gen=gen, dtype=bf)
+    x, res = rnd(1, hidden, gen=gen, dtype=bf), rnd(1, hidden, gen=gen, dtype=bf)
+    want = _chain(x, res, w_norm, qw_up, qw_down, pdl=False)
+    got = _chain(x, res, w_norm, qw_up, qw_down, pdl=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed {seed}: eager PDL differs"
+    sx, sres = x.clone(), res.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = _chain(sx, sres, w_norm, qw_up, qw_down, pdl=True)
+    for i in range(50):
+        sx.copy_(rnd(1, hidden, gen=gen, dtype=bf))
+        sres.copy_(rnd(1, hidden, gen=gen, dtype=bf))
+        graph.replay()
+        ref = _chain(sx, sres, w_norm, qw_up, qw_down, pdl=False)
+        assert all(torch.equal(a, b) for a, b in zip(g_out, ref)), f"seed {seed}: replay {i} differs"
+
+
+
+@gpu
+@needs_cuda
+def test_gpu_pdl_attention_chain_bitwise_equal_graphed():
+    """qkv epilogue -> split decode attention (fused merge) -> its consumer, with and without PDL, in a graph."""
+    from vtengine.kernels import attention, pdl_supported
+    if not pdl_supported():
+        pytest.skip("PDL needs sm_90 or newer")
+    gen, seed = fresh_generator()
+    bf = torch.bfloat16
+    b, hq, hkv, d, page, ctx = 4, 32, 8, 128, 16, 3000
+    nblocks = b * (ctx // page + 2)
+    kc, vc = rnd(nblocks, page, hkv, d, gen=gen, dtype=bf), rnd(nblocks, page, hkv, d, gen=gen, dtype=bf)
+    bt = torch.randperm(nblocks, generator=gen)[:b * (ctx // page + 1)].view(b, -1).int().to(DEV)
+    lens = torch.tensor([ctx, ctx - 700, 17, ctx - 1], dtype=torch.int32, device=DEV)
+    pos = (lens - 1).long()
+    slots = (bt.gather(1, (pos // page)[:, None].int())[:, 0].long() * page + pos % page)
+    cs = rope_cos_sin(d, 4096, 1e6, device=DEV)
+    qn, kn = rnd(d, gen=gen, dtype=bf), rnd(d, gen=gen, dtype=bf)
+    qkv = rnd(b, (hq + 2 * hkv) * d, gen=gen, dtype=bf)
+
+    def step(pdl, kcache, vcache):
+        q = fused.qkv_epilogue(qkv, hq, hkv, pos, cs, kcache, vcache, slots, qn, kn, pdl=pdl)
+        o = attention.decode_attention(q, kcache, vcache, bt, lens, d ** -0.5, gqa_swap=True, max_context_len=ctx,
+                                       pdl=pdl)
+        return fused.rms_norm(o, qn, 1e-6, pdl=pdl)
+
+    want = step(False, kc.clone(), vc.clone())
+    k2, v2 = kc.clone(), vc.clone()
+    assert torch.equal(step(True, k2, v2), want), f"seed {seed}: eager PDL differs"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = step(True, k2, v2)
+    for i in range(50):
+        qkv.copy_(rnd(b, (hq + 2 * hkv) * d, gen=gen, dtype=bf))
+        graph.replay()
+        assert torch.equal(g_out, step(False, kc.clone(), vc.clone())), f"seed {seed}: replay {i} differs"

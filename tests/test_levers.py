@@ -11,11 +11,12 @@ from vtengine.levers import LeverError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_four_levers_all_off_by_default():
+def test_the_levers_all_off_by_default():
     reg = levers.registry()
-    assert sorted(reg) == ["fast_math", "gqa_swap", "marlin_dense", "nsplits_cap"]
+    assert sorted(reg) == ["fast_math", "gqa_swap", "marlin_dense", "nsplits_cap", "pdl", "triton_gemv"]
     r = levers.resolve(environ={})
-    assert r.values == {"fast_math": False, "gqa_swap": False, "marlin_dense": False, "nsplits_cap": "off"}
+    assert r.values == {"fast_math": False, "gqa_swap": False, "marlin_dense": False, "nsplits_cap": "off",
+                        "pdl": False, "triton_gemv": False}
     assert set(r.sources.values()) == {"default"}
     assert not any(r.on(n) for n in reg)
 

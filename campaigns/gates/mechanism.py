@@ -49,6 +49,10 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"splits": _splits(snap, "decode_attention"), "grids": _grids(snap, "decode_attention")}
     if lever == "fast_math":
         return {"variants": _variants(snap, "decode_attention") + _variants(snap, "prefill_attention")}
+    if lever == "triton_gemv":
+        return {"routes": _routes(snap, "dense_linear"), "grids": _grids(snap, "dense_linear")[:8]}
+    if lever == "pdl":
+        return {"launches": _routes(snap, "launch"), "kernels": _variants(snap, "launch")}
     raise ValueError(f"no mechanism probe for lever {lever!r}")
 
 
@@ -64,6 +68,13 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         want = ["fast_math"] if value else ["precise"]
         got = sorted(set(pr["variants"]))
         return got == want, f"attention variants {got}, expected {want}"
+    if lever == "triton_gemv":
+        # prefill (M > 16) takes cuBLAS in both arms; decode takes the GEMV only in the ON arm
+        ok = ("triton_gemv" in pr["routes"]) if value else pr["routes"] == ["cublas"]
+        return ok, f"dense_linear routes {pr['routes']}, expected {'triton_gemv among them' if value else ['cublas']}"
+    if lever == "pdl":
+        want = ["pdl"] if value else ["plain"]
+        return pr["launches"] == want, f"kernel launches {pr['launches']} (kernels {pr['kernels']}), expected {want}"
     if lever == "nsplits_cap":
         splits = [int(s) for s in pr["splits"]]
         if not splits:

@@ -128,21 +128,71 @@ def norm_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     def run(setting, fault):
         junk = _poisoned_like(x.shape, x.dtype, x.device)
         del junk
-        return fused.rms_norm(x, torch.roll(wt, 1) if fault else wt, 1e-6, fast_math=setting.get("fast_math", False))
+        return fused.rms_norm(x, torch.roll(wt, 1) if fault else wt, 1e-6, fast_math=setting.get("fast_math", False),
+                              pdl=setting.get("pdl", False))
 
     def ref():
         return TorchBackend().rms_norm(x.float(), wt.float(), 1e-6)
     return [(f"rms_norm T=37 H={sh['hidden']}", run, ref)]
 
 
+def silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
+    from vtengine.kernels import fused
+    inter = 3 * sh["hidden"]
+    gu = (2 * torch.randn(9, 2 * inter, generator=gen)).to(dev, sh["dtype"])
+
+    def run(setting, fault):
+        return fused.silu_mul(torch.roll(gu, 1, dims=1) if fault else gu,
+                              out=_poisoned_like((gu.shape[0], inter), gu.dtype, gu.device),
+                              pdl=setting.get("pdl", False))
+
+    def ref():
+        return TorchBackend().silu_mul(gu.float())
+    return [(f"silu_mul T=9 I={inter}", run, ref)]
+
+
+def argmax_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
+    """Compared through the logit each chosen index points at (an index is not a quantity to take an L2 of)."""
+    from vtengine.kernels import fused
+    vocab = 151936 if dev == "cuda" else 1000
+    logits = (4 * torch.randn(5, vocab, generator=gen)).to(dev, sh["dtype"])
+
+    def run(setting, fault):
+        idx = fused.argmax(torch.roll(logits, 1, dims=1) if fault else logits, pdl=setting.get("pdl", False))
+        return logits.gather(1, idx[:, None]).float()
+
+    def ref():
+        return logits.float().max(dim=1, keepdim=True).values
+    return [(f"argmax B=5 V={vocab}", run, ref)]
+
+
+def dense_linear_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
+    from vtengine.kernels import gemv
+    cases = []
+    for m, k, n in sh["gemm"]:
+        w = torch.randn(n, k, generator=gen).to(dev, sh["dtype"])
+        x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
+
+        def run(setting, fault, x=x, w=w):
+            return gemv.linear(x, torch.roll(w, 1, dims=1) if fault else w,
+                               out=_poisoned_like((x.shape[0], w.shape[0]), x.dtype, x.device), **setting)
+
+        def ref(x=x, w=w):
+            return TorchBackend().linear(x.float(), w.float())
+        cases.append((f"dense_linear M={m} K={k} N={n}", run, ref))
+    return cases
+
+
 def setting_for(kernel: str, lever: str, value: Any) -> dict[str, Any]:
     """Launcher keyword arguments that put ``kernel`` in the lever's ``value`` (other levers at their OFF)."""
     if kernel == "decode_attention":
-        s = {"gqa_swap": False, "nsplits_cap": "off", "fast_math": False}
+        s = {"gqa_swap": False, "nsplits_cap": "off", "fast_math": False, "pdl": False}
     elif kernel == "w4a16_gemm":
-        s = {"dense": False}
+        s = {"dense": False, "pdl": False}
+    elif kernel == "dense_linear":
+        s = {"triton_gemv": False, "pdl": False}
     else:
-        s = {"fast_math": False}
+        s = {"fast_math": False, "pdl": False}
     key = {"marlin_dense": "dense"}.get(lever, lever)
     if key in s:
         s[key] = value if lever == "nsplits_cap" else bool(value) and value != "off"
@@ -163,6 +213,12 @@ def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callabl
             cs = gemm_cases(gen, dev, sh, "mxfp4") + gemm_cases(gen, dev, sh, "nvfp4")
         elif kernel == "rms_norm":
             cs = norm_cases(gen, dev, sh)
+        elif kernel == "dense_linear":
+            cs = dense_linear_cases(gen, dev, sh)
+        elif kernel == "silu_mul":
+            cs = silu_cases(gen, dev, sh)
+        elif kernel == "argmax":
+            cs = argmax_cases(gen, dev, sh)
         else:
             raise ValueError(f"op gate: no cases for kernel {kernel!r}")
         out += [(kernel, name, run, ref) for name, run, ref in cs]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from vtengine.backends.torch_backend import TorchBackend
-from vtengine.kernels import INTERPRET, attention, fused, w4a16
+from vtengine.kernels import INTERPRET, attention, fused, gemv, w4a16
 
 # Under the CPU interpreter each program runs one after another in Python: present a 2-SM machine to the split
 # heuristic, so decode still splits (nsplits_cap stays live) over a handful of programs instead of hundreds.
@@ -20,7 +20,8 @@ from vtengine.quant import QuantizedWeight
 KERNEL_OPS = {
     "rms_norm": ("rms_norm", "add_rms_norm"), "silu_mul": ("silu_mul",), "rope": ("rope",),
     "store_kv": ("store_kv",), "prefill_attention": ("prefill_attention",),
-    "decode_attention": ("decode_attention",), "w4a16_gemm": ("linear",), "argmax": ("greedy",),
+    "decode_attention": ("decode_attention",), "w4a16_gemm": ("linear",), "dense_linear": ("linear",),
+    "argmax": ("greedy",),
 }
 
 
@@ -46,13 +47,14 @@ class TritonBackend(TorchBackend):
         self.fuse_qkv_epilogue = kernels is None or {"rms_norm", "rope", "store_kv"} <= set(kernels)
 
     def rms_norm(self, x, weight, eps):
-        return fused.rms_norm(x, weight, eps, fast_math=self.levers.on("fast_math"))
+        return fused.rms_norm(x, weight, eps, fast_math=self.levers.on("fast_math"), pdl=self.levers.on("pdl"))
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return fused.add_rms_norm(x, residual, weight, eps, fast_math=self.levers.on("fast_math"))
+        return fused.add_rms_norm(x, residual, weight, eps, fast_math=self.levers.on("fast_math"),
+                                  pdl=self.levers.on("pdl"))
 
     def silu_mul(self, gate_up):
-        return fused.silu_mul(gate_up)
+        return fused.silu_mul(gate_up, pdl=self.levers.on("pdl"))
 
     def rope(self, q, k, positions, cos_sin):
         return fused.rope(q, k, positions, cos_sin)
@@ -66,7 +68,8 @@ class TritonBackend(TorchBackend):
             return super().qkv_epilogue(qkv, num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache,
                                         slot_mapping, q_norm, k_norm, eps)
         return fused.qkv_epilogue(qkv, num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache,
-                                  slot_mapping, q_norm, k_norm, eps, fast_math=self.levers.on("fast_math"))
+                                  slot_mapping, q_norm, k_norm, eps, fast_math=self.levers.on("fast_math"),
+                                  pdl=self.levers.on("pdl"))
 
     def prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
         return attention.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
@@ -78,12 +81,12 @@ class TritonBackend(TorchBackend):
                                           num_sms=INTERPRETER_SMS if INTERPRET else None,
                                           gqa_swap=self.levers.on("gqa_swap"),
                                           nsplits_cap=self.levers.nsplits_cap,
-                                          fast_math=self.levers.on("fast_math"))
+                                          fast_math=self.levers.on("fast_math"), pdl=self.levers.on("pdl"))
 
     def linear(self, x, weight):
         if isinstance(weight, QuantizedWeight):
-            return w4a16.w4a16_linear(x, weight, dense=self.levers.on("marlin_dense"))
-        return x @ weight.t()          # bf16 projections: cuBLAS
+            return w4a16.w4a16_linear(x, weight, dense=self.levers.on("marlin_dense"), pdl=self.levers.on("pdl"))
+        return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), pdl=self.levers.on("pdl"))
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        return fused.argmax(logits)
+        return fused.argmax(logits, pdl=self.levers.on("pdl"))

@@ -580,7 +580,7 @@ def _engine_phase(args, specs, batches, variants, result, save, log) -> None:
                     r["variant"] = name
                     rows.append(r)
                     save()
-                if args.profile:
+                if args.profile and (args.profile_variants is None or name in args.profile_variants.split(";")):
                     _profile_engine(args, llm, model, quant, name, batches, result, save, log)
             except Exception as e:                      # the engine would not build: record it, go on
                 done = {r["batch"] for r in rows if (r["model"], r["quant"], r.get("variant")) == (model, quant, name)}
@@ -633,6 +633,8 @@ def main(out_dir: str = "bench/results", argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="per-kernel torch.profiler breakdown of decode steps "
                     "(on freshly built engines, after the timings)")
     ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument("--profile-variants", default=None, metavar="NAME;NAME",
+                    help="profile only these variants ('base' and the --variant texts, ';'-separated); default all")
     ap.add_argument("--lever", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--variant", action="append", default=[], metavar="LEVER=VALUE[,LEVER=VALUE...]",
                     help="another engine configuration on top of the --lever base, timed beside it in the same run "

@@ -1,7 +1,7 @@
 """W4A16 GEMV benchmark: the two routes of lever marlin_dense at Qwen3-8B projection shapes, MXFP4 and NVFP4,
 against cuBLAS bf16 (x @ W^T) and torch's int4 tinygemm (torch._weight_int4pack_mm), all measured in one run.
 
-    python -m vtengine.bench.w4a16 OUT_DIR [--sweep]
+    python -m vtengine.bench.w4a16 OUT_DIR [--sweep] [--bf16-only]
 
 Protocol (every method the same way): triton.testing.do_bench_cudagraph medians of a CUDA graph of back-to-back
 calls that rotate over enough weight sets to exceed 3x the L2 cache (each call reads cold weights, as a decode step
@@ -11,6 +11,8 @@ fraction of the device-to-device copy bandwidth measured in the same run (bytes 
 eager memcpy and an SM copy kernel: a memcpy node inside a CUDA graph measured only 2.7 TB/s on H200). Before timing,
 each route is checked at the real shape against quant.dequantize + an fp64 matmul (relative L2, bf16 output).
 ``--sweep`` also times a grid of dense-route tiles and split counts, to pick the launcher's table.
+The bf16 weights also run through the lever triton_gemv's split-K GEMV (vtengine/kernels/gemv.py) beside cuBLAS,
+with a small tile sweep at M = 1; ``--bf16-only`` runs just that comparison (a short run).
 
 Writes OUT_DIR/w4a16-<device>-<date>.json and .md; returns the JSON dict.
 """
@@ -175,12 +177,71 @@ def _try(errors: list, label: str, fn):
         return None
 
 
-def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> dict:
+def gemv_variants(n: int, k: int, num_sms: int) -> list:
+    """Triton GEMV tiles around the launcher's default (split counts are runtime values: one binary each)."""
+    from vtengine.kernels import gemv
+    base = gemv.gemv_config(n, k, num_sms)
+    out = []
+    for bn, bk, warps, stages in ((32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3),
+                                  (128, 64, 4, 4)):
+        k_steps = -(-k // bk)
+        tiles = -(-n // bn)
+        splits = [d for d in range(1, 17) if k_steps % d == 0 and k_steps // d >= 2] or [1]
+        for target in (2, 3, 4):
+            split = next((d for d in splits if tiles * d >= target * num_sms), splits[-1])
+            cfg = dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def bench_bf16(res: dict, k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> None:
+    """cuBLAS bf16 and the Triton GEMV (lever triton_gemv) on the same rotating weight sets."""
+    from vtengine.kernels import gemv
+    errs = res["errors"]
+    wb = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    sets = [wb] + [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+                   for _ in range(n_sets(wb.numel() * 2, l2) - 1)]
+    for m in (1, 3, 16):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        res["checks"][f"triton_gemv_M{m}"] = _try(errs, f"gemv check M={m}", lambda: rel_l2(
+            gemv.linear(x, wb, triton_gemv=True), x.double() @ wb.double().t()))
+
+    def timed(method, m, fn_for):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        for w in sets:                             # compile + split-K counters outside graph capture
+            fn_for(x, w)()
+        t = time_us(rotating([fn_for(x, w) for w in sets]))
+        b = n * k * 2 + m * k * 2 + m * n * 2
+        return dict(method=method, M=m, us=t, gbs=b / (t * 1e-6) / 1e9, frac_copy=b / (t * 1e-6) / 1e9 / copy_gbs)
+
+    for m in MS:
+        r = _try(errs, f"cublas M={m}", lambda: timed("cublas_bf16", m, lambda x, w: lambda: x @ w.t()))
+        if r:
+            res["rows"].append(r)
+        r = _try(errs, f"triton_gemv M={m}", lambda: timed(
+            "triton_gemv_bf16", m, lambda x, w: lambda: gemv.linear(x, w, triton_gemv=True)))
+        if r:
+            r["config"] = gemv.gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            res["rows"].append(r)
+    if sweep:
+        for cfg in gemv_variants(n, k, torch.cuda.get_device_properties(0).multi_processor_count):
+            r = _try(errs, f"gemv sweep {cfg}", lambda: timed(
+                "triton_gemv_sweep", 1, lambda x, w: lambda: gemv.linear(x, w, triton_gemv=True, config=cfg)))
+            if r:
+                res["sweep"].append(dict(r, fmt="bf16", config=cfg))
+
+
+def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool, bf16_only: bool = False) -> dict:
     from vtengine.kernels import w4a16
     from vtengine import quant
     res = {"K": k, "N": n, "name": SHAPE_NAMES.get((k, n), ""), "checks": {}, "rows": [], "sweep": [],
            "errors": []}
     errs = res["errors"]
+    if bf16_only:
+        bench_bf16(res, k, n, copy_gbs, l2, gen, sweep)
+        torch.cuda.empty_cache()
+        return res
     for fmt in FORMATS:
         res["checks"][fmt] = _try(errs, f"check {fmt}", lambda: check_routes(k, n, fmt, gen, w4a16, quant)) or {}
     # ours
@@ -227,17 +288,8 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> d
                         res["rows"].append(dict(method=f"{fmt}_dense_tuned", M=m, us=r[0], gbs=r[1] * copy_gbs,
                                                 frac_copy=r[1], config=best))
         del sets
-    # cuBLAS bf16
-    wb = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
-    sets = [wb] + [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
-                   for _ in range(n_sets(wb.numel() * 2, l2) - 1)]
-    for m in MS:
-        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-        t = time_us(rotating([lambda w=w: x @ w.t() for w in sets]))
-        b = n * k * 2 + m * k * 2 + m * n * 2
-        res["rows"].append(dict(method="cublas_bf16", M=m, us=t, gbs=b / (t * 1e-6) / 1e9,
-                                frac_copy=b / (t * 1e-6) / 1e9 / copy_gbs))
-    del sets, wb
+    # cuBLAS bf16 and the Triton GEMV
+    bench_bf16(res, k, n, copy_gbs, l2, gen, sweep=False)
     # torch int4 tinygemm
     try:
         packed, sz, wdq = tinygemm_weight(n, k, gen)
@@ -312,7 +364,7 @@ def precompile(shapes, sweep: bool, workers: int = 15) -> list:
 
 # -- report ----------------------------------------------------------------------------------------------------
 METHODS = ["mxfp4_dense", "mxfp4_grouped", "nvfp4_dense", "nvfp4_grouped", "mxfp4_dense_tuned", "nvfp4_dense_tuned",
-           "cublas_bf16",
+           "cublas_bf16", "triton_gemv_bf16",
            f"tinygemm_int4_g{TINYGEMM_GROUP}"]
 
 
@@ -342,6 +394,12 @@ def markdown(result: dict) -> str:
                      else f"; tinygemm: {shp.get('tinygemm_error', 'not run')}"), ""]
         if shp["sweep"]:
             lines += ["Sweep (dense route, best 5 per format at M = 1, and those five at M = 16):", ""]
+            gemv_rows = sorted((r for r in shp["sweep"] if r.get("fmt") == "bf16"), key=lambda r: r["us"])
+            for r in gemv_rows[:5]:
+                c = r["config"]
+                lines.append(f"- triton_gemv bf16 M=1: {r['us']:.1f} µs ({100 * r['frac_copy']:.0f}%) BLOCK_N="
+                             f"{c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} warps={c['num_warps']} "
+                             f"stages={c['num_stages']} split={c['SPLIT_K']}")
             for fmt in FORMATS:
                 for m in (1, 16):
                     rows = sorted((r for r in shp["sweep"] if r["fmt"] == fmt and r["M"] == m), key=lambda r: r["us"])
@@ -358,7 +416,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: int = 15) -> dict:
+def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: int = 15,
+         bf16_only: bool = False) -> dict:
     import triton
     if not torch.cuda.is_available():
         raise SystemExit("vtengine.bench.w4a16 needs a CUDA GPU")
@@ -371,14 +430,14 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
                python=platform.python_version(), date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat())
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
-    compile_errors = precompile(shapes, sweep, precompile_workers) if precompile_workers else []
+    compile_errors = precompile(shapes, sweep, precompile_workers) if precompile_workers and not bf16_only else []
     copy_gbs, copy_ways = copy_bandwidth_gbs()
     _log(f"copy bandwidth {copy_gbs:.0f} GB/s {copy_ways}")
     result = dict(env=env, copy_gbs=copy_gbs, copy_ways_gbs=copy_ways, protocol=__doc__.split("\n\n")[2].strip(),
                   shapes=[], compile_errors=compile_errors)
-    stem = f"w4a16-{props.name.replace(' ', '_')}-{env['date']}"
+    stem = f"{'gemv-bf16' if bf16_only else 'w4a16'}-{props.name.replace(' ', '_')}-{env['date']}"
     for k, n in shapes:
-        result["shapes"].append(bench_shape(k, n, copy_gbs, props.L2_cache_size, gen, sweep))
+        result["shapes"].append(bench_shape(k, n, copy_gbs, props.L2_cache_size, gen, sweep, bf16_only))
         shp = result["shapes"][-1]
         for r in shp["rows"]:
             if r["M"] in (1, 8):
@@ -394,6 +453,6 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if len(args) != 1:
-        raise SystemExit("usage: python -m vtengine.bench.w4a16 OUT_DIR [--sweep]")
-    res = main(args[0], sweep="--sweep" in sys.argv)
+        raise SystemExit("usage: python -m vtengine.bench.w4a16 OUT_DIR [--sweep] [--bf16-only]")
+    res = main(args[0], sweep="--sweep" in sys.argv, bf16_only="--bf16-only" in sys.argv)
     print(markdown(res))

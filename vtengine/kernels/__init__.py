@@ -21,3 +21,20 @@ def dot_dtype(x: torch.Tensor):
     if INTERPRET:
         return tl.float32
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
+
+
+def pdl_supported(device=None) -> bool:
+    """Programmatic dependent launch (the ``pdl`` lever) needs a compiled launch on sm_90 or newer; the interpreter
+    and older GPUs launch plainly."""
+    if INTERPRET or not torch.cuda.is_available():
+        return False
+    index = None if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """Extra keyword arguments of a Triton launch: ``launch_pdl`` asks the driver to start the kernel while the one
+    before it on the stream drains (it then waits in-kernel, griddepcontrol.wait, before reading its inputs)."""
+    return {"launch_pdl": True} if pdl else {}

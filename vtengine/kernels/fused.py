@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from vtengine import counters
+from vtengine.kernels import launch_options, pdl_supported
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -25,6 +26,31 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _row_warps(block: int) -> int:
     return max(1, min(16, block // 256))
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Under programmatic dependent launch: block until the previous kernel on the stream has finished and its
+    writes are visible. Every PDL kernel calls it before its first read of an activation and before any store, so
+    ordering stays transitive along the stream (a kernel cannot finish before the one it follows)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next PDL kernel on the stream start launching (its programs then wait in pdl_wait). Called once a
+    program's main work is issued, so waiting dependents do not take SM slots from this kernel's later waves."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def use_pdl(pdl: bool, kernel: str, device) -> bool:
+    """Whether this launch really uses PDL (the lever asked and the device can), recorded as the ``launch``
+    counter so the mechanism gate sees an inert lever as inert."""
+    on = bool(pdl) and pdl_supported(device)
+    counters.record("launch", "pdl" if on else "plain", variant=kernel)
+    return on
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -42,28 +68,33 @@ def _inv_rms(x, H, eps, FAST_MATH: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, stride_out, eps,
-                     BLOCK_H: tl.constexpr, FAST_MATH: tl.constexpr):
+                     BLOCK_H: tl.constexpr, FAST_MATH: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (rows,). One program normalizes one row of H <= BLOCK_H elements in fp32 registers; bound by HBM
     bytes (2 x H x 2 B per row) once rows fill the SMs."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
     y = x * _inv_rms(x, H, eps, FAST_MATH) * w
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, H, stride_x, stride_res, stride_out,
-                         stride_new_res, eps, BLOCK_H: tl.constexpr, FAST_MATH: tl.constexpr):
+                         stride_new_res, eps, BLOCK_H: tl.constexpr, FAST_MATH: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """Grid (rows,). new_residual = round(x + residual) to the activation dtype (as HF does), then RMSNorm of
     that rounded sum; one read of x and residual, one write of each output. Bound by HBM bytes."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
     summed = (x + r).to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + row * stride_new_res + offs, summed, mask=mask)
     s = summed.to(tl.float32)
@@ -89,7 +120,7 @@ def _out(out: torch.Tensor | None, shape, dtype, device, name: str) -> torch.Ten
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fast_math: bool = False,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading shape); the result has x's shape and dtype."""
     _check_norm(x, weight, "rms_norm")
     x2 = _rows(x)
@@ -98,8 +129,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fast_math: bool 
     block = triton.next_power_of_2(h)
     grid = (rows,)
     if rows:
+        on = use_pdl(pdl, "rms_norm", x.device)
         _rms_norm_kernel[grid](x2, weight, out, h, x2.stride(0), out.stride(0), eps,
-                               BLOCK_H=block, FAST_MATH=bool(fast_math), num_warps=_row_warps(block))
+                               BLOCK_H=block, FAST_MATH=bool(fast_math), USE_PDL=on, num_warps=_row_warps(block),
+                               **launch_options(on))
     counters.record("rms_norm", "fast_math" if fast_math else "precise", grid=grid,
                     variant=("rms_norm", block, bool(fast_math)))
     return out.view(x.shape)
@@ -107,7 +140,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fast_math: bool 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  fast_math: bool = False, out: torch.Tensor | None = None,
-                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 residual_out: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first, as the reference does."""
     _check_norm(x, weight, "add_rms_norm")
     if residual.shape != x.shape:
@@ -119,9 +152,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     block = triton.next_power_of_2(h)
     grid = (rows,)
     if rows:
+        on = use_pdl(pdl, "add_rms_norm", x.device)
         _add_rms_norm_kernel[grid](x2, r2, weight, out, new_res, h, x2.stride(0), r2.stride(0), out.stride(0),
-                                   new_res.stride(0), eps, BLOCK_H=block, FAST_MATH=bool(fast_math),
-                                   num_warps=_row_warps(block))
+                                   new_res.stride(0), eps, BLOCK_H=block, FAST_MATH=bool(fast_math), USE_PDL=on,
+                                   num_warps=_row_warps(block), **launch_options(on))
     counters.record("rms_norm", "fast_math" if fast_math else "precise", grid=grid,
                     variant=("add_rms_norm", block, bool(fast_math)))
     return out.view(x.shape), new_res.view(x.shape)
@@ -133,19 +167,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (T, cdiv(I, BLOCK)). out[t, i] = silu(gate[t, i]) * up[t, i], gate = gate_up[:, :I]; fp32 math, one
     rounding. Bound by HBM bytes (3 x I x 2 B per token)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
+    pdl_wait(USE_PDL)
     g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + t * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul expects gate_up [T, 2I], got shape {tuple(gate_up.shape)}")
@@ -155,7 +191,9 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     block = min(1024, triton.next_power_of_2(max(i, 16)))
     grid = (t, triton.cdiv(i, block))
     if t and i:
-        _silu_mul_kernel[grid](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        on = use_pdl(pdl, "silu_mul", gu.device)
+        _silu_mul_kernel[grid](gu, out, i, gu.stride(0), out.stride(0), BLOCK=block, USE_PDL=on, num_warps=4,
+                               **launch_options(on))
     counters.record("silu_mul", "default", grid=grid, variant=("silu_mul", block))
     return out
 
@@ -250,7 +288,8 @@ def _qkv_epilogue_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cs_ptr, slot_ptr, q_o
                          HQ, HK, stride_t, stride_cs, stride_qot, stride_qoh,
                          stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, eps,
                          HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FAST_MATH: tl.constexpr):
+                         PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FAST_MATH: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """Grid (T,). One program takes one token's fused qkv row [Hq + 2 Hkv heads of 2 x HALF]: q and k heads get
     their RMSNorm (Qwen3; HAS_NORM) and the neox rotation, q goes to q_out, k and v to the paged cache at the
     token's slot (slot -1: padded graph row, nothing stored). Rounding points are the unfused path's: the normed
@@ -259,6 +298,8 @@ def _qkv_epilogue_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cs_ptr, slot_ptr, q_o
     their copies of strided views, RoPE, KV store)."""
     t = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)
     cos = tl.load(cs_ptr + pos * stride_cs + d).to(tl.float32)[None, :]
@@ -304,7 +345,7 @@ def _qkv_epilogue_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cs_ptr, slot_ptr, q_o
 def qkv_epilogue(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                 fast_math: bool = False, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                 fast_math: bool = False, q_out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """The attention block's prologue after the qkv projection, in one launch: qkv [T, (Hq + 2 Hkv) x D] (q, k, v
     heads in that order) -> q [T, Hq, D] normed (q_norm given) and rotated; k normed (k_norm) and rotated and v
     written to the paged cache [num_blocks, block_size, Hkv, D] at slot_mapping [T] (-1 skips). The reference is
@@ -342,13 +383,15 @@ def qkv_epilogue(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positio
     has_norm = q_norm is not None
     grid = (t,)
     if t:
+        on = use_pdl(pdl, "qkv_epilogue", x.device)
         _qkv_epilogue_kernel[grid](
             x, q_norm if has_norm else x, k_norm if has_norm else x, positions, cs, slot_mapping, q_out,
             k_cache, v_cache, hq, hk, x.stride(0), cs.stride(0), q_out.stride(0), q_out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
             HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
-            PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, FAST_MATH=bool(fast_math), num_warps=4)
+            PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, FAST_MATH=bool(fast_math), USE_PDL=on, num_warps=4,
+            **launch_options(on))
     counters.record("qkv_epilogue", "fast_math" if fast_math else "precise", grid=grid,
                     variant=("qkv_epilogue", d, has_norm, bool(fast_math)))
     return q_out
@@ -360,7 +403,7 @@ def qkv_epilogue(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positio
 
 
 @triton.jit
-def _argmax_kernel(logits_ptr, out_ptr, V, stride_b, BLOCK_V: tl.constexpr):
+def _argmax_kernel(logits_ptr, out_ptr, V, stride_b, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (B,). One program scans one row of V logits in BLOCK_V chunks, keeping the running max and the lowest
     index reaching it (a later chunk replaces it only when strictly greater), as torch.argmax does. NaN counts as
     the largest value, again as torch.argmax. Bound by HBM bytes (V x 2 or 4 B per row)."""
@@ -368,6 +411,7 @@ def _argmax_kernel(logits_ptr, out_ptr, V, stride_b, BLOCK_V: tl.constexpr):
     offs = tl.arange(0, BLOCK_V)
     best_val = -float("inf")
     best_idx = 0
+    pdl_wait(USE_PDL)
     for start in range(0, V, BLOCK_V):
         idx = start + offs
         v = tl.load(logits_ptr + b * stride_b + idx, mask=idx < V, other=-float("inf")).to(tl.float32)
@@ -377,10 +421,11 @@ def _argmax_kernel(logits_ptr, out_ptr, V, stride_b, BLOCK_V: tl.constexpr):
         take = (m > best_val) | ((start == 0) & (m == best_val))
         best_idx = tl.where(take, i, best_idx)
         best_val = tl.where(take, m, best_val)
+    pdl_launch_dependents(USE_PDL)
     tl.store(out_ptr + b, best_idx.to(tl.int64))
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Greedy token ids: argmax over the last dim of logits [B, V], lowest index on ties; int64 [B]."""
     if logits.dim() != 2:
         raise ValueError(f"argmax expects logits [B, V], got shape {tuple(logits.shape)}")
@@ -390,6 +435,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     block = min(8192, triton.next_power_of_2(max(v, 16)))
     grid = (b,)
     if b and v:
-        _argmax_kernel[grid](lg, out, v, lg.stride(0), BLOCK_V=block, num_warps=8)
+        on = use_pdl(pdl, "argmax", lg.device)
+        _argmax_kernel[grid](lg, out, v, lg.stride(0), BLOCK_V=block, USE_PDL=on, num_warps=8, **launch_options(on))
     counters.record("argmax", "default", grid=grid, variant=("argmax", block))
     return out

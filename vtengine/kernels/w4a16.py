@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from vtengine import counters
-from vtengine.kernels import dot_dtype
+from vtengine.kernels import dot_dtype, launch_options
+from vtengine.kernels.fused import pdl_launch_dependents, pdl_wait, use_pdl
 from vtengine.quant import BLOCK, QuantizedWeight
 
 # --------------------------------------------------------------------------------------------------------------
@@ -178,6 +179,7 @@ def _w4a16_gemm_kernel(
     NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, REPACKED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
@@ -191,8 +193,12 @@ def _w4a16_gemm_kernel(
     stores its fp32 partial tile to a workspace and bumps the tile's counter; the last one to arrive sums the
     SPLIT_K partials in split order (so the result does not depend on arrival order), writes y and resets the
     counter for the next launch. One launch, no zero-fill, graph-replay safe; two launches must not share the
-    counters concurrently (one stream)."""
+    counters concurrently (one stream).
+
+    USE_PDL (lever ``pdl``): the program waits for the previous kernel before its first read and lets the next
+    kernel launch once its K loop is done."""
     SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
+    pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -247,6 +253,7 @@ def _w4a16_gemm_kernel(
         w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // SCALE_BLOCK
         x_ptrs += BLOCK_K
+    pdl_launch_dependents(USE_PDL)
 
     if NVFP4:
         if DECODE == 0:
@@ -285,11 +292,13 @@ def _w4a16_gemm_kernel(
 
 @triton.jit
 def _moe_align_e1_kernel(sorted_ids_ptr, expert_ids_ptr, num_post_ptr, M, BLOCK_M: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (1,). With one expert every token is routed to expert 0, so vLLM's moe_align_block_size reduces to:
     sorted_token_ids = [0, 1, ..., M-1] followed by the sentinel M up to a multiple of BLOCK_M, expert_ids = 0
     per BLOCK_M block, num_tokens_post_padded = that multiple. Bound by launch latency (a few KB written)."""
     padded = tl.cdiv(M, BLOCK_M) * BLOCK_M
+    pdl_wait(USE_PDL)                     # its buffers may be memory a previous kernel still reads
+    pdl_launch_dependents(USE_PDL)
     for start in range(0, padded, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_ids_ptr + offs, tl.where(offs < M, offs, M), mask=offs < padded)
@@ -298,14 +307,16 @@ def _moe_align_e1_kernel(sorted_ids_ptr, expert_ids_ptr, num_post_ptr, M, BLOCK_
     tl.store(num_post_ptr, padded)
 
 
-def moe_align_e1(m: int, block_m: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_e1(m: int, block_m: int, device, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_token_ids [padded] int32, expert_ids [padded / block_m] int32, num_tokens_post_padded [1] int32)."""
     padded = triton.cdiv(m, block_m) * block_m
     sorted_ids = torch.empty(padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(padded // block_m, dtype=torch.int32, device=device)
     num_post = torch.empty(1, dtype=torch.int32, device=device)
     chunk = max(block_m, min(1024, triton.next_power_of_2(padded)))
-    _moe_align_e1_kernel[(1,)](sorted_ids, expert_ids, num_post, m, BLOCK_M=block_m, CHUNK=chunk)
+    on = use_pdl(pdl, "moe_align", device)
+    _moe_align_e1_kernel[(1,)](sorted_ids, expert_ids, num_post, m, BLOCK_M=block_m, CHUNK=chunk, USE_PDL=on,
+                               **launch_options(on))
     counters.record("moe_align", "grouped", grid=(1,))
     return sorted_ids, expert_ids, num_post
 
@@ -437,12 +448,13 @@ def _split_k_locks(device, tiles: int) -> torch.Tensor:
 
 
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
     ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
     the tile choice (benchmarks and tests); keys as returned by dense_config(), plus DECODE (0 wide, 1 bf16,
-    2 PTX word decode). ``out`` [M, N] (x's dtype) receives y when given (tests poison it; graphs reuse it)."""
+    2 PTX word decode). ``out`` [M, N] (x's dtype) receives y when given (tests poison it; graphs reuse it).
+    ``pdl``: the lever pdl (programmatic dependent launch, sm_90+; ignored elsewhere)."""
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
     if x.dim() != 2:
@@ -488,7 +500,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if dense:
         rows, sorted_ids, num_post = m, y, y          # unused pointers when GATHER is off
     else:
-        sorted_ids, _expert_ids, num_post = moe_align_e1(m, bm, x.device)
+        sorted_ids, _expert_ids, num_post = moe_align_e1(m, bm, x.device, pdl=pdl)
         rows = sorted_ids.numel()
     dd = dot_dtype(x)
     grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn), split)
@@ -499,13 +511,14 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     else:
         ws, locks = y, y                                # unused pointers
     even_k = k % (bk * split) == 0
+    on = use_pdl(pdl, "w4a16_gemm", x.device)
     _w4a16_gemm_kernel[grid](
         x, words, qweight.scales, qweight.global_scale, y, sorted_ids, num_post, ws, locks,
         m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), y.stride(0), split,
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=even_k, DOT_DTYPE=dd,
         DOT_PREC="ieee" if dd == tl.float32 else "tf32", REPACKED=repacked,
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        USE_PDL=on, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **launch_options(on),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
                     variant=(qweight.fmt, bm, bn, bk, split, "swap_ab" if cfg["SWAP_AB"] else "tile",

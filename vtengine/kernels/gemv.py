@@ -1,0 +1,142 @@
+"""Dense (bf16/fp16/fp32) projections at decode sizes, M <= 16: a split-K GEMV in Triton, the lever ``triton_gemv``.
+
+y = x @ W^T with W [N, K] in x's dtype. The torch reference is ``TorchBackend.linear`` (an fp32 matmul); the
+baseline route is cuBLAS (``x @ W.t()``), which on one H200 moves 60-75% of copy bandwidth at M = 1 on the
+Qwen3-8B qkv and o shapes (bench/results/w4a16-*.md, its cuBLAS column): its kernels for skinny M leave SMs
+idle. This route tiles W like a GEMV: a program owns BLOCK_N rows of W and one slice of K, the tokens (padded
+to 16) are the MMA's narrow side (swap-AB, as the W4A16 dense route does), and split-K with a last-arrival
+reduction fills the SMs. Every byte of W is read once; the bound is HBM bandwidth.
+
+Batch invariance: the tiles and the split count depend on (N, K) and the SM count only, never on M, and the
+split partials are summed in split order, so a row's result does not depend on which other rows share the
+launch (the engine's async_parity gate requires it). M > 16 (prefill) always takes cuBLAS.
+"""
+from __future__ import annotations
+
+import vtengine.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU hosts before triton is imported)
+
+import torch
+import triton
+import triton.language as tl
+
+from vtengine import counters
+from vtengine.kernels import INTERPRET, dot_dtype, launch_options
+from vtengine.kernels.fused import pdl_launch_dependents, pdl_wait, use_pdl
+from vtengine.kernels.w4a16 import _num_sms, _split_k_locks
+
+MAX_M = 16
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_ym, SPLIT_K,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K). Accumulates [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T over the program's K
+    slice in fp32. SPLIT: partials go to a workspace, the last program of a tile to arrive (counter, acq_rel)
+    sums them in split order and writes y, then resets the counter (graph-replay safe). Bound by W's bytes."""
+    pdl_wait(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_mask = offs_m < M
+    rows = tl.where(row_mask, offs_m, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_n_ld = tl.where(n_mask, offs_n, 0)        # out-of-range rows re-read row 0; the store is masked
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            k_ok = k0 + offs_k < k_hi
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(x_ptrs, mask=row_mask[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PREC)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    pdl_launch_dependents(USE_PDL)
+
+    y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    y_mask = n_mask[:, None] & row_mask[None, :]
+    if not SPLIT:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        ws_tile = ws_ptr + pid_n.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M)
+        offs_acc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(ws_tile + pid_k * (BLOCK_N * BLOCK_M) + offs_acc, acc)
+        tl.debug_barrier()                          # every thread's partial is stored before the release below
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
+            for s in range(1, SPLIT_K):
+                total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + offs_acc, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+def gemv_config(n: int, k: int, num_sms: int) -> dict:
+    """Tiles for one (N, K) weight, independent of M (batch invariance). 64 W rows x 128 K per step (16 KB of
+    bf16 per stage, 4 stages), split-K until about 3 programs per SM with at least 2 K steps per split and a split
+    count that divides the K steps."""
+    block_n, block_k = 64, 128
+    if INTERPRET:                                   # numpy per program: small but legal tiles
+        block_n, block_k = 16, 32
+    tiles = triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    splits = [d for d in range(1, 17) if k_steps % d == 0 and k_steps // d >= 2] or [1]
+    split = next((d for d in splits if tiles * d >= 3 * num_sms), splits[-1])
+    return dict(BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=4)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool = False,
+           out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """y = x @ weight^T for x [M, K] and weight [N, K] of x's dtype; y [M, N].
+
+    ``triton_gemv`` is the lever: True and M <= 16 -> the Triton split-K GEMV, otherwise cuBLAS. ``pdl``: the lever
+    pdl for the Triton launch. ``out`` receives y when given (tests poison it). ``config`` overrides the tiles."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear expects x [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"linear: x dtype {x.dtype} != weight dtype {weight.dtype}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if not triton_gemv or m > MAX_M or m == 0:
+        counters.record("dense_linear", "cublas", grid=())
+        y = x @ weight.t()
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    if out is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+            raise ValueError(f"linear: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        y = out
+    cfg = dict(config or gemv_config(n, k, _num_sms(x.device)))
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    grid = (triton.cdiv(n, bn), split)
+    if split > 1:
+        ws = torch.empty((grid[0], split, bn * bm), dtype=torch.float32, device=x.device)
+        locks = _split_k_locks(x.device, grid[0])
+    else:
+        ws, locks = y, y                                # unused pointers
+    dd = dot_dtype(x)
+    on = use_pdl(pdl, "dense_linear", x.device)
+    _gemv_kernel[grid](x, w, y, ws, locks, m, n, k, x.stride(0), w.stride(0), y.stride(0), split,
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=k % (bk * split) == 0,
+                       DOT_DTYPE=dd, DOT_PREC="ieee" if dd == tl.float32 else "tf32", USE_PDL=on,
+                       num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 4), **launch_options(on))
+    counters.record("dense_linear", "triton_gemv", grid=grid, splits=split, variant=(bn, bk, split))
+    return y
