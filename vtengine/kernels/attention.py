@@ -27,10 +27,12 @@ Three levers shape it:
   ``expf``/``logf`` and IEEE round-to-nearest division. Under the interpreter both use numpy (there are no
   approximate instructions there), so the two variants differ only by the log2(e) folding.
 
-Slices are per sequence: sequence b's slice length is cdiv(cdiv(ctx_b, S), BLOCK_N) * BLOCK_N tokens, so every
-split of a long sequence has work whatever the batch's other lengths; trailing slices of a short sequence can be
-empty and are skipped (partial = 0, lse = -inf). The result depends only on (S, ctx_b), and S depends only on host
-shapes (B, heads, ``max_context_len`` or the block table width), so eager and CUDA-graphed decode agree bitwise.
+Slices are per sequence: sequence b's slice length is max(cdiv(cdiv(ctx_b, S), BLOCK_N) * BLOCK_N,
+MIN_SPLIT_TILES * BLOCK_N) tokens, so every split of a long sequence has work whatever the batch's other lengths,
+and a short one fills a few slices of at least two tiles; its trailing slices are empty and skipped (partial = 0,
+lse = -inf). The result depends only on (S, ctx_b), and S only on one sequence's heads and the context bound
+(``max_context_len`` or the block table width), never on the batch: decode is batch-invariant, and eager and
+CUDA-graphed decode agree bitwise.
 
 Every launch records a counter (vtengine/counters.py): kernel, route, grid, split count and compiled variant. The
 merge records ``decode_attention_merge`` in either form (so a reader sees the split outputs merged): as its own
@@ -52,6 +54,9 @@ import triton  # noqa: E402  (after vtengine.kernels: it sets TRITON_INTERPRET o
 import triton.language as tl  # noqa: E402
 
 LOG2E = 1.4426950408889634
+# A decode slice holds at least this many KV tiles: a short context in a launch sized for a long bound gets few
+# full slices instead of many one-tile ones (each slice costs a program, a partial and a merge step).
+MIN_SPLIT_TILES = 2
 
 # -- math variants (fast_math) ---------------------------------------------------------------------------------
 # tl.exp/tl.log on fp32 lower to ex2.approx/lg2.approx on NVIDIA, so the precise variant calls libdevice. The
@@ -328,14 +333,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    SPLIT: tl.constexpr, FAST_MATH: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr,
                    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   CHUNK_S: tl.constexpr, USE_PDL: tl.constexpr):
+                   CHUNK_S: tl.constexpr, MIN_SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     head0 = tl.program_id(1) * ROWS
     kvh = head0 // GROUP
     s = tl.program_id(2)
     pdl_wait(USE_PDL)                        # q, the cache and the lengths come from earlier kernels
     ctx = tl.load(context_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     start = s * split_len
     end = tl.minimum(start + split_len, ctx)
 
@@ -555,13 +560,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     meta = tiles or DECODE_TILES[route]
     grid_heads = hkv if gqa_swap else hq
     page_size = k_cache.shape[1]
+    min_split = MIN_SPLIT_TILES * meta.block_n
     if num_splits is None:
         bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page_size
         # Batch-invariant: the split count depends on one sequence's programs (its heads) and the context bound,
         # never on the batch size, so a request's tokens do not depend on which requests share its batch (the
         # campaign's async_parity gate compares served against in-process tokens; with batch-dependent splits a
         # concurrent arrival order changed bf16 near-ties). Larger batches pay in more, smaller split programs.
-        num_splits = decode_num_splits(grid_heads, triton.cdiv(max(1, int(bound)), meta.block_n), nsplits_cap,
+        # The heuristic counts the bound in minimum-length slices, so the split count never exceeds what a context
+        # at the bound could fill (a graph captured for a long bound otherwise launched 64 slices per sequence of
+        # which a 1k-token context filled 17, each of one tile).
+        num_splits = decode_num_splits(grid_heads, triton.cdiv(max(1, int(bound)), min_split), nsplits_cap,
                                        num_sms=(num_sms or sm_count(q.device)) * meta.programs_per_sm)
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
@@ -595,7 +604,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
         # the merge constexprs stay fixed when unused, so they add no binaries to the unfused variants
         FUSED_MERGE=fused, MERGE_ROWS=triton.next_power_of_2(rows) if fused else 1,
-        BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, USE_PDL=on,
+        BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, MIN_SPLIT=min_split, USE_PDL=on,
         num_warps=meta.num_warps, num_stages=meta.num_stages, **launch_options(on))
     counters.record("decode_attention", route, grid=grid, splits=num_splits, variant=_variant(fast_math))
     if fused:
