@@ -82,17 +82,20 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
 
 
 def gemv_config(n: int, k: int, num_sms: int) -> dict:
-    """Tiles for one (N, K) weight, independent of M (batch invariance). 64 W rows x 128 K per step (16 KB of
-    bf16 per stage, 4 stages), split-K until about 3 programs per SM with at least 2 K steps per split and a split
-    count that divides the K steps."""
-    block_n, block_k = 64, 128
+    """Tiles for one (N, K) weight, independent of M (batch invariance), from the H200 sweep of 2026-11-30
+    (bench/results/gemv-bf16-*): 32 W rows x 256 K per step, 4 warps, 3 stages, split-K until about 2 programs per
+    SM (the smallest split that divides the K steps, at least 2 steps each); when N alone gives 4 programs per SM
+    (gate_up), 64 x 128 tiles with 4 stages and no split."""
+    block_n, block_k, stages, target = 32, 256, 3, 2
     if INTERPRET:                                   # numpy per program: small but legal tiles
         block_n, block_k = 16, 32
+    elif triton.cdiv(n, block_n) >= 4 * num_sms:
+        block_n, block_k, stages = 64, 128, 4
     tiles = triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
     splits = [d for d in range(1, 17) if k_steps % d == 0 and k_steps // d >= 2] or [1]
-    split = next((d for d in splits if tiles * d >= 3 * num_sms), splits[-1])
-    return dict(BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=4)
+    split = next((d for d in splits if tiles * d >= target * num_sms), splits[-1])
+    return dict(BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=stages)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool = False,
