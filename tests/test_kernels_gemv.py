@@ -102,3 +102,18 @@ def test_gpu_gemv_bf16_qwen3_8b_shapes(k, n):
     x = rnd(8, k, gen=gen, dtype=bf)
     batched = gemv.linear(x, w, triton_gemv=True)
     assert torch.equal(gemv.linear(x[3:4], w, triton_gemv=True)[0], batched[3]), f"seed {seed}: batch variance"
+
+
+def test_gemv_out_is_checked_on_both_routes_and_block_m_must_cover_m():
+    gen, _ = fresh_generator()
+    x, w = rnd(12, 64, gen=gen), rnd(32, 64, gen=gen)
+    for route in (True, False):
+        with pytest.raises(ValueError, match=r"out must be \[12, 32\]"):
+            gemv.linear(x, w, triton_gemv=route, out=torch.zeros(3, 12, 32, device=DEV))
+        with pytest.raises(ValueError, match=r"out must be \[12, 32\]"):
+            gemv.linear(x, w, triton_gemv=route, out=torch.zeros(12, 32, dtype=torch.float64, device=DEV))
+    y = gemv.linear(x, w, triton_gemv=False, out=poisoned(12, 32, x.dtype))
+    assert rel_l2(y, REF.linear(x.double(), w.double())) < 2e-6
+    cfg = dict(gemv.gemv_config(32, 64, 132), BLOCK_M=8)
+    with pytest.raises(ValueError, match="BLOCK_M=8 is smaller than M=12"):
+        gemv.linear(x, w, triton_gemv=True, config=cfg)

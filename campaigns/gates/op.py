@@ -151,6 +151,35 @@ def silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     return [(f"silu_mul T=9 I={inter}", run, ref)]
 
 
+def qkv_epilogue_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
+    """Returns q and the touched cache slots of k and v, flattened into one tensor (one L2 over all three)."""
+    from vtengine.backends.torch_backend import rope_cos_sin
+    from vtengine.kernels import fused
+    hq, hkv, d, t, page = sh["hq"], sh["hkv"], sh["d"], 7, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(dev, sh["dtype"])
+    pos = torch.randint(0, 1000, (t,), generator=gen).to(dev)
+    slots = torch.randperm(8 * page, generator=gen)[:t].to(dev)
+    qn = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, sh["dtype"])
+    kn = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, sh["dtype"])
+    cs = rope_cos_sin(d, 1024, 1e6, device=dev)
+
+    def pack(q, kc, vc):
+        flat = kc.shape[0] * kc.shape[1]
+        return torch.cat([q.reshape(-1), kc.view(flat, -1)[slots].reshape(-1), vc.view(flat, -1)[slots].reshape(-1)])
+
+    def run(setting, fault):
+        kc, vc = (_poisoned_like((8, page, hkv, d), sh["dtype"], dev) for _ in range(2))
+        q = fused.qkv_epilogue(qkv, hq, hkv, pos + 1 if fault else pos, cs, kc, vc, slots, qn, kn,
+                               fast_math=setting.get("fast_math", False), pdl=setting.get("pdl", False))
+        return pack(q, kc, vc)
+
+    def ref():
+        kc, vc = (torch.zeros((8, page, hkv, d), dtype=torch.float32, device=dev) for _ in range(2))
+        q = TorchBackend().qkv_epilogue(qkv.float(), hq, hkv, pos, cs, kc, vc, slots, qn.float(), kn.float())
+        return pack(q, kc, vc)
+    return [(f"qkv_epilogue T={t} heads={hq}/{hkv} d={d}", run, ref)]
+
+
 def argmax_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     """Compared through the logit each chosen index points at (an index is not a quantity to take an L2 of)."""
     from vtengine.kernels import fused
@@ -190,7 +219,8 @@ def setting_for(kernel: str, lever: str, value: Any) -> dict[str, Any]:
     elif kernel == "w4a16_gemm":
         s = {"dense": False, "pdl": False}
     elif kernel == "dense_linear":
-        s = {"triton_gemv": False, "pdl": False}
+        # the pdl lever acts on the Triton GEMV only (cuBLAS ignores it): test it there
+        s = {"triton_gemv": lever == "pdl", "pdl": False}
     else:
         s = {"fast_math": False, "pdl": False}
     key = {"marlin_dense": "dense"}.get(lever, lever)
@@ -217,6 +247,8 @@ def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callabl
             cs = dense_linear_cases(gen, dev, sh)
         elif kernel == "silu_mul":
             cs = silu_cases(gen, dev, sh)
+        elif kernel == "qkv_epilogue":
+            cs = qkv_epilogue_cases(gen, dev, sh)
         elif kernel == "argmax":
             cs = argmax_cases(gen, dev, sh)
         else:

@@ -21,7 +21,7 @@ KERNEL_OPS = {
     "rms_norm": ("rms_norm", "add_rms_norm"), "silu_mul": ("silu_mul",), "rope": ("rope",),
     "store_kv": ("store_kv",), "prefill_attention": ("prefill_attention",),
     "decode_attention": ("decode_attention",), "w4a16_gemm": ("linear",), "dense_linear": ("linear",),
-    "argmax": ("greedy",),
+    "argmax": ("greedy",), "qkv_epilogue": ("qkv_epilogue",),
 }
 
 
@@ -43,8 +43,10 @@ class TritonBackend(TorchBackend):
                     if op not in keep:
                         setattr(self, op, getattr(TorchBackend, op).__get__(self))
         self.kernels = None if kernels is None else sorted(kernels)
-        # the fused qkv epilogue stands in for rms_norm (q/k norms), rope and store_kv: only when all three are routed
-        self.fuse_qkv_epilogue = kernels is None or {"rms_norm", "rope", "store_kv"} <= set(kernels)
+        # the fused qkv epilogue stands in for rms_norm (q/k norms), rope and store_kv: it runs when asked for by name
+        # or when all three are routed (otherwise the torch backend's composition of the routed ops runs)
+        self.fuse_qkv_epilogue = kernels is None or "qkv_epilogue" in kernels or {"rms_norm", "rope",
+                                                                                    "store_kv"} <= set(kernels)
 
     def rms_norm(self, x, weight, eps):
         return fused.rms_norm(x, weight, eps, fast_math=self.levers.on("fast_math"), pdl=self.levers.on("pdl"))

@@ -20,8 +20,9 @@ Definitions:
   wall time under the profiler). sum of kernel time < step time; the difference is launch gaps, idle device time
   and host work.
 
-Order: every engine timing first, then HF, then the profiles (on freshly built engines), and the result files are
-rewritten after each figure, so a failure or a kill in an optional part never loses the figures already taken.
+Order: every engine configuration is timed and then (``--profile``) profiled on the same engine; HF comes last.
+The result files are rewritten after each figure, so a failure or a kill in an optional part never loses the
+figures already taken.
 Writes OUT_DIR/decode-<date>.json and .md (decode-<date>-2... when a run of the same day is there), and copies
 both to $OUT when that is set.
 """
@@ -631,7 +632,7 @@ def main(out_dir: str = "bench/results", argv: list[str] | None = None) -> int:
                     "cache + generate's torch.compile, reduce-overhead)")
     ap.add_argument("--hf-reps", type=int, default=3, help="timed repetitions for HF (the median is reported)")
     ap.add_argument("--profile", action="store_true", help="per-kernel torch.profiler breakdown of decode steps "
-                    "(on freshly built engines, after the timings)")
+                    "(on the timed engine, right after its timings)")
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--profile-variants", default=None, metavar="NAME;NAME",
                     help="profile only these variants ('base' and the --variant texts, ';'-separated); default all")

@@ -111,24 +111,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
         raise ValueError(f"linear: x dtype {x.dtype} != weight dtype {weight.dtype}")
     m, k = x.shape
     n = weight.shape[0]
+    if out is not None and (tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"linear: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
     if not triton_gemv or m > MAX_M or m == 0:
         counters.record("dense_linear", "cublas", grid=())
-        y = x @ weight.t()
         if out is not None:
-            out.copy_(y)
-            return out
-        return y
+            return torch.matmul(x, weight.t(), out=out)
+        return x @ weight.t()
     x = x if x.stride(1) == 1 else x.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
-    if out is None:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    else:
-        if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-            raise ValueError(f"linear: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
-                             f"{tuple(out.shape)} {out.dtype}")
-        y = out
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     cfg = dict(config or gemv_config(n, k, _num_sms(x.device)))
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    if bm < m:
+        raise ValueError(f"linear: config BLOCK_M={bm} is smaller than M={m}; the GEMV does not tile M (use "
+                         f"BLOCK_M >= {m}, e.g. {MAX_M})")
     grid = (triton.cdiv(n, bn), split)
     if split > 1:
         ws = torch.empty((grid[0], split, bn * bm), dtype=torch.float32, device=x.device)
