@@ -142,3 +142,16 @@ def test_triton_backend_matches_the_torch_backend_on_tiny():
     assert got == want
     assert snap["qkv_epilogue"]["precise"]["launches"] > 0
     assert "rope" not in snap and "store_kv" not in snap
+
+
+def test_cuda_graph_capture_is_refused_for_host_synchronising_backends():
+    # the torch references read context lengths on the host and mask slots by value: a CUDA graph captured over
+    # them is invalid, so the runner must decode eagerly on a GPU with them (tests/test_engine_gpu.py runs it)
+    from vtengine.backends.torch_backend import TorchBackend
+    from vtengine.backends.triton_backend import TritonBackend
+    assert not TorchBackend().capturable
+    assert TorchBackend().host_sync_ops() == ["decode_attention", "store_kv"]
+    assert TritonBackend().capturable and TritonBackend().host_sync_ops() == []
+    assert TritonBackend(kernels=["decode_attention", "store_kv"]).capturable
+    part = TritonBackend(kernels=["rms_norm", "store_kv"])
+    assert not part.capturable and part.host_sync_ops() == ["decode_attention"]

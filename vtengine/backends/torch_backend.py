@@ -23,6 +23,19 @@ from vtengine.quant import QuantizedWeight, dequantize
 
 class TorchBackend:
     name = "torch"
+    # CUDA-graph capture needs a decode step with no host synchronisation; these references read context lengths on
+    # the host (decode_attention) and mask by value (store_kv), so a graph captured over them would be invalid.
+    HOST_SYNC_OPS = ("decode_attention", "store_kv")
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode step through this backend can be captured in a CUDA graph: none of its decode ops is
+        a host-synchronising reference (HOST_SYNC_OPS)."""
+        return not any(self.host_sync_ops())
+
+    def host_sync_ops(self) -> list[str]:
+        """The decode ops this backend runs through the (host-synchronising) torch references."""
+        return [op for op in self.HOST_SYNC_OPS if getattr(self, op).__func__ is getattr(TorchBackend, op)]
 
     def __init__(self, levers: ResolvedLevers | None = None):
         self.levers = levers if levers is not None else resolve()

@@ -9,6 +9,8 @@ from ``max_model_len``; each sequence divides its own context over those splits.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from vtengine import counters
@@ -16,6 +18,7 @@ from vtengine.engine.sampler import Sampler
 from vtengine.engine.sequence import Sequence
 from vtengine.models.decoder import AttnContext, DecoderModel
 
+log = logging.getLogger(__name__)
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -34,6 +37,12 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        if self.use_graphs and not model.backend.capturable:
+            # e.g. the torch backend (the oracle) on a GPU: its references synchronise with the host, so a capture
+            # would be invalidated; decode runs eagerly instead, and says so
+            log.warning("CUDA graphs off: backend %s runs %s through host-synchronising torch references",
+                        model.backend.name, ", ".join(model.backend.host_sync_ops()))
+            self.use_graphs = False
         if self.use_graphs:
             self.capture_graphs(max_num_seqs)
 
