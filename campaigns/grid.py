@@ -2,9 +2,10 @@
 
 Protocol (DESIGN.md §5, the `vllm bench serve` protocol): for rep r and concurrency c, both arms serve the same
 prompt partition (random token ids of exact length, its sha256 recorded); partitions are disjoint across (c, r);
-arm order alternates per rep (A B, B A, ...) to cancel drift; warm-up requests precede each leg; a leg is valid only
-when every request completed with exactly output_len tokens and output_len - 1 ITLs. GPU clocks and temperature are
-sampled during each leg (pynvml). Evidence is written by the caller after every leg, so a killed campaign resumes.
+arm order alternates per rep (A B, B A, ...) to cancel drift; warm-up requests (at least the leg's concurrency)
+precede each leg; a leg is valid only when every request completed with exactly output_len tokens and
+output_len - 1 ITLs. GPU clocks and temperature are sampled during each leg (pynvml). Evidence is written by the
+caller after every leg, so a killed campaign resumes.
 """
 from __future__ import annotations
 
@@ -189,16 +190,31 @@ def leg_plan(arms: list[Arm], concurrency: list[int], reps: int, alternate: bool
 
 def prompt_partitions(grid, vocab_range: tuple[int, int]) -> tuple[dict[tuple[int, int], list[list[int]]],
                                                                      list[list[int]]]:
-    """Disjoint prompt sets per (concurrency, rep) sliced from one seeded pool, plus the warm-up prompts."""
+    """Disjoint prompt sets per (concurrency, rep) sliced from one seeded pool, plus the warm-up prompts.
+
+    There are at least ``warmup_requests`` warm-up prompts and at least the largest concurrency, so that a leg's
+    warm-up can fill its batch (see ``warmup_for``). The first ``warmup_requests`` open the pool and the extra ones
+    close it, so the measured partitions do not depend on the grid's concurrencies beyond their own."""
     sizes = [(c, r, int(n)) for r in range(int(grid.reps)) for c, n in zip(grid.concurrency, grid.prompts_per_leg)]
-    warm = int(grid.warmup_requests)
-    total = sum(n for _, _, n in sizes) + warm
+    base = int(grid.warmup_requests)
+    extra = max(0, max(int(c) for c in grid.concurrency) - base) if base > 0 else 0
+    total = sum(n for _, _, n in sizes) + base + extra
     pool = loadgen.make_prompts(total, int(grid.input_len), int(grid.seed), vocab_range)
-    parts, at = {}, warm
+    parts, at = {}, base
     for c, r, n in sizes:
         parts[(c, r)] = pool[at:at + n]
         at += n
-    return parts, pool[:warm]
+    return parts, pool[:base] + pool[at:]
+
+
+def warmup_for(warmup: list[list[int]], concurrency: int, warmup_requests: int) -> list[list[int]]:
+    """A leg's warm-up: ``max(warmup_requests, concurrency)`` requests (none when warmup_requests is 0), run at the
+    leg's concurrency so the server has run this batch size before the clock starts. With two warm-up requests only,
+    the first leg at c=8 also paid the first batches of 3 to 8 sequences (JIT compiles, cuBLAS heuristics): on the
+    H200 the baseline's first c=8 leg ran 20-25% below its other reps in three campaigns of 2026-11-30."""
+    if warmup_requests <= 0:
+        return []
+    return warmup[:max(warmup_requests, concurrency)]
 
 
 def run_leg(h: ServerHandle, arm: Arm, c: int, rep: int, order_index: int, prompts: list[list[int]],

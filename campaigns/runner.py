@@ -225,7 +225,8 @@ def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
             if (c, rep, arm.name) in done:
                 continue
             prog.update(task, description=f"leg c={c} rep={rep} [{arm.name}]")
-            leg = gridmod.run_leg(handles[arm.name], arm, c, rep, i, parts[(c, rep)], warm, int(g.output_len))
+            leg = gridmod.run_leg(handles[arm.name], arm, c, rep, i, parts[(c, rep)],
+                                  gridmod.warmup_for(warm, c, int(g.warmup_requests)), int(g.output_len))
             ev.legs.append(leg)
             _save(ev, cdir)
             m = leg.metrics

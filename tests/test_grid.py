@@ -63,3 +63,14 @@ def test_prompt_partitions_are_disjoint_and_reproducible():
     seen = [tuple(p) for ps in parts.values() for p in ps] + [tuple(p) for p in warm]
     assert len(seen) == len(set(seen))
     assert all(len(p) == 16 and all(16 <= t < 500 for t in p) for p in seen)
+    # enough warm-up prompts to fill the largest concurrency; the measured partitions do not move with it
+    assert len(warm) == 4
+    wider, _ = grid.prompt_partitions(OmegaConf.merge(g, {"concurrency": [1, 2, 8]}), (16, 500))
+    assert wider[(1, 0)] == parts[(1, 0)] and wider[(2, 1)] == parts[(2, 1)]
+
+
+def test_warmup_fills_the_leg_batch():
+    warm = [[i] for i in range(8)]
+    assert grid.warmup_for(warm, 1, 2) == [[0], [1]]
+    assert grid.warmup_for(warm, 8, 2) == warm                  # c=8: eight warm-up requests, a batch of 8
+    assert grid.warmup_for(warm, 4, 0) == []                    # warmup_requests 0: no warm-up at all
