@@ -38,7 +38,7 @@ class CampaignConfigError(ValueError):
 @dataclass
 class ArmsConfig:
     baseline: Any = None                 # None: the lever's current file default (resolved at compose time)
-    candidates: List[Any] = field(default_factory=lambda: [True])
+    candidates: Optional[List[Any]] = None   # None: the lever's other declared values (a bool lever: its flip)
 
 
 @dataclass
@@ -302,7 +302,11 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     lever = known[camp.lever]
     try:
         baseline = lever.default if camp.arms.baseline is None else lever.parse(camp.arms.baseline, "baseline arm")
-        candidates = [lever.parse(v, "candidate arm") for v in camp.arms.candidates]
+        if camp.arms.candidates is None:
+            # the lever's other values: once a FLIP changes the default, the same campaign measures the way back
+            candidates = [v for v in lever.values if v != baseline]
+        else:
+            candidates = [lever.parse(v, "candidate arm") for v in camp.arms.candidates]
     except lever_registry.LeverError as e:
         raise CampaignConfigError(str(e)) from None
     if not candidates:

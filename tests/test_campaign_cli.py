@@ -51,6 +51,17 @@ def test_arms_resolve_from_the_lever_file_default():
     assert list(cfg.campaign.arms.candidates) == ["auto", 8]
 
 
+def test_bool_campaigns_measure_the_flip_of_the_current_default():
+    # candidates: null = the lever's other values, so a campaign still runs (the way back) after a FLIP lands
+    from vtengine.levers import get
+    for name in ("gqa_swap", "marlin_dense", "pdl", "triton_gemv", "fast_math"):
+        default = get(name).default
+        cfg = compose([f"campaign={name}"], cuda=False)
+        assert (cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates)) == (default, [not default]), name
+    cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=true"], cuda=False)
+    assert list(cfg.campaign.arms.candidates) == [False]
+
+
 def test_user_choices_override_the_host_defaults():
     cfg = compose(["campaign=gqa_swap", "grid.reps=5", "model=qwen3-8b", "model.quant=nvfp4"], cuda=False)
     assert (cfg.grid.name, cfg.grid.reps, cfg.model.name, cfg.model.quant) == ("rehearsal", 5, "qwen3-8b", "nvfp4")
