@@ -36,7 +36,8 @@ def test_rehearsal_end_to_end(tmp_path):
     import mlflow
     repo = temp_repo(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = compose(["campaign=gqa_swap", f"tracking.uri={uri}"], cuda=False)
+    # the baseline is pinned (not the file default, which a FLIP may change) so the arms' roles are fixed here
+    cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=false", f"tracking.uri={uri}"], cuda=False)
     t0 = time.time()
     ev = run_campaign(cfg, repo=repo)
     elapsed = time.time() - t0
@@ -87,8 +88,8 @@ def test_rehearsal_end_to_end(tmp_path):
 def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     repo = temp_repo(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "tracking=off",
-            "campaign.gates=[op,mechanism]"]
+    args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
+            "tracking=off", "campaign.gates=[op,mechanism]"]
     proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out_dir = repo / "records" / "campaigns"
     deadline = time.time() + 600
@@ -123,7 +124,8 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
 
 def test_inert_lever_makes_the_campaign_invalid(tmp_path):
     repo = temp_repo(tmp_path)
-    cfg = compose(["campaign=gqa_swap", "tracking=off", "campaign.gates=[mechanism]"], cuda=False)
+    cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=false", "tracking=off", "campaign.gates=[mechanism]"],
+                  cuda=False)
     ev = run_campaign(cfg, repo=repo, inject={"inert_arm": "on"})
     assert ev.decision.verdict == "INVALID"
     assert any("inert" in r for r in ev.decision.reasons), ev.decision.reasons
