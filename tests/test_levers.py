@@ -11,14 +11,16 @@ from vtengine.levers import LeverError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_levers_all_off_by_default():
+def test_the_defaults_are_the_files_and_the_flips_that_landed():
+    # gqa_swap and marlin_dense were flipped on by their FLIP campaigns (merges of row/<lever>-flip); the rest are off
     reg = levers.registry()
     assert sorted(reg) == ["fast_math", "gqa_swap", "marlin_dense", "nsplits_cap", "pdl", "triton_gemv"]
     r = levers.resolve(environ={})
-    assert r.values == {"fast_math": False, "gqa_swap": False, "marlin_dense": False, "nsplits_cap": "off",
+    assert r.values == {"fast_math": False, "gqa_swap": True, "marlin_dense": True, "nsplits_cap": "off",
                         "pdl": False, "triton_gemv": False}
+    assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
-    assert not any(r.on(n) for n in reg)
+    assert sorted(n for n in reg if r.on(n)) == ["gqa_swap", "marlin_dense"]
 
 
 def test_resolution_order_config_over_env_over_default():
@@ -26,7 +28,7 @@ def test_resolution_order_config_over_env_over_default():
     r = levers.resolve({"gqa_swap": "off"}, environ=env)
     assert r.gqa_swap is False and r.sources["gqa_swap"] == "config"
     assert r.nsplits_cap == "auto" and r.sources["nsplits_cap"] == "env"
-    assert r.marlin_dense is False and r.sources["marlin_dense"] == "default"
+    assert r.marlin_dense is True and r.sources["marlin_dense"] == "default"
     assert r.as_env()["VT_NSPLITS_CAP"] == "auto" and r.as_env()["VT_DECODE_GQA_SWAP"] == "off"
 
 
@@ -61,12 +63,14 @@ def test_unknown_lever_in_config_is_rejected():
 def test_flip_edits_only_the_default_line(tmp_path):
     d = tmp_path / "lever"
     shutil.copytree(levers.LEVER_DIR, d)
-    before = (d / "gqa_swap.yaml").read_text().splitlines()
-    levers.set_default_in_file("gqa_swap", True, lever_dir=d)
-    after = (d / "gqa_swap.yaml").read_text().splitlines()
+    before = (d / "fast_math.yaml").read_text().splitlines()
+    levers.set_default_in_file("fast_math", True, lever_dir=d)
+    after = (d / "fast_math.yaml").read_text().splitlines()
     changed = [(a, b) for a, b in zip(before, after) if a != b]
     assert changed == [("default: false", "default: true")]
-    assert levers.registry(d)["gqa_swap"].default is True
+    assert levers.registry(d)["fast_math"].default is True
+    levers.set_default_in_file("gqa_swap", False, lever_dir=d)          # and back: a flip of a flipped default
+    assert levers.registry(d)["gqa_swap"].default is False
 
 
 def test_bad_lever_file_schema(tmp_path):
