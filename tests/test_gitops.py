@@ -58,8 +58,9 @@ def test_flip_commit_changes_only_the_default_line(repo):
     files = _records(root)
     base = repo.head.commit.hexsha
     lever_before = (root / "conf/lever/gqa_swap.yaml").read_text()
+    current = "default: true" in lever_before.splitlines()      # the flip goes the other way, whatever main holds
 
-    out = flip_commit(root, "gqa_swap", True, files, PR_TEXT)
+    out = flip_commit(root, "gqa_swap", not current, files, PR_TEXT)
 
     assert out["branch"] == "row/gqa_swap-flip" and out["base"] == base and out["previous"] == ""
     commit = repo.commit(out["commit"])
@@ -72,7 +73,8 @@ def test_flip_commit_changes_only_the_default_line(repo):
                        "records/campaigns/2026-11-30-gqa_swap-abc1234/record.md"]
     diff = repo.git.diff(base, commit.hexsha, "--unified=0", "--", "conf/lever/gqa_swap.yaml")
     body = [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
-    assert body == ["-default: false", "+default: true"]
+    old, new = ("true", "false") if current else ("false", "true")
+    assert body == [f"-default: {old}", f"+default: {new}"]
     # The user's checkout is untouched: same branch and HEAD, lever file unchanged, records still on disk.
     assert repo.active_branch.name == "main" and repo.head.commit.hexsha == base
     assert (root / "conf/lever/gqa_swap.yaml").read_text() == lever_before
