@@ -133,10 +133,10 @@ def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any]
     policy.conclude(ev)
     ev.status = "complete"
     _save(ev, cdir)
-    records.render_all(out_dir, repo / "records")
+    records.render_all(out_dir, status_dir(repo, out_dir))
     _track(cfg, ev, cdir)
     if ev.decision and ev.decision.verdict == "FLIP" and cfg.commit:
-        _flip(ev, cdir, repo)
+        _flip(ev, cdir, repo, status_dir(repo, out_dir))
     _summary(ev, cdir, time.perf_counter() - t_start)
     return ev
 
@@ -249,10 +249,19 @@ def _track(cfg: DictConfig, ev: Evidence, cdir: Path) -> None:
     console.print(f"MLflow: {cfg.tracking.uri} run {run_id}")
 
 
-def _flip(ev: Evidence, cdir: Path, repo: Path) -> None:
+def status_dir(repo: Path, out_dir: Path) -> Path:
+    """Where STATUS.md and BENCHMARKS.md are rendered: records/ for the repository's own records/campaigns, else
+    the out_dir itself. They summarise every campaign in out_dir, so a run elsewhere (a rehearsal into a scratch
+    directory) must not overwrite the repository's summary of its binding campaigns with its own."""
+    out_dir = Path(out_dir).resolve()
+    own = (Path(repo) / "records" / "campaigns").resolve()
+    return own.parent if out_dir == own else out_dir
+
+
+def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
     from campaigns.gitops import flip_commit
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
-    files += [repo / "records" / "STATUS.md", repo / "records" / "BENCHMARKS.md"]
+    files += [summaries / "STATUS.md", summaries / "BENCHMARKS.md"]
     info = flip_commit(repo, ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
                        lever_dir=levers.LEVER_DIR)
     ev.flip = info

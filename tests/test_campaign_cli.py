@@ -143,3 +143,12 @@ def test_render_and_status(out_dir, capsys):
     assert "VT_DECODE_GQA_SWAP" in row and ev.campaign_id in row and "FLIP" in row and "yes" in row
     assert main(["render", "--out-dir", str(out / "nowhere")]) == 2
     assert "no campaigns directory" in _error_line(capsys)
+
+
+def test_summaries_of_a_run_elsewhere_stay_next_to_its_records(tmp_path):
+    # a rehearsal into a scratch out_dir must not overwrite the repository's STATUS.md / BENCHMARKS.md (they list
+    # every campaign of the out_dir they are rendered from)
+    from campaigns.runner import status_dir
+    repo = tmp_path / "repo"
+    assert status_dir(repo, repo / "records" / "campaigns") == (repo / "records").resolve()
+    assert status_dir(repo, tmp_path / "scratch") == (tmp_path / "scratch").resolve()
