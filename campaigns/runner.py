@@ -8,7 +8,10 @@ function of it (``vtcampaign render`` rebuilds the records from evidence alone).
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,32 @@ def _save(ev: Evidence, cdir: Path) -> None:
 def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any] | None = None) -> Evidence:
     """Run (or resume) the campaign ``cfg`` (a composed AppConfig). ``inject``: deliberate faults for the product's
     own tests, e.g. {"inert_arm": "on"} runs that arm with the lever forced to the baseline value."""
+    with _ctrl_c_raises():
+        return _run_campaign(cfg, repo, inject)
+
+
+@contextmanager
+def _ctrl_c_raises():
+    """While a campaign runs, Ctrl-C (SIGINT) raises KeyboardInterrupt wherever the main thread is, inside a leg's
+    or a gate's asyncio loop too. asyncio.run's own handler only cancels the running task, and a cancellation
+    absorbed below it lets the leg return and the campaign go on: in CI a Ctrl-C sent mid-grid was lost and the
+    campaign ran to its end. With this handler installed asyncio.run leaves SIGINT alone (it only takes over the
+    default handler), and the interrupted leg is simply not recorded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | None) -> Evidence:
     inject = dict(inject or {})
     if not _cuda():
         import torch
