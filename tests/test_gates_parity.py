@@ -39,6 +39,9 @@ def test_first_divergences_scores_the_first_fork_only():
     assert rows[0]["gap_mnats"] == pytest.approx(300.0) and rows[1]["gap_mnats"] == pytest.approx(900.0)
     # the threshold is the policy's: at 200 mnats the first fork is no longer a near-tie
     assert not first_divergences(served, ref, lps, threshold_mnats=200)[0]["near_tie"]
+    # a token id outside the vocabulary is no near-tie (and no crash)
+    odd = first_divergences([[1, 99, 1]], [ref[0]], [lps[0]], threshold_mnats=500)
+    assert [(r["position"], r["gap_mnats"], r["near_tie"]) for r in odd] == [(1, None, False)]
 
 
 @pytest.fixture(scope="module")

@@ -114,6 +114,10 @@ def first_divergences(served: list[list[int]], ref: list[list[int]], logprobs: l
                          "ref_len": len(want), "gap_mnats": None, "near_tie": False})
             continue
         lp = logprobs[i][pos]
+        if not 0 <= got[pos] < lp.numel():          # no token of this vocabulary: no near-tie either
+            rows.append({"request": i, "position": pos, "served_token": got[pos], "ref_token": want[pos],
+                         "gap_mnats": None, "near_tie": False})
+            continue
         gap = round(float(lp.max() - lp[got[pos]]) * 1000.0, 1)
         rows.append({"request": i, "position": pos, "served_token": got[pos], "ref_token": want[pos],
                      "gap_mnats": gap, "near_tie": gap <= threshold_mnats})
@@ -163,7 +167,7 @@ def run_async_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
         many[-1][0] = int(anchor["logprobs"][-1][0].argmin())
         note = "the least likely token at the first position of the last concurrent request"
     b1, b1_mism = _compare(one, anchor["alone"])
-    conc, conc_mism = _compare(many, anchor["together"])
+    conc, _ = _compare(many, anchor["together"])
     forks = first_divergences(many, anchor["together"], anchor["logprobs"], ctx.near_tie_max_mnats)
     divergent = [f["request"] for f in forks if not f["near_tie"]]
     counts = {"requests": len(prompts), "concurrency": int(cfg.concurrency),
