@@ -9,7 +9,11 @@ Endpoints
     GET  /v1/models             the served model, with non-standard ``max_model_len`` and ``vocab_size`` fields
     GET  /health                200 while the engine thread is alive, 503 after it died
     GET  /metrics               Prometheus text: requests running/waiting, KV blocks, token and request counters,
-                                engine step time, kernel route counters, peak GPU memory
+                                engine step time, kernel route counters, peak GPU memory, and two info series:
+                                every lever's resolved value and source (vtengine_lever_info) and what the server
+                                runs (vtengine_build_info: model, quant, dtype, device, torch, triton)
+    POST /debug/fault           only with --fault-injection (campaign servers): {"kind": ..., ...} sets a deliberate
+                                fault of vtengine/faults.py (a gate's self-check), {} or null mends it
 
 Streaming follows OpenAI's SSE format (``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``) with ONE chunk per generated
 token, so a client's chunk gaps are inter-token latencies (``vllm bench serve`` counts them that way). The chunk
@@ -123,8 +127,9 @@ class Server:
     """The app's state: the async engine plus what the handlers need to know about the model."""
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, tokenizer: Any, max_model_len: int,
-                 vocab_size: int, tokenizer_vocab_size: int | None = None):
+                 vocab_size: int, tokenizer_vocab_size: int | None = None, fault_injection: bool = False):
         self.engine = async_engine
+        self.fault_injection = fault_injection
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -135,8 +140,10 @@ class Server:
         self.app = self._build_app()
 
     @classmethod
-    def from_engine(cls, engine: Any, async_engine: AsyncEngine | None = None) -> "Server":
-        """Wrap an ``LLMEngine`` (started in a background thread unless ``async_engine`` is given)."""
+    def from_engine(cls, engine: Any, async_engine: AsyncEngine | None = None,
+                    fault_injection: bool = False) -> "Server":
+        """Wrap an ``LLMEngine`` (started in a background thread unless ``async_engine`` is given).
+        ``fault_injection`` opens POST /debug/fault (campaign servers only)."""
         tok = engine.tokenizer
         vocab = _first_attr(engine, ("vocab_size", "model_config.vocab_size", "config.model_config.vocab_size",
                                      "model.config.vocab_size"))
@@ -149,7 +156,7 @@ class Server:
         # the usable length: max_model_len, or less when the KV pool cannot hold that many tokens
         usable = int(getattr(engine, "max_seq_tokens", engine.max_model_len))
         return cls(async_engine or AsyncEngine(engine), engine.model_name, tok, usable,
-                   int(vocab), min(int(tok_vocab), int(vocab)) if tok_vocab else None)
+                   int(vocab), min(int(tok_vocab), int(vocab)) if tok_vocab else None, fault_injection)
 
     # -- parsing --------------------------------------------------------------------------------------------
     def _check_model(self, body: dict) -> None:
@@ -443,7 +450,35 @@ class Server:
         for (route, status), n in sorted(self.http_requests.items()):
             lines.append(f'{p}_http_requests_total{{route="{route}",status="{status}"}} {n}')
         lines += counters.prometheus_lines(p)
+        lines += self._info_lines(p)
         return "\n".join(lines) + "\n"
+
+    def _info_lines(self, p: str) -> list[str]:
+        """Info series (value 1, the facts in labels): what a campaign records as an arm's context."""
+        eng = self.engine.engine
+        lines = []
+        levers = getattr(eng, "levers", None)
+        if levers is not None:
+            lines += [f"# HELP {p}_lever_info Every lever's resolved value and where it came from.",
+                      f"# TYPE {p}_lever_info gauge"]
+            for name, value in sorted(levers.values.items()):
+                text = {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+                lines.append(f'{p}_lever_info{{lever="{name}",value="{text}",source="{levers.sources[name]}"}} 1')
+        build = build_info(eng)
+        if build:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(build.items()))
+            lines += [f"# HELP {p}_build_info What this server runs.", f"# TYPE {p}_build_info gauge",
+                      f"{p}_build_info{{{labels}}} 1"]
+        return lines
+
+    async def set_fault(self, body: Any) -> dict:
+        from vtengine.faults import FaultError, Fault, set_fault
+        try:
+            fault = Fault.from_dict(body if isinstance(body, dict) else None)
+        except (FaultError, TypeError, ValueError) as e:
+            raise ApiError(str(e), param="kind", code="invalid_fault") from None
+        await self.engine.call(lambda eng: set_fault(eng, fault))
+        return {"fault": fault.to_dict() if fault else None}
 
     # -- app ----------------------------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -501,6 +536,16 @@ class Server:
         @app.get("/metrics")
         async def metrics():
             return PlainTextResponse(srv.metrics_text(), media_type="text/plain; version=0.0.4")
+
+        if srv.fault_injection:
+            @app.post("/debug/fault")
+            async def debug_fault(request: Request):
+                raw = await request.body()
+                try:
+                    body = json.loads(raw) if raw.strip() else None
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise ApiError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+                return await srv.set_fault(body)
 
         return _count_requests(app, self.http_requests)
 
@@ -573,6 +618,24 @@ def _short(v: Any, n: int = 80) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
+def build_info(engine: Any) -> dict[str, str]:
+    """What an engine runs, as label values: model, quant, dtype, device, torch and triton versions."""
+    import torch
+    cfg = getattr(engine, "config", None)
+    dev = getattr(engine, "device", None)
+    if cfg is None or dev is None:
+        return {}
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return {"model": str(getattr(engine, "model_name", cfg.model)), "quant": str(cfg.quant),
+            "dtype": str(engine.dtype).replace("torch.", ""), "device": name, "torch": torch.__version__,
+            "triton": triton_version, "backend": str(getattr(engine.backend, "name", "?"))}
+
+
 def _first_attr(obj: Any, dotted: tuple[str, ...]) -> Any:
     for path in dotted:
         cur = obj
@@ -617,6 +680,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "references); CPU rehearsals use the lever's own kernels")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    ap.add_argument("--fault-injection", action="store_true",
+                    help="open POST /debug/fault, through which a campaign gate breaks this server on purpose to "
+                         "prove it can fail (never for real serving)")
     args = ap.parse_args(argv)
     levers = {}
     for item in args.lever:
@@ -708,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LeverError, RequestError, FileNotFoundError) as e:
         print(f"vtengine serve: {e}", file=sys.stderr)
         return 2
-    server = Server.from_engine(engine)
+    server = Server.from_engine(engine, fault_injection=args.fault_injection)
     uv = UvicornServer(server, sock, log_level=args.log_level)
     try:
         uv.run()

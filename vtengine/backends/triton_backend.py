@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from vtengine.backends import KERNEL_OPS
 from vtengine.backends.torch_backend import TorchBackend
 from vtengine.kernels import INTERPRET, attention, fused, gemv, w4a16
 
@@ -15,14 +16,6 @@ from vtengine.kernels import INTERPRET, attention, fused, gemv, w4a16
 INTERPRETER_SMS = 2
 from vtengine.quant import QuantizedWeight
 
-
-# kernel names as lever files list them in `affects`, and the backend methods each one routes
-KERNEL_OPS = {
-    "rms_norm": ("rms_norm", "add_rms_norm"), "silu_mul": ("silu_mul",), "rope": ("rope",),
-    "store_kv": ("store_kv",), "prefill_attention": ("prefill_attention",),
-    "decode_attention": ("decode_attention",), "w4a16_gemm": ("linear",), "dense_linear": ("linear",),
-    "argmax": ("greedy",), "qkv_epilogue": ("qkv_epilogue",),
-}
 
 
 class TritonBackend(TorchBackend):

@@ -52,7 +52,8 @@ class AsyncEngine:
     def __init__(self, engine: Any, start: bool = True):
         self.engine = engine
         self._cv = threading.Condition()
-        self._inbox: collections.deque = collections.deque()        # ("add", stream, prompt, params) | ("abort", id)
+        # ("add", stream, prompt, params) | ("abort", id) | ("call", stream, fn)
+        self._inbox: collections.deque = collections.deque()
         self._streams: dict[str, _Stream] = {}                        # engine thread only
         self._stopping = False
         self._error: BaseException | None = None
@@ -126,6 +127,16 @@ class AsyncEngine:
             if not stream.finished:         # cancelled, closed early, or the consumer raised: free the blocks
                 self.abort(stream.request_id)
 
+    async def call(self, fn) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result (or raise its error):
+        the one way to change the engine while it serves (e.g. a gate's deliberate fault, vtengine/faults.py)."""
+        stream = _Stream(f"call-{id(fn)}", asyncio.get_running_loop(), asyncio.Queue())
+        self._post(("call", stream, fn))
+        result = await stream.queue.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent; aborting a finished or unknown request is a no-op."""
         self._post(("abort", request_id))
@@ -138,7 +149,7 @@ class AsyncEngine:
     def _post(self, cmd: tuple) -> None:
         with self._cv:
             if self._stopping or self._error is not None:
-                if cmd[0] == "add":
+                if cmd[0] in ("add", "call"):
                     err = EngineDeadError(f"engine is not running: {self._error or 'shut down'}")
                     cmd[1].loop.call_soon_threadsafe(cmd[1].queue.put_nowait, err)
                 return
@@ -161,13 +172,18 @@ class AsyncEngine:
                 for cmd in cmds:
                     self._handle(cmd, deliveries)
                 if eng.has_unfinished_requests():
+                    fault = getattr(eng, "fault", None)
+                    drop = fault is not None and fault.kind == "drop_token"
                     for out in eng.step():
                         stream = self._streams.get(out.request_id)
                         if stream is None:      # aborted between the step's scheduling and now: drop
                             continue
                         if out.finished:
                             del self._streams[out.request_id]
-                        deliveries[stream.loop].append((stream.queue, _detach(out)))
+                        out = _detach(out)
+                        if drop and len(out.outputs[0].token_ids) == 2:
+                            out.new_token_ids = []      # a deliberate fault (drop_token): a token lost in transit
+                        deliveries[stream.loop].append((stream.queue, out))
                 self._deliver(deliveries)
                 self._refresh_stats()
         except BaseException as e:        # an engine bug: fail every request loudly instead of hanging them
@@ -176,7 +192,7 @@ class AsyncEngine:
         finally:
             with self._cv:
                 self._stopping = True
-                pending = [c[1] for c in self._inbox if c[0] == "add"]
+                pending = [c[1] for c in self._inbox if c[0] in ("add", "call")]
                 self._inbox.clear()
             err = EngineDeadError(f"engine stopped: {self._error!r}" if self._error else "engine shut down")
             deliveries = collections.defaultdict(list)
@@ -202,6 +218,13 @@ class AsyncEngine:
                 except Exception as e:      # a bad request must fail alone, never the engine thread
                     eng.abort_request(stream.request_id)
                     result = RequestError(f"request rejected: {e}")
+            deliveries[stream.loop].append((stream.queue, result))
+        elif cmd[0] == "call":
+            _, stream, fn = cmd
+            try:
+                result = fn(eng)
+            except Exception as e:          # reported to the caller; the engine thread goes on
+                result = e
             deliveries[stream.loop].append((stream.queue, result))
         elif cmd[0] == "abort":
             stream = self._streams.pop(cmd[1], None)

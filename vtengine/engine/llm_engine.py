@@ -109,6 +109,7 @@ class LLMEngine:
                                   config.max_num_seqs, config.cuda_graphs)
         self.blocks_per_seq = blocks_per_seq
         self.seqs: dict[str, Sequence] = {}
+        self.fault = None                   # a deliberate fault of a gate's self-check (vtengine/faults.py)
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._stats = dict(tokens_generated_total=0, prompt_tokens_total=0, requests_finished_total=0,
                            step_time_s_last=0.0, step_time_s_sum=0.0, steps_total=0, decode_steps_total=0,

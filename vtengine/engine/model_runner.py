@@ -36,6 +36,7 @@ class ModelRunner:
         self.sampler = Sampler(model.backend)
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.fault = None                   # a deliberate fault of a gate's self-check (vtengine/faults.py)
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         if self.use_graphs and not model.backend.capturable:
             # e.g. the torch backend (the oracle) on a GPU: its references synchronise with the host, so a capture
@@ -80,7 +81,10 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[Sequence]):
         dev = self.device
-        ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64, device=dev)
+        stale = self.fault is not None and self.fault.kind == "stale_input"
+        # a deliberate fault (stale_input): the token before the newest, as a racy async step would read it
+        ids = torch.tensor([s.token_ids[-2] if stale and s.num_completion_tokens > 1 else s.last_token
+                            for s in seqs], dtype=torch.int64, device=dev)
         pos = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.int64, device=dev)
         ctx = AttnContext(
             is_prefill=False,

@@ -1,0 +1,127 @@
+"""Deliberate faults: the engine under test broken where a real bug would be, so a campaign gate can prove it fails.
+
+A gate that only ever passes proves nothing; each gate's self-check runs the engine with one of these faults and
+must fail. The faults live in the engine (a kernel's output perturbed inside the forward, a block table pointing
+past the KV cache, a decode step fed a stale token, a token lost on the serving path), never in the gate's own
+bookkeeping, so a gate that stopped running the engine would miss them and the campaign would be INVALID.
+
+Off unless set: in process with ``set_fault(engine, Fault(...))`` (the gates), and in a server only when it was
+started with ``--fault-injection`` (campaign servers), through ``POST /debug/fault``. Nothing reads an environment
+variable.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from vtengine.backends import KERNEL_OPS
+
+KINDS = {
+    "perturb": "the kernel's output scaled by (1 + size) on every call",
+    "oob": "decode attention reads through block-table entries far past the end of the KV cache",
+    "stale_input": "each decode step embeds a sequence's previous token instead of its newest one (the async race)",
+    "drop_token": "the serving path drops the second token of every request's stream",
+}
+OOB_ELEMENTS = 1 << 30          # how far past the cache an "oob" block index points, in cache elements (int32-safe)
+
+
+class FaultError(ValueError):
+    """A fault that does not exist or cannot be applied; the message names it and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    kernel: str | None = None       # perturb: the kernel whose output is perturbed (a name of KERNEL_OPS)
+    size: float = 0.0               # perturb: relative size; -2.0 negates the output
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise FaultError(f"fault kind {self.kind!r} is not known; accepted: {', '.join(KINDS)}")
+        if self.kind == "perturb":
+            if self.kernel not in KERNEL_OPS:
+                raise FaultError(f"perturb needs a kernel; {self.kernel!r} is not one of {sorted(KERNEL_OPS)}")
+            if self.kernel in ("store_kv", "argmax"):
+                raise FaultError(f"kernel {self.kernel!r} returns no values to perturb; choose another")
+
+    def describe(self) -> str:
+        what = KINDS[self.kind]
+        if self.kind == "perturb":
+            factor = 1 + self.size
+            what = f"{self.kernel} output scaled by {factor:g}" + (" (negated)" if factor == -1 else "")
+        return what
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "Fault | None":
+        if not d:
+            return None
+        unknown = sorted(set(d) - {"kind", "kernel", "size"})
+        if unknown:
+            raise FaultError(f"unknown fault key(s) {unknown}; accepted: kind, kernel, size")
+        return cls(kind=str(d.get("kind")), kernel=d.get("kernel"), size=float(d.get("size", 0.0)))
+
+
+def first_perturbable(kernels: list[str]) -> str:
+    """The first of a lever's kernels whose output can be perturbed (the lever's own route is broken there)."""
+    for k in kernels:
+        if k in KERNEL_OPS and k not in ("store_kv", "argmax"):
+            return k
+    raise FaultError(f"none of the kernels {kernels} has an output to perturb")
+
+
+def _perturbed(op: Callable, fault: Fault, quantized: bool | None) -> Callable:
+    factor = 1.0 + fault.size
+
+    def scale(t):
+        return t * factor if t.is_floating_point() else t
+
+    def wrapped(*args, **kwargs):
+        out = op(*args, **kwargs)
+        if quantized is not None:           # `linear` carries both W4A16 and dense projections: only the lever's
+            from vtengine.quant import QuantizedWeight
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if isinstance(weight, QuantizedWeight) != quantized:
+                return out
+        if isinstance(out, tuple):          # add_rms_norm returns (normed, residual): the kernel's output is both
+            return tuple(scale(t) for t in out)
+        return scale(out)
+    return wrapped
+
+
+def _oob(op: Callable) -> Callable:
+    def wrapped(q, k_cache, v_cache, block_tables, *args, **kwargs):
+        far = max(k_cache.shape[0], OOB_ELEMENTS // max(1, k_cache.stride(0)))
+        return op(q, k_cache, v_cache, block_tables + far, *args, **kwargs)
+    return wrapped
+
+
+def install(backend, fault: Fault | None) -> None:
+    """Apply ``fault`` to a backend's op methods (instance attributes shadow the class's), or mend it with None.
+    The backend's own instance attributes (TritonBackend routes some ops to the references that way) come back
+    as they were."""
+    for op, saved in getattr(backend, "_fault_saved", {}).items():
+        if saved is None:
+            backend.__dict__.pop(op, None)
+        else:
+            setattr(backend, op, saved)
+    backend._fault_saved = {}
+    if fault is None or fault.kind not in ("perturb", "oob"):
+        return
+    if fault.kind == "perturb":
+        quantized = {"w4a16_gemm": True, "dense_linear": False}.get(fault.kernel)
+        wrap = {op: _perturbed(getattr(backend, op), fault, quantized) for op in KERNEL_OPS[fault.kernel]}
+    else:
+        wrap = {"decode_attention": _oob(backend.decode_attention)}
+    for op, fn in wrap.items():
+        backend._fault_saved[op] = backend.__dict__.get(op)
+        setattr(backend, op, fn)
+
+
+def set_fault(engine, fault: Fault | None) -> None:
+    """Break (or mend, with None) an ``LLMEngine``: its backend's ops, its runner's decode inputs, its outputs."""
+    install(engine.backend, fault)
+    engine.fault = fault
+    engine.runner.fault = fault
