@@ -54,7 +54,7 @@ def gate_setup():
     kernels = list(levers.get(lever).affects)
     engine = LLMEngine(EngineConfig(model="tiny", backend="triton", levers={lever: True}, triton_kernels=kernels,
                                     max_model_len=ctx.cpu_max_model_len, max_num_seqs=8))
-    server = Server.from_engine(engine)
+    server = Server.from_engine(engine, fault_injection=True)
     uv = start_in_thread(server)
     ctx.server_urls, ctx.server_model = {"on": uv.url}, server.model_name
     yield ctx, arm
@@ -68,10 +68,35 @@ def test_async_parity_passes_and_its_fault_fails(gate_setup):
     assert ok.passed, ok.details
     assert ok.counts["batch1_equal"] == 4 and ok.counts["batch1_mismatched"] == 0
     assert ok.counts["divergent"] == 0 and ok.counts["equal"] + ok.counts["near_tie"] == 4
+    # the self-check breaks the server itself (a token lost in transit, a stale decode input): every fault fails the
+    # gate, and each leg is caught on its own by at least one of them
     bad = run_async_parity(ctx, arm, fault=True)
-    assert not bad.passed and bad.counts["divergent"] == 1
-    fork = [f for f in bad.details["concurrent_forks"] if not f["near_tie"]]
-    assert fork[0]["request"] == 3 and fork[0]["position"] == 0 and fork[0]["gap_mnats"] > 500
+    runs = {r["fault"]: r for r in bad.details["faults"]}
+    assert not bad.passed and set(runs) == {"drop_token", "stale_input"}
+    assert all(r["caught"] for r in runs.values())
+    assert runs["drop_token"]["batch1_leg_caught"] and runs["drop_token"]["concurrent_leg_caught"]
+    assert runs["drop_token"]["counts"]["batch1_mismatched"] == 4        # every request lost its second token
+    assert runs["stale_input"]["batch1_leg_caught"]
+    # mended afterwards: the same gate passes again on the same server
+    assert run_async_parity(ctx, arm).passed
+
+
+def test_async_parity_self_check_fails_on_a_server_without_fault_injection():
+    lever = "gqa_swap"
+    arm = Arm(name="on", value=True, role="candidate")
+    ctx = GateContext(lever=lever, arms=[Arm(name="off", value=False, role="baseline"), arm], model="tiny",
+                      quant="bf16", device="cpu", near_tie_max_mnats=500.0,
+                      gate_cfg=OmegaConf.create({"async_parity": {"prompts": 2, "max_tokens": 4, "concurrency": 2}}))
+    engine = LLMEngine(EngineConfig(model="tiny", backend="torch", max_model_len=ctx.cpu_max_model_len, max_num_seqs=4))
+    server = Server.from_engine(engine)                  # a plain server: POST /debug/fault does not exist
+    uv = start_in_thread(server)
+    try:
+        ctx.server_urls, ctx.server_model = {"on": uv.url}, server.model_name
+        with pytest.raises(RuntimeError, match="refused a deliberate fault.*--fault-injection"):
+            run_async_parity(ctx, arm, fault=True)
+    finally:
+        stop_thread(uv)
+        server.engine.shutdown()
 
 
 def test_async_parity_batch1_leg_is_exact(gate_setup):

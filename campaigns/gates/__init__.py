@@ -1,8 +1,12 @@
 """The correctness gates. Each gate module has ``run(ctx, arm, fault=False) -> GateResult``.
 
-A gate is run twice per arm: for real, and with its deliberate fault (``fault=True``: a wrong stride, a flipped
-token, an inert lever, a planted out-of-bounds write). The faulted run must fail; ``GateResult.self_check`` records
-whether it did (False = the gate cannot fail = the campaign is INVALID).
+A gate is run twice per arm: for real, and with its deliberate fault(s) (``fault=True``). A fault breaks the engine
+under test where a real bug would be (vtengine/faults.py: the lever's kernel output perturbed inside the forward, a
+graph captured over a broken kernel, a block table pointing past the KV cache, a stale decode input, a token lost
+on the serving path, the lever inert or stuck), never the gate's own bookkeeping, so the gate has to run the engine
+to see it. The faulted run must fail; with several faults, every one of them (the faulted run "passes" when any
+fault slipped through). ``GateResult.self_check`` records whether it failed (False = the gate cannot fail = the
+campaign is INVALID).
 
 In-process gates share one engine per arm and one oracle engine (the torch reference path), built lazily and
 freed before the grid's servers start, so two 8B models never sit on the GPU next to two servers.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +43,8 @@ class GateContext:
     server_urls: dict[str, str] = field(default_factory=dict)       # arm -> base URL (async_parity)
     server_model: str = ""
     inert_arm: str | None = None       # fault injection for tests: this arm runs with the lever forced to baseline
+    broken_arm: str | None = None      # fault injection for tests: this arm's engines run the perturb fault throughout
+    with_levers: dict[str, Any] = field(default_factory=dict)      # other levers pinned for both arms
     cpu_max_model_len: int = 512
     _engines: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
@@ -65,25 +72,63 @@ class GateContext:
 
     def lever_values(self, arm: Arm, inert: bool = False) -> dict[str, Any]:
         value = self.baseline.value if (inert or arm.name == self.inert_arm) else arm.value
-        return {self.lever: value}
+        return {**self.with_levers, self.lever: value}
 
-    def engine(self, arm: Arm, inert: bool = False):
+    def engine(self, arm: Arm):
         """The arm's in-process LLM (Triton backend), built once."""
-        key = f"{arm.name}{'#inert' if inert else ''}"
-        if key not in self._engines:
+        if arm.name not in self._engines:
             from vtengine.engine.llm import LLM
-            self._engines[key] = LLM(model=self.model, quant=self.quant, backend=self.backend,
-                                     levers=self.lever_values(arm, inert), num_kv_blocks=GATE_KV_BLOCKS,
-                                     max_num_seqs=32, triton_kernels=self.triton_kernels,
-                                     max_model_len=self.max_model_len)
-        return self._engines[key]
+            from vtengine.faults import set_fault
+            llm = LLM(model=self.model, quant=self.quant, backend=self.backend, levers=self.lever_values(arm),
+                      num_kv_blocks=GATE_KV_BLOCKS, max_num_seqs=32, triton_kernels=self.triton_kernels,
+                      max_model_len=self.max_model_len)
+            if arm.name == self.broken_arm:         # a product test's broken arm: every gate must see it
+                llm.engine.runner.use_graphs = False
+                set_fault(llm.engine, self.perturb_fault())
+            self._engines[arm.name] = llm
+        return self._engines[arm.name]
+
+    def perturb_fault(self, size: float = -2.0):
+        """The lever's own kernel broken: its output scaled by 1 + size in every call (-2: negated)."""
+        from vtengine import levers
+        from vtengine.faults import Fault, first_perturbable
+        return Fault("perturb", first_perturbable(list(levers.get(self.lever).affects)), size)
+
+    @contextmanager
+    def faulted(self, arm: Arm, fault):
+        """The arm's engine with ``fault`` set, decoding eagerly (a captured graph would replay the clean kernels);
+        mended afterwards."""
+        from vtengine.faults import set_fault
+        llm = self.engine(arm)
+        runner = llm.engine.runner
+        use_graphs, runner.use_graphs = runner.use_graphs, False
+        set_fault(llm.engine, fault)
+        try:
+            yield llm
+        finally:
+            set_fault(llm.engine, self.perturb_fault() if arm.name == self.broken_arm else None)
+            runner.use_graphs = use_graphs
+
+    @contextmanager
+    def lever_set_to(self, arm: Arm, value: Any):
+        """The arm's engine with the campaign's lever resolved to ``value`` instead of the arm's own (an inert or a
+        stuck lever), decoding eagerly. Backends read levers per call, so the kernels really take that route."""
+        from vtengine import levers
+        llm = self.engine(arm)
+        be, runner = llm.engine.backend, llm.engine.runner
+        saved, use_graphs = be.levers, runner.use_graphs
+        be.levers, runner.use_graphs = levers.resolve({**self.lever_values(arm), self.lever: value}), False
+        try:
+            yield llm
+        finally:
+            be.levers, runner.use_graphs = saved, use_graphs
 
     def oracle(self):
         """The torch reference path on the same weights: the goldens' source."""
         if "oracle" not in self._engines:
             from vtengine.engine.llm import LLM
             self._engines["oracle"] = LLM(model=self.model, quant=self.quant, backend="torch",
-                                          levers={self.lever: self.baseline.value}, num_kv_blocks=GATE_KV_BLOCKS,
+                                          levers=self.lever_values(self.baseline), num_kv_blocks=GATE_KV_BLOCKS,
                                           max_num_seqs=32, cuda_graphs=False, max_model_len=self.max_model_len)
         return self._engines["oracle"]
 
@@ -125,7 +170,8 @@ SERVER_GATES = ("async_parity",)
 
 
 def run_gate(name: str, ctx: GateContext, arm: Arm, self_check: bool = True) -> GateResult:
-    """Run one gate on one arm, then its deliberate fault; the fault's outcome becomes ``self_check``."""
+    """Run one gate on one arm, then its deliberate fault(s); their outcome becomes ``self_check`` (True only when
+    the faulted run failed, i.e. every fault was caught)."""
     fn = gate_functions()[name]
     res = fn(ctx, arm, fault=False)
     if res.skipped or not self_check:
@@ -134,4 +180,6 @@ def run_gate(name: str, ctx: GateContext, arm: Arm, self_check: bool = True) -> 
     res.self_check = not faulted.passed
     res.details["self_check_fault"] = faulted.details.get("fault", "")
     res.details["self_check_counts"] = faulted.counts
+    if "faults" in faulted.details:
+        res.details["self_check_faults"] = faulted.details["faults"]
     return res

@@ -3,8 +3,12 @@ near_tie: every divergence teacher-forced under the oracle; gap = max(0, logp(or
 
 Counts (battery): ``strict`` prompts equal to the golden, ``near_tie`` prompts that diverge but whose every gap is
 within the threshold, ``divergent`` the rest (must be 0 for a token-safe arm). The battery passes only when every
-prompt is strict; a non-strict battery is excused by the policy when near_tie ratifies it. Faults: battery flips one
-token of our output; near_tie replaces one of our tokens with the oracle's least likely token.
+prompt is strict; a non-strict battery is excused by the policy when near_tie ratifies it.
+
+Fault (both gates): the arm's engine with its lever's own kernel broken (vtengine/faults.py: the kernel's output
+negated inside the forward, in every layer), run through the same battery. battery must count it not strict, and
+near_tie must find a divergence no near-tie explains. A gate that took its tokens from anywhere but the engine under
+test (the oracle, a cache of the clean run) would miss it.
 """
 from __future__ import annotations
 
@@ -27,12 +31,22 @@ def goldens(ctx: GateContext) -> list[tuple[list[int], list[int]]]:
     return ctx.cache["goldens"]
 
 
-def ours(ctx: GateContext, arm: Arm) -> list[list[int]]:
-    key = f"battery:{arm.name}"
+def ours(ctx: GateContext, arm: Arm, fault: bool = False) -> list[list[int]]:
+    """The arm's battery completions from its engine; with ``fault``, from its engine with the lever's kernel
+    broken (one run shared by battery's and near_tie's self-checks)."""
+    key = f"battery:{arm.name}{'#fault' if fault else ''}"
     if key not in ctx.cache:
-        outs = ctx.engine(arm).generate(ctx.battery_prompts(), _greedy(ctx))
+        if fault:
+            with ctx.faulted(arm, ctx.perturb_fault()) as llm:
+                outs = llm.generate(ctx.battery_prompts(), _greedy(ctx))
+        else:
+            outs = ctx.engine(arm).generate(ctx.battery_prompts(), _greedy(ctx))
         ctx.cache[key] = [o.outputs[0].token_ids for o in outs]
     return [list(t) for t in ctx.cache[key]]
+
+
+def _fault_note(ctx: GateContext, fault: bool) -> str:
+    return f"engine under test broken: {ctx.perturb_fault().describe()}" if fault else ""
 
 
 def gaps_mnats(ctx: GateContext, prompt_ids: list[int], tokens: list[int]) -> list[float]:
@@ -44,14 +58,8 @@ def gaps_mnats(ctx: GateContext, prompt_ids: list[int], tokens: list[int]) -> li
 
 def _classify(ctx: GateContext, arm: Arm, fault: bool):
     gold = goldens(ctx)
-    mine = ours(ctx, arm)
-    fault_note = ""
-    if fault:
-        pid, golden = gold[0]
-        # deliberate fault: the oracle's least likely token at position 0 of prompt 0
-        worst = int(ctx.oracle().engine.score(pid, golden[:1])[0].argmin())
-        mine[0][0] = worst
-        fault_note = f"prompt 0 position 0 replaced by the oracle's least likely token {worst}"
+    mine = ours(ctx, arm, fault)
+    fault_note = _fault_note(ctx, fault)
     rows = []
     for i, ((pid, golden), toks) in enumerate(zip(gold, mine)):
         if toks == golden:
@@ -69,11 +77,8 @@ def _classify(ctx: GateContext, arm: Arm, fault: bool):
 def run_battery(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     t0 = time.perf_counter()
     gold = goldens(ctx)
-    mine = ours(ctx, arm)
-    note = ""
-    if fault:
-        mine[0][0] = (mine[0][0] + 1) % ctx.oracle().engine.model_config.vocab_size
-        note = "flipped token 0 of prompt 0"
+    mine = ours(ctx, arm, fault)
+    note = _fault_note(ctx, fault)
     strict = sum(a == b for a, b in zip(mine, (g for _, g in gold)))
     counts = {"prompts": len(gold), "strict": strict}
     details = {"fault": note}

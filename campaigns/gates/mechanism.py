@@ -2,9 +2,13 @@
 
 The arm's engine runs a short eager generation (prefill + decode; eager so every launch reaches the counters)
 with the counters reset; each lever has a probe that reads the counter snapshot: which route ran, which compiled
-variant, which split counts. The candidate passes when its probe differs from the baseline's and shows the lever's
-own route; the baseline passes when it shows the baseline route. Fault: an inert lever, i.e. the candidate's
-engine built with the lever forced to the baseline value (as if the env were ignored): the probe must then fail.
+variant, which split counts (with, per launch, what the split heuristic would have picked uncapped). The candidate
+passes when its probe differs from the baseline's and shows the lever's own route; the baseline passes when it
+shows the baseline route. Every expectation can fail, for every lever type (an ``auto`` or integer cap must show
+its cap applied and no launch above the uncapped count; ``off`` must show the uncapped count everywhere).
+
+Faults, in the arm's own engine: on the candidate an inert lever (the lever resolved to the baseline value, as if
+its env were ignored), on the baseline a stuck lever (resolved to the candidate's value). The probe must fail both.
 """
 from __future__ import annotations
 
@@ -35,6 +39,12 @@ def _splits(snap: dict, kernel: str) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
+def _split_pairs(snap: dict) -> list[tuple[int, int]]:
+    """(splits, uncapped splits) of every decode launch whose split count the heuristic chose."""
+    return sorted({tuple(int(x) for x in v.split("/")) for st in snap.get("decode_splits", {}).values()
+                   for v in st["variants"]})
+
+
 def _grids(snap: dict, kernel: str) -> list[str]:
     return sorted({g for st in snap.get(kernel, {}).values() for g in st["grids"]})
 
@@ -46,7 +56,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
     if lever == "marlin_dense":
         return {"routes": _routes(snap, "w4a16_gemm"), "grids": _grids(snap, "w4a16_gemm")[:8]}
     if lever == "nsplits_cap":
-        return {"splits": _splits(snap, "decode_attention"), "grids": _grids(snap, "decode_attention")}
+        return {"splits": _splits(snap, "decode_attention"), "caps": _routes(snap, "decode_splits"),
+                "split_vs_uncapped": [f"{s}/{u}" for s, u in _split_pairs(snap)],
+                "grids": _grids(snap, "decode_attention")}
     if lever == "fast_math":
         return {"variants": _variants(snap, "decode_attention") + _variants(snap, "prefill_attention")}
     if lever == "triton_gemv":
@@ -76,48 +88,53 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         want = ["pdl"] if value else ["plain"]
         return pr["launches"] == want, f"kernel launches {pr['launches']} (kernels {pr['kernels']}), expected {want}"
     if lever == "nsplits_cap":
-        splits = [int(s) for s in pr["splits"]]
-        if not splits:
-            return False, "no decode_attention launch recorded"
-        if isinstance(value, int) and not isinstance(value, bool):
-            return max(splits) <= value, f"split counts {splits}, cap {value}"
-        return True, f"split counts {splits} ({value})"
+        pairs = [tuple(int(x) for x in p.split("/")) for p in pr["split_vs_uncapped"]]
+        want = [f"cap={value}"]
+        if not pairs:
+            return False, "no decode_attention launch chose its split count (nothing to prove the cap on)"
+        if pr["caps"] != want:
+            return False, f"decode split caps {pr['caps']}, expected {want}"
+        if value == "off":
+            wrong = [f"{s}/{u}" for s, u in pairs if s != u]
+            return not wrong, f"uncapped: split counts equal the heuristic's everywhere (splits/uncapped {pairs})"
+        limit = value if isinstance(value, int) else None
+        wrong = [f"{s}/{u}" for s, u in pairs if s > u or (limit is not None and s > limit)]
+        return not wrong, (f"cap {value}: splits/uncapped {[f'{s}/{u}' for s, u in pairs]}"
+                           + (f"; above the cap or the heuristic: {wrong}" if wrong else ""))
     raise ValueError(lever)
 
 
-def _run_probe(ctx: GateContext, arm: Arm, inert: bool) -> dict[str, Any]:
-    key = f"mechanism:{arm.name}{'#inert' if inert else ''}"
+def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str, Any], dict]:
+    """The probe of the arm's engine, with the lever resolved to ``value`` instead of the arm's own when given (the
+    faults: an inert or a stuck lever)."""
+    key = f"mechanism:{arm.name}" + ("" if value is None else f"#{value}")
     if key not in ctx.cache:
-        llm = ctx.engine(arm, inert=inert)
-        runner = llm.engine.runner
-        use_graphs, runner.use_graphs = runner.use_graphs, False
         g = torch.Generator().manual_seed(7)
         prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 23, 40, 64)]
-        try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        with ctx.lever_set_to(arm, ctx.lever_values(arm)[ctx.lever] if value is None else value) as llm:
             counters.reset()
-            llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-            ctx.cache[key] = (probe(ctx.lever, counters.snapshot()), counters.snapshot())
-        finally:
-            runner.use_graphs = use_graphs
+            llm.generate(prompts, params)
+            snap = counters.snapshot()
+        ctx.cache[key] = (probe(ctx.lever, snap), snap)
     return ctx.cache[key]
 
 
 def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     t0 = time.perf_counter()
-    if fault and arm.role == "baseline":
-        # the baseline's fault: read the baseline's counters as if they were the candidate's route
-        cand = next(a for a in ctx.arms if a.role == "candidate")
-        pr, _ = _run_probe(ctx, arm, inert=False)
-        cand_pr, _ = _run_probe(ctx, cand, inert=False)
-        ok, why = expected(ctx.lever, cand.value, pr)
-        ok = ok and pr == cand_pr
-        return result("mechanism", arm, ok, t0, details={"fault": "baseline counters taken for the candidate's "
-                                                               "route", "probe": pr, "why": why})
-    pr, snap = _run_probe(ctx, arm, inert=fault)
+    cand = next(a for a in ctx.arms if a.role == "candidate")
+    broken = None
+    if fault:       # the candidate's lever inert (at the baseline's value), the baseline's stuck (at the candidate's)
+        broken = ctx.baseline.value if arm.role == "candidate" else cand.value
+    pr, snap = _run_probe(ctx, arm, broken)
     ok, why = expected(ctx.lever, arm.value, pr)
-    details = {"probe": pr, "why": why, "fault": "inert lever (forced to the baseline value)" if fault else ""}
+    note = ""
+    if fault:
+        note = ("inert lever (resolved to the baseline value)" if arm.role == "candidate"
+                else "stuck lever (resolved to the candidate's value)")
+    details = {"probe": pr, "why": why, "fault": note}
     if arm.role == "candidate":
-        base, _ = _run_probe(ctx, ctx.baseline, inert=False)
+        base, _ = _run_probe(ctx, ctx.baseline)
         differs = pr != base
         ok = ok and differs
         details["baseline_probe"] = base
@@ -127,5 +144,6 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     counts = {k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in pr.items()}
     if not fault:
         details["counters"] = {k: v for k, v in snap.items()
-                               if k in ("decode_attention", "w4a16_gemm", "prefill_attention", "rms_norm")}
+                               if k in ("decode_attention", "decode_splits", "w4a16_gemm", "prefill_attention",
+                                        "rms_norm", "dense_linear", "launch")}
     return result("mechanism", arm, ok, t0, counts=counts, details=details)

@@ -1,4 +1,6 @@
-"""The child process memcheck runs: a short engine run (or, as the gate's fault, a planted out-of-bounds write)."""
+"""The child process memcheck runs: a short engine run in the arm's setting, clean or with a deliberate fault inside
+the engine's own run (vtengine/faults.py ``oob``: decode attention reads through block-table entries far past the
+end of the KV cache), which memcheck must report."""
 from __future__ import annotations
 
 import json
@@ -7,28 +9,14 @@ import sys
 import torch
 
 
-def planted_oob_write() -> None:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _oob(out_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK) + n * 1024        # far past the end, no mask: a deliberate fault
-        tl.store(out_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32))
-
-    out = torch.empty(16, device="cuda")
-    _oob[(1,)](out, 64, BLOCK=16)
-    torch.cuda.synchronize()
-
-
 def main() -> int:
     spec = json.loads(sys.argv[1])
-    if spec.get("fault"):
-        planted_oob_write()
-        return 0
     from vtengine.engine.llm import LLM
     from vtengine.engine.sampling_params import SamplingParams
+    from vtengine.faults import Fault, set_fault
     llm = LLM(model=spec["model"], quant=spec["quant"], levers=spec["levers"], cuda_graphs=False, num_kv_blocks=64)
+    if spec.get("fault"):
+        set_fault(llm.engine, Fault("oob"))
     llm.generate([[5, 6, 7, 8] * 9, [9] * 3], SamplingParams(max_tokens=spec["max_tokens"], temperature=0,
                                                              ignore_eos=True))
     torch.cuda.synchronize()

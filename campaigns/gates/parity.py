@@ -17,14 +17,17 @@ concurrent"):
   token's teacher-forced log-probability, under the arm's own engine, is within the policy's near-tie threshold of
   the best token's. A served token that is no near-tie there fails the gate.
 
-Faults: graph_parity flips one graphed token; async_parity puts, at the first position of the last concurrent
-request, the token the arm's engine finds least likely (a near-tie check that cannot fail lets it through).
+Faults (the engine under test broken, vtengine/faults.py): graph_parity replays graphs captured while the lever's
+kernel was broken against clean eager steps, and counts replays (a "graphed" run that replayed nothing compared
+eager with eager); async_parity breaks the arm's own server (started with --fault-injection) twice, a token lost on
+the serving path and decode steps fed a stale token (the async race), and each of its two legs must be caught.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from contextlib import contextmanager
 
 import httpx
 import torch
@@ -50,7 +53,42 @@ def _compare(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"requests": len(a), "equal": len(a) - len(mism), "mismatched": len(mism)}, mism
 
 
+def _graph_replays() -> int:
+    from vtengine import counters
+    return counters.launches("decode_step", "cuda_graph")
+
+
+def _graphed_tokens(llm, prompts, params) -> tuple[list[list[int]], int]:
+    """Tokens of a graphed generation and the number of graph replays it made (the counters prove replay)."""
+    before = _graph_replays()
+    toks = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    return toks, _graph_replays() - before
+
+
+@contextmanager
+def _graphs_captured_with(ctx: GateContext, arm: Arm, fault, sizes: list[int]):
+    """The arm's runner replaying graphs captured while ``fault`` broke the lever's kernel; the clean graphs (and
+    their static buffers) are put back afterwards, so nothing is re-captured."""
+    from vtengine.faults import set_fault
+    llm = ctx.engine(arm)
+    runner = llm.engine.runner
+    saved = {k: getattr(runner, k) for k in ("graphs", "g_out", "g_ids", "g_pos", "g_ctx")}
+    runner.graphs = {}
+    set_fault(llm.engine, fault)
+    try:
+        runner.capture_graphs(max(sizes))
+    finally:
+        set_fault(llm.engine, None)         # eager steps are clean again; only the captured graphs carry the fault
+    try:
+        yield llm
+    finally:
+        for k, v in saved.items():
+            setattr(runner, k, v)
+
+
 def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
+    """Graphed decode equals eager decode, token for token, and the graphed run really replayed graphs (counted).
+    Fault: graphs captured while the lever's kernel was broken, replayed against the clean eager run."""
     if ctx.device != "cuda":
         return skipped("graph_parity", arm, "CUDA graphs need a CUDA device; this host has none")
     t0 = time.perf_counter()
@@ -65,21 +103,29 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
     key = f"graphed:{arm.name}"
     if key not in ctx.cache:
         assert runner.use_graphs, "the arm's engine was built without CUDA graphs"
-        ctx.cache[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        ctx.cache[key] = _graphed_tokens(llm, prompts, params)
         runner.use_graphs = False
         try:
-            ctx.cache[f"eager:{arm.name}"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            before = _graph_replays()
+            eager = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+            ctx.cache[f"eager:{arm.name}"] = (eager, _graph_replays() - before)
         finally:
             runner.use_graphs = True
-    graphed = [list(t) for t in ctx.cache[key]]
-    eager = ctx.cache[f"eager:{arm.name}"]
+    eager, eager_replays = ctx.cache[f"eager:{arm.name}"]
     note = ""
     if fault:
-        graphed[0][-1] += 1
-        note = "flipped the last token of graphed request 0"
+        fault_obj = ctx.perturb_fault()
+        with _graphs_captured_with(ctx, arm, fault_obj, [1, 2, 4, len(prompts)]) as faulted:
+            graphed, replays = _graphed_tokens(faulted, prompts, params)
+        note = f"graphs captured over a broken kernel ({fault_obj.describe()}), replayed against clean eager steps"
+    else:
+        graphed, replays = ctx.cache[key]
     counts, mism = _compare(graphed, eager)
-    counts["graph_batch_sizes"] = len(runner.graphs)
-    return result("graph_parity", arm, not mism, t0, counts=counts, details={"fault": note, "mismatched": mism})
+    counts.update(graph_batch_sizes=len(runner.graphs), graph_replays=replays, eager_graph_replays=eager_replays)
+    passed = not mism and replays > 0 and eager_replays == 0
+    why = "" if replays > 0 else "the graphed run replayed no graph (counters): graphed and eager were not compared"
+    return result("graph_parity", arm, passed, t0, counts=counts,
+                  details={"fault": note, "mismatched": mism, "why": why})
 
 
 def sync_reference(ctx: GateContext, arm: Arm) -> dict:
@@ -148,32 +194,68 @@ async def _concurrent(url: str, model: str, prompts: list[list[int]], max_tokens
         return await asyncio.gather(*(_stream_tokens(client, url, model, p, max_tokens, sem) for p in prompts))
 
 
-def run_async_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
-    url = ctx.server_urls.get(arm.name)
-    if not url:
-        return skipped("async_parity", arm, "no server is running for this arm")
-    t0 = time.perf_counter()
+SERVER_FAULTS = ({"kind": "drop_token"}, {"kind": "stale_input"})
+
+
+def _set_server_fault(url: str, fault: dict | None) -> None:
+    r = httpx.post(f"{url}/debug/fault", json=fault, timeout=60.0)
+    if r.status_code != 200:
+        raise RuntimeError(f"the server at {url} refused a deliberate fault ({r.status_code}: {r.text[:200]}); "
+                           "campaign servers are started with --fault-injection")
+
+
+def _legs(ctx: GateContext, url: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
     cfg = ctx.gate_cfg.async_parity
-    prompts = parity_prompts(ctx, int(cfg.prompts))
-    anchor = sync_reference(ctx, arm)
-    key = f"async:{arm.name}"
-    if key not in ctx.cache:
-        one = asyncio.run(_concurrent(url, ctx.server_model, prompts, int(cfg.max_tokens), 1))
-        many = asyncio.run(_concurrent(url, ctx.server_model, prompts, int(cfg.max_tokens), int(cfg.concurrency)))
-        ctx.cache[key] = (one, many)
-    one, many = ([list(t) for t in leg] for leg in ctx.cache[key])
-    note = ""
-    if fault:
-        many[-1][0] = int(anchor["logprobs"][-1][0].argmin())
-        note = "the least likely token at the first position of the last concurrent request"
+    one = asyncio.run(_concurrent(url, ctx.server_model, prompts, int(cfg.max_tokens), 1))
+    many = asyncio.run(_concurrent(url, ctx.server_model, prompts, int(cfg.max_tokens), int(cfg.concurrency)))
+    return [list(t) for t in one], [list(t) for t in many]
+
+
+def _judge(ctx: GateContext, prompts, anchor, one, many) -> tuple[dict, dict, bool, bool]:
+    """(counts, details, batch-1 leg passed, concurrent leg passed)."""
     b1, b1_mism = _compare(one, anchor["alone"])
     conc, _ = _compare(many, anchor["together"])
     forks = first_divergences(many, anchor["together"], anchor["logprobs"], ctx.near_tie_max_mnats)
     divergent = [f["request"] for f in forks if not f["near_tie"]]
-    counts = {"requests": len(prompts), "concurrency": int(cfg.concurrency),
+    counts = {"requests": len(prompts), "concurrency": int(ctx.gate_cfg.async_parity.concurrency),
               "batch1_equal": b1["equal"], "batch1_mismatched": b1["mismatched"],
               "equal": conc["equal"], "near_tie": len(forks) - len(divergent), "divergent": len(divergent)}
-    passed = not b1_mism and not divergent
-    return result("async_parity", arm, passed, t0, counts=counts,
-                  details={"fault": note, "batch1_mismatched": b1_mism, "concurrent_forks": forks,
-                           "threshold_mnats": ctx.near_tie_max_mnats})
+    details = {"batch1_mismatched": b1_mism, "concurrent_forks": forks}
+    return counts, details, not b1_mism, not divergent
+
+
+def run_async_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
+    """Fault: the arm's own server broken, once per fault of SERVER_FAULTS (a token lost on the serving path; a
+    decode step fed a stale token, the async race). Each must fail the gate, and each leg (batch-1 and concurrent)
+    must be caught by at least one of them on its own."""
+    url = ctx.server_urls.get(arm.name)
+    if not url:
+        return skipped("async_parity", arm, "no server is running for this arm")
+    t0 = time.perf_counter()
+    prompts = parity_prompts(ctx, int(ctx.gate_cfg.async_parity.prompts))
+    anchor = sync_reference(ctx, arm)
+    if not fault:
+        key = f"async:{arm.name}"
+        if key not in ctx.cache:
+            ctx.cache[key] = _legs(ctx, url, prompts)
+        counts, details, b1_ok, conc_ok = _judge(ctx, prompts, anchor, *ctx.cache[key])
+        details.update(fault="", threshold_mnats=ctx.near_tie_max_mnats)
+        return result("async_parity", arm, b1_ok and conc_ok, t0, counts=counts, details=details)
+    runs = []
+    try:
+        for f in SERVER_FAULTS:
+            _set_server_fault(url, f)
+            counts, _, b1_ok, conc_ok = _judge(ctx, prompts, anchor, *_legs(ctx, url, prompts))
+            runs.append({"fault": f["kind"], "caught": not (b1_ok and conc_ok), "batch1_leg_caught": not b1_ok,
+                         "concurrent_leg_caught": not conc_ok, "counts": counts})
+    finally:
+        _set_server_fault(url, None)
+    every = all(r["caught"] for r in runs)
+    b1_covered = any(r["batch1_leg_caught"] for r in runs)
+    conc_covered = any(r["concurrent_leg_caught"] for r in runs)
+    counts = {"faults": len(runs), "caught": sum(r["caught"] for r in runs),
+              "batch1_leg_caught": sum(r["batch1_leg_caught"] for r in runs),
+              "concurrent_leg_caught": sum(r["concurrent_leg_caught"] for r in runs)}
+    note = "the arm's server broken: " + ", ".join(f["kind"] for f in SERVER_FAULTS)
+    return result("async_parity", arm, not (every and b1_covered and conc_covered), t0, counts=counts,
+                  details={"fault": note, "faults": runs})

@@ -48,7 +48,7 @@ import torch
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, launch_options
 from vtengine.kernels.fused import pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.splits import decode_num_splits, sm_count
+from vtengine.kernels.splits import decode_num_splits, parse_cap, sm_count
 
 import triton  # noqa: E402  (after vtengine.kernels: it sets TRITON_INTERPRET on CPU hosts)
 import triton.language as tl  # noqa: E402
@@ -570,8 +570,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # The heuristic counts the bound in minimum-length slices, so the split count never exceeds what a context
         # at the bound could fill (a graph captured for a long bound otherwise launched 64 slices per sequence of
         # which a 1k-token context filled 17, each of one tile).
-        num_splits = decode_num_splits(grid_heads, triton.cdiv(max(1, int(bound)), min_split), nsplits_cap,
-                                       num_sms=(num_sms or sm_count(q.device)) * meta.programs_per_sm)
+        slices = triton.cdiv(max(1, int(bound)), min_split)
+        wave = (num_sms or sm_count(q.device)) * meta.programs_per_sm
+        num_splits = decode_num_splits(grid_heads, slices, nsplits_cap, num_sms=wave)
+        # the mechanism gate's proof of nsplits_cap: the cap applied, and "splits/uncapped" (what the heuristic
+        # would have picked without a cap) per launch
+        uncapped = decode_num_splits(grid_heads, slices, "off", num_sms=wave)
+        counters.record("decode_splits", f"cap={parse_cap(nsplits_cap)}", splits=num_splits,
+                        variant=f"{num_splits}/{uncapped}")
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
     split = num_splits > 1

@@ -1,0 +1,167 @@
+"""Every gate fails on a broken engine arm, and each gate's own self-check breaks the engine, not its bookkeeping.
+
+CPU: op, battery, near_tie and mechanism on `tiny` with the lever's kernel in Triton's interpreter (as a CPU campaign
+runs them); async_parity against a real server is in test_gates_parity.py. GPU (marked `gpu`): graph_parity and
+memcheck, which need CUDA graphs and compute-sanitizer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from campaigns.evidence import Arm
+from campaigns.gates import GateContext, run_gate
+from campaigns.gates import mechanism, op
+from vtengine.faults import Fault, FaultError, install
+
+pytestmark = pytest.mark.timeout(600)
+
+GATE_CFG = {"self_check": True, "op": {"seed": 0, "shapes": 2, "poison": True},
+            "battery": {"prompts": 4, "max_tokens": 8}, "graph_parity": {"prompts": 3, "max_tokens": 8},
+            "memcheck": {"max_tokens": 2, "timeout_s": 600, "model": None}}
+
+
+def context(device="cpu", broken_arm=None, lever="gqa_swap", values=(False, True)) -> GateContext:
+    arms = [Arm("off" if values[0] is False else str(values[0]), values[0], "baseline"),
+            Arm("on" if values[1] is True else str(values[1]), values[1], "candidate")]
+    return GateContext(lever=lever, arms=arms, model="tiny", quant="bf16", device=device,
+                       gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0, broken_arm=broken_arm)
+
+
+@pytest.fixture(scope="module")
+def broken():
+    """gqa_swap's candidate arm with its decode attention output negated in every layer; the baseline clean."""
+    ctx = context(broken_arm="on")
+    yield ctx
+    ctx.release_engines()
+
+
+def test_battery_and_near_tie_fail_on_a_broken_candidate_and_pass_the_clean_baseline(broken):
+    base, cand = broken.arms
+    b = run_gate("battery", broken, cand)
+    n = run_gate("near_tie", broken, cand)
+    assert not b.passed and b.counts["strict"] < b.counts["prompts"] and b.counts["divergent"] > 0
+    assert not n.passed and n.counts["max_gap_mnats"] > 500 and n.counts["ratified"] < n.counts["divergences"]
+    assert run_gate("battery", broken, base).passed and run_gate("near_tie", broken, base).passed
+    # the clean arm's self-checks break its own engine and are caught (they cannot pass on the oracle's tokens)
+    assert run_gate("battery", broken, base).self_check is True
+    assert run_gate("near_tie", broken, base).self_check is True
+
+
+def test_the_battery_fault_runs_the_engine_under_test(broken):
+    """The audit's mutation: a battery that took its tokens from the oracle passed every self-check. The fault is in
+    the engine now, so tokens from anywhere but that engine miss it."""
+    base = broken.arms[0]
+    from campaigns.gates import battery
+    gold = [list(g) for _, g in battery.goldens(broken)]
+    with_fault = battery.ours(broken, base, fault=True)
+    assert with_fault != gold            # the broken engine really produced other tokens
+    assert battery.ours(broken, base) == gold
+
+
+def test_op_gate_catches_a_kernel_off_by_a_tenth_of_a_percent(monkeypatch):
+    ctx = context()
+    cand = ctx.arms[1]
+    ok = run_gate("op", ctx, cand)
+    assert ok.passed and ok.self_check is True and ok.details["bounds"] == ["measured"]
+    assert ok.counts["max_rel_l2"] < 1e-6 <= ok.counts["max_bound"]
+    faults = {f["fault"]: f for f in ok.details["self_check_faults"]}
+    assert faults["wrong index"]["caught"] and faults["small output error"]["caught"]
+    # the audit's mutation, planted in the kernel's launcher: output scaled by 1.001 (0.1%) must fail the gate
+    from vtengine.kernels import attention
+    real = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention", lambda *a, **k: real(*a, **k) * 1.001)
+    bad = op.run(ctx, cand)
+    assert not bad.passed and bad.counts["failed"] == bad.counts["cases"]
+    assert min(r["rel_l2"] for r in bad.details["cases"]) > 5e-4
+
+
+def test_op_bounds_come_from_measurement_with_a_fallback_that_says_so():
+    bound, source = op.bound_for("cpu", torch.float32, "decode_attention")
+    assert source == "measured" and bound <= 1e-5
+    table = op.measured_bounds()
+    entry = table["cpu"]["float32"]["kernels"]["decode_attention"]
+    assert entry["bound"] >= entry["observed_max"] * 2 - 1e-12
+    bound, source = op.bound_for("cpu", torch.float32, "no_such_kernel")
+    assert source.startswith("fallback") and bound == op.REL_L2_BOUND[torch.float32]
+
+
+def test_mechanism_catches_an_inert_candidate_and_a_stuck_baseline():
+    ctx = context()
+    base, cand = ctx.arms
+    for arm in (base, cand):
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    assert ctx.cache["mechanism:on#False"][0]["routes"] == ["per_q_head"]      # the inert candidate's own counters
+    assert ctx.cache["mechanism:off#True"][0]["routes"] == ["gqa_swap"]        # the stuck baseline's
+    ctx.release_engines()
+
+
+@pytest.mark.parametrize("value,pairs,caps,ok", [
+    ("auto", ["2/2", "1/2"], ["cap=auto"], True),
+    ("auto", ["3/2"], ["cap=auto"], False),            # a launch above what the heuristic would pick uncapped
+    ("auto", ["2/2"], ["cap=off"], False),             # the cap was not applied (an inert lever)
+    (8, ["8/16"], ["cap=8"], True),
+    (8, ["16/16"], ["cap=8"], False),                  # above the integer cap
+    ("off", ["4/4"], ["cap=off"], True),
+    ("off", ["2/4"], ["cap=off"], False),              # "off" capped something
+    ("auto", [], [], False),                           # nothing chose a split count: nothing proven
+])
+def test_nsplits_cap_expectation_can_fail_for_every_value_type(value, pairs, caps, ok):
+    probe = {"splits": {}, "caps": caps, "split_vs_uncapped": pairs, "grids": []}
+    assert mechanism.expected("nsplits_cap", value, probe)[0] is ok
+
+
+def test_faults_name_what_is_accepted():
+    with pytest.raises(FaultError, match="accepted: perturb, oob"):
+        Fault("melt")
+    with pytest.raises(FaultError, match="not one of"):
+        Fault("perturb", "no_kernel", 1.0)
+    assert Fault.from_dict(None) is None
+    with pytest.raises(FaultError, match="unknown fault key"):
+        Fault.from_dict({"kind": "perturb", "kernal": "rms_norm"})
+
+
+def test_installing_and_mending_a_fault_restores_the_backend():
+    from vtengine.backends.triton_backend import TritonBackend
+    be = TritonBackend(kernels=["decode_attention"])          # rms_norm routed to the reference (an attribute)
+    routed, own = be.rms_norm, be.decode_attention
+    install(be, Fault("perturb", "rms_norm", 1.0))
+    x, w = torch.ones(2, 8), torch.ones(8)
+    assert torch.allclose(be.rms_norm(x, w, 1e-6), 2 * routed(x, w, 1e-6))
+    install(be, None)
+    assert be.rms_norm.__func__ is routed.__func__ and be.decode_attention.__func__ is own.__func__
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_graph_parity_counts_replays_and_catches_a_diverging_graph():
+    ctx = context(device="cuda")
+    for arm in ctx.arms:
+        res = run_gate("graph_parity", ctx, arm)
+        assert res.passed and res.counts["graph_replays"] > 0 and res.counts["eager_graph_replays"] == 0
+        assert res.self_check is True and res.details["self_check_counts"]["mismatched"] > 0
+    ctx.release_engines()
+
+
+@pytest.mark.gpu
+def test_graph_parity_fails_on_a_broken_candidate():
+    ctx = context(device="cuda", broken_arm="on")
+    # the broken arm decodes eagerly: its "graphed" run replays nothing, which the gate refuses
+    res = run_gate("graph_parity", ctx, ctx.arms[1], self_check=False)
+    assert not res.passed and res.counts["graph_replays"] == 0
+    ctx.release_engines()
+
+
+@pytest.mark.gpu
+def test_memcheck_is_clean_and_catches_an_out_of_bounds_read_in_the_engine_run():
+    from campaigns.gates.memcheck import sanitizer
+    if sanitizer() is None:
+        pytest.skip("compute-sanitizer is not installed on this host")
+    ctx = context(device="cuda")
+    res = run_gate("memcheck", ctx, ctx.arms[1])
+    assert res.passed and res.counts["errors"] == 0
+    assert res.self_check is True and res.details["self_check_counts"]["errors"] > 0
