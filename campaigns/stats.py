@@ -9,6 +9,10 @@ rep's value per arm, their median/mean/min/max/CV, the median ratio oriented so 
     NEUTRAL  otherwise: the bands touch or overlap, which is noise, not a measurement
 
 "Beats" is strict, so a tie between the worst ON rep and the best OFF rep is NEUTRAL.
+
+Beyond the separation, each point carries an effect size (the Hodges-Lehmann ratio with its exact rank-based
+interval, campaigns/effects.py), and ``pooled_effects`` gives each axis pooled over the concurrencies: what a KEEP
+quotes to say whether the lever is measured neutral or the grid could not tell.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable
 
-from campaigns.evidence import ArmSummary, AxisStat, LegResult
+from campaigns import effects
+from campaigns.evidence import ArmSummary, AxisStat, EffectSize, LegResult, PooledEffect
 
 
 @dataclass(frozen=True)
@@ -76,9 +81,22 @@ def _value(leg: LegResult, metric: str) -> float | None:
     return float(v)
 
 
+def effect_size(e: effects.Effect) -> EffectSize:
+    return EffectSize(ratio=e.ratio, lo=e.lo, hi=e.hi, confidence=round(e.confidence, 4), method=e.method)
+
+
+def _effect(cand: list[float], base: list[float], higher_is_better: bool) -> EffectSize | None:
+    if min(cand + base) <= 0:           # a log ratio needs positive values (a leg that measured 0)
+        return None
+    return effect_size(effects.point_effect(cand, base, higher_is_better))
+
+
 def compute_stats(legs: Iterable[LegResult], baseline: str, candidates: list[str],
-                  primary_axes: Iterable[str] = PRIMARY_AXES, axes: Iterable[Axis] = AXES) -> list[AxisStat]:
+                  primary_axes: Iterable[str] = PRIMARY_AXES, axes: Iterable[Axis] = AXES,
+                  with_effects: bool = True) -> list[AxisStat]:
     """Statistics over the valid legs, one AxisStat per (candidate, axis, concurrency) that has data on both arms.
+    ``with_effects=False`` skips the effect sizes (the calibration's thousands of simulated grids need only the
+    separations).
 
     Sorted by candidate order, axis order, concurrency: the views rely on that order being stable."""
     primary = set(primary_axes)
@@ -100,7 +118,23 @@ def compute_stats(legs: Iterable[LegResult], baseline: str, candidates: list[str
                     higher_is_better=axis.higher_is_better, reps=reps, summary=summary,
                     ratio=oriented_ratio(summary[cand].median, summary[baseline].median, axis.higher_is_better),
                     separation=separation(reps[cand], reps[baseline], axis.higher_is_better),
-                    primary=axis.name in primary))
+                    primary=axis.name in primary,
+                    effect=_effect(reps[cand], reps[baseline], axis.higher_is_better) if with_effects else None))
+    return out
+
+
+def pooled_effects(stats: list[AxisStat]) -> list[PooledEffect]:
+    """Per (candidate, axis): the effect pooled over the concurrencies (a common multiplicative shift), with its
+    exact interval; what a KEEP quotes."""
+    out = []
+    keys = list(dict.fromkeys((s.candidate, s.axis) for s in stats))
+    for cand, axis in keys:
+        points = [s for s in stats if s.candidate == cand and s.axis == axis]
+        strata = [(s.reps[cand], s.reps[s.baseline]) for s in points]
+        if any(min(c + b) <= 0 for c, b in strata):
+            continue
+        e = effects.pooled_effect(strata, points[0].higher_is_better)
+        out.append(PooledEffect(candidate=cand, axis=axis, effect=effect_size(e), primary=points[0].primary))
     return out
 
 
