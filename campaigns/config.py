@@ -58,8 +58,10 @@ class PolicyConfig:
     name: str = "parity_enabler"
     near_tie_max_mnats: float = 500.0    # a divergence is a ratified tie when every gap <= this (millinats)
     min_gain: float = 0.01               # a non-byte-exact lever's WINs must clear ratio >= 1 + min_gain
-    min_reps: int = 3                    # fewer reps per point than this: non-binding
-    flip_on_correctness: bool = False    # a correctness fix may flip with no speed gain
+    min_reps: int = 5                    # fewer reps per point than this: non-binding (3 reps: ~17% false FLIP)
+    flip_on_correctness: bool = False    # a correctness fix may flip with no speed gain (RED first: see fix_gates)
+    fix_gates: List[str] = field(default_factory=list)   # the gate(s) that prove the fix: FAIL on baseline, PASS on it
+    neutral_margin: float = 0.02         # a KEEP is "neutral" when the pooled interval lies within ±this
     primary_axes: List[str] = field(default_factory=lambda: ["total_token_throughput", "tpot"])
 
 
@@ -70,6 +72,8 @@ class CampaignConfig:
     arms: ArmsConfig = field(default_factory=ArmsConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
     gates: List[str] = field(default_factory=lambda: list(GATE_NAMES))
+    inapplicable: Dict[str, str] = field(default_factory=dict)   # gate -> why it cannot apply (the record quotes it)
+    with_levers: Dict[str, Any] = field(default_factory=dict)    # other levers pinned for both arms
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     hypothesis: str = ""                 # why the lever should help: the record's narrative starts here
     residual: str = ""                   # what still bounds the gap after this lever (PR "Residual")
@@ -80,7 +84,7 @@ class GridConfig:
     name: str = MISSING
     binding: bool = True                 # false for rehearsal grids: never binding, whatever the host
     concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    reps: int = 3
+    reps: int = 5
     prompts_per_leg: List[int] = field(default_factory=lambda: [6, 6, 12, 24])
     input_len: int = 1024
     output_len: int = 128
@@ -145,6 +149,7 @@ class AppConfig:
     tracking: TrackingConfig = MISSING
     allow_dirty: bool = False            # run on a dirty tree anyway (the result is then non-binding)
     commit: bool = False                 # on FLIP, commit the default flip on branch row/<lever>-flip
+    aa: bool = False                     # an A/A campaign: the grid's self-check, two servers at the same value
     resume: Optional[str] = None         # a campaign id under out_dir to continue
     out_dir: str = "records/campaigns"
     device: str = "auto"                 # auto | cuda | cpu; composed configs carry the resolved device
@@ -309,12 +314,18 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
             candidates = [lever.parse(v, "candidate arm") for v in camp.arms.candidates]
     except lever_registry.LeverError as e:
         raise CampaignConfigError(str(e)) from None
+    if cfg.aa:
+        # the grid's self-check: two servers at one value (the baseline's), arms named a and b; no gates (they
+        # prove a lever, and there is none to prove here), and the A/A rule instead of the lever rule
+        candidates = [baseline]
+        camp.gates = []
     if not candidates:
         raise CampaignConfigError(f"campaign {camp.name!r}: campaign.arms.candidates is empty; give at least one "
                                   f"value of {lever.name} ({lever.accepted()})")
-    if baseline in candidates:
+    if baseline in candidates and not cfg.aa:
         raise CampaignConfigError(f"campaign {camp.name!r}: candidate {baseline!r} equals the baseline; "
-                                  f"candidates must differ from the baseline ({lever.name} default)")
+                                  f"candidates must differ from the baseline ({lever.name} default); for the grid's "
+                                  "A/A self-check (both arms at one value) add aa=true")
     if len({arm_name(v) for v in candidates}) != len(candidates):
         raise CampaignConfigError(f"campaign {camp.name!r}: duplicate candidates {list(candidates)}")
     camp.arms.baseline = baseline
@@ -322,6 +333,39 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     bad_gates = [g for g in camp.gates if g not in GATE_NAMES]
     if bad_gates:
         raise CampaignConfigError(f"unknown gate(s) {bad_gates} in campaign.gates; accepted: {', '.join(GATE_NAMES)}")
+    pinned = {}
+    for name, raw in (camp.with_levers or {}).items():
+        if name not in known:
+            raise CampaignConfigError(f"campaign.with_levers: unknown lever {name!r}; accepted: "
+                                      f"{', '.join(sorted(n for n in known if n != camp.lever))}")
+        if name == camp.lever:
+            raise CampaignConfigError(f"campaign.with_levers pins {name!r}, the campaign's own lever; its values are "
+                                      "the arms (campaign.arms)")
+        try:
+            pinned[name] = known[name].parse(raw, "campaign.with_levers value")
+        except lever_registry.LeverError as e:
+            raise CampaignConfigError(str(e)) from None
+    camp.with_levers = pinned
+    exempt = {**dict(lever.inapplicable), **dict(camp.inapplicable or {})}
+    bad = [g for g in exempt if g not in GATE_NAMES]
+    if bad:
+        raise CampaignConfigError(f"campaign.inapplicable names unknown gate(s) {bad}; accepted: "
+                                  f"{', '.join(GATE_NAMES)}")
+    empty = [g for g, why in exempt.items() if not str(why).strip()]
+    if empty:
+        raise CampaignConfigError(f"campaign.inapplicable {empty}: give the reason the gate cannot apply (the "
+                                  "record quotes it)")
+    camp.inapplicable = exempt
+    pol = camp.policy
+    if pol.flip_on_correctness and not cfg.aa:
+        if not pol.fix_gates:
+            raise CampaignConfigError(f"campaign {camp.name!r}: flip_on_correctness needs policy.fix_gates, the "
+                                      f"gate(s) that FAIL on the baseline and PASS on the fix; accepted: "
+                                      f"{', '.join(CORRECTNESS_GATES)}")
+        wrong = [g for g in pol.fix_gates if g not in CORRECTNESS_GATES or g not in camp.gates]
+        if wrong:
+            raise CampaignConfigError(f"campaign {camp.name!r}: policy.fix_gates {wrong} must be correctness gates "
+                                      f"the campaign runs; its gates: {', '.join(camp.gates)}")
     bad_axes = [a for a in camp.policy.primary_axes if a not in _axis_names()]
     if bad_axes:
         raise CampaignConfigError(f"unknown axis {bad_axes} in campaign.policy.primary_axes; "

@@ -5,8 +5,9 @@ Gates and grid legs produce dataclasses; the runner appends them to an ``Evidenc
 directory, then ``os.replace``), so an interrupted campaign leaves a complete file that ``resume=<id>`` continues.
 Records, PR text, plots and MLflow runs are views rendered from this file alone.
 
-JSON round trip is exact: ``Evidence.from_dict(json.loads(ev.to_json())) == ev``. ``load_evidence`` refuses a file
-whose ``schema_version`` is not this module's, naming both.
+JSON round trip is exact: ``Evidence.from_dict(json.loads(ev.to_json())) == ev``. ``load_evidence`` reads the
+schema versions in SCHEMA_VERSIONS (version 1 files, written before lever context, effect sizes and calibration
+were recorded, load with those fields empty) and refuses any other, naming it.
 """
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional, Union
 
-SCHEMA_VERSION = 1
-VERDICTS = ("INVALID", "REJECT-CORRECTNESS", "NON-BINDING", "FLIP", "REJECT-PERFORMANCE", "KEEP")
+SCHEMA_VERSION = 2
+SCHEMA_VERSIONS = (1, 2)
+VERDICTS = ("INVALID", "REJECT-CORRECTNESS", "NON-BINDING", "FLIP", "REJECT-PERFORMANCE", "KEEP",
+            "AA-PASS", "AA-FAIL")
 SEPARATIONS = ("WIN", "LOSS", "NEUTRAL")
 STATUSES = ("in-progress", "complete")
+KINDS = ("lever", "aa")          # a lever campaign (baseline vs candidates), or the grid's A/A self-check
 
 
 class EvidenceError(ValueError):
@@ -121,6 +125,45 @@ class ArmSummary:
 
 
 @dataclass
+class EffectSize:
+    """A multiplicative effect with its confidence interval (campaigns/effects.py), > 1 favouring the candidate.
+    ``confidence`` is the interval's achieved (exact) level; ``method`` names how it was computed."""
+    ratio: float
+    lo: float
+    hi: float
+    confidence: float
+    method: str
+
+
+@dataclass
+class PooledEffect:
+    """One axis pooled over the grid's concurrencies, for one candidate."""
+    candidate: str
+    axis: str
+    effect: EffectSize
+    primary: bool = False
+
+
+@dataclass
+class Calibration:
+    """The grid rule's own error rates for this campaign's shape, from the policy run on synthetic evidence built
+    from a null noise model (campaigns/calibrate.py). Rates are fractions of ``sims`` simulated campaigns."""
+    false_flip: float                       # P(FLIP) when both arms are the same
+    false_reject: float                     # P(REJECT-PERFORMANCE) when both arms are the same
+    power: dict[str, float]                 # true gain (e.g. "0.05") -> P(FLIP)
+    mde_80: Optional[float]                 # smallest true gain FLIPped with >= 80% probability (None: > the search)
+    separations_mean: float                 # separated points (WIN or LOSS, any axis) per A/A grid, on average
+    separations_q95: int                    # ... and its 95th percentile: what an A/A grid may show by chance
+    comparisons: int                        # (candidate, axis, concurrency) points the rule looks at
+    sims: int
+    seed: int
+    token_safe_as: str                      # "byte-exact" | "near-tie ratified": which FLIP rule was simulated
+    noise: str                              # where the null came from, in words
+    noise_campaigns: list[str] = field(default_factory=list)
+    noise_legs: dict[str, int] = field(default_factory=dict)    # concurrency -> residual legs pooled
+
+
+@dataclass
 class AxisStat:
     """One axis at one concurrency, candidate vs baseline. ``ratio`` > 1 is better for the candidate whatever
     the axis' direction (throughput: ON/OFF medians; latency: OFF/ON)."""
@@ -135,6 +178,7 @@ class AxisStat:
     ratio: Optional[float]                  # None when the baseline median is 0 (cannot orient)
     separation: str                         # WIN | LOSS | NEUTRAL
     primary: bool = False
+    effect: Optional[EffectSize] = None     # Hodges-Lehmann ratio with its exact rank-based interval
 
 
 @dataclass
@@ -149,6 +193,7 @@ class Decision:
     binding: bool = False
     headline: str = ""                      # the figure a reader quotes, e.g. "total tok/s x1.042 at c8"
     per_candidate: dict[str, str] = field(default_factory=dict)
+    effect_note: str = ""                   # a KEEP: "neutral: within ±z% (95%)" or "underpowered: up to +z%"
 
 
 @dataclass
@@ -167,6 +212,14 @@ class Evidence:
     arm_fingerprints: dict[str, str] = field(default_factory=dict)   # arm -> what its server reported (hash)
     peak_memory_gib: dict[str, float] = field(default_factory=dict)  # arm -> peak GPU memory of its server
     flip: dict[str, Any] = field(default_factory=dict)               # {branch, commit} once committed
+    kind: str = "lever"                                              # one of KINDS
+    # lever context: every registered lever's resolved value per arm (as its server reported it), the levers whose
+    # kernels ran per arm (its server's counters after the grid), and a digest of each lever's source files
+    context: dict[str, dict[str, Any]] = field(default_factory=dict)
+    live_levers: dict[str, list[str]] = field(default_factory=dict)
+    lever_digests: dict[str, str] = field(default_factory=dict)
+    pooled: list[PooledEffect] = field(default_factory=list)
+    calibration: Optional[Calibration] = None
     schema_version: int = SCHEMA_VERSION
 
     # --- queries the runner and the views share
@@ -274,13 +327,14 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def campaign_id(date: str, lever: str, short_sha: str) -> str:
-    return f"{date}-{lever}-{short_sha[:7]}"
+def campaign_id(date: str, lever: str, short_sha: str, kind: str = "lever") -> str:
+    return f"{date}-{lever}{'-aa' if kind == 'aa' else ''}-{short_sha[:7]}"
 
 
-def new_campaign_id(out_dir: Path | str, date: str, lever: str, short_sha: str) -> str:
-    """``<date>-<lever>-<sha7>``, with ``-2``, ``-3``... when that directory already exists (a re-run)."""
-    base = campaign_id(date, lever, short_sha)
+def new_campaign_id(out_dir: Path | str, date: str, lever: str, short_sha: str, kind: str = "lever") -> str:
+    """``<date>-<lever>-<sha7>`` (``<date>-<lever>-aa-<sha7>`` for an A/A grid), with ``-2``, ``-3``... when that
+    directory already exists (a re-run)."""
+    base = campaign_id(date, lever, short_sha, kind)
     cid, n = base, 1
     while (Path(out_dir) / cid).exists():
         n += 1
@@ -323,9 +377,9 @@ def load_evidence(path: Path | str) -> Evidence:
     if not isinstance(data, dict):
         raise EvidenceError(f"evidence file {path}: expected a JSON object")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in SCHEMA_VERSIONS:
         raise EvidenceError(f"evidence file {path}: schema_version {version!r} is not supported; "
-                            f"accepted: {SCHEMA_VERSION}")
+                            f"accepted: {', '.join(map(str, SCHEMA_VERSIONS))}")
     try:
         ev = Evidence.from_dict(data)
     except EvidenceError as e:
@@ -334,6 +388,8 @@ def load_evidence(path: Path | str) -> Evidence:
         raise EvidenceError(f"evidence file {path}: status {ev.status!r}; accepted: {list(STATUSES)}")
     if ev.decision is not None and ev.decision.verdict not in VERDICTS:
         raise EvidenceError(f"evidence file {path}: verdict {ev.decision.verdict!r}; accepted: {list(VERDICTS)}")
+    if ev.kind not in KINDS:
+        raise EvidenceError(f"evidence file {path}: kind {ev.kind!r}; accepted: {list(KINDS)}")
     return ev
 
 
@@ -343,6 +399,6 @@ def find_evidence(out_dir: Path | str) -> list[Path]:
 
 
 def new_evidence(cfg: dict[str, Any], fingerprint: Fingerprint, arms: list[Arm], campaign_id: str,
-                 created: str | None = None) -> Evidence:
+                 created: str | None = None, kind: str = "lever") -> Evidence:
     return Evidence(campaign_id=campaign_id, lever=cfg["campaign"]["lever"], arms=arms, config=cfg,
-                    fingerprint=fingerprint, created=created or utc_now())
+                    fingerprint=fingerprint, created=created or utc_now(), kind=kind)

@@ -1,8 +1,8 @@
 """The ``parity_enabler`` decision policy: the written rules that decide whether a lever's default flips.
 
 Rules are tried in order and the first that fires is the verdict; its text is quoted verbatim in the Decision,
-the record and the PR. Inputs are the evidence alone (gates, legs, statistics, fingerprint, config), so a decision
-can be re-derived and audited from the evidence file.
+the record and the PR. Inputs are the evidence alone (gates, legs, statistics, calibration, fingerprint, config),
+so a decision can be re-derived and audited from the evidence file.
 
 Conventions the gates fill in (campaigns/gates/ writes them, the policy reads them):
 
@@ -11,8 +11,15 @@ Conventions the gates fill in (campaigns/gates/ writes them, the policy reads th
 - ``near_tie`` passes when every divergence of the battery is a ratified tie; its ``counts['max_gap_mnats']``
   is re-checked here against the policy's ``near_tie_max_mnats``. A failed battery is excused (not a
   correctness failure) when the same arm's near_tie gate ratified it.
-- ``mechanism`` on the candidate proves the lever's route ran; failed = inert lever = INVALID; skipped or absent =
-  no proof = NON-BINDING.
+- ``mechanism`` on the candidate proves the lever's route ran; failed = inert lever = INVALID.
+- Every gate the campaign lists must have run on every arm for a binding verdict; a gate the campaign or the lever
+  declares inapplicable (``campaign.inapplicable: {gate: reason}``) is exempt, and the record quotes the reason.
+
+What the rules' numbers mean (how often a lever that does nothing FLIPs, how large a gain FLIPs reliably) is
+measured for each campaign's own grid shape by campaigns/calibrate.py and quoted beside the verdict.
+
+An A/A campaign (``kind == "aa"``: two servers at the same value) is the grid's own self-check and has its own
+rules (AA-PASS / AA-FAIL): it must not show more separations than its calibration expects by chance.
 """
 from __future__ import annotations
 
@@ -20,24 +27,34 @@ from dataclasses import asdict
 from typing import Any
 
 from campaigns.config import CORRECTNESS_GATES, PolicyConfig
-from campaigns.evidence import Arm, AxisStat, Decision, Evidence, GateResult
-from campaigns.stats import AXIS_BY_NAME, compute_stats, planned_legs
+from campaigns.evidence import Arm, AxisStat, Decision, Evidence, GateResult, PooledEffect
+from campaigns.stats import AXIS_BY_NAME, compute_stats, planned_legs, pooled_effects
 
 RULES = {
-    "INVALID": "1. INVALID — a self-check passed, the mechanism gate shows the lever inert, or the baseline arm "
-               "fails a gate.",
+    "INVALID": "1. INVALID — a self-check passed, the mechanism gate shows the lever inert, the baseline arm "
+               "fails a gate, or a correctness fix's baseline passes the gate meant to prove the fix.",
     "REJECT-CORRECTNESS": "2. REJECT (correctness) — the candidate fails a correctness gate.",
     "NON-BINDING": "3. NON-BINDING — not CUDA, dirty tree, arms on different fingerprints, fewer than {min_reps} "
-                   "reps, a void grid (a leg invalid or missing, a gate without a result), a rehearsal grid, or no "
-                   "mechanism proof.",
+                   "reps, a void grid (a leg invalid or missing), a listed gate that did not run on every arm "
+                   "(unless the campaign or the lever declares it inapplicable, with the reason), a rehearsal "
+                   "grid, or no mechanism proof.",
     "FLIP": "4. FLIP — token-safe (measured byte-exact, or every divergence ratified by near_tie) and at least one "
             "WIN on {primary} and no LOSS on any axis. A non-byte-exact lever also needs its WINs to clear a "
             "minimum gain ({min_gain:.1%}).",
-    "FLIP-CORRECTNESS": "4. FLIP (correctness fix) — a correctness fix may flip on correctness alone when its "
-                        "campaign says so (flip_on_correctness: true).",
+    "FLIP-CORRECTNESS": "4. FLIP (correctness fix) — RED first: the gate(s) the campaign names as proving the fix "
+                        "({fix_gates}) FAIL on the baseline and PASS on the candidate, and every other correctness "
+                        "gate passes on the candidate.",
     "REJECT-PERFORMANCE": "5. REJECT (performance) — a LOSS on a primary axis and no WIN: recorded as refuted so "
                           "it is not retried.",
-    "KEEP": "6. KEEP — otherwise (measured neutral); the default stays.",
+    "KEEP": "6. KEEP — otherwise; the default stays. Neutral when the pooled effect's interval on every primary "
+            "axis lies within ±{neutral_margin:.0%}, else underpowered: the grid could not tell.",
+    "AA-PASS": "A/A PASS — the grid's self-check: two servers at the same value show no more separated points "
+               "(WIN or LOSS, any axis) than an A/A grid of this shape shows by chance in 95% of simulated "
+               "campaigns.",
+    "AA-FAIL": "A/A FAIL — more separated points than an A/A grid of this shape shows by chance in 95% of "
+               "simulated campaigns: the grid invents effects, so verdicts measured on it are suspect.",
+    "AA-NON-BINDING": "A/A NON-BINDING — the A/A grid is void or not calibrated, or ran where no verdict binds (not "
+                      "CUDA, dirty tree, a rehearsal grid, fewer than {min_reps} reps).",
 }
 # Several candidates: the campaign's verdict is the first of this order among the candidates' verdicts.
 COMBINE_ORDER = ("INVALID", "FLIP", "NON-BINDING", "KEEP", "REJECT-PERFORMANCE", "REJECT-CORRECTNESS")
@@ -52,13 +69,20 @@ def policy_params(ev: Evidence, override: dict[str, Any] | None = None) -> Polic
 
 def rule_text(key: str, p: PolicyConfig) -> str:
     primary = " or ".join(AXIS_BY_NAME[a].label for a in p.primary_axes)
-    return RULES[key].format(min_reps=p.min_reps, min_gain=p.min_gain, primary=primary)
+    return RULES[key].format(min_reps=p.min_reps, min_gain=p.min_gain, primary=primary,
+                             fix_gates=", ".join(p.fix_gates) or "none named",
+                             neutral_margin=p.neutral_margin)
 
 
-def conclude(ev: Evidence, override: dict[str, Any] | None = None) -> Evidence:
-    """Compute the statistics from the legs, decide, and mark the evidence complete (in place; returned)."""
+def conclude(ev: Evidence, override: dict[str, Any] | None = None, noise=None) -> Evidence:
+    """Compute the statistics, effect sizes and (given a noise model, campaigns/calibrate.py) the grid's error
+    rates from the legs, decide, and mark the evidence complete (in place; returned)."""
     p = policy_params(ev, override)
     ev.stats = compute_stats(ev.legs, ev.baseline.name, [a.name for a in ev.candidates], p.primary_axes)
+    ev.pooled = pooled_effects(ev.stats)
+    if noise is not None and ev.stats:
+        from campaigns.calibrate import calibrate
+        ev.calibration = calibrate(ev, noise, byte_exact=_measured_byte_exact(ev) if ev.kind == "lever" else True)
     ev.decision = decide(ev, override)
     ev.status = "complete"
     return ev
@@ -66,6 +90,8 @@ def conclude(ev: Evidence, override: dict[str, Any] | None = None) -> Evidence:
 
 def decide(ev: Evidence, override: dict[str, Any] | None = None) -> Decision:
     p = policy_params(ev, override)
+    if ev.kind == "aa":
+        return decide_aa(ev, p)
     per = {arm.name: _decide_candidate(ev, arm, p) for arm in ev.candidates}
     for verdict in COMBINE_ORDER:
         hits = [d for d in per.values() if d.verdict == verdict]
@@ -82,21 +108,66 @@ def _best_primary_ratio(ev: Evidence, cand: str | None, p: PolicyConfig) -> floa
     return max(ratios, default=0.0)
 
 
+def _label(axis: str) -> str:
+    return AXIS_BY_NAME[axis].label if axis in AXIS_BY_NAME else axis
+
+
 def _fmt_stat(s: AxisStat) -> str:
     ratio = "n/a" if s.ratio is None else f"{s.ratio:.3f}"
-    return f"{AXIS_BY_NAME[s.axis].label if s.axis in AXIS_BY_NAME else s.axis} at c{s.concurrency}: ratio {ratio}"
+    return f"{_label(s.axis)} at c{s.concurrency}: ratio {ratio}"
 
 
-def headline(ev: Evidence, cand: str, p: PolicyConfig, worst: bool = False) -> str:
-    """The figure a reader quotes: the candidate's best primary-axis ratio (its worst, for a refuted lever)."""
+def fmt_effect(pe: PooledEffect) -> str:
+    e = pe.effect
+    return f"{_label(pe.axis)} ×{e.ratio:.3f} [{e.lo:.3f}, {e.hi:.3f}] pooled ({e.confidence:.0%})"
+
+
+def headline(ev: Evidence, cand: str, p: PolicyConfig, verdict: str = "") -> str:
+    """The figure a reader quotes: a FLIP's separated WIN, a refuted lever's worst LOSS, a KEEP's pooled effect
+    with its interval (never a NEUTRAL point ratio, which reads like a gain)."""
     stats = [s for s in ev.stats if s.candidate == cand and s.axis in p.primary_axes and s.ratio is not None]
     if not stats:
         return "no grid figures"
-    if not worst and any(s.separation == "WIN" for s in stats):
-        stats = [s for s in stats if s.separation == "WIN"]      # quote a separated figure, not a neutral one
+    if verdict in ("KEEP", "NON-BINDING", "AA-PASS", "AA-FAIL", "INVALID", "REJECT-CORRECTNESS"):
+        pooled = _widest_pooled(ev, cand, p)
+        if pooled is not None:
+            return fmt_effect(pooled)
+    worst = verdict == "REJECT-PERFORMANCE"
+    wanted = "LOSS" if worst else "WIN"
+    if any(s.separation == wanted for s in stats):
+        stats = [s for s in stats if s.separation == wanted]   # quote a separated figure, not a neutral one
     best = (min if worst else max)(stats, key=lambda s: s.ratio)
-    label = AXIS_BY_NAME[best.axis].label if best.axis in AXIS_BY_NAME else best.axis
-    return f"{label} ×{best.ratio:.3f} at c{best.concurrency} ({best.separation})"
+    return f"{_label(best.axis)} ×{best.ratio:.3f} at c{best.concurrency} ({best.separation})"
+
+
+def _widest_pooled(ev: Evidence, cand: str, p: PolicyConfig) -> PooledEffect | None:
+    """The primary axis whose pooled interval reaches furthest from 1 (the one that decides neutral or not)."""
+    mine = [pe for pe in ev.pooled if pe.candidate == cand and pe.axis in p.primary_axes]
+    if not mine:
+        return None
+    return max(mine, key=lambda pe: max(pe.effect.hi - 1, 1 / pe.effect.lo - 1))
+
+
+def effect_note(ev: Evidence, cand: str, p: PolicyConfig) -> str:
+    """'neutral: the effect is within ±z% (96%)' or 'underpowered: it could be up to +z% (or down to -w%)'."""
+    pe = _widest_pooled(ev, cand, p)
+    if pe is None:
+        return ""
+    e = pe.effect
+    if all(1 / (1 + p.neutral_margin) <= x.effect.lo and x.effect.hi <= 1 + p.neutral_margin
+           for x in ev.pooled if x.candidate == cand and x.axis in p.primary_axes):
+        z = max(e.hi - 1, 1 / e.lo - 1)
+        return (f"neutral: the effect is within ±{z:.1%} on {' and '.join(map(_label, p.primary_axes))} "
+                f"({e.confidence:.0%}, pooled over concurrencies)")
+    return (f"underpowered: the effect could be anywhere from {e.lo - 1:+.1%} to {e.hi - 1:+.1%} on "
+            f"{_label(pe.axis)} ({e.confidence:.0%}, pooled over concurrencies); the grid cannot call it neutral "
+            f"within ±{p.neutral_margin:.0%}")
+
+
+def _measured_byte_exact(ev: Evidence, cand: str | None = None) -> bool | None:
+    cands = [cand] if cand else [a.name for a in ev.candidates]
+    measured = [g.byte_exact for g in ev.gates if g.arm in cands and g.byte_exact is not None and not g.skipped]
+    return all(measured) if measured else None
 
 
 def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
@@ -108,19 +179,20 @@ def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
         return ev.gate(name, arm)
 
     def verdict(key: str, why: list[str], **kw) -> Decision:
-        return Decision(verdict="FLIP" if key == "FLIP-CORRECTNESS" else key, rule=rule_text(key, p),
-                        reasons=why + reasons, candidate=cand.name, byte_exact=byte_exact, token_safe=token_safe,
-                        headline=headline(ev, cand.name, p, worst=key == "REJECT-PERFORMANCE"), **kw)
+        v = "FLIP" if key == "FLIP-CORRECTNESS" else key
+        return Decision(verdict=v, rule=rule_text(key, p), reasons=why + reasons, candidate=cand.name,
+                        byte_exact=byte_exact, token_safe=token_safe, headline=headline(ev, cand.name, p, v),
+                        effect_note=effect_note(ev, cand.name, p) if v == "KEEP" else "", **kw)
 
     # Measured byte-exactness and token safety (reported whatever the verdict).
-    measured = [g.byte_exact for g in ev.gates if g.arm == cand.name and g.byte_exact is not None and not g.skipped]
-    byte_exact = all(measured) if measured else None
+    byte_exact = _measured_byte_exact(ev, cand.name)
     near = gate("near_tie", cand.name)
     near_ran = near is not None and not near.skipped
     max_gap = near.counts.get("max_gap_mnats") if near_ran else None
     gap_ok = max_gap is None or max_gap <= p.near_tie_max_mnats
     near_ok = near_ran and near.passed and gap_ok
     token_safe = byte_exact is True or near_ok
+    fix = set(p.fix_gates) if p.flip_on_correctness else set()
 
     # 1. INVALID
     invalid = []
@@ -134,21 +206,32 @@ def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
             invalid.append(f"gate {name} ran without its self-check, so it is not shown able to fail")
     mech = gate("mechanism", cand.name)
     if mech is not None and not mech.skipped and not mech.passed:
-        invalid.append(f"the mechanism gate shows the lever inert on arm {cand.name}"
-                       + (f": {mech.reason}" if mech.reason else ""))
+        why = mech.reason or mech.details.get("why", "")
+        invalid.append(f"the mechanism gate shows the lever inert on arm {cand.name}" + (f": {why}" if why else ""))
     base_near = gate("near_tie", base)
     base_ratified = (base_near is not None and not base_near.skipped and base_near.passed
                      and (base_near.counts.get("max_gap_mnats") or 0) <= p.near_tie_max_mnats)
     for g in run:
         if g.arm == base and not g.passed:
+            if g.gate in fix:
+                continue                        # RED: the bug the correctness fix addresses (checked below)
             if g.gate == "battery" and base_ratified:
                 reasons.append(f"battery divergences on the baseline arm {base} all ratified by near_tie (max gap "
                                f"{base_near.counts.get('max_gap_mnats')} mnats <= {p.near_tie_max_mnats:g})")
                 continue
-            if p.flip_on_correctness and g.gate in CORRECTNESS_GATES:
-                reasons.append(f"baseline arm {base} fails {g.gate} (the bug this correctness fix addresses)")
-            else:
-                invalid.append(f"the baseline arm {base} fails gate {g.gate}" + (f": {g.reason}" if g.reason else ""))
+            invalid.append(f"the baseline arm {base} fails gate {g.gate}" + (f": {g.reason}" if g.reason else ""))
+    red_green = []
+    for name in sorted(fix):
+        b, c = gate(name, base), gate(name, cand.name)
+        if b is None or b.skipped:
+            invalid.append(f"correctness fix: gate {name} did not run on the baseline {base}, so nothing shows "
+                           "the bug it fixes")
+        elif b.passed:
+            invalid.append(f"correctness fix: the baseline {base} passes {name} ({_counts(b)}), so the gate cannot "
+                           "prove the fix (RED first: it must fail before the fix)")
+        else:
+            red_green.append(f"{name}: RED on {base} ({_counts(b)})"
+                             + (f" → GREEN on {cand.name} ({_counts(c)})" if c is not None and c.passed else ""))
     if invalid:
         return verdict("INVALID", invalid)
 
@@ -167,13 +250,16 @@ def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
                 continue
             failures.append(f"{g.gate} fails on arm {cand.name}" + (f": {g.reason}" if g.reason else "")
                             + (f" ({_counts(g)})" if g.counts else ""))
+    if fix:
+        missing = [n for n in sorted(fix) if gate(n, cand.name) is None or gate(n, cand.name).skipped]
+        failures += [f"correctness fix: gate {n} did not run on the candidate {cand.name}" for n in missing]
     if failures:
         return verdict("REJECT-CORRECTNESS", failures)
 
     # 3. NON-BINDING
     nb = _non_binding(ev, base, cand.name, p)
     if nb:
-        return verdict("NON-BINDING", nb, binding=False)
+        return verdict("NON-BINDING", red_green + nb, binding=False)
 
     stats = [s for s in ev.stats if s.candidate == cand.name]
     primary = [s for s in stats if s.axis in p.primary_axes]
@@ -182,9 +268,8 @@ def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
     all_wins = [s for s in stats if s.separation == "WIN"]
 
     # 4. FLIP
-    if p.flip_on_correctness:
-        why = ["every correctness gate passes on the candidate"]
-        why += [f"note: LOSS on {_fmt_stat(s)}" for s in losses]
+    if fix:
+        why = red_green + [f"note: LOSS on {_fmt_stat(s)}" for s in losses]
         return verdict("FLIP-CORRECTNESS", why, binding=True, new_default=cand.value)
     qualifying = wins if byte_exact else [s for s in wins if s.ratio is not None and s.ratio >= 1 + p.min_gain]
     if token_safe and qualifying and not losses:
@@ -212,10 +297,17 @@ def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
 
 
 def _counts(g: GateResult) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(g.counts.items()))
+    return ", ".join(f"{k} {v}" for k, v in sorted(g.counts.items())) or ("pass" if g.passed else "fail")
 
 
-def _non_binding(ev: Evidence, base: str, cand: str, p: PolicyConfig) -> list[str]:
+def inapplicable(ev: Evidence) -> dict[str, str]:
+    """Gates the campaign (or its lever) declares inapplicable, with the reason: exempt from 'every listed gate
+    ran'."""
+    return dict((ev.config.get("campaign", {}) or {}).get("inapplicable", {}) or {})
+
+
+def _binding_conditions(ev: Evidence, arms: tuple[str, ...], p: PolicyConfig) -> list[str]:
+    """Reasons no verdict on these arms can bind: host, tree, fingerprints, reps, void grid."""
     fp = ev.fingerprint
     out = []
     if fp.device_type != "cuda":
@@ -223,7 +315,7 @@ def _non_binding(ev: Evidence, base: str, cand: str, p: PolicyConfig) -> list[st
     if fp.dirty:
         files = ", ".join(fp.dirty_files[:5]) + (" ..." if len(fp.dirty_files) > 5 else "")
         out.append("the git tree was dirty" + (f" ({files})" if files else ""))
-    arm_fps = {a: h for a, h in ev.arm_fingerprints.items() if a in (base, cand)}
+    arm_fps = {a: h for a, h in ev.arm_fingerprints.items() if a in arms}
     if len(set(arm_fps.values())) > 1:
         out.append(f"arms ran on different fingerprints: {arm_fps}")
     grid = ev.config.get("grid", {}) or {}
@@ -232,33 +324,99 @@ def _non_binding(ev: Evidence, base: str, cand: str, p: PolicyConfig) -> list[st
     reps = int(grid.get("reps", 0))
     if reps < p.min_reps:
         out.append(f"{reps} reps per point, fewer than {p.min_reps}")
-    planned = planned_legs(grid.get("concurrency", []), reps, [base, cand])
-    done = {leg.key for leg in ev.legs if leg.arm in (base, cand)}
+    planned = planned_legs(grid.get("concurrency", []), reps, list(arms))
+    done = {leg.key for leg in ev.legs if leg.arm in arms}
     missing = sorted(planned - done)
     if missing:
         c, r, a = missing[0]
         out.append(f"void grid: {len(missing)} planned leg(s) missing (first: c{c} rep {r} arm {a})")
-    bad = [leg for leg in ev.legs if leg.arm in (base, cand) and not leg.valid]
+    bad = [leg for leg in ev.legs if leg.arm in arms and not leg.valid]
     if bad:
         leg = bad[0]
         out.append(f"void grid: {len(bad)} invalid leg(s) (first: c{leg.concurrency} rep {leg.rep} arm {leg.arm}: "
                    + "; ".join(leg.reasons) + ")")
     by_point: dict[tuple[int, int], set[str]] = {}
     for leg in ev.legs:
-        if leg.arm in (base, cand):
+        if leg.arm in arms:
             by_point.setdefault((leg.concurrency, leg.rep), set()).add(leg.prompts_sha256)
     unlike = sorted(k for k, shas in by_point.items() if len(shas) > 1)
     if unlike:
         out.append(f"void grid: the arms served different prompts at {len(unlike)} point(s) "
                    f"(first: c{unlike[0][0]} rep {unlike[0][1]})")
+    return out
+
+
+def _non_binding(ev: Evidence, base: str, cand: str, p: PolicyConfig) -> list[str]:
+    out = _binding_conditions(ev, (base, cand), p)
+    exempt = inapplicable(ev)
     mech = ev.gate("mechanism", cand)
     if mech is None:
         out.append("no mechanism proof: the mechanism gate has no result for the candidate")
-    elif mech.skipped:
+    elif mech.skipped and "mechanism" not in exempt:
         out.append(f"no mechanism proof: the mechanism gate was skipped ({mech.reason or 'no reason given'})")
     wanted = (ev.config.get("campaign", {}) or {}).get("gates", []) or []
-    absent = [f"{g}@{a}" for g in wanted for a in (base, cand)
-              if ev.gate(g, a) is None and not (g == "mechanism" and a == cand)]
+    absent, skipped = [], []
+    for g in wanted:
+        if g in exempt:
+            continue
+        for a in (base, cand):
+            r = ev.gate(g, a)
+            if r is None:
+                absent.append(f"{g}@{a}")
+            elif r.skipped and not (g == "mechanism" and a == cand):
+                skipped.append(f"{g}@{a} ({r.reason or 'no reason given'})")
     if absent:
         out.append(f"gate(s) without a result: {', '.join(absent)}")
+    if skipped:
+        out.append(f"listed gate(s) that did not run, so the verdict does not rest on them: {'; '.join(skipped)}")
     return out
+
+
+# ----------------------------------------------------------------------------------------------- A/A
+
+
+def aa_separations(ev: Evidence) -> list[AxisStat]:
+    return [s for s in ev.stats if s.separation != "NEUTRAL"]
+
+
+def decide_aa(ev: Evidence, p: PolicyConfig) -> Decision:
+    """The grid's self-check: separations seen against those an A/A grid of this shape shows by chance."""
+    a, b = ev.baseline.name, (ev.candidates[0].name if ev.candidates else "?")
+    cal = ev.calibration
+    seen = aa_separations(ev)
+    conditions = _binding_conditions(ev, (a, b), p)
+    void = [r for r in conditions if r.startswith("void grid")]
+    bias = [f"server-instance bias {b}/{a}: {fmt_effect(pe)}" for pe in ev.pooled if pe.primary]
+    listed = "; ".join(f"{_label(s.axis)} at c{s.concurrency} {s.separation} ×{s.ratio:.3f}" for s in seen)
+    observed = f"{len(seen)} separated point(s)" + (f" ({listed})" if seen else "")
+
+    def decision(key: str, why: list[str], binding: bool) -> Decision:
+        verdict = "NON-BINDING" if key == "AA-NON-BINDING" else key
+        head = f"{len(seen)} separations" + (f", chance ≤ {cal.separations_q95} (95%)" if cal else "")
+        return Decision(verdict=verdict, rule=rule_text(key, p), reasons=why, candidate=b, binding=binding,
+                        byte_exact=None, token_safe=False, headline=head)
+
+    if void or cal is None or not ev.stats:
+        why = void + ([] if cal is not None else ["no calibration: no noise model to say what chance shows"])
+        return decision("AA-NON-BINDING", why or ["no grid statistics"], False)
+    expect = (f"an A/A grid of this shape shows {cal.separations_mean:.2f} on average and at most "
+              f"{cal.separations_q95} in 95% of {cal.sims} simulated campaigns")
+    as_lever = _decide_candidate_grid_only(ev, p)
+    why = [f"{observed}; {expect}", f"as a lever campaign the rule would say {as_lever}"] + bias
+    binding = not conditions
+    if not binding:
+        why += [f"non-binding: {r}" for r in conditions]
+    return decision("AA-PASS" if len(seen) <= cal.separations_q95 else "AA-FAIL", why, binding)
+
+
+def _decide_candidate_grid_only(ev: Evidence, p: PolicyConfig) -> str:
+    """What the lever rule's grid half would conclude on these legs (A/A: it should be KEEP)."""
+    cand = ev.candidates[0].name
+    stats = [s for s in ev.stats if s.candidate == cand]
+    wins = [s for s in stats if s.axis in p.primary_axes and s.separation == "WIN"]
+    losses = [s for s in stats if s.separation == "LOSS"]
+    if wins and not losses:
+        return "FLIP (a false FLIP)"
+    if [s for s in losses if s.axis in p.primary_axes] and not [s for s in stats if s.separation == "WIN"]:
+        return "REJECT-PERFORMANCE (a false REJECT)"
+    return "KEEP"

@@ -35,7 +35,7 @@ def test_every_campaign_composes_on_both_host_kinds():
         want = {"marlin_dense": ("mxfp4", "mxfp4"), "pdl": ("mxfp4", "bf16")}.get(name, ("bf16", "bf16"))
         assert (gpu.model.quant, cpu.model.quant) == want
         assert list(gpu.grid.concurrency) == [1, 2, 4, 8] and list(gpu.grid.prompts_per_leg) == [6, 6, 12, 24]
-        assert gpu.grid.reps == 3 and (gpu.grid.input_len, gpu.grid.output_len) == (1024, 128)
+        assert gpu.grid.reps == 5 and (gpu.grid.input_len, gpu.grid.output_len) == (1024, 128)
         pol = gpu.campaign.policy
         assert (pol.near_tie_max_mnats, pol.min_gain, pol.flip_on_correctness) == (500, 0.01, False)
         assert (gpu.allow_dirty, gpu.commit, gpu.resume, gpu.out_dir) == (False, False, None, "records/campaigns")

@@ -63,11 +63,13 @@ def legs(values: dict[str, dict[str, list[float]]], concurrency=(1, 2, 4, 8), re
 
 def make_evidence(values=None, *, reps=3, concurrency=(1, 2, 4, 8), device_type="cuda", dirty=False,
                   gate_results=None, policy_cfg=None, candidates=(True,), binding=True, lever="gqa_swap",
-                  created="2026-11-30T10:00:00Z", campaign_id=None) -> Evidence:
+                  created="2026-11-30T10:00:00Z", campaign_id=None, campaign_gates=GATE_NAMES,
+                  inapplicable=None) -> Evidence:
     arms = [Arm("off", False, "baseline")] + [Arm(str(v).lower() if not isinstance(v, bool) else "on", v,
                                                   "candidate") for v in candidates]
     names = tuple(a.name for a in arms)
-    cfg = {"campaign": {"name": lever, "lever": lever, "gates": list(GATE_NAMES),
+    cfg = {"campaign": {"name": lever, "lever": lever, "gates": list(campaign_gates),
+                        "inapplicable": dict(inapplicable or {}),
                         "policy": {"near_tie_max_mnats": 500.0, "min_gain": 0.01, "min_reps": 3,
                                    "flip_on_correctness": False, **(policy_cfg or {})},
                         "hypothesis": "K/V read once per group.", "residual": "split count next."},
@@ -163,6 +165,19 @@ def test_keep_when_reps_overlap():
     ev = make_evidence({"total_token_throughput": {"off": [101.0, 102.0, 104.0], "on": [100.0, 103.0, 106.0]}})
     assert verdict(ev) == "KEEP" and ev.decision.rule.startswith("6. KEEP")
     assert any("no WIN on a primary axis" in r for r in ev.decision.reasons)
+    # 3 reps that overlap this much cannot call the lever neutral within 2%: the KEEP says so
+    assert ev.decision.effect_note.startswith("underpowered: the effect could be anywhere from")
+    assert ev.decision.headline.split(" ×")[0] in ("total tok/s", "TPOT") and "pooled" in ev.decision.headline
+
+
+def test_keep_says_neutral_when_the_pooled_interval_is_narrow():
+    tight = {"total_token_throughput": {"off": [1000.0, 1001.0, 1002.0], "on": [1000.5, 1001.5, 1002.5]},
+             "median_tpot_ms": {"off": [10.0, 10.01, 10.02], "on": [10.005, 10.015, 10.025]}}
+    ev = make_evidence(tight, reps=3)
+    assert verdict(ev) == "KEEP"
+    assert ev.decision.effect_note.startswith("neutral: the effect is within ±"), ev.decision.effect_note
+    pooled = next(pe for pe in ev.pooled if pe.axis == "total_token_throughput")
+    assert pooled.effect.lo <= 1.0005 <= pooled.effect.hi and pooled.effect.hi - pooled.effect.lo < 0.01
 
 
 def test_tie_between_worst_on_and_best_off_is_not_a_win():
@@ -229,16 +244,29 @@ def test_min_gain_is_a_policy_parameter():
 
 
 def test_not_token_safe_without_ratification_keeps():
-    g = gates(byte_exact=False, **{"near_tie@on": {"skipped": True, "passed": False, "reason": "no oracle"}})
-    ev = make_evidence(TPUT_WIN, gate_results=g)
+    # a campaign that does not list near_tie: nothing ratifies the divergences of a non-byte-exact lever
+    g = [x for x in gates(byte_exact=False) if x.gate != "near_tie"]
+    ev = make_evidence(TPUT_WIN, gate_results=g, campaign_gates=[n for n in GATE_NAMES if n != "near_tie"])
     assert verdict(ev) == "KEEP" and not ev.decision.token_safe
-    assert any(r.startswith("not token-safe") for r in ev.decision.reasons)
+    assert any(r.startswith("not token-safe") and "near_tie did not run" in r for r in ev.decision.reasons)
 
 
 def test_unmeasured_byte_exactness_is_not_token_safe():
-    g = gates(byte_exact=None, **{"near_tie@on": {"skipped": True, "passed": False}})
-    ev = make_evidence(TPUT_WIN, gate_results=g)
+    g = [x for x in gates(byte_exact=None) if x.gate != "near_tie"]
+    ev = make_evidence(TPUT_WIN, gate_results=g, campaign_gates=[n for n in GATE_NAMES if n != "near_tie"])
     assert ev.decision.byte_exact is None and verdict(ev) == "KEEP"
+
+
+@pytest.mark.parametrize("gate", ["op", "battery", "graph_parity", "async_parity", "memcheck"])
+def test_a_listed_gate_that_did_not_run_makes_the_verdict_non_binding(gate):
+    # the binding pdl FLIP evidence shape: one listed gate skipped on the CUDA run must void the FLIP
+    g = gates(**{f"{gate}@on": {"skipped": True, "reason": "compute-sanitizer is not installed on this host"}})
+    ev = make_evidence(TPUT_WIN, gate_results=g)
+    assert verdict(ev) == "NON-BINDING" and not ev.decision.binding
+    assert any(f"{gate}@on (compute-sanitizer is not installed" in r for r in ev.decision.reasons), ev.decision.reasons
+    # declared inapplicable by the campaign (with the reason), the same skip does not void it
+    ev = make_evidence(TPUT_WIN, gate_results=g, inapplicable={gate: "the lever launches no kernel it covers"})
+    assert verdict(ev) == "FLIP" and ev.decision.binding
 
 
 # --- rule 1: INVALID
@@ -358,16 +386,25 @@ def test_skipped_mechanism_gate_is_no_proof():
 # --- correctness fixes and several candidates
 
 
-def test_flip_on_correctness_alone():
-    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "reason": "prompt 3 diverges"},
-                                   "near_tie@off": {"passed": False}})
-    ev = make_evidence({}, gate_results=g, policy_cfg={"flip_on_correctness": True})
+def test_correctness_fix_is_red_first():
+    fix = {"flip_on_correctness": True, "fix_gates": ["battery", "near_tie"]}
+    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "counts": {"prompts": 16, "strict": 9}},
+                                   "near_tie@off": {"passed": False, "counts": {"divergences": 7}}})
+    ev = make_evidence({}, gate_results=g, policy_cfg=fix)
     d = ev.decision
     assert d.verdict == "FLIP" and d.rule.startswith("4. FLIP (correctness fix)") and d.new_default is True
-    assert any("the bug this correctness fix addresses" in r for r in d.reasons)
+    assert "battery, near_tie" in d.rule
+    assert any(r.startswith("battery: RED on off (prompts 16, strict 9) → GREEN on on") for r in d.reasons)
     # Without the campaign's say-so the same evidence is INVALID (the baseline fails a gate).
-    ev2 = make_evidence({}, gate_results=g)
-    assert verdict(ev2) == "INVALID"
+    assert verdict(make_evidence({}, gate_results=g)) == "INVALID"
+    # A baseline that passes the fix gates cannot prove the fix: INVALID, saying so.
+    ev = make_evidence({}, gate_results=gates(byte_exact=False), policy_cfg=fix)
+    assert verdict(ev) == "INVALID"
+    assert any("baseline off passes battery" in r and "cannot prove the fix" in r for r in ev.decision.reasons)
+    # A candidate that still fails a fix gate is rejected, whatever the baseline did.
+    g = gates(byte_exact=False, **{"battery@off": {"passed": False}, "near_tie@off": {"passed": False},
+                                   "battery@on": {"passed": False}, "near_tie@on": {"passed": False}})
+    assert verdict(make_evidence({}, gate_results=g, policy_cfg=fix)) == "REJECT-CORRECTNESS"
 
 
 def test_several_candidates_report_the_flipping_one():
