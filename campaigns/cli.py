@@ -1,7 +1,13 @@
 """``vtcampaign``: run a lever's campaign, and view its evidence as records, MLflow runs and PR text.
 
     vtcampaign run campaign=gqa_swap [grid.reps=5 model=qwen3-8b ...] [--dry-run]
-    vtcampaign status                  levers, defaults, resolved values, measured byte-exactness, last verdicts
+    vtcampaign run campaign=gqa_swap aa=true   the grid's A/A self-check (two servers at one value)
+    vtcampaign status                  levers, defaults, resolved values, measured byte-exactness, last verdicts, and
+                                       which verdicts are STALE (and why)
+    vtcampaign calibrate               each binding campaign's false FLIP / false REJECT rates and minimum detectable
+                                       effect, from the policy run on simulated campaigns of its grid shape
+    vtcampaign flip <campaign-id>      commit a binding FLIP's default flip on row/<lever>-flip (refuses a stale one)
+    vtcampaign recheck [overrides]     re-run the campaign of every stale binding verdict, resumably
     vtcampaign render                  rebuild every record.md/pr.md/grid.png and records/STATUS.md, BENCHMARKS.md
     vtcampaign log <evidence.json>     ingest a campaign into MLflow (replaces an earlier logging of the same id)
     vtcampaign pr <campaign-id>        print the PR text (title line, then the body)
@@ -34,7 +40,8 @@ class UsageError(ValueError):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vtcampaign", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,status,render,log,pr,ui}")
+    sub = p.add_subparsers(dest="cmd", required=True,
+                           metavar="{run,status,calibrate,flip,recheck,render,log,pr,ui}")
     run = sub.add_parser("run", help="compose the campaign config and run it",
                          description="Compose conf/config.yaml with Hydra overrides and run the campaign. "
                                      f"Campaigns: {', '.join(options('campaign'))}.")
@@ -42,6 +49,21 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the composed config and the plan; run nothing")
     st = sub.add_parser("status", help="levers, defaults, resolved values and last verdicts")
     st.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    cal = sub.add_parser("calibrate", help="the grid rule's error rates for every binding campaign")
+    cal.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    cal.add_argument("--sims", type=int, default=1000, help="simulated campaigns per rate (default 1000)")
+    cal.add_argument("--seed", type=int, default=0)
+    fl = sub.add_parser("flip", help="commit a binding, fresh FLIP on row/<lever>-flip")
+    fl.add_argument("campaign_id")
+    fl.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    rc = sub.add_parser("recheck", help="re-run the campaigns of the stale binding verdicts, one after another",
+                        description="Re-run every stale binding verdict's campaign (vtcampaign status lists them) "
+                                    "on today's defaults, resumably; extra arguments are Hydra overrides for every "
+                                    "campaign (e.g. tracking=off).")
+    rc.add_argument("overrides", nargs="*")
+    rc.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    rc.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
+    rc.add_argument("--restart", action="store_true", help="drop a saved plan and plan anew")
     rd = sub.add_parser("render", help="rebuild records from evidence files")
     rd.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     rd.add_argument("--no-plots", action="store_true", help="skip grid.png")
@@ -62,14 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        if args.cmd == "run":
+        if args.cmd in ("run", "recheck"):
             flags = [x for x in extra if x.startswith("-")]
             if flags:
-                raise UsageError(f"unknown option(s) {flags} for run; accepted: --dry-run, and Hydra overrides key=value")
-            return cmd_run(list(args.overrides) + extra, args.dry_run)
+                raise UsageError(f"unknown option(s) {flags} for {args.cmd}; accepted: --dry-run"
+                                 + (", --restart, --out-dir" if args.cmd == "recheck" else "")
+                                 + ", and Hydra overrides key=value")
+            if args.cmd == "run":
+                return cmd_run(list(args.overrides) + extra, args.dry_run)
+            args.overrides = list(args.overrides) + extra
+            return cmd_recheck(args)
         if extra:
             raise UsageError(f"unexpected argument(s) {extra} for {args.cmd}")
-        return {"status": cmd_status, "render": cmd_render, "log": cmd_log, "pr": cmd_pr, "ui": cmd_ui}[args.cmd](args)
+        return {"status": cmd_status, "render": cmd_render, "log": cmd_log, "pr": cmd_pr, "ui": cmd_ui,
+                "calibrate": cmd_calibrate, "flip": cmd_flip}[args.cmd](args)
     except (UsageError, *USER_ERRORS) as e:
         print(f"vtcampaign: error: {e}", file=sys.stderr)
         return 2
@@ -119,25 +147,122 @@ def cmd_status(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from campaigns import context as lever_context
+    from campaigns.recheck import latest_binding
     from vtengine import levers
 
     by = _evidence_by_lever(args.out_dir)
     table = Table(title="levers (default: conf/lever/*.yaml; last campaign: " + args.out_dir + ")")
-    for col in ("lever", "default", "env", "resolved", "byte-exact", "last campaign", "verdict"):
+    for col in ("lever", "default", "env", "resolved", "byte-exact", "last campaign", "verdict", "fresh"):
         table.add_column(col)
     try:
         resolved = levers.resolve()
     except levers.LeverError as e:
         raise UsageError(str(e)) from None
-    for name, lever in sorted(levers.registry().items()):
-        done = [e for e in by.get(name, []) if e.decision is not None]
-        last = done[-1] if done else None
+    registry = levers.registry()
+    root = levers.CONF_DIR.parent
+    digests = lever_context.tree_digests(registry, root)
+    stale = []
+    for name, lever in sorted(registry.items()):
+        done = [e for e in by.get(name, []) if e.decision is not None and e.kind == "lever"]
+        binding = latest_binding(done)
+        last = binding.get(name) or (done[-1] if done else None)
+        fresh = lever_context.freshness(last, root, registry, digests) if last else None
+        if fresh is not None and not fresh.fresh and last.decision.binding:
+            stale.append((last, fresh))
         table.add_row(name, str(lever.default), lever.env,
                       f"{resolved.values[name]} ({resolved.sources[name]})",
                       {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
-                      last.campaign_id if last else "—", last.decision.verdict if last else "—")
+                      last.campaign_id if last else "—", last.decision.verdict if last else "—",
+                      fresh.label if fresh else "—")
     # Piped output gets a wide console so the table is not folded into unreadable columns.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(table)
+    if stale:
+        console.print(f"{len(stale)} stale binding verdict(s) (`vtcampaign recheck` re-runs them):")
+        for ev, f in stale:
+            console.print(f"  {ev.lever} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    """Each binding campaign's grid error rates, recomputed with every binding campaign of its device pooled."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from campaigns import calibrate
+    evs = [load_evidence(p) for p in find_evidence(args.out_dir)]
+    binding = [e for e in evs if e.status == "complete" and e.decision is not None and e.decision.binding]
+    if not binding:
+        raise UsageError(f"no binding campaign under {args.out_dir}; calibration needs binding legs")
+    table = Table(title=f"grid error rates (policy on {args.sims} simulated campaigns per rate, seed {args.seed})")
+    for col in ("campaign", "reps", "comparisons", "false FLIP", "false REJECT", "P(FLIP) +5%", "MDE 80%",
+                "A/A separations (mean / 95%)"):
+        table.add_column(col)
+    for ev in sorted(binding, key=lambda e: e.campaign_id):
+        cal = calibrate.calibrate(ev, calibrate.pool_for(ev, evs), sims=args.sims, seed=args.seed)
+        if cal is None:
+            table.add_row(ev.campaign_id, "—", "—", "no noise model", "", "", "", "")
+            continue
+        table.add_row(ev.campaign_id, str(ev.config.get("grid", {}).get("reps", "?")), str(cal.comparisons),
+                      f"{cal.false_flip:.1%}", f"{cal.false_reject:.1%}", f"{cal.power.get('0.05', 0):.1%}",
+                      f"> {calibrate.MDE_SEARCH[1]:.0%}" if cal.mde_80 is None else f"{cal.mde_80:.1%}",
+                      f"{cal.separations_mean:.2f} / {cal.separations_q95}")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
+def cmd_flip(args) -> int:
+    from campaigns.runner import CampaignError, check_flippable, status_dir
+    from campaigns.gitops import flip_commit
+    from campaigns.records import render_all
+    from vtengine import levers
+    path = Path(args.out_dir) / args.campaign_id / "evidence.json"
+    if not path.is_file():
+        known = [p.parent.name for p in find_evidence(args.out_dir)]
+        raise UsageError(f"unknown campaign id {args.campaign_id!r} under {args.out_dir}; "
+                         f"accepted: {', '.join(known) or '(none yet)'}")
+    ev = load_evidence(path)
+    try:
+        check_flippable(ev)
+    except CampaignError as e:
+        raise UsageError(str(e)) from None
+    out_dir = Path(args.out_dir).resolve()
+    summaries = status_dir(Path.cwd(), out_dir)
+    render_all(out_dir, summaries)
+    cdir = path.parent
+    files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
+    files += [summaries / "STATUS.md", summaries / "BENCHMARKS.md"]
+    info = flip_commit(Path.cwd(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
+                       lever_dir=levers.LEVER_DIR)
+    print(f"flip of {ev.lever} to {ev.decision.new_default} committed on {info['branch']} ({info['commit'][:7]}); "
+          f"merge it to change the default")
+    return 0
+
+
+def cmd_recheck(args) -> int:
+    from campaigns import recheck
+    from campaigns.runner import CampaignError, run_campaign
+    if args.dry_run:
+        state = recheck.plan(args.out_dir, restart=args.restart)
+        if not state["entries"]:
+            print("recheck: no stale binding verdict")
+        for e in state["entries"]:
+            print(f"{e['status']:<8} {e['lever']:<13} {e['stale']}  ->  vtcampaign run {' '.join(e['overrides'])}"
+                  f"{' ' + ' '.join(args.overrides) if args.overrides else ''}  ({'; '.join(e['why'])})")
+        return 0
+
+    def run_one(overrides, on_start):
+        cfg = compose(overrides + [f"out_dir={args.out_dir}"])
+        try:
+            return run_campaign(cfg, on_start=on_start)
+        except CampaignError as e:
+            raise UsageError(str(e)) from None
+    try:
+        recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart)
+    except KeyboardInterrupt:
+        print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -26,21 +26,27 @@ def device_info(device: str) -> tuple[str, str, str | None]:
     return "cpu", platform.processor() or platform.machine() or "cpu", torch.version.cuda
 
 
-def make_arms(lever: str, baseline: Any, candidates: list[Any]) -> list[Arm]:
+def make_arms(lever: str, baseline: Any, candidates: list[Any], aa: bool = False) -> list[Arm]:
+    """The arms, named by value ('off', 'on', 'auto', '8'); an A/A campaign's two arms (one value) are 'a' and 'b'."""
+    if aa:
+        return [Arm("a", baseline, "baseline"), Arm("b", baseline, "candidate")]
     return ([Arm(arm_name(baseline), baseline, "baseline")]
             + [Arm(arm_name(v), v, "candidate") for v in candidates])
 
 
-def arms_env(lever_env: str, arms: list[Arm], environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+def arms_env(lever_env: str, arms: list[Arm], environ: Mapping[str, str] | None = None,
+             pinned: Mapping[str, Any] | None = None) -> dict[str, dict[str, str]]:
     """Per arm, the VT_* environment its server runs with: inherited VT_* variables (so a stray one shows up in
-    the record) plus the campaign lever's own variable set to the arm's value."""
+    the record), the pinned levers (campaign.with_levers, by env name) and the campaign lever's own variable set to
+    the arm's value."""
     environ = os.environ if environ is None else environ
     inherited = {k: v for k, v in environ.items() if k.startswith("VT_")}
-    return {a.name: dict(sorted({**inherited, lever_env: arm_env_value(a.value)}.items())) for a in arms}
+    pins = {k: arm_env_value(v) for k, v in (pinned or {}).items()}
+    return {a.name: dict(sorted({**inherited, **pins, lever_env: arm_env_value(a.value)}.items())) for a in arms}
 
 
 def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm], config_hash: str,
-            ignore_dirty: tuple[str, ...] = ()) -> Fingerprint:
+            ignore_dirty: tuple[str, ...] = (), pinned: Mapping[str, Any] | None = None) -> Fingerprint:
     """The preflight fingerprint. ``ignore_dirty``: paths (e.g. the campaign's own out_dir) that do not count as
     dirt, since the campaign writes there while it runs."""
     import torch
@@ -62,4 +68,4 @@ def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm],
         device_type=device_type, device_name=device_name, cuda_version=cuda_version,
         torch_version=torch.__version__,
         triton_version=triton_version, python_version=platform.python_version(), hostname=socket.gethostname(),
-        arms_env=arms_env(lever_env, arms), config_hash=config_hash, dirty_files=state.dirty_files)
+        arms_env=arms_env(lever_env, arms, pinned=pinned), config_hash=config_hash, dirty_files=state.dirty_files)

@@ -40,12 +40,18 @@ class ServerHandle:
     log_path: str
 
 
-def server_command(model: str, quant: str, lever: str, value, *, backend: str | None, gpu_util: float | None,
-                   max_num_seqs: int, triton_kernels: list[str] | None = None,
-                   max_model_len: int | None = None) -> list[str]:
-    value_text = "off" if value is False else ("on" if value is True else str(value))
+def server_command(model: str, quant: str, lever_values: dict, *, backend: str | None, gpu_util: float | None,
+                   max_num_seqs: int, triton_kernels: list[str] | None = None, max_model_len: int | None = None,
+                   fault_injection: bool = False) -> list[str]:
+    """``vtengine serve`` for one arm: ``lever_values`` are set by --lever (they win over any inherited VT_*);
+    ``fault_injection`` opens the deliberate-fault endpoint the gates' self-checks use."""
     cmd = [sys.executable, "-m", "vtengine.cli", "serve", "--model", model, "--quant", quant, "--port", "0",
-           "--lever", f"{lever}={value_text}", "--max-num-seqs", str(max_num_seqs)]
+           "--max-num-seqs", str(max_num_seqs)]
+    for lever, value in lever_values.items():
+        value_text = "off" if value is False else ("on" if value is True else str(value))
+        cmd += ["--lever", f"{lever}={value_text}"]
+    if fault_injection:
+        cmd.append("--fault-injection")
     if backend:
         cmd += ["--backend", backend]
     if gpu_util:
@@ -61,14 +67,31 @@ def start_server(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str],
                  timeout_s: float = SERVER_START_TIMEOUT_S) -> ServerHandle:
     """Start a server and wait (at most ``timeout_s``, even if it prints nothing) for its ready line; its output
     goes to log_path. On any failure or interruption while starting, the process is killed: never an orphan."""
+    return _await_ready(_launch(arm, cmd, log_path, env), timeout_s)
+
+
+@dataclass
+class _Launch:
+    arm: Arm
+    proc: subprocess.Popen
+    ready: queue.Queue
+    log_path: str
+
+
+def _launch(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str]) -> _Launch:
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     ready: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_drain, args=(proc, log, ready), daemon=True).start()
+    return _Launch(arm, proc, ready, log_path)
+
+
+def _await_ready(launch: _Launch, timeout_s: float = SERVER_START_TIMEOUT_S) -> ServerHandle:
+    arm, proc, log_path = launch.arm, launch.proc, launch.log_path
     try:
         try:
-            url = ready.get(timeout=timeout_s)
+            url = launch.ready.get(timeout=timeout_s)
         except queue.Empty:
             url = None
         if not url:
@@ -114,18 +137,40 @@ def stop_server(h: ServerHandle) -> None:
 @contextmanager
 def servers(arms: list[Arm], make_cmd: Callable[[Arm], list[str]], log_dir: str, env: dict[str, str],
             on_start: Callable[[str], None] | None = None) -> Iterator[dict[str, ServerHandle]]:
-    """Every arm's server, started once and always stopped (also on Ctrl-C or a failed leg)."""
+    """Every arm's server, started once and always stopped (also on Ctrl-C or a failed leg). The servers start
+    side by side (a model build and graph capture each: about half a minute per 8B arm on the H200)."""
+    launches: list[_Launch] = []
     handles: dict[str, ServerHandle] = {}
     try:
         for arm in arms:
             if on_start:
                 on_start(arm.name)
-            handles[arm.name] = start_server(arm, make_cmd(arm), os.path.join(log_dir, f"server-{arm.name}.log"),
-                                             env)
+            launches.append(_launch(arm, make_cmd(arm), os.path.join(log_dir, f"server-{arm.name}.log"), env))
+        for launch in launches:
+            handles[launch.arm.name] = _await_ready(launch)
         yield handles
     finally:
+        for launch in launches:
+            if launch.arm.name not in handles:
+                _kill(launch.proc)
         for h in handles.values():
             stop_server(h)
+
+
+def server_info(url: str) -> dict:
+    """What a server reports of itself on /metrics: every lever's resolved value, the kernels that ran (launch
+    counters), and its build info (model, quant, dtype, device, versions)."""
+    import re
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    lever_re = re.compile(r'^vtengine_lever_info\{lever="([^"]+)",value="([^"]*)",source="([^"]*)"\} 1', re.M)
+    launch_re = re.compile(r'^vtengine_kernel_launches_total\{kernel="([^"]+)",route="([^"]+)"\} (\d+)', re.M)
+    build = re.search(r'^vtengine_build_info\{([^}]*)\} 1', text, re.M)
+    ran: dict[str, int] = {}
+    for kernel, _route, n in launch_re.findall(text):
+        ran[kernel] = ran.get(kernel, 0) + int(n)
+    return {"levers": {name: value for name, value, _src in lever_re.findall(text)},
+            "kernels_ran": {k for k, n in ran.items() if n > 0},
+            "build": dict(re.findall(r'(\w+)="([^"]*)"', build.group(1))) if build else {}}
 
 
 def peak_memory_gib(url: str) -> float:

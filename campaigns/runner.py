@@ -13,20 +13,22 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from campaigns import calibrate
+from campaigns import context as lever_context
 from campaigns import fingerprint as fp
 from campaigns import grid as gridmod
 from campaigns import policy, records
 from campaigns.config import config_hash
-from campaigns.evidence import (Evidence, load_evidence, new_campaign_id, new_evidence, save_evidence,
-                                utc_now)
-from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate
+from campaigns.evidence import (Evidence, find_evidence, load_evidence, new_campaign_id, new_evidence,
+                                save_evidence, utc_now)
+from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate, skipped
 from vtengine import levers
 
 console = Console(stderr=True)
@@ -47,23 +49,31 @@ def _progress() -> Progress:
 
 def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
     lever = levers.get(cfg.campaign.lever)
-    arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates))
+    kind = "aa" if cfg.aa else "lever"
+    arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates), aa=cfg.aa)
     ignore = (str(out_dir.relative_to(repo)) if out_dir.is_relative_to(repo) else "",
               "records", "mlflow.db", "mlruns", "mlartifacts")
-    fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=tuple(i for i in ignore if i))
-    cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha)
-    return new_evidence(OmegaConf.to_container(cfg, resolve=True), fpr, arms, cid)
+    fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=tuple(i for i in ignore if i),
+                     pinned={levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()})
+    cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha, kind)
+    ev = new_evidence(OmegaConf.to_container(cfg, resolve=True), fpr, arms, cid, kind=kind)
+    # the lever sources measured: a later change to them makes the verdict STALE (campaigns/context.py)
+    ev.lever_digests = lever_context.tree_digests(levers.registry(), levers.CONF_DIR.parent)
+    return ev
 
 
 def _save(ev: Evidence, cdir: Path) -> None:
     save_evidence(ev, cdir)
 
 
-def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any] | None = None) -> Evidence:
+def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any] | None = None,
+                 on_start: Callable[[str], None] | None = None) -> Evidence:
     """Run (or resume) the campaign ``cfg`` (a composed AppConfig). ``inject``: deliberate faults for the product's
-    own tests, e.g. {"inert_arm": "on"} runs that arm with the lever forced to the baseline value."""
+    own tests, e.g. {"inert_arm": "on"} runs that arm with the lever forced to the baseline value, {"broken_arm":
+    "on"} runs its in-process engine with the lever's kernel broken. ``on_start`` gets the campaign id as soon as
+    its evidence file exists (recheck keeps it to resume)."""
     with _ctrl_c_raises():
-        return _run_campaign(cfg, repo, inject)
+        return _run_campaign(cfg, repo, inject, on_start)
 
 
 @contextmanager
@@ -87,7 +97,8 @@ def _ctrl_c_raises():
         signal.signal(signal.SIGINT, previous)
 
 
-def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | None) -> Evidence:
+def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | None,
+                  on_start: Callable[[str], None] | None = None) -> Evidence:
     inject = dict(inject or {})
     if not _cuda():
         import torch
@@ -110,6 +121,8 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
         ev = _preflight(cfg, repo, out_dir)
         cdir = out_dir / ev.campaign_id
     _save(ev, cdir)
+    if on_start:
+        on_start(ev.campaign_id)
     console.print(f"[bold]campaign[/] {ev.campaign_id}  lever={ev.lever}  arms="
                   f"{[f'{a.name}({a.role})' for a in ev.arms]}  model={cfg.model.name}/{cfg.model.quant}  "
                   f"device={ev.fingerprint.device_name}  evidence={cdir}")
@@ -117,11 +130,18 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
     ctx = GateContext(lever=ev.lever, arms=ev.arms, model=str(cfg.model.name), quant=str(cfg.model.quant),
                       device=ev.fingerprint.device_type, gate_cfg=cfg.gate,
                       near_tie_max_mnats=float(cfg.campaign.policy.near_tie_max_mnats), work_dir=cdir,
-                      inert_arm=inject.get("inert_arm"), cpu_max_model_len=_cpu_max_model_len(cfg))
+                      inert_arm=inject.get("inert_arm"), broken_arm=inject.get("broken_arm"),
+                      with_levers=dict(cfg.campaign.with_levers), cpu_max_model_len=_cpu_max_model_len(cfg))
     gates = [g for g in cfg.campaign.gates]
     unknown = sorted(set(gates) - set(IN_PROCESS_GATES) - set(SERVER_GATES))
     if unknown:
         raise CampaignError(f"unknown gate(s) {unknown}; accepted: {list(IN_PROCESS_GATES + SERVER_GATES)}")
+    exempt = dict(cfg.campaign.inapplicable)
+    for g in gates:                 # declared inapplicable by the campaign or the lever: recorded with the reason
+        for a in ev.arms:
+            if g in exempt and ev.gate(g, a.name) is None:
+                ev.gates.append(skipped(g, a, f"inapplicable: {exempt[g]}"))
+    gates = [g for g in gates if g not in exempt]
     self_check = bool(cfg.gate.self_check)
     try:
         _run_gates(ev, cdir, ctx, [g for g in gates if g in IN_PROCESS_GATES], self_check)
@@ -146,6 +166,8 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
                 _run_grid(ev, cdir, cfg, handles)
             for n, h in handles.items():
                 ev.peak_memory_gib[n] = gridmod.peak_memory_gib(h.url)
+            _record_context(ev, handles)
+            _save(ev, cdir)
     except _Done:
         pass
     except KeyboardInterrupt:
@@ -159,7 +181,9 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
     finally:
         ctx.release_engines()
 
-    policy.conclude(ev)
+    if not ev.context:             # no server ran (the gates fixed the verdict): the gate engines' context
+        _record_gate_context(ev, ctx)
+    policy.conclude(ev, noise=calibrate.pool_for(ev, _other_evidence(out_dir, ev.campaign_id)))
     ev.status = "complete"
     _save(ev, cdir)
     records.render_all(out_dir, status_dir(repo, out_dir))
@@ -168,6 +192,42 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
         _flip(ev, cdir, repo, status_dir(repo, out_dir))
     _summary(ev, cdir, time.perf_counter() - t_start)
     return ev
+
+
+def _other_evidence(out_dir: Path, own: str) -> list[Evidence]:
+    out = []
+    for path in find_evidence(out_dir):
+        if path.parent.name != own:
+            try:
+                out.append(load_evidence(path))
+            except Exception as e:      # one unreadable file must not stop a campaign from concluding
+                console.print(f"[yellow]calibration skips {path}: {e}[/]")
+    return out
+
+
+def _record_context(ev: Evidence, handles: dict) -> None:
+    """Each arm's context as its server reports it (/metrics): every lever's resolved value, the levers whose
+    kernels ran during the campaign, and a fingerprint of what it runs (model, quant, dtype, device, versions)."""
+    import hashlib
+    import json
+    registry = levers.registry()
+    for name, h in handles.items():
+        info = gridmod.server_info(h.url)
+        ev.context[name] = {k: registry[k].parse(v, "server-reported value") if k in registry else v
+                            for k, v in info["levers"].items()}
+        ev.live_levers[name] = lever_context.live_levers(registry, info["kernels_ran"])
+        ev.arm_fingerprints[name] = hashlib.sha256(json.dumps(info["build"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _record_gate_context(ev: Evidence, ctx: GateContext) -> None:
+    registry = levers.registry()
+    for arm in ev.arms:
+        ev.context[arm.name] = dict(levers.resolve(ctx.lever_values(arm), environ={}).values)
+        mech = ev.gate("mechanism", arm.name)
+        counted = (mech.details.get("counters") if mech is not None else None) or {}
+        # without counters nothing shows a lever inert: count every lever live (STALE is the safe answer)
+        ev.live_levers[arm.name] = (lever_context.live_levers(registry, lever_context.kernels_ran(counted))
+                                    if counted else sorted(registry))
 
 
 def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path) -> None:
@@ -229,15 +289,16 @@ def _cuda() -> bool:
 
 def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
     value = ev.baseline.value if inject.get("inert_arm") == arm.name else arm.value
+    others = dict(cfg.campaign.with_levers)
     cuda = ev.fingerprint.device_type == "cuda"
     util = round(0.9 / len(ev.arms), 3) if cuda else None
     max_seqs = max(16, max(int(c) for c in cfg.grid.concurrency))
     # on CPU: the Triton interpreter for the lever's own kernels only, and a short max_model_len (see GateContext)
     kernels = None if cuda else list(levers.get(ev.lever).affects)
     max_len = None if cuda else _cpu_max_model_len(cfg)
-    return gridmod.server_command(str(cfg.model.name), str(cfg.model.quant), ev.lever, value,
+    return gridmod.server_command(str(cfg.model.name), str(cfg.model.quant), {**others, ev.lever: value},
                                   backend="triton", gpu_util=util, max_num_seqs=max_seqs, triton_kernels=kernels,
-                                  max_model_len=max_len)
+                                  max_model_len=max_len, fault_injection=True)
 
 
 def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
@@ -288,7 +349,9 @@ def status_dir(repo: Path, out_dir: Path) -> Path:
 
 
 def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
+    """Commit the flip on row/<lever>-flip: only a fresh, binding FLIP (a stale one measured another engine)."""
     from campaigns.gitops import flip_commit
+    check_flippable(ev)
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
     files += [summaries / "STATUS.md", summaries / "BENCHMARKS.md"]
     info = flip_commit(repo, ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
@@ -296,6 +359,21 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
     ev.flip = info
     _save(ev, cdir)
     console.print(f"flip committed on {info['branch']} ({info['commit'][:7]})")
+
+
+def check_flippable(ev: Evidence) -> None:
+    """Raise CampaignError, saying why, unless ``ev`` is a complete, binding, fresh FLIP of a lever campaign."""
+    d = ev.decision
+    if ev.kind != "lever" or d is None or d.verdict != "FLIP":
+        raise CampaignError(f"{ev.campaign_id}: its verdict is {d.verdict if d else 'not decided'}, not FLIP; only a "
+                            "FLIP changes a default")
+    if not d.binding:
+        raise CampaignError(f"{ev.campaign_id}: its FLIP is not binding; nothing to commit")
+    fresh = lever_context.freshness(ev, levers.CONF_DIR.parent)
+    if not fresh.fresh:
+        raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "
+                            "measured another engine than the one users run. Re-run it: `vtcampaign recheck`, or "
+                            f"`vtcampaign run campaign={ev.config.get('campaign', {}).get('name', ev.lever)}`")
 
 
 def _summary(ev: Evidence, cdir: Path, elapsed_s: float) -> None:

@@ -33,6 +33,8 @@ class Lever:
     values: list
     affects: list[str]
     summary: str
+    paths: list[str] = field(default_factory=list)      # its source files (repository-relative): a change stales
+    inapplicable: dict[str, str] = field(default_factory=dict)   # gate -> why it cannot apply to this lever
     path: Path | None = field(default=None, compare=False)
 
     def __post_init__(self):
@@ -97,13 +99,18 @@ def _load_file(path: Path) -> Lever:
     except yaml.YAMLError as e:
         raise LeverError(f"lever file {path.name}: not valid YAML: {e}") from None
     required = ("name", "env", "type", "default", "values", "affects", "summary")
+    optional = ("paths", "inapplicable")
     if not isinstance(data, dict):
         raise LeverError(f"lever file {path.name}: expected a mapping with keys {list(required)}")
     missing = [k for k in required if k not in data]
-    unknown = sorted(set(data) - set(required))
+    unknown = sorted(set(data) - set(required) - set(optional))
     if missing or unknown:
         raise LeverError(f"lever file {path.name}: missing keys {missing}, unknown keys {unknown}; "
-                         f"the schema is {list(required)}")
+                         f"the schema is {list(required)} (optional: {list(optional)})")
+    if not isinstance(data.get("paths", []), list) or not all(isinstance(p, str) for p in data.get("paths", [])):
+        raise LeverError(f"lever file {path.name}: paths must be a list of repository-relative file paths")
+    if not isinstance(data.get("inapplicable", {}), dict):
+        raise LeverError(f"lever file {path.name}: inapplicable must map gate names to the reason")
     if data["name"] != path.stem:
         raise LeverError(f"lever file {path.name}: name {data['name']!r} must equal the file name {path.stem!r}")
     return Lever(**data, path=path)

@@ -1,0 +1,206 @@
+"""Lever context and staleness: a verdict holds in the context it was measured in.
+
+A campaign's context is every lever's resolved value in each arm, which levers were live there (their kernels ran:
+the servers' kernel counters say which; ``marlin_dense`` is inert on a bf16 model), and a digest of each lever's
+source files (``paths:`` in its lever file). A verdict is STALE, with the reason, when
+
+- another lever that was live in its context has a default now that differs from its value there (the engine the
+  verdict measured is not the engine users run any more), or
+- the lever's own source files changed since the campaign (the code the verdict measured is gone).
+
+Evidence written before context was recorded (schema 1) gets its context from the lever files at its commit
+(git): every lever at that commit's default, except the campaign's own; liveness from its mechanism gate's kernel
+counters where they can tell, else live; digests from the files at that commit. Where nothing can be told (the
+commit is not in this repository), the answer is STALE: the safe one.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from campaigns.evidence import Evidence
+
+# the kernels schema-1 evidence's mechanism gate kept counters for: a lever whose kernels are all among these and
+# absent from the counters did not run; any other kernel is unknown (counted live)
+V1_COUNTED_KERNELS = ("decode_attention", "w4a16_gemm", "prefill_attention", "rms_norm")
+
+
+@dataclass
+class Context:
+    values: dict[str, dict[str, Any]]           # arm -> lever -> value
+    live: dict[str, list[str]]                  # arm -> levers whose kernels ran
+    digests: dict[str, str]                     # lever -> digest of its source files ("" = unknown)
+    source: str                                 # "recorded" | "git <sha7>" | what could not be told
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Freshness:
+    fresh: bool
+    reasons: list[str]
+
+    @property
+    def label(self) -> str:
+        return "FRESH" if self.fresh else "STALE"
+
+    def describe(self) -> str:
+        return self.label + (": " + "; ".join(self.reasons) if self.reasons else "")
+
+
+def digest(files: dict[str, bytes | None]) -> str:
+    """sha256 over (path, content) pairs in path order; a missing file counts as its absence."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        data = files[path]
+        h.update(path.encode() + b"\0" + (b"<missing>" if data is None else data) + b"\0")
+    return h.hexdigest()
+
+
+def tree_digests(levers: dict, root: Path | str) -> dict[str, str]:
+    """Each lever's source digest from the working tree under ``root``."""
+    root = Path(root)
+    out = {}
+    for name, lever in sorted(levers.items()):
+        files = {p: (root / p).read_bytes() if (root / p).is_file() else None for p in lever.paths}
+        out[name] = digest(files)
+    return out
+
+
+def _git_file(repo, sha: str, path: str) -> bytes | None:
+    """The file's bytes at commit ``sha`` (exactly: no newline stripped), or None where it did not exist."""
+    try:
+        return repo.commit(sha).tree[path].data_stream.read()
+    except KeyError:
+        return None
+
+
+def _commit_known(repo, sha: str) -> bool:
+    import git
+    try:
+        repo.commit(sha)
+        return True
+    except (git.BadName, ValueError, git.GitCommandError):
+        return False
+
+
+def kernels_ran(snapshot_or_counts: dict[str, Any]) -> set[str]:
+    """Kernel names with at least one launch, from a counters snapshot {kernel: {route: {launches...}}} or a flat
+    {kernel: launches} map."""
+    out = set()
+    for kernel, v in snapshot_or_counts.items():
+        if isinstance(v, dict):
+            n = sum(int(r.get("launches", 0)) for r in v.values() if isinstance(r, dict))
+        else:
+            n = int(v)
+        if n > 0:
+            out.add(kernel)
+    return out
+
+
+def live_levers(levers: dict, ran: set[str]) -> list[str]:
+    """Levers at least one of whose kernels ran."""
+    return sorted(name for name, lv in levers.items() if set(lv.affects) & ran)
+
+
+def context_of(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Context:
+    """The campaign's context: recorded (schema 2), else reconstructed from git at its commit."""
+    if ev.context:
+        return Context(values=ev.context, live=ev.live_levers, digests=ev.lever_digests, source="recorded")
+    return _reconstructed(ev, repo_root, levers_now)
+
+
+def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Context:
+    from campaigns.gitops import GitOpsError, open_repo
+    sha = ev.fingerprint.git_sha
+    notes = []
+    try:
+        repo = open_repo(repo_root)
+        known = _commit_known(repo, sha)
+    except GitOpsError:
+        repo, known = None, False
+    defaults: dict[str, Any] = {}
+    digests: dict[str, str] = {}
+    if known:
+        for name, lever in levers_now.items():
+            raw = _git_file(repo, sha, f"conf/lever/{name}.yaml")
+            if raw is None:
+                notes.append(f"lever {name} had no file at {sha[:7]}")
+                continue
+            data = yaml.safe_load(raw) or {}
+            try:
+                defaults[name] = lever.parse(data.get("default"), "default at the campaign's commit")
+            except ValueError:
+                notes.append(f"lever {name}'s default at {sha[:7]} does not parse")
+            digests[name] = digest({p: _git_file(repo, sha, p) for p in lever.paths})
+        source = f"git {sha[:7]}"
+    else:
+        notes.append(f"commit {sha[:7]} is not in this repository: lever defaults and source files unknown")
+        source = "unknown"
+    env = ev.fingerprint.arms_env
+    values = {}
+    for arm in ev.arms:
+        vals = dict(defaults)
+        for name, lever in levers_now.items():
+            if lever.env in env.get(arm.name, {}):
+                try:
+                    vals[name] = lever.parse(env[arm.name][lever.env], "env")
+                except ValueError:
+                    pass
+        vals[ev.lever] = arm.value
+        values[arm.name] = vals
+    # liveness from the mechanism gate's counters, where they can tell
+    live = {}
+    for arm in ev.arms:
+        mech = ev.gate("mechanism", arm.name)
+        counted = mech.details.get("counters") if mech is not None else None
+        if not isinstance(counted, dict):
+            live[arm.name] = sorted(levers_now)
+            continue
+        ran = kernels_ran(counted)
+        live[arm.name] = sorted(name for name, lv in levers_now.items()
+                                if not set(lv.affects) <= set(V1_COUNTED_KERNELS) or set(lv.affects) & ran)
+    return Context(values=values, live=live, digests=digests, source=source, notes=notes)
+
+
+def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = None,
+              digests_now: dict[str, str] | None = None) -> Freshness:
+    """FRESH or STALE (with the reasons) for ``ev``'s verdict against the lever files and sources under
+    ``repo_root`` now."""
+    from vtengine import levers as lever_registry
+    root = Path(repo_root)
+    levers_now = lever_registry.registry(root / "conf" / "lever") if levers_now is None else levers_now
+    digests_now = tree_digests(levers_now, root) if digests_now is None else digests_now
+    ctx = context_of(ev, root, levers_now)
+    reasons = []
+    live_anywhere = {name for names in ctx.live.values() for name in names}
+    for name, lever in sorted(levers_now.items()):
+        if name == ev.lever and ev.kind == "lever":
+            continue
+        was = {arm: vals.get(name) for arm, vals in ctx.values.items() if name in vals}
+        if not was:
+            if name in live_anywhere or ctx.source == "unknown":
+                reasons.append(f"{name}: its value in the campaign is not known (lever added since?)")
+            continue
+        changed = sorted({_text(v) for v in was.values() if v != lever.default})
+        if changed and name in live_anywhere:
+            reasons.append(f"{name}'s default is now {_text(lever.default)}; the campaign ran with "
+                           f"{', '.join(changed)} and {name}'s kernels ran there")
+    own = levers_now.get(ev.lever)
+    if own is not None:
+        then, now = ctx.digests.get(ev.lever, ""), digests_now.get(ev.lever, "")
+        if not then:
+            reasons.append(f"{ev.lever}'s source files at the campaign are not known")
+        elif then != now:
+            reasons.append(f"{ev.lever}'s source files ({', '.join(own.paths)}) changed since "
+                           f"{ev.fingerprint.git_short_sha}")
+    if ctx.source == "unknown" and not reasons:
+        reasons.append("its context cannot be reconstructed")
+    return Freshness(fresh=not reasons, reasons=reasons)
+
+
+def _text(v: Any) -> str:
+    return {True: "on", False: "off"}.get(v, str(v)) if isinstance(v, bool) else str(v)

@@ -1,0 +1,141 @@
+"""``vtcampaign recheck``: re-run the campaign of every stale binding verdict, one after another, resumably.
+
+The plan is each lever's latest binding verdict that STATUS marks STALE (campaigns/context.py), ordered so the
+table settles fast: first the levers live in the most other verdicts' contexts (a flip of theirs would stale those
+again), among those the FLIPs, then by name. Each entry re-runs the stale campaign's own campaign file, model and pins on today's
+defaults and the default grid; its candidates are the stale campaign's candidate values other than today's default
+(none left: the campaign file's own, i.e. the flip of today's default).
+
+The plan and progress live in ``<out_dir>/.recheck.json``: a recheck interrupted (Ctrl-C, or a GPU command's time
+limit) continues where it stopped, resuming the campaign in flight with ``resume=<id>``; ``--restart`` plans anew.
+A FLIP found here changes no default until it is committed (``vtcampaign flip <id>``) and merged; after a merge,
+recheck again: the flip stales the verdicts it is live in.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from campaigns import context as lever_context
+from campaigns.evidence import Evidence, find_evidence, load_evidence, write_atomic
+
+STATE_FILE = ".recheck.json"
+
+
+def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
+    """Each lever's latest complete, binding lever campaign."""
+    out: dict[str, Evidence] = {}
+    for ev in sorted(evs, key=lambda e: (e.created, e.campaign_id)):
+        if ev.kind == "lever" and ev.status == "complete" and ev.decision is not None and ev.decision.binding:
+            out[ev.lever] = ev
+    return out
+
+
+def stale_verdicts(out_dir: Path | str, root: Path | str | None = None) -> list[tuple[Evidence, lever_context.Freshness]]:
+    from vtengine import levers
+    root = Path(root) if root is not None else levers.CONF_DIR.parent
+    registry = levers.registry()
+    digests = lever_context.tree_digests(registry, root)
+    evs = [load_evidence(p) for p in find_evidence(out_dir)]
+    out = []
+    for ev in latest_binding(evs).values():
+        f = lever_context.freshness(ev, root, registry, digests)
+        if not f.fresh:
+            out.append((ev, f))
+    return out
+
+
+def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | str | None = None) -> list:
+    """The levers others depend on first: a lever live in more of the other latest verdicts' contexts goes first."""
+    from vtengine import levers
+    root = Path(root) if root is not None else levers.CONF_DIR.parent
+    registry = levers.registry()
+    latest = latest_binding([load_evidence(p) for p in find_evidence(out_dir)])
+    contexts = {name: lever_context.context_of(ev, root, registry) for name, ev in latest.items()}
+
+    def dependents(lever: str) -> int:
+        return sum(1 for name, ctx in contexts.items() if name != lever
+                   and any(lever in live for live in ctx.live.values()))
+    # among equals, a FLIP first: re-measured, it is the verdict likeliest to move a default again
+    return sorted(stale, key=lambda item: (-dependents(item[0].lever), item[0].decision.verdict != "FLIP",
+                                           item[0].lever))
+
+
+def overrides_for(ev: Evidence, registry: dict) -> list[str]:
+    """Hydra overrides that re-run ``ev``'s campaign on today's defaults and the default grid."""
+    camp = ev.config.get("campaign", {}) or {}
+    model = ev.config.get("model", {}) or {}
+    out = [f"campaign={camp.get('name', ev.lever)}"]
+    if model.get("name"):
+        out.append(f"model={model['name']}")
+    if model.get("quant"):
+        out.append(f"model.quant={model['quant']}")
+    lever = registry[ev.lever]
+    cands = [a.value for a in ev.candidates if a.value != lever.default]
+    if cands:
+        out.append("campaign.arms.candidates=[" + ",".join(_text(v) for v in cands) + "]")
+    pins = camp.get("with_levers") or {}
+    if pins:
+        out.append("+campaign.with_levers={" + ", ".join(f"{k}: {_text(v)}" for k, v in sorted(pins.items())) + "}")
+    return out
+
+
+def _text(v: Any) -> str:
+    return {True: "true", False: "false"}.get(v, str(v)) if isinstance(v, bool) else str(v)
+
+
+def load_state(out_dir: Path | str) -> dict:
+    path = Path(out_dir) / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def save_state(out_dir: Path | str, state: dict) -> None:
+    write_atomic(Path(out_dir) / STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
+
+
+def plan(out_dir: Path | str, restart: bool = False) -> dict:
+    """The recheck state: the saved one while it has unfinished entries (unless ``restart``), else a new plan."""
+    from vtengine import levers
+    state = {} if restart else load_state(out_dir)
+    if state.get("entries") and any(e["status"] != "done" for e in state["entries"]):
+        return state
+    registry = levers.registry()
+    entries = [{"lever": ev.lever, "stale": ev.campaign_id, "why": f.reasons, "overrides": overrides_for(ev, registry),
+                "new": None, "status": "pending"}
+               for ev, f in order(stale_verdicts(out_dir), out_dir)]
+    state = {"entries": entries}
+    save_state(out_dir, state)
+    return state
+
+
+def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Callable[[str], None]], Evidence],
+        restart: bool = False, echo: Callable[[str], None] = print) -> dict:
+    """Work through the plan: ``run_one(overrides, on_start)`` runs one campaign (on_start gets its id as soon as
+    its evidence exists, so an interruption can resume it)."""
+    out_dir = Path(out_dir)
+    state = plan(out_dir, restart)
+    if not state["entries"]:
+        echo("recheck: no stale binding verdict")
+        return state
+    for entry in state["entries"]:
+        if entry["status"] == "done":
+            continue
+        overrides = list(entry["overrides"]) + list(extra)
+        if entry["new"] and (out_dir / entry["new"] / "evidence.json").is_file():
+            if load_evidence(out_dir / entry["new"]).status == "complete":
+                entry["status"] = "done"
+                save_state(out_dir, state)
+                continue
+            overrides.append(f"resume={entry['new']}")
+        echo(f"recheck {entry['lever']}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
+             f"running {' '.join(overrides)}")
+
+        def started(cid: str, entry=entry) -> None:
+            entry["new"], entry["status"] = cid, "running"
+            save_state(out_dir, state)
+        ev = run_one(overrides, started)
+        entry["new"], entry["status"] = ev.campaign_id, "done"
+        entry["verdict"] = ev.decision.verdict if ev.decision else None
+        save_state(out_dir, state)
+    return state

@@ -1,0 +1,132 @@
+"""Lever context and staleness on a temporary git repository: a verdict is STALE when a lever live in its context
+changes its default or its own sources change, FRESH otherwise; evidence from before context was recorded is
+reconstructed from git; a stale FLIP is never committed."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import git
+import pytest
+
+from campaigns import context as lever_context
+from campaigns.evidence import save_evidence
+from test_policy import TPUT_WIN, make_evidence
+from vtengine import levers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A repository with the project's lever files and stand-ins for their source files."""
+    root = tmp_path / "proj"
+    shutil.copytree(ROOT / "conf" / "lever", root / "conf" / "lever")
+    for lv in levers.registry().values():
+        for p in lv.paths:
+            (root / p).parent.mkdir(parents=True, exist_ok=True)
+            (root / p).write_text(f"# {p}\n")
+    r = git.Repo.init(root)
+    r.index.add([str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".git" not in p.parts])
+    r.index.commit("project", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    return root
+
+
+def now(root: Path):
+    levers.reload()
+    reg = levers.registry(root / "conf" / "lever")
+    return reg, lever_context.tree_digests(reg, root)
+
+
+def recorded(root: Path, live=("fast_math", "gqa_swap", "nsplits_cap", "pdl", "triton_gemv")):
+    """A bf16 gqa_swap FLIP whose context was recorded (marlin_dense inert there: no W4A16 kernel ran)."""
+    reg, digests = now(root)
+    ev = make_evidence(TPUT_WIN)
+    for arm in ev.arms:
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "gqa_swap": arm.value}
+        ev.live_levers[arm.name] = sorted(live)
+    ev.lever_digests = digests
+    return ev
+
+
+def set_default(root: Path, name: str, value):
+    levers.set_default_in_file(name, value, lever_dir=root / "conf" / "lever")
+
+
+def commit_all(root: Path, msg: str) -> str:
+    r = git.Repo(root)
+    r.git.add(A=True)
+    return r.index.commit(msg, author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t")).hexsha
+
+
+def test_fresh_until_a_live_lever_changes_its_default(repo):
+    ev = recorded(repo)
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh
+    set_default(repo, "pdl", True)                               # pdl's kernels ran in this context
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert not f.fresh and f.label == "STALE"
+    assert f.reasons == ["pdl's default is now on; the campaign ran with off and pdl's kernels ran there"]
+
+
+def test_an_inert_lever_changing_its_default_leaves_the_verdict_fresh(repo):
+    ev = recorded(repo)
+    set_default(repo, "marlin_dense", False)                     # W4A16 never ran on this bf16 model
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh
+
+
+def test_the_levers_own_source_change_stales_it(repo):
+    ev = recorded(repo)
+    (repo / "vtengine" / "kernels" / "attention.py").write_text("# a new decode kernel\n")
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert not f.fresh and "gqa_swap's source files (vtengine/kernels/attention.py) changed" in f.reasons[0]
+    # another lever's file changing is not this verdict's business
+    ev = recorded(repo)
+    (repo / "vtengine" / "kernels" / "gemv.py").write_text("# another GEMV\n")
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh
+
+
+def test_schema_1_evidence_is_reconstructed_from_git(repo):
+    sha = git.Repo(repo).head.commit.hexsha
+    ev = make_evidence(TPUT_WIN)                                  # no context recorded
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
+    mech_counters = {"decode_attention": {"gqa_swap": {"launches": 10}}, "rms_norm": {"precise": {"launches": 4}}}
+    for arm in ev.arms:
+        ev.gate("mechanism", arm.name).details["counters"] = mech_counters
+    ctx = lever_context.context_of(ev, repo, now(repo)[0])
+    assert ctx.source == f"git {sha[:7]}"
+    assert ctx.values["on"]["gqa_swap"] is True and ctx.values["off"]["pdl"] is False
+    # counted kernels decide where they can: no W4A16 launch among the counted kernels, so marlin_dense was inert;
+    # pdl and triton_gemv route kernels the old counters did not keep, so they count as live (the safe answer)
+    assert "marlin_dense" not in ctx.live["on"] and {"pdl", "triton_gemv", "fast_math"} <= set(ctx.live["on"])
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh
+    set_default(repo, "triton_gemv", True)
+    assert not lever_context.freshness(ev, repo, *now(repo)).fresh
+    # a commit this repository does not have: nothing can be told, and STALE is the answer
+    ev.fingerprint.git_sha = "f" * 40
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert not f.fresh and any("source files at the campaign are not known" in r for r in f.reasons)
+
+
+def test_a_stale_flip_is_refused(tmp_path):
+    """commit=true and `vtcampaign flip` refuse a stale FLIP, naming why (here: pdl recorded on, but its default
+    is off, and its kernels ran)."""
+    from campaigns.runner import CampaignError, check_flippable
+    ev = make_evidence(TPUT_WIN)
+    reg = levers.registry()
+    for arm in ev.arms:
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "gqa_swap": arm.value, "pdl": True}
+        ev.live_levers[arm.name] = ["gqa_swap", "pdl"]
+    ev.lever_digests = lever_context.tree_digests(reg, ROOT)
+    with pytest.raises(CampaignError, match=r"STALE \(pdl's default is now off; the campaign ran with on"):
+        check_flippable(ev)
+    out = tmp_path / "records" / "campaigns"
+    save_evidence(ev, out / ev.campaign_id)
+    r = subprocess.run([sys.executable, "-m", "campaigns.cli", "flip", ev.campaign_id, "--out-dir", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "is STALE" in r.stderr and "vtcampaign recheck" in r.stderr
+    # the same FLIP in today's context is fresh and flippable
+    for arm in ev.arms:
+        ev.context[arm.name]["pdl"] = False
+    check_flippable(ev)
