@@ -1,8 +1,12 @@
 """Records: record.md, pr.md, records/STATUS.md and records/BENCHMARKS.md, rendered from evidence files only.
 
-Every view is a pure function of evidence (plus the lever files for the current defaults): no clock, no host,
-sorted inputs, so ``vtcampaign render`` reproduces the committed records byte for byte, and records can never
-drift from data. Templates live in templates/*.md.j2; this module builds the plain values they print.
+Every view is a pure function of evidence (plus the lever files and sources for the current defaults and the
+FRESH/STALE marks): no clock, no host, sorted inputs, so ``vtcampaign render`` reproduces the committed records
+byte for byte, and records can never drift from data. Templates live in templates/*.md.j2; this module builds the
+plain values they print.
+
+Arms are labelled by role and value everywhere ("candidate (off)", "baseline (on)"): since defaults flip, the
+candidate is not always the "on" arm.
 """
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ from typing import Any
 
 import jinja2
 
+from campaigns import calibrate
+from campaigns import context as lever_context
 from campaigns.config import GATE_NAMES
-from campaigns.evidence import Evidence, GateResult, find_evidence, load_evidence, write_atomic
-from campaigns.policy import policy_params
+from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
+from campaigns.policy import fmt_effect, inapplicable, policy_params
 from campaigns.stats import AXES, AXIS_BY_NAME
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates"
@@ -56,10 +62,37 @@ def fmt_lever_value(v: Any) -> str:
     return "—" if v is None else str(v)
 
 
-def _gate_cell(g: GateResult) -> dict[str, str]:
+def fmt_interval(e: EffectSize | None) -> str:
+    return "—" if e is None else f"×{e.ratio:.3f} [{e.lo:.3f}, {e.hi:.3f}]"
+
+
+def arm_label(ev: Evidence, name: str) -> str:
+    """'candidate (off)', 'baseline (on)': the role and the lever value, never a bare ON/OFF."""
+    try:
+        arm = ev.arm(name)
+    except KeyError:
+        return name
+    if ev.kind == "aa":
+        return f"arm {arm.name} ({fmt_lever_value(arm.value)})"
+    return f"{arm.role} ({arm.name})"
+
+
+def _gate_result(ev: Evidence | None, g: GateResult) -> str:
+    if g.skipped:
+        return "SKIP"
+    if g.passed:
+        return "PASS"
+    if ev is not None and g.gate == "battery":
+        near = ev.gate("near_tie", g.arm)
+        if near is not None and not near.skipped and near.passed:
+            return "RATIFIED"           # every divergence a near-tie the razor ratified: not a failure
+    return "FAIL"
+
+
+def _gate_cell(g: GateResult, ev: Evidence | None = None) -> dict[str, str]:
     return {
-        "gate": g.gate, "arm": g.arm,
-        "result": "SKIP" if g.skipped else ("PASS" if g.passed else "FAIL"),
+        "gate": g.gate, "arm": g.arm, "arm_label": arm_label(ev, g.arm) if ev is not None else g.arm,
+        "result": _gate_result(ev, g),
         "counts": ", ".join(f"{k} {_num(v)}" for k, v in sorted(g.counts.items())) or "—",
         "self_check": {True: "caught", False: "NOT caught", None: "—"}[g.self_check],
         "byte_exact": {True: "yes", False: "no", None: "—"}[g.byte_exact],
@@ -91,14 +124,19 @@ def what_changed(ev: Evidence) -> str:
     if d is None:
         return "campaign in progress"
     cand = d.candidate or "?"
+    if ev.kind == "aa":
+        return f"A/A self-check of the grid, {ev.lever}={fmt_lever_value(ev.baseline.value)} on both arms"
+    if d.verdict == "FLIP" and policy_params(ev).flip_on_correctness:
+        return f"default {base} → {cand} (correctness fix)"
+    keep = "measured neutral" if d.effect_note.startswith("neutral") else "not shown better"
     return {
         "FLIP": f"default {base} → {cand}",
-        "KEEP": f"keep default {base} ({cand} measured neutral)",
+        "KEEP": f"keep default {base} ({cand} {keep})",
         "REJECT-PERFORMANCE": f"refute {cand} (measured regression; do not retry)",
         "REJECT-CORRECTNESS": f"reject {cand} (fails correctness)",
         "NON-BINDING": f"{cand} vs {base}, non-binding",
         "INVALID": "invalid campaign (gates cannot be trusted)",
-    }[d.verdict]
+    }.get(d.verdict, d.verdict)
 
 
 def verdict_headline(ev: Evidence) -> str:
@@ -132,6 +170,8 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         unit = axis.unit if axis else ""
         binding_rows.append({
             "c": s.concurrency, "candidate": s.candidate, "axis": axis.label if axis else s.axis, "unit": unit,
+            "effect": fmt_interval(s.effect),
+            "confidence": f"{s.effect.confidence:.0%}" if s.effect else "—",
             "on": fmt_value(s.summary[s.candidate].median, unit), "off": fmt_value(s.summary[s.baseline].median, unit),
             "ratio": fmt_ratio(s.ratio), "separation": s.separation,
             "on_reps": " / ".join(fmt_value(v, unit) for v in s.reps[s.candidate]),
@@ -150,18 +190,20 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
             for a in axes_present:
                 hit = [s for s in ev.stats if s.candidate == cand and s.concurrency == c and s.axis == a.name]
                 cells.append(f"{fmt_ratio(hit[0].ratio)} {hit[0].separation}" if hit else "—")
-            glance.append({"candidate": cand, "c": c, "cells": cells})
+            glance.append({"candidate": arm_label(ev, cand), "c": c, "cells": cells})
 
     mech = [g for g in ev.gates if g.gate == "mechanism"]
-    mechanism = [{"arm": g.arm, "result": _gate_cell(g)["result"],
-                  "counts": _gate_cell(g)["counts"],
+    mechanism = [{"arm": arm_label(ev, g.arm), "result": _gate_cell(g, ev)["result"],
+                  "counts": _gate_cell(g, ev)["counts"],
                   "details": json.dumps(g.details, sort_keys=True) if g.details else "",
                   "reason": g.reason} for g in mech]
 
     invalid_legs = [f"c{leg.concurrency} rep {leg.rep} arm {leg.arm}: {'; '.join(leg.reasons)}"
                     for leg in ev.legs if not leg.valid]
 
-    if d is None:
+    if ev.kind == "aa":
+        default_line = "An A/A campaign changes no default; it measures the grid (and its noise feeds calibration)."
+    elif d is None:
         default_line = f"`{ev.lever}` stays {fmt_lever_value(ev.baseline.value)} while the campaign runs."
     elif d.verdict == "FLIP":
         default_line = (f"`{ev.lever}` flips {fmt_lever_value(ev.baseline.value)} → "
@@ -172,9 +214,32 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
                         f"(conf/lever/{ev.lever}.yaml unchanged); try the candidate with "
                         f"`{env_name}={ev.candidates[0].name if ev.candidates else '?'}`.")
 
-    arms_env = {arm: " ".join(f"{k}={v}" for k, v in sorted(env.items())) for arm, env in fp.arms_env.items()}
-    title = f"row/{ev.lever}: {what_changed(ev)} — {d.headline if d else 'in progress'}"
+    arms_env = {arm_label(ev, arm): " ".join(f"{k}={v}" for k, v in sorted(env.items()))
+                for arm, env in fp.arms_env.items()}
+    pinned = dict(camp.get("with_levers") or {})
+    with_text = (" with " + ", ".join(f"{k}={fmt_lever_value(v)}" for k, v in sorted(pinned.items()))) if pinned else ""
+    title = f"row/{ev.lever}{with_text}: {what_changed(ev)} — {d.headline if d else 'in progress'}"
+    base_label = arm_label(ev, ev.baseline.name)
+    cand_labels = {a.name: arm_label(ev, a.name) for a in ev.candidates}
+    for r in binding_rows:
+        r["candidate_label"] = cand_labels.get(r["candidate"], r["candidate"])
+    pooled = [{"candidate": cand_labels.get(pe.candidate, pe.candidate), "text": fmt_effect(pe),
+               "primary": pe.primary} for pe in ev.pooled]
+    context_rows = []
+    for arm in ev.arms:
+        vals = ev.context.get(arm.name, {})
+        live = set(ev.live_levers.get(arm.name, []))
+        if vals:
+            context_rows.append({"arm": arm_label(ev, arm.name),
+                                 "levers": ", ".join(f"{k}={fmt_lever_value(v)}{'' if k in live else ' (inert)'}"
+                                                     for k, v in sorted(vals.items()))})
+    exempt = [{"gate": g, "why": why} for g, why in sorted(inapplicable(ev).items())]
     return {
+        "baseline_label": base_label, "pooled": pooled, "context_rows": context_rows, "inapplicable": exempt,
+        "calibration": calibrate.sentence(ev.calibration) if ev.stats else "",
+        "noise": ev.calibration.noise if ev.calibration else "",
+        "with_levers": with_text.strip(), "kind": ev.kind,
+        "effect_note": d.effect_note if d else "",
         "ev": ev, "d": d, "fp": fp, "row_id": f"row/{ev.lever}", "campaign_id": ev.campaign_id,
         "headline": verdict_headline(ev), "title": title, "date": ev.date,
         "branch": fp.branch, "base_sha": fp.git_short_sha + ("-dirty" if fp.dirty else ""),
@@ -182,6 +247,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "summary": lever.summary if lever else "",
         "baseline": ev.baseline.name, "baseline_value": fmt_lever_value(ev.baseline.value),
         "candidates": ", ".join(f"{a.name} ({fmt_lever_value(a.value)})" for a in ev.candidates),
+        "candidate_label": ", ".join(cand_labels.values()),
         "arms_env": arms_env,
         "hypothesis": (camp.get("hypothesis") or "").strip(), "residual": (camp.get("residual") or "").strip(),
         "model": f"{model.get('name', '?')} ({model.get('quant', '?')})",
@@ -190,12 +256,12 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
                  "input_len": grid.get("input_len", "?"), "output_len": grid.get("output_len", "?")},
         "versions": f"torch {fp.torch_version}, triton {fp.triton_version or '—'}, "
                     f"CUDA {fp.cuda_version or '—'}, Python {fp.python_version}",
-        "gates": [_gate_cell(g) for g in sorted(ev.gates, key=lambda g: (_gate_rank(g.gate), g.gate,
-                                                                          _rank(arm_order, g.arm)))],
+        "gates": [_gate_cell(g, ev) for g in sorted(ev.gates, key=lambda g: (_gate_rank(g.gate), g.gate,
+                                                                              _rank(arm_order, g.arm)))],
         "mechanism": mechanism, "binding_rows": binding_rows,
         "glance_axes": [a.label for a in axes_present], "glance": glance,
         "legs_total": len(ev.legs), "legs_valid": sum(leg.valid for leg in ev.legs), "invalid_legs": invalid_legs,
-        "memory": {arm: f"{gib:.2f} GiB" for arm, gib in sorted(ev.peak_memory_gib.items())},
+        "memory": {arm_label(ev, arm): f"{gib:.2f} GiB" for arm, gib in sorted(ev.peak_memory_gib.items())},
         "default_line": default_line, 
         "byte_exact": {True: "yes (measured)", False: "no (measured)", None: "not measured"}[
             d.byte_exact if d else None],
@@ -242,16 +308,36 @@ def _superseded(ev: Evidence, done: list[Evidence]) -> bool:
     return any(e.decision.verdict != ev.decision.verdict for e in later)
 
 
-def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path,
-                  lever_dir: Path | None = None) -> str:
-    from vtengine import levers as lever_registry
+class _Freshness:
+    """FRESH/STALE of each evidence against the lever files and sources now, computed once per render."""
 
-    levers = lever_registry.registry(lever_dir) if lever_dir else lever_registry.registry()
+    def __init__(self, root: Path | None = None, lever_dir: Path | None = None):
+        from vtengine import levers as lever_registry
+        self.root = Path(root) if root is not None else lever_registry.CONF_DIR.parent
+        self.levers = lever_registry.registry(lever_dir) if lever_dir else lever_registry.registry()
+        self.digests = lever_context.tree_digests(self.levers, self.root)
+        self._seen: dict[str, lever_context.Freshness] = {}
+
+    def __call__(self, ev: Evidence) -> lever_context.Freshness:
+        if ev.campaign_id not in self._seen:
+            self._seen[ev.campaign_id] = lever_context.freshness(ev, self.root, self.levers, self.digests)
+        return self._seen[ev.campaign_id]
+
+
+def _fresh_cell(f: lever_context.Freshness) -> str:
+    return f.label if f.fresh else f"STALE: {'; '.join(f.reasons)}".replace("|", "/")
+
+
+def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path,
+                  lever_dir: Path | None = None, fresh: _Freshness | None = None) -> str:
+    fresh = fresh or _Freshness(lever_dir=lever_dir)
+    levers = fresh.levers
     done = [e for e in _chronological(evs) if e.status == "complete" and e.decision is not None]
+    lever_runs = [e for e in done if e.kind == "lever"]
     rows = []
-    for name in sorted(set(levers) | {e.lever for e in done}):
+    for name in sorted(set(levers) | {e.lever for e in lever_runs}):
         lever = levers.get(name)
-        mine = [e for e in done if e.lever == name]
+        mine = [e for e in lever_runs if e.lever == name]
         # a rehearsal (non-binding) never displaces a binding verdict: show the latest binding campaign if any
         binding = [e for e in mine if e.decision.binding]
         last = (binding or mine)[-1] if mine else None
@@ -262,14 +348,29 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
             "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
             "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",
             "verdict": last.decision.verdict if last else "—",
-            "headline": (f"{last.decision.candidate}: {last.decision.headline}" if last else "—").replace("|", "/"),
+            "fresh": _fresh_cell(fresh(last)) if last else "—",
+            "headline": (f"{arm_label(last, last.decision.candidate)}: {last.decision.headline}"
+                         + (f"; {last.decision.effect_note}" if last.decision.effect_note else "")
+                         if last else "—").replace("|", "/"),
+            "calibration": (calibrate.sentence(last.calibration) if last and last.calibration else "—"),
         })
     refuted = [{
         "lever": e.lever, "arm": e.decision.candidate or "?", "verdict": e.decision.verdict,
         "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
         "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"),
-    } for e in done if e.decision.verdict in REFUTED and not _superseded(e, done)]
-    return render_template("STATUS.md.j2", rows=rows, refuted=refuted)
+    } for e in lever_runs if e.decision.verdict in REFUTED and not _superseded(e, lever_runs)]
+    aa = [{
+        "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
+        "model": _model(e), "value": f"{e.lever}={fmt_lever_value(e.baseline.value)}", "verdict": e.decision.verdict,
+        "binding": "binding" if e.decision.binding else "non-binding", "headline": e.decision.headline,
+        "bias": "; ".join(fmt_effect(pe) for pe in e.pooled if pe.primary).replace("|", "/") or "—",
+    } for e in done if e.kind == "aa"]
+    return render_template("STATUS.md.j2", rows=rows, refuted=refuted, aa=aa)
+
+
+def _model(ev: Evidence) -> str:
+    model = ev.config.get("model", {}) or {}
+    return f"{model.get('name', '?')} ({model.get('quant', '?')})"
 
 
 def _grid_rows(ev: Evidence) -> list[dict[str, Any]]:
@@ -280,31 +381,36 @@ def _grid_rows(ev: Evidence) -> list[dict[str, Any]]:
             tput, tpot = at.get("total_token_throughput"), at.get("tpot")
             seps = [s.separation for s in at.values()]
             rows.append({
-                "c": c, "candidate": cand,
+                "c": c, "candidate": arm_label(ev, cand),
                 "tput_on": fmt_value(tput.summary[cand].median, "tok/s") if tput else "—",
                 "tput_off": fmt_value(tput.summary[tput.baseline].median, "tok/s") if tput else "—",
                 "tput_ratio": f"{fmt_ratio(tput.ratio)} {tput.separation}" if tput else "—",
+                "tput_effect": fmt_interval(tput.effect) if tput else "—",
                 "tpot_on": fmt_value(tpot.summary[cand].median, "ms") if tpot else "—",
                 "tpot_off": fmt_value(tpot.summary[tpot.baseline].median, "ms") if tpot else "—",
                 "tpot_ratio": f"{fmt_ratio(tpot.ratio)} {tpot.separation}" if tpot else "—",
+                "tpot_effect": fmt_interval(tpot.effect) if tpot else "—",
                 "axes": f"{seps.count('WIN')} W / {seps.count('NEUTRAL')} N / {seps.count('LOSS')} L",
             })
     return rows
 
 
-def render_benchmarks(evs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path) -> str:
-    done = [e for e in _chronological(evs) if e.status == "complete" and e.decision is not None and e.stats]
+def render_benchmarks(evs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path,
+                      fresh: _Freshness | None = None) -> str:
+    fresh = fresh or _Freshness()
+    done = [e for e in _chronological(evs) if e.status == "complete" and e.decision is not None and e.stats
+            and e.kind == "lever"]
     sections = []
     for lever in sorted({e.lever for e in done}):
         mine = [e for e in done if e.lever == lever]
         binding = [e for e in mine if e.decision.binding]
         ev = (binding or mine)[-1]
-        model = ev.config.get("model", {}) or {}
         sections.append({
             "lever": lever, "binding": bool(binding), "campaign_id": ev.campaign_id,
             "link": _link(ev, campaign_dirs, records_dir), "verdict": ev.decision.verdict,
-            "model": f"{model.get('name', '?')} ({model.get('quant', '?')})",
-            "device": ev.fingerprint.device_name, "date": ev.date, "baseline": ev.baseline.name,
+            "model": _model(ev), "fresh": _fresh_cell(fresh(ev)),
+            "device": ev.fingerprint.device_name, "date": ev.date, "baseline": arm_label(ev, ev.baseline.name),
+            "calibration": calibrate.sentence(ev.calibration) if ev.calibration else "not calibrated",
             "rows": _grid_rows(ev),
         })
     return render_template("BENCHMARKS.md.j2", sections=sections)
@@ -323,6 +429,7 @@ def render_all(out_dir: Path | str, records_dir: Path | str | None = None, lever
     written = []
     for ev in evs:
         written += write_campaign(ev, dirs[ev.campaign_id], plot=plots)
-    written.append(write_atomic(records_dir / "STATUS.md", render_status(evs, dirs, records_dir, lever_dir)))
-    written.append(write_atomic(records_dir / "BENCHMARKS.md", render_benchmarks(evs, dirs, records_dir)))
+    fresh = _Freshness(lever_dir=lever_dir)
+    written.append(write_atomic(records_dir / "STATUS.md", render_status(evs, dirs, records_dir, lever_dir, fresh)))
+    written.append(write_atomic(records_dir / "BENCHMARKS.md", render_benchmarks(evs, dirs, records_dir, fresh)))
     return written

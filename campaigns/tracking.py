@@ -120,9 +120,24 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
         "byte_exact": str(d.byte_exact).lower() if d else "none"})
     pid = parent.info.run_id
     child = {**base_tags, "mlflow.parentRunId": pid}
-    _log(c, pid, params=_flatten(ev.config), metrics=[
-        (f"ratio/{s.candidate}/{s.axis}", s.ratio, s.concurrency) for s in ev.stats if s.ratio is not None],
-        tags={"rule": d.rule[:5000]} if d else None, timestamp=start or 0)
+    metrics = [(f"ratio/{s.candidate}/{s.axis}", s.ratio, s.concurrency) for s in ev.stats if s.ratio is not None]
+    for s in ev.stats:          # the effect's interval, charted by concurrency beside the ratio
+        if s.effect is not None:
+            metrics += [(f"effect_lo/{s.candidate}/{s.axis}", s.effect.lo, s.concurrency),
+                        (f"effect_hi/{s.candidate}/{s.axis}", s.effect.hi, s.concurrency)]
+    for pe in ev.pooled:
+        metrics += [(f"pooled/{pe.candidate}/{pe.axis}/{k}", getattr(pe.effect, k), 0) for k in ("ratio", "lo", "hi")]
+    cal = ev.calibration
+    if cal is not None:         # the grid's own error rates: what the verdict is worth
+        metrics += [("calibration/false_flip", cal.false_flip, 0), ("calibration/false_reject", cal.false_reject, 0),
+                    ("calibration/separations_q95", float(cal.separations_q95), 0)]
+        metrics += [(f"calibration/power_at_{g}", p, 0) for g, p in cal.power.items()]
+        if cal.mde_80 is not None:
+            metrics.append(("calibration/mde_80", cal.mde_80, 0))
+    tags = {"rule": d.rule[:5000], "kind": ev.kind} if d else {"kind": ev.kind}
+    if d and d.effect_note:
+        tags["effect_note"] = d.effect_note[:5000]
+    _log(c, pid, params=_flatten(ev.config), metrics=metrics, tags=tags, timestamp=start or 0)
 
     for g in ev.gates:
         run = c.create_run(exp, start_time=start, run_name=f"gate {g.gate} [{g.arm}]", tags={

@@ -130,3 +130,62 @@ def test_inert_lever_makes_the_campaign_invalid(tmp_path):
     assert ev.decision.verdict == "INVALID"
     assert any("inert" in r for r in ev.decision.reasons), ev.decision.reasons
     assert not ev.legs                                        # nothing measured on an inert lever
+
+
+def test_aa_rehearsal_reports_its_separations_against_the_calibration(tmp_path):
+    repo = temp_repo(tmp_path)
+    cfg = compose(["campaign=gqa_swap", "aa=true", "tracking=off"], cuda=False)
+    assert list(cfg.campaign.gates) == [] and cfg.campaign.arms.candidates == [cfg.campaign.arms.baseline]
+    ev = run_campaign(cfg, repo=repo)
+    assert ev.kind == "aa" and ev.campaign_id.startswith(f"{ev.date}-gqa_swap-aa-")
+    assert [(a.name, a.role, a.value) for a in ev.arms] == [("a", "baseline", True), ("b", "candidate", True)]
+    assert not ev.gates and len(ev.legs) == 8 and all(leg.valid for leg in ev.legs)
+    cal = ev.calibration
+    assert cal is not None and cal.comparisons == 14 and 0 <= cal.false_flip <= 1 and cal.separations_q95 >= 0
+    d = ev.decision
+    seen = sum(s.separation != "NEUTRAL" for s in ev.stats)
+    # the A/A rule: pass while the separations seen stay within what the calibration says chance shows
+    assert d.verdict == ("AA-PASS" if seen <= cal.separations_q95 else "AA-FAIL") and not d.binding
+    assert d.reasons[0].startswith(f"{seen} separated point(s)")
+    assert f"at most {cal.separations_q95} in 95% of {cal.sims} simulated campaigns" in d.reasons[0]
+    assert any(r.startswith("server-instance bias b/a: total tok/s ×") for r in d.reasons)
+    assert ev.context["a"] == ev.context["b"] and ev.context["a"]["gqa_swap"] is True
+    status = (repo / "records" / "STATUS.md").read_text()
+    aa_part = status.split("## Grid self-checks (A/A)")[1]
+    assert ev.campaign_id in aa_part and "gqa_swap=true" in aa_part
+    assert ev.campaign_id not in status.split("## Refuted levers")[0]      # an A/A run is no lever verdict
+
+
+def test_correctness_fix_rehearsal_is_red_first(tmp_path):
+    """A baseline broken where a real bug would be (its decode attention kernel) fails battery and near_tie, the
+    candidate passes them: RED -> GREEN (non-binding on CPU). With nothing broken the baseline passes, so the gates
+    cannot prove the fix: INVALID, saying so, and no grid is run."""
+    fix = ["campaign=gqa_swap", "campaign.arms.baseline=false", "tracking=off",
+           "campaign.gates=[battery,near_tie]", "campaign.policy.flip_on_correctness=true",
+           "campaign.policy.fix_gates=[battery,near_tie]", "grid.concurrency=[1]", "grid.prompts_per_leg=[2]"]
+    repo = temp_repo(tmp_path)
+    ev = run_campaign(compose(fix, cuda=False), repo=repo, inject={"broken_arm": "off"})
+    assert not ev.gate("battery", "off").passed and not ev.gate("near_tie", "off").passed
+    assert ev.gate("battery", "on").passed and ev.gate("near_tie", "on").passed
+    d = ev.decision
+    assert d.verdict == "NON-BINDING" and any("not CUDA" in r for r in d.reasons)
+    red_green = [r for r in d.reasons if "RED on off" in r]
+    assert len(red_green) == 2 and all("→ GREEN on on" in r for r in red_green), d.reasons
+    assert ev.legs, "a correctness fix still measures its grid"
+
+    (tmp_path / "clean").mkdir()
+    repo2 = temp_repo(tmp_path / "clean")
+    ev = run_campaign(compose(fix, cuda=False), repo=repo2)
+    assert ev.decision.verdict == "INVALID" and not ev.legs
+    assert any("baseline off passes battery" in r and "cannot prove the fix" in r for r in ev.decision.reasons)
+
+
+def test_a_broken_candidate_is_rejected_by_its_gates(tmp_path):
+    repo = temp_repo(tmp_path)
+    cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=false", "tracking=off",
+                   "campaign.gates=[battery,near_tie,mechanism]"], cuda=False)
+    ev = run_campaign(cfg, repo=repo, inject={"broken_arm": "on"})
+    assert ev.decision.verdict == "REJECT-CORRECTNESS" and not ev.legs
+    assert {r.split(" fails")[0] for r in ev.decision.reasons if " fails on arm on" in r} >= {"near_tie"}
+    for g in ev.gates:                    # every gate still proved it can fail
+        assert g.self_check is True, (g.gate, g.arm)

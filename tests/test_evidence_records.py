@@ -25,7 +25,7 @@ def _rich_evidence() -> Evidence:
                                     "near_tie@on": {"counts": {"divergences": 1, "max_gap_mnats": 12.5}},
                                     "memcheck@on": {"skipped": True, "reason": "compute-sanitizer not found"},
                                     "mechanism@on": {"details": {"routes": {"gqa_swap": 36}, "grid": "1x8x4"}}})
-    ev = make_evidence(TPUT_WIN, gate_results=g)
+    ev = make_evidence(TPUT_WIN, gate_results=g, inapplicable={"memcheck": "compute-sanitizer not found"})
     ev.legs[0].gpu_samples = [{"t_s": 0.0, "sm_clock_mhz": 1980.0, "temp_c": 41.0}]
     ev.peak_memory_gib = {"off": 21.5, "on": 19.25}
     return ev
@@ -51,11 +51,11 @@ def test_load_refuses_other_schema_versions_and_bad_files(tmp_path):
     ev = make_evidence(TPUT_WIN)
     path = save_evidence(ev, tmp_path / "c")
     data = json.loads(path.read_text())
-    data["schema_version"] = 2
+    data["schema_version"] = 99
     path.write_text(json.dumps(data))
-    with pytest.raises(EvidenceError, match=r"schema_version 2 is not supported; accepted: 1"):
+    with pytest.raises(EvidenceError, match=r"schema_version 99 is not supported; accepted: 1, 2"):
         load_evidence(path)
-    data["schema_version"] = 1
+    data["schema_version"] = 2
     data["legs"][0]["mystery"] = 1
     path.write_text(json.dumps(data))
     with pytest.raises(EvidenceError, match=r"evidence.legs\[0\]: unknown keys \['mystery'\]"):
@@ -108,13 +108,17 @@ def test_record_and_pr_carry_the_ritual_sections():
     rec, pr = records.render_record(ev), records.render_pr(ev)
     assert rec.splitlines()[0] == ("## row/gqa_swap — FLIP: default off → on, total tok/s ×1.099 at c1 (WIN) "
                                    "(2026-11-30, main, abc1234, NVIDIA H200)")
-    assert "| battery | on | FAIL | divergent 0, near_tie 1, prompts 16, strict 15 | caught | no |" in rec
-    assert "| memcheck | on | SKIP |" in rec and "compute-sanitizer not found" in rec
+    # a battery whose divergences near_tie ratified reads RATIFIED, not FAIL; arms read by role and value
+    assert ("| battery | candidate (on) | RATIFIED | divergent 0, near_tie 1, prompts 16, strict 15 | caught | no |"
+            in rec)
+    assert "| memcheck | candidate (on) | SKIP |" in rec and "compute-sanitizer not found" in rec
+    assert "Gate memcheck is inapplicable here: compute-sanitizer not found." in rec
     assert '{"grid": "1x8x4", "routes": {"gqa_swap": 36}}' in rec            # mechanism proof printed
-    assert re.search(r"\| 4 \| on \| total tok/s \(tok/s\) \| 111\.0 \| 101\.0 \| 1\.099 \| "
+    assert re.search(r"\| 4 \| candidate \(on\) \| total tok/s \(tok/s\) \| 111\.0 \| 101\.0 \| 1\.099 \| "
+                     r"×1\.099 \[1\.078, 1\.120\] \(90%\) \| "
                      r"110\.0 / 111\.0 / 112\.0 \| 100\.0 / 101\.0 / 102\.0 \| .* \| WIN \|", rec)
     assert f"Rule: “{ev.decision.rule}”" in rec
-    assert "Peak GPU memory: off 21.50 GiB, on 19.25 GiB." in rec
+    assert "Peak GPU memory: baseline (off) 21.50 GiB, candidate (on) 19.25 GiB." in rec
     assert rec.rstrip().endswith("**Default.** `gqa_swap` flips false → true in conf/lever/gqa_swap.yaml; "
                                  "opt out with `VT_DECODE_GQA_SWAP=0`.")
     assert pr.splitlines()[0] == "row/gqa_swap: default off → on — total tok/s ×1.099 at c1 (WIN)"
@@ -196,7 +200,7 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     assert bench.count("## gqa_swap") == 1 and bench.count("## fast_math") == 1
     gqa = bench.split("## gqa_swap")[1]
     assert "2026-11-30-gqa_swap-abc1234" in gqa and "2026-11-29" not in gqa
-    assert "| 8 | on | 111.0 | 101.0 | 1.099 WIN |" in gqa
+    assert "| 8 | candidate (on) | 111.0 | 101.0 | 1.099 WIN | ×1.099 [1.078, 1.120] |" in gqa
 
     # A later non-binding rehearsal displaces neither the binding verdict in STATUS nor the grid in BENCHMARKS.
     rehearsal = make_evidence(LOSS, device_type="cpu", created="2026-12-01T09:00:00Z",
@@ -206,7 +210,7 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     row = _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")
     assert row[5] == "FLIP" and "2026-11-30-gqa_swap-abc1234" in row[4]
     gqa = (tmp_path / "records" / "BENCHMARKS.md").read_text().split("## gqa_swap")[1]
-    assert "2026-11-30-gqa_swap-abc1234" in gqa and "| 8 | on | 111.0 | 101.0 | 1.099 WIN |" in gqa
+    assert "2026-11-30-gqa_swap-abc1234" in gqa and "| 8 | candidate (on) | 111.0 | 101.0 | 1.099 WIN |" in gqa
     assert len(find_evidence(out)) == 4
 
     # A refutation that a later campaign of the same lever and arm superseded leaves the refuted section.
