@@ -30,5 +30,5 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - t0 )) s"
-  tar czf "${OUT:-/tmp/out}/results.tgz" records bench/results -C /tmp vt-logs 2>/dev/null
+  tar czf "${OUT:-/tmp/out}/results.tgz" records bench/results campaigns/gates/op_bounds.yaml -C /tmp vt-logs 2>/dev/null
 done
