@@ -3,9 +3,9 @@
 One leg = a fixed list of random token-id prompts of exact length, sent to ``/v1/completions`` with
 ``max_tokens = output_len``, ``ignore_eos``, temperature 0, streaming, at most ``concurrency`` in flight (request
 rate infinite: a new request starts the moment one finishes). Warm-up requests run first and are not measured.
-Every request is validated (completed, exactly ``output_len`` completion tokens by ``usage`` and by chunks, so
-``output_len - 1`` inter-token gaps); failures are reported in the result, never dropped silently, and a leg with
-any failure is ``valid = False``.
+Every prompt must have a result and every request is validated (completed, exactly ``output_len`` completion
+tokens by ``usage`` and by chunks, so ``output_len - 1`` inter-token gaps); failures are reported in the result,
+never dropped silently, and a leg with any failure is ``valid = False``.
 
 The metric definitions live in one place, ``LegMetrics``'s docstring, and follow vLLM's
 ``benchmarks/serve.py`` so figures compare across tools.
@@ -83,7 +83,8 @@ class LegMetrics:
     Over the successful requests of the leg (warm-up excluded):
 
     - ``duration_s``: wall time from the first measured request's start to the last one's end.
-    - ``completed`` / ``failed``: requests that succeeded / did not (see ``failures`` for why).
+    - ``completed`` / ``failed``: prompts whose request succeeded / did not or left no result (see ``failures``
+      for why); they add up to ``num_prompts``.
     - ``total_input_tokens``: sum of prompt lengths of completed requests; ``total_output_tokens``: sum of their
       ``usage.completion_tokens``.
     - ``request_throughput`` = completed / duration_s (req/s); ``output_throughput`` = total_output_tokens /
@@ -96,9 +97,10 @@ class LegMetrics:
     - For each of ttft, tpot, itl, e2el: ``mean_*_ms``, ``median_*_ms``, ``std_*_ms``, ``p90_*_ms``,
       ``p99_*_ms`` (numpy percentiles, linear interpolation), in milliseconds.
 
-    ``valid`` is True only if every request completed with exactly ``output_len`` completion tokens (by usage and
-    by chunk token ids) and ``output_len - 1`` ITLs. ``server`` holds the server's own counters over the leg
-    (deltas of /metrics) when it could be read: tokens generated, requests finished, engine steps and step time.
+    ``valid`` is True only if every prompt has one result and every request completed with exactly ``output_len``
+    completion tokens (by usage and by chunk token ids) and ``output_len - 1`` ITLs. ``server`` holds the server's
+    own counters over the leg (deltas of /metrics) when it could be read: tokens generated, requests finished,
+    engine steps and step time.
     """
     concurrency: int
     input_len: int
@@ -141,20 +143,25 @@ class LegMetrics:
         return asdict(self)
 
 
-def compute_metrics(results: list[RequestResult], duration_s: float, *, concurrency: int, output_len: int,
+def compute_metrics(results: list[RequestResult | None], duration_s: float, *, concurrency: int, output_len: int,
                     prompts: list[list[int]]) -> LegMetrics:
-    """The LegMetrics of a leg from its per-request results (the definitions are in LegMetrics' docstring)."""
+    """The LegMetrics of a leg from its per-request results, ``results[i]`` for ``prompts[i]`` (None: that request
+    left no result); the definitions are in LegMetrics' docstring."""
     m = LegMetrics(concurrency=concurrency, input_len=len(prompts[0]) if prompts else 0, output_len=output_len,
                    num_prompts=len(prompts), prompts_sha256=prompts_sha256(prompts), duration_s=duration_s)
+    if len(results) > len(prompts):
+        m.failures.append(f"{len(results)} results for {len(prompts)} prompts: the results do not belong to this "
+                          f"leg's prompts")
     ok = []
-    for i, r in enumerate(results):
-        reason = r.error if not r.success else _validate(r, output_len)
+    missing = [None] * (len(prompts) - len(results))        # prompts past the end of the results have none
+    for i, r in enumerate(list(results[:len(prompts)]) + missing):
+        reason = _failure(r, output_len)
         if reason:
             m.failures.append(f"request {i}: {reason}")
         else:
             ok.append(r)
-    m.completed, m.failed = len(ok), len(results) - len(ok)
-    m.valid = m.failed == 0 and m.completed == len(prompts) and len(prompts) > 0
+    m.completed, m.failed = len(ok), len(prompts) - len(ok)
+    m.valid = not m.failures and m.completed == len(prompts) > 0
     m.total_input_tokens = sum(r.prompt_len for r in ok)
     m.total_output_tokens = sum(r.output_tokens for r in ok)
     if duration_s > 0:
@@ -175,6 +182,15 @@ def compute_metrics(results: list[RequestResult], duration_s: float, *, concurre
         for p in PERCENTILES:
             setattr(m, f"p{p}_{name}_ms", float(np.percentile(a, p)))
     return m
+
+
+def _failure(r: RequestResult | None, output_len: int) -> str:
+    """Why a request does not count in the leg's figures ('' when it does)."""
+    if r is None:
+        return "no result (the request was not sent, or its result was lost)"
+    if not r.success:
+        return r.error or "failed without an error message"
+    return _validate(r, output_len)
 
 
 def _validate(r: RequestResult, output_len: int) -> str:
@@ -244,8 +260,9 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
 
 
 async def _run(client, url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-               timeout_s: float) -> tuple[list[RequestResult], float]:
-    """Closed loop: ``concurrency`` workers take the next prompt as soon as their previous request ends."""
+               timeout_s: float) -> tuple[list[RequestResult | None], float]:
+    """Closed loop: ``concurrency`` workers take the next prompt as soon as their previous request ends. The
+    results stay in prompt order, None where a request left none, so a failure names the right request."""
     results: list[RequestResult | None] = [None] * len(prompts)
     next_i = 0
 
@@ -258,7 +275,7 @@ async def _run(client, url: str, model: str, prompts: list[list[int]], output_le
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(prompts))))))
-    return [r for r in results if r is not None], time.perf_counter() - t0
+    return results, time.perf_counter() - t0
 
 
 async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
@@ -273,8 +290,8 @@ async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], out
         warm_fail = []
         if warmup_prompts:
             warm, _ = await _run(client, url, model, warmup_prompts, output_len, concurrency, timeout_s)
-            warm_fail = [f"warm-up request {i}: {r.error or _validate(r, output_len)}"
-                         for i, r in enumerate(warm) if not r.success or _validate(r, output_len)]
+            warm_fail = [f"warm-up request {i}: {_failure(r, output_len)}"
+                         for i, r in enumerate(warm) if _failure(r, output_len)]
         before = await _scrape(client, base_url) if read_server_metrics else {}
         results, duration = await _run(client, url, model, prompts, output_len, concurrency, timeout_s)
         after = await _scrape(client, base_url) if read_server_metrics else {}

@@ -82,6 +82,53 @@ def test_validation_reports_failures():
     assert isinstance(m, LegMetrics) and m.to_dict()["failed"] == 3
 
 
+@pytest.mark.parametrize("results,missing", [
+    ([_result(4, 0.1, [0.01] * 3)] * 2, 2),                                    # fewer results than prompts
+    ([_result(4, 0.1, [0.01] * 3), None, _result(4, 0.1, [0.01] * 3)], 1),     # a request that left no result
+])
+def test_a_missing_result_makes_the_leg_invalid(results, missing):
+    m = compute_metrics(results, 1.0, concurrency=2, output_len=4, prompts=[[1] * 4] * 3)
+    assert not m.valid
+    assert m.failures == [f"request {missing}: no result (the request was not sent, or its result was lost)"]
+    assert m.completed == 2 and m.failed == 1 and m.completed + m.failed == m.num_prompts
+    assert m.total_output_tokens == 8 and m.request_throughput == 2.0
+
+
+def test_more_results_than_prompts_make_the_leg_invalid():
+    m = compute_metrics([_result(4, 0.1, [0.01] * 3)] * 3, 1.0, concurrency=2, output_len=4, prompts=[[1] * 4] * 2)
+    assert not m.valid
+    assert m.failures == ["3 results for 2 prompts: the results do not belong to this leg's prompts"]
+    assert m.completed == 2 and m.failed == 0 and m.total_output_tokens == 8      # the extra one is not counted
+
+
+def _counted(output_tokens, chunk_tokens, num_chunks):
+    """A successful request whose usage, chunk token ids and content chunks say what the arguments say."""
+    return RequestResult(prompt_len=4, success=True, ttft=0.1, itl=[0.01] * (num_chunks - 1),
+                         latency=0.1 + 0.01 * (num_chunks - 1), output_tokens=output_tokens,
+                         chunk_tokens=chunk_tokens, num_chunks=num_chunks)
+
+
+@pytest.mark.parametrize("output_tokens,chunk_tokens,num_chunks,reason", [
+    # a chunk without token ids: usage and chunk count say 4, the chunks' token ids say 3
+    (4, 3, 4, "chunks carried 3 token ids, expected 4"),
+    # usage counts a token the stream never carried
+    (5, 4, 4, "usage.completion_tokens = 5, expected 4"),
+    # two tokens merged into one chunk: right token counts, one gap short
+    (4, 4, 3, "2 inter-token gaps (3 content chunks), expected 3"),
+    # an extra content chunk with no token ids: one gap too many
+    (4, 4, 5, "4 inter-token gaps (5 content chunks), expected 3"),
+])
+def test_chunk_and_token_counts_that_disagree_make_the_leg_invalid(output_tokens, chunk_tokens, num_chunks,
+                                                                     reason):
+    good = _counted(4, 4, 4)
+    m = compute_metrics([good, _counted(output_tokens, chunk_tokens, num_chunks)], 1.0, concurrency=2,
+                        output_len=4, prompts=[[1] * 4] * 2)
+    assert not m.valid
+    assert m.failures == [f"request 1: {reason}"]
+    assert m.completed == 1 and m.failed == 1 and m.total_output_tokens == 4
+    assert m.mean_itl_ms == pytest.approx(10.0) and m.mean_e2el_ms == pytest.approx(130.0)
+
+
 @pytest.fixture(scope="module")
 def server_url():
     engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4))
