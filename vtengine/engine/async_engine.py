@@ -184,8 +184,9 @@ class AsyncEngine:
                         if drop and len(out.outputs[0].token_ids) == 2:
                             out.new_token_ids = []      # a deliberate fault (drop_token): a token lost in transit
                         deliveries[stream.loop].append((stream.queue, out))
-                self._deliver(deliveries)
+                # stats first: a client that got its last token and reads /metrics must see this step counted
                 self._refresh_stats()
+                self._deliver(deliveries)
         except BaseException as e:        # an engine bug: fail every request loudly instead of hanging them
             self._error = e
             traceback.print_exc()
