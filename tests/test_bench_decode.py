@@ -1,12 +1,76 @@
 """`vtengine bench decode` on CPU: HF timing (tiny preset, eager), the step-by-step engine profile (CPU ops stand
-in for kernels), the markdown view, result file names. The timings are checked for form (positive, the asked
-counts), never against thresholds."""
+in for kernels), the markdown view, result file names. The timings are never checked against thresholds; what is
+checked is that every figure is what its definition makes of the measurements it comes from (ms/step from the
+per-rep times, kernel times summing to the total, ratios the quotient of their figures, markdown = JSON)."""
 import json
+import statistics
 
 import pytest
 import torch
 
 from vtengine.bench import decode
+
+
+def md_tables(md: str, header: str) -> list[list[dict[str, str]]]:
+    """Every markdown table whose header line starts with ``header``: its rows as {column: cell}."""
+    lines, tables = md.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.startswith(header):
+            cols = [c.strip() for c in line.strip()[1:-1].split("|")]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(cols, (c.strip() for c in row.strip()[1:-1].split("|")))))
+            tables.append(rows)
+    return tables
+
+
+def shown(cell: str, value: float, decimals: int) -> bool:
+    """The cell shows ``value`` to its decimals (the markdown rounds what the JSON holds)."""
+    return float(cell.rstrip("%×")) == pytest.approx(value, abs=0.51 * 10 ** -decimals)
+
+
+def hf_figures(h: dict) -> dict:
+    """HF's figures recomputed from its per-rep generate times, as the module docstring defines them."""
+    t, n = h["generate_s"], h["gen_len"]
+    return {"ms_per_step": 1e3 * statistics.median((b - a) / (n - 2) for a, b in zip(t["2"], t[str(n)])),
+            "ms_per_step_from_1tok": 1e3 * statistics.median((b - a) / (n - 1) for a, b in zip(t["1"], t[str(n)])),
+            "prefill_ms": 1e3 * statistics.median(t["1"])}
+
+
+def check_profile(p: dict, steps: int) -> None:
+    """A CPU profile's figures add up: kernel times sum to the total, shares are kernel time over the measured step,
+    the gap is the rest, launches are whole over the recorded steps."""
+    other = p.get("kernels_other", {"names": 0, "us_per_step": 0.0})
+    assert p["steps"] == steps and p["num_kernel_names"] == len(p["kernels"]) + other["names"]
+    assert p["kernel_us_per_step"] == pytest.approx(sum(k["us_per_step"] for k in p["kernels"]) + other["us_per_step"])
+    assert p["gap_us_per_step"] == pytest.approx(p["step_us_measured"] - p["kernel_us_per_step"])
+    # self times of ops inside the steps cannot exceed the steps' wall time
+    assert 0 < p["kernel_us_per_step"] <= p["step_us_measured"] * 1.01
+    for k in p["kernels"]:
+        assert k["us_per_step"] > 0 and k["share_of_step"] == pytest.approx(k["us_per_step"] / p["step_us_measured"])
+        assert k["launches_per_step"] >= 1 / steps
+        assert k["launches_per_step"] * steps == pytest.approx(round(k["launches_per_step"] * steps))
+    assert p["kernels"] == sorted(p["kernels"], key=lambda k: -k["us_per_step"])
+
+
+def check_profile_markdown(md: str, table: list[dict[str, str]], p: dict) -> None:
+    """The markdown's summary line and kernel table show the profile's JSON figures."""
+    gap_pct = 100 * p["gap_us_per_step"] / p["step_us_measured"]
+    assert (f"sum of kernel time {p['kernel_us_per_step']:.1f} us/step vs measured step time "
+            f"{p['step_us_measured']:.1f} us/step") in md
+    assert f"gap {p['gap_us_per_step']:.1f} us/step ({gap_pct:.1f}%)" in md
+    top = p["kernels"][:decode.MD_TOP_KERNELS]
+    assert [row["kernel"] for row in table[:len(top)]] == [f"`{k['kernel']}`" for k in top]
+    for row, k in zip(table, top):
+        assert shown(row["us/step"], k["us_per_step"], 1) and shown(row["launches/step"], k["launches_per_step"], 2)
+        assert shown(row["% of step"], 100 * k["share_of_step"], 1)
+    shown_us = sum(float(row["us/step"]) for row in table)       # the top rows and the "others" row
+    assert shown_us == pytest.approx(p["kernel_us_per_step"], abs=0.05 * len(table) + 1e-9)
+    if p["num_kernel_names"] > decode.MD_TOP_KERNELS:
+        assert table[-1]["kernel"] == f"({p['num_kernel_names'] - decode.MD_TOP_KERNELS} others)"
+        assert len(table) == decode.MD_TOP_KERNELS + 1
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +83,11 @@ def test_hf_decode_eager_on_cpu_times_every_rep():
     import transformers
     h = decode.hf_decode_ms("tiny", batch=2, prompt_len=16, gen_len=8, device="cpu", compile=False, reps=3)
     assert "error" not in h, h.get("error")
-    assert h["ms_per_step"] > 0 and h["ms_per_step_from_1tok"] > 0 and h["prefill_ms"] > 0
     assert [len(h["generate_s"][k]) for k in ("1", "2", "8")] == [3, 3, 3]
+    assert all(t > 0 for times in h["generate_s"].values() for t in times)
+    figures = hf_figures(h)
+    assert {k: h[k] for k in figures} == pytest.approx(figures) and h["ms_per_step"] > 0
+    assert (h["batch"], h["prompt_len"], h["gen_len"], h["reps"]) == (2, 16, 8, 3)
     assert h["compile"].startswith("none") and h["transformers"] == transformers.__version__
     assert h["dtype"] == "float32"
 
@@ -44,27 +111,42 @@ def test_hf_decode_compiles_once_through_generate(request):
     assert h["ms_per_step"] > 0
 
 
-def test_engine_decode_ms_on_cpu(tiny_llm):
+def test_engine_decode_ms_on_cpu(tiny_llm, monkeypatch):
+    eng = tiny_llm.engine
+    snapshots = []                 # what engine_decode_ms read of the engine's counters: after warm-up, at the end
+    stats = eng.stats
+
+    def recorded_stats():
+        snapshots.append(stats())
+        return snapshots[-1]
+
+    monkeypatch.setattr(eng, "stats", recorded_stats)
     r = decode.engine_decode_ms(tiny_llm, batch=2, prompt_len=16, gen_len=8)
-    assert r["decode_steps"] == 7 and r["ms_per_step"] > 0
-    assert r["weight_bytes"] > 0 and r["kv_bytes_per_step"] > 0 and r["quant"] == "bf16"
+    before, after = snapshots
+    assert r["decode_steps"] == after["decode_steps_total"] - before["decode_steps_total"] == 7
+    decode_s = after["decode_time_s_sum"] - before["decode_time_s_sum"]
+    assert r["ms_per_step"] == pytest.approx(1e3 * decode_s / 7) and r["ms_per_step"] > 0
+    assert r["ms_per_step"] * 7 <= 1e3 * r["wall_s"]           # the decode steps are part of the timed generate
+    # tiny: 2 layers, 2 KV heads of 32, fp32 on CPU; 2 sequences at a mean context of 16 + 8 / 2 tokens
+    assert r["kv_bytes_per_step"] == 2 * 2 * 2 * 32 * 4 * (16 + 4) * 2
+    # every projection, norm and the untied head, fp32: hidden 64, q 4 x 32, kv 2 x 32, mlp 128, vocab 512
+    per_layer = 64 * (128 + 2 * 64) + 128 * 64 + 64 * 2 * 128 + 128 * 64 + 2 * 64
+    assert r["weight_bytes"] == 4 * (2 * per_layer + 64 + 512 * 64) and r["quant"] == "bf16"
 
 
 def test_profile_engine_decode_on_cpu(tiny_llm):
     p = decode.profile_engine_decode(tiny_llm, batch=2, prompt_len=16, steps=4, warm_steps=1)
-    assert p["activity"] == "cpu" and p["steps"] == 4 and p["steps_asked"] == 4 and "warning" not in p
-    assert p["kernels"] and all(k["us_per_step"] > 0 and k["launches_per_step"] > 0 for k in p["kernels"])
-    assert p["kernels"] == sorted(p["kernels"], key=lambda k: -k["us_per_step"])
-    assert any(k["name_full"].startswith("aten::") for k in p["kernels"])
-    # self times of ops inside the steps cannot exceed the steps' wall time
-    assert 0 < p["kernel_us_per_step"] <= p["step_us_measured"] * 1.01
-    assert p["gap_us_per_step"] == pytest.approx(p["step_us_measured"] - p["kernel_us_per_step"])
-    assert sum(k["share_of_step"] for k in p["kernels"]) == pytest.approx(
-        p["kernel_us_per_step"] / p["step_us_measured"])
+    assert p["activity"] == "cpu" and p["steps_asked"] == 4 and "warning" not in p
+    assert p["context_len"] == 16 + 1 + 2                      # the prompt, the warm step, the profiler's 2 warm-up
+    check_profile(p, steps=4)
+    # each decode step multiplies through both layers' weights: at least one matmul launch per layer per step
+    mm = {k["name_full"]: k for k in p["kernels"]}["aten::mm"]
+    assert mm["launches_per_step"] >= 2
     assert not tiny_llm.engine.has_unfinished_requests()       # the profile's requests were aborted
     md = decode.render_markdown({"engine": [], "profiles": [dict(p, step_us_timed=123.0)]})
-    assert "sum of kernel time" in md and "123.0 us/step in the timed run" in md
-    assert f"`{p['kernels'][0]['kernel']}`" in md
+    assert "123.0 us/step in the timed run" in md
+    [table] = md_tables(md, "| kernel |")
+    check_profile_markdown(md, table, p)
 
 
 def test_kernel_table_self_time_and_device_events():
@@ -113,6 +195,28 @@ def _synthetic_result():
                  "compile": "generate auto-compile: static cache + CompileConfig(mode='reduce-overhead', "
                             "fullgraph=True)"}],
             "profiles": []}
+
+
+def test_markdown_engine_table_shows_the_json():
+    """Every engine row's cells are the JSON's figures; the speed-up is HF ms/step over engine ms/step."""
+    result = _synthetic_result()
+    result["hf_transformers_compiled"][1] = dict(result["hf_transformers_compiled"][0], batch=8, ms_per_step=7.5)
+    [table] = md_tables(decode.render_markdown(result), "| model |")
+    hf = {h["batch"]: h["ms_per_step"] for h in result["hf_transformers_compiled"]}
+    assert len(table) == len(result["engine"])
+    for row, r in zip(table, result["engine"]):
+        assert (row["model"], row["quant"], row["concurrency"]) == (r["model"], r["quant"], str(r["batch"]))
+        if "error" in r:
+            assert row["ms/step"] == f"error: {r['error']}"
+            continue
+        assert shown(row["ms/step"], r["ms_per_step"], 3) and shown(row["floor ms"], r["floor_ms"], 3)
+        assert shown(row["% of floor"], 100 * r["floor_ms"] / r["ms_per_step"], 1)
+        if r["quant"] == "bf16":
+            assert shown(row["HF compiled ms/step"], hf[r["batch"]], 3)
+            assert shown(row["engine speed-up vs HF"], hf[r["batch"]] / r["ms_per_step"], 2)
+        else:
+            assert row["HF compiled ms/step"] == row["engine speed-up vs HF"] == ""
+    assert [row["engine speed-up vs HF"] for row in table[:2]] == ["2.00×", "1.25×"]
 
 
 def test_markdown_hf_column_and_ratio():
@@ -188,17 +292,38 @@ def test_main_orchestration_on_cpu(tmp_path, cpu_stand_ins):
     res = json.loads(path.read_text())
     assert res["complete"] and res["copy_bandwidth_gbs"] == 100.0 and "interrupted" not in res
     eng = {(r["model"], r["quant"], r["batch"]): r for r in res["engine"]}
-    assert all(eng[("tiny", q, b)]["ms_per_step"] > 0 for q in ("bf16", "mxfp4") for b in (1, 2))
+    for q in ("bf16", "mxfp4"):
+        for b in (1, 2):
+            r = eng[("tiny", q, b)]
+            assert r["ms_per_step"] > 0 and r["decode_steps"] == 8 - 1
+            # the floor: every weight and the K/V read once at the stand-in's 100 GB/s
+            assert r["floor_ms"] == pytest.approx(1e3 * (r["weight_bytes"] + r["kv_bytes_per_step"]) / 100e9)
+            assert r["frac_of_floor"] == pytest.approx(r["floor_ms"] / r["ms_per_step"])
+        assert eng[("tiny", q, 2)]["kv_bytes_per_step"] == 2 * eng[("tiny", q, 1)]["kv_bytes_per_step"]
+    # 4-bit projections: the quantized model reads fewer weight bytes than the dense one
+    assert eng[("tiny", "mxfp4", 1)]["weight_bytes"] < eng[("tiny", "bf16", 1)]["weight_bytes"]
     assert "int3" in eng[("tiny", "int3", 1)]["error"] and "int3" in eng[("tiny", "int3", 2)]["error"]
-    assert [(h["model"], h["batch"]) for h in res["hf_transformers_compiled"]] == [("tiny", 1), ("tiny", 2)]
-    assert all(h["ms_per_step"] > 0 for h in res["hf_transformers_compiled"])
+    hf = res["hf_transformers_compiled"]
+    assert [(h["model"], h["batch"], h["reps"]) for h in hf] == [("tiny", 1, 2), ("tiny", 2, 2)]
+    for h in hf:
+        figures = hf_figures(h)
+        assert {k: h[k] for k in figures} == pytest.approx(figures)
     prof = [p for p in res["profiles"] if "error" not in p]
-    assert [(p["quant"], p["batch"], p["steps"]) for p in prof] == [("bf16", 1, 3), ("bf16", 2, 3), ("mxfp4", 1, 3),
-                                                                     ("mxfp4", 2, 3)]
-    assert all(p["step_us_timed"] == pytest.approx(1e3 * eng[("tiny", p["quant"], p["batch"])]["ms_per_step"])
-               for p in prof)
+    assert [(p["quant"], p["batch"]) for p in prof] == [("bf16", 1), ("bf16", 2), ("mxfp4", 1), ("mxfp4", 2)]
+    for p in prof:
+        check_profile(p, steps=3)
+        assert p["step_us_timed"] == pytest.approx(1e3 * eng[("tiny", p["quant"], p["batch"])]["ms_per_step"])
     md = path.with_suffix(".md").read_text()
-    assert "×" in md and md.count("sum of kernel time") == 4
+    [engine_table] = md_tables(md, "| model |")
+    rows = {(row["quant"], row["concurrency"]): row for row in engine_table}
+    for b, h in zip((1, 2), hf):
+        r = eng[("tiny", "bf16", b)]
+        assert shown(rows[("bf16", str(b))]["ms/step"], r["ms_per_step"], 3)
+        assert shown(rows[("bf16", str(b))]["engine speed-up vs HF"], h["ms_per_step"] / r["ms_per_step"], 2)
+    kernel_tables = md_tables(md, "| kernel |")
+    assert len(kernel_tables) == len(prof) == md.count("sum of kernel time") == 4
+    for table, p in zip(kernel_tables, prof):
+        check_profile_markdown(md, table, p)
     assert (tmp_path / "OUT" / path.name).read_text() == path.read_text()
 
 

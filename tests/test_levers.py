@@ -1,14 +1,15 @@
 """The lever registry: schema, resolution order, off-strings, bad values, and no undeclared VT_* reads."""
+import ast
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+import campaigns
+import vtengine
 from vtengine import levers
 from vtengine.levers import LeverError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_defaults_are_the_files_and_the_flips_that_landed():
@@ -79,19 +80,54 @@ def test_bad_lever_file_schema(tmp_path):
         levers.registry(tmp_path)
 
 
+VT_NAME = re.compile(r"VT_[A-Z0-9_]+")
+PACKAGE_DIRS = [Path(vtengine.__file__).parent, Path(campaigns.__file__).parent]      # the imported packages
+PLANTED = "VT_NOT_A_LEVER"
+
+
+def undeclared_vt_reads(package_dirs=PACKAGE_DIRS) -> list[tuple[str, int, str]]:
+    """(path from the packages' parent, line, name) of every VT_* name in the packages' code that no lever declares.
+
+    Every string literal that is a whole VT_* name counts, whatever reads it (``os.environ["VT_X"]``,
+    ``os.environ.get("VT_X")``, ``os.getenv("VT_X")``, a name kept in a variable first); comments and prose in
+    docstrings do not."""
+    declared = {lv.env for lv in levers.registry().values()}
+    found = []
+    for package in package_dirs:
+        for path in sorted(package.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str) and VT_NAME.fullmatch(node.value)
+                        and node.value not in declared):
+                    found.append((path.relative_to(package.parent).as_posix(), node.lineno, node.value))
+    return sorted(found)
+
+
+@pytest.fixture
+def plant_in_package():
+    """Write a module into the real vtengine/ package for one test; it is removed however the test ends."""
+    planted = PACKAGE_DIRS[0] / "_planted_scan_probe.py"
+    assert not planted.exists(), f"{planted} is left over from an earlier run; delete it"
+
+    def plant(source: str) -> str:
+        planted.write_text(source)
+        return planted.relative_to(PACKAGE_DIRS[0].parent).as_posix()
+
+    try:
+        yield plant
+    finally:
+        planted.unlink(missing_ok=True)
+
+
 def test_no_undeclared_vt_env_reads():
     """Scan the source: every VT_* name the code mentions must be a registered lever's env variable."""
-    declared = {lv.env for lv in levers.registry().values()}
-    pattern = re.compile(r"""["'](VT_[A-Z0-9_]+)["']""")
-    found = {}
-    for path in list((ROOT / "vtengine").rglob("*.py")) + list((ROOT / "campaigns").rglob("*.py")):
-        for name in pattern.findall(path.read_text()):
-            found.setdefault(name, path.relative_to(ROOT))
-    undeclared = {n: str(p) for n, p in found.items() if n not in declared}
-    assert not undeclared, f"VT_* variables read but not declared in conf/lever/: {undeclared}"
+    assert undeclared_vt_reads() == [], "VT_* variables read but not declared in conf/lever/"
 
 
-def test_scan_catches_an_undeclared_read(tmp_path):
-    """The scan above must be able to fail: a planted read is found by the same pattern."""
-    src = 'import os\nx = os.environ.get("VT_SECRET_KNOB")\n'
-    assert re.findall(r"""["'](VT_[A-Z0-9_]+)["']""", src) == ["VT_SECRET_KNOB"]
+@pytest.mark.parametrize("read", [f'os.environ["{PLANTED}"]', f'os.environ.get("{PLANTED}", "0")',
+                                  f"os.getenv('{PLANTED}')"])
+def test_the_scan_finds_an_undeclared_read_planted_in_the_package(plant_in_package, read):
+    assert undeclared_vt_reads() == []
+    # a declared lever's read beside the planted one: the scan reports the undeclared name only
+    declared = sorted(lv.env for lv in levers.registry().values())[0]
+    planted = plant_in_package(f'import os\n\nLEVER = os.environ.get("{declared}")\nKNOB = {read}\n')
+    assert undeclared_vt_reads() == [(planted, 4, PLANTED)]
