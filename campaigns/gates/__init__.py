@@ -82,9 +82,12 @@ class GateContext:
             llm = LLM(model=self.model, quant=self.quant, backend=self.backend, levers=self.lever_values(arm),
                       num_kv_blocks=GATE_KV_BLOCKS, max_num_seqs=32, triton_kernels=self.triton_kernels,
                       max_model_len=self.max_model_len)
-            if arm.name == self.broken_arm:         # a product test's broken arm: every gate must see it
-                llm.engine.runner.use_graphs = False
-                set_fault(llm.engine, self.perturb_fault())
+            if arm.name == self.broken_arm:         # a product test's broken arm: its kernel broken everywhere,
+                set_fault(llm.engine, self.perturb_fault())     # eager steps and captured graphs alike
+                runner = llm.engine.runner
+                if runner.use_graphs:
+                    runner.graphs = {}
+                    runner.capture_graphs(llm.engine.config.max_num_seqs)
             self._engines[arm.name] = llm
         return self._engines[arm.name]
 
