@@ -22,7 +22,8 @@ KINDS = {
     "stale_input": "each decode step embeds a sequence's previous token instead of its newest one (the async race)",
     "drop_token": "the serving path drops the second token of every request's stream",
 }
-OOB_ELEMENTS = 1 << 30          # how far past the cache an "oob" block index points, in cache elements (int32-safe)
+OOB_GAP_BYTES = 1 << 30         # an "oob" read lands this far above the highest tensor the engine holds
+INT32_MAX = 2**31 - 1           # the decode kernel's block offset (block x stride) is a 32-bit product
 
 
 class FaultError(ValueError):
@@ -91,14 +92,42 @@ def _perturbed(op: Callable, fault: Fault, quantized: bool | None) -> Callable:
     return wrapped
 
 
-def _oob(op: Callable) -> Callable:
+def _oob(op: Callable, ceiling: int) -> Callable:
+    """Decode attention through block-table entries that point OOB_GAP_BYTES above ``ceiling``, the end of the
+    highest tensor the engine holds: memcheck only reports an access outside every live allocation, so a fixed
+    offset past the cache can land inside another tensor (the mxfp4 layout did) and go unseen."""
     def wrapped(q, k_cache, v_cache, block_tables, *args, **kwargs):
-        far = max(k_cache.shape[0], OOB_ELEMENTS // max(1, k_cache.stride(0)))
+        block_bytes = k_cache.stride(0) * k_cache.element_size()
+        far = -(-(ceiling + OOB_GAP_BYTES - k_cache.data_ptr()) // block_bytes)
+        far = max(k_cache.shape[0], min(far, INT32_MAX // k_cache.stride(0) - k_cache.shape[0]))
         return op(q, k_cache, v_cache, block_tables + far, *args, **kwargs)
     return wrapped
 
 
-def install(backend, fault: Fault | None) -> None:
+def _tensors(obj, seen: set | None = None):
+    """Every torch tensor reachable from an engine's model and caches (weights, quantized parts, KV)."""
+    import torch
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, seen)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("vtengine"):
+        for x in vars(obj).values():
+            yield from _tensors(x, seen)
+
+
+def _ceiling(engine) -> int:
+    """The end address of the highest tensor an engine holds."""
+    ends = [t.data_ptr() + t.untyped_storage().nbytes() for t in _tensors([engine.model, engine.runner.kv_caches])]
+    return max(ends, default=0)
+
+
+def install(backend, fault: Fault | None, ceiling: int = 0) -> None:
     """Apply ``fault`` to a backend's op methods (instance attributes shadow the class's), or mend it with None.
     The backend's own instance attributes (TritonBackend routes some ops to the references that way) come back
     as they were."""
@@ -114,7 +143,7 @@ def install(backend, fault: Fault | None) -> None:
         quantized = {"w4a16_gemm": True, "dense_linear": False}.get(fault.kernel)
         wrap = {op: _perturbed(getattr(backend, op), fault, quantized) for op in KERNEL_OPS[fault.kernel]}
     else:
-        wrap = {"decode_attention": _oob(backend.decode_attention)}
+        wrap = {"decode_attention": _oob(backend.decode_attention, ceiling)}
     for op, fn in wrap.items():
         backend._fault_saved[op] = backend.__dict__.get(op)
         setattr(backend, op, fn)
@@ -122,6 +151,6 @@ def install(backend, fault: Fault | None) -> None:
 
 def set_fault(engine, fault: Fault | None) -> None:
     """Break (or mend, with None) an ``LLMEngine``: its backend's ops, its runner's decode inputs, its outputs."""
-    install(engine.backend, fault)
+    install(engine.backend, fault, _ceiling(engine) if fault is not None and fault.kind == "oob" else 0)
     engine.fault = fault
     engine.runner.fault = fault
