@@ -149,19 +149,26 @@ def _widest_pooled(ev: Evidence, cand: str, p: PolicyConfig) -> PooledEffect | N
 
 
 def effect_note(ev: Evidence, cand: str, p: PolicyConfig) -> str:
-    """'neutral: the effect is within ±z% (96%)' or 'underpowered: it could be up to +z% (or down to -w%)'."""
+    """What a KEEP measured, from the pooled interval of the primary axis that reaches furthest from 1:
+    'neutral' (every primary interval within ±neutral_margin), 'slower'/'faster' (the interval excludes 1, though
+    no point separated), else 'underpowered' (the grid cannot tell)."""
     pe = _widest_pooled(ev, cand, p)
     if pe is None:
         return ""
-    e = pe.effect
+    e, axes = pe.effect, " and ".join(map(_label, p.primary_axes))
+    where = f"{_label(pe.axis)} ({e.confidence:.0%}, pooled over concurrencies)"
     if all(1 / (1 + p.neutral_margin) <= x.effect.lo and x.effect.hi <= 1 + p.neutral_margin
            for x in ev.pooled if x.candidate == cand and x.axis in p.primary_axes):
         z = max(e.hi - 1, 1 / e.lo - 1)
-        return (f"neutral: the effect is within ±{z:.1%} on {' and '.join(map(_label, p.primary_axes))} "
-                f"({e.confidence:.0%}, pooled over concurrencies)")
-    return (f"underpowered: the effect could be anywhere from {e.lo - 1:+.1%} to {e.hi - 1:+.1%} on "
-            f"{_label(pe.axis)} ({e.confidence:.0%}, pooled over concurrencies); the grid cannot call it neutral "
-            f"within ±{p.neutral_margin:.0%}")
+        return f"neutral: the effect is within ±{z:.1%} on {axes} ({e.confidence:.0%}, pooled over concurrencies)"
+    if e.hi < 1:
+        return (f"slower: the candidate costs {1 - e.hi:.1%} to {1 - e.lo:.1%} on {where}, though no point "
+                "separated")
+    if e.lo > 1:
+        return (f"faster: the candidate gains {e.lo - 1:.1%} to {e.hi - 1:.1%} on {where}, though no point "
+                "separated, so the rule does not flip it")
+    return (f"underpowered: the effect could be anywhere from {e.lo - 1:+.1%} to {e.hi - 1:+.1%} on {where}; "
+            f"the grid cannot call it neutral within ±{p.neutral_margin:.0%}")
 
 
 def _measured_byte_exact(ev: Evidence, cand: str | None = None) -> bool | None:

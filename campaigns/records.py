@@ -21,7 +21,7 @@ from campaigns import calibrate
 from campaigns import context as lever_context
 from campaigns.config import GATE_NAMES
 from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
-from campaigns.policy import fmt_effect, inapplicable, policy_params
+from campaigns.policy import effect_note, fmt_effect, inapplicable, policy_params
 from campaigns.stats import AXES, AXIS_BY_NAME
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates"
@@ -128,7 +128,8 @@ def what_changed(ev: Evidence) -> str:
         return f"A/A self-check of the grid, {ev.lever}={fmt_lever_value(ev.baseline.value)} on both arms"
     if d.verdict == "FLIP" and policy_params(ev).flip_on_correctness:
         return f"default {base} → {cand} (correctness fix)"
-    keep = "measured neutral" if d.effect_note.startswith("neutral") else "not shown better"
+    keep = {"neutral": "measured neutral", "slower": "measured slower"}.get(_effect_note(ev).split(":")[0],
+                                                                          "not shown better")
     return {
         "FLIP": f"default {base} → {cand}",
         "KEEP": f"keep default {base} ({cand} {keep})",
@@ -137,6 +138,15 @@ def what_changed(ev: Evidence) -> str:
         "NON-BINDING": f"{cand} vs {base}, non-binding",
         "INVALID": "invalid campaign (gates cannot be trusted)",
     }.get(d.verdict, d.verdict)
+
+
+def _effect_note(ev: Evidence) -> str:
+    """A KEEP's neutral/slower/faster/underpowered note, derived from the evidence's pooled effects at render
+    time (a view, so every record reads by today's wording)."""
+    d = ev.decision
+    if d is None or d.verdict != "KEEP" or ev.kind != "lever" or not d.candidate:
+        return ""
+    return effect_note(ev, d.candidate, policy_params(ev))
 
 
 def verdict_headline(ev: Evidence) -> str:
@@ -239,7 +249,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "calibration": calibrate.sentence(ev.calibration) if ev.stats else "",
         "noise": ev.calibration.noise if ev.calibration else "",
         "with_levers": with_text.strip(), "kind": ev.kind,
-        "effect_note": d.effect_note if d else "",
+        "effect_note": _effect_note(ev),
         "ev": ev, "d": d, "fp": fp, "row_id": f"row/{ev.lever}", "campaign_id": ev.campaign_id,
         "headline": verdict_headline(ev), "title": title, "date": ev.date,
         "branch": fp.branch, "base_sha": fp.git_short_sha + ("-dirty" if fp.dirty else ""),
@@ -350,7 +360,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
             "verdict": last.decision.verdict if last else "—",
             "fresh": _fresh_cell(fresh(last)) if last else "—",
             "headline": (f"{arm_label(last, last.decision.candidate)}: {last.decision.headline}"
-                         + (f"; {last.decision.effect_note}" if last.decision.effect_note else "")
+                         + (f"; {_effect_note(last)}" if _effect_note(last) else "")
                          if last else "—").replace("|", "/"),
             "calibration": (calibrate.sentence(last.calibration) if last and last.calibration else "—"),
         })
