@@ -108,6 +108,8 @@ def test_ratio_is_oriented_so_above_one_is_better():
     ([98, 99, 100], [100, 101, 102], True, "NEUTRAL"),       # best ON == worst OFF
     ([9.0, 9.1, 9.2], [10.0, 10.1, 10.2], False, "WIN"),     # latency: lower is better
     ([9.0, 10.1, 9.2], [10.0, 10.1, 10.2], False, "NEUTRAL"),
+    ([9.0, 9.5, 10.0], [10.0, 10.5, 11.0], False, "NEUTRAL"),   # latency: worst ON == best OFF is a tie, no WIN
+    ([11.0, 11.5, 12.0], [10.0, 10.5, 11.0], False, "NEUTRAL"),  # latency: best ON == worst OFF is a tie, no LOSS
     ([11.0], [10.0], False, "LOSS"),                         # a single rep separates trivially
     ([5, 5, 5], [5, 5, 5], True, "NEUTRAL"),                 # all reps equal
 ])
@@ -184,6 +186,12 @@ def test_tie_between_worst_on_and_best_off_is_not_a_win():
     ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [102.0, 103.0, 104.0]}})
     assert verdict(ev) == "KEEP"
     assert all(s.separation == "NEUTRAL" for s in ev.stats)
+
+
+def test_a_latency_tie_is_not_a_win():
+    ev = make_evidence({"median_tpot_ms": {"off": [10.0, 10.5, 11.0], "on": [9.0, 9.5, 10.0]}})
+    assert verdict(ev) == "KEEP"
+    assert all(s.separation == "NEUTRAL" for s in ev.stats if s.axis == "tpot")
 
 
 def test_all_reps_equal_is_neutral_keep():
