@@ -1,0 +1,228 @@
+"""Mutation audit: plant each known fault in a scratch copy of the repository, then run the tests that must catch it
+and, for a gate's fault, the gate itself with its self-check; write the table of what caught what.
+
+    python scripts/mutation_audit.py [--out bench/results/mutation-audit-<date>.md] [--only NAME ...]
+
+A mutation is an exact text replacement in one file (the audit stops with an error when the text is gone, so the
+list cannot silently go stale). "Caught by a test" means the named tests fail on the mutant; "caught by the gate's
+own run" means that a CPU campaign's gate on `tiny` either fails or reports its self-check NOT caught, so the
+campaign is INVALID rather than trusting the gate. CPU only: graph_parity and memcheck need CUDA, and their faults
+are checked on the GPU by `pytest -m gpu tests/test_gates_faults.py` and every binding campaign's self-checks.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutation:
+    name: str
+    what: str                       # the fault, in words
+    path: str
+    old: str
+    new: str
+    tests: list[str]                # pytest node ids that must fail
+    gate: str | None = None         # a gate whose own run (with its self-check) must not pass it
+    gate_note: str = ""             # where no separate gate run applies, why
+    lever: str = "gqa_swap"
+    extra: list[tuple[str, str, str]] = field(default_factory=list)   # more (path, old, new) of the same fault
+
+
+MUTATIONS = [
+    Mutation("battery-oracle-tokens", "battery takes its 'engine' tokens from the oracle (the engine never runs)",
+             "campaigns/gates/battery.py",
+             '    key = f"battery:{arm.name}{\'#fault\' if fault else \'\'}"\n',
+             '    return [list(g) for _, g in goldens(ctx)]\n    key = f"battery:{arm.name}{\'#fault\' if fault else \'\'}"\n',
+             ["tests/test_gates_faults.py::test_the_battery_fault_runs_the_engine_under_test",
+              "tests/test_gates_faults.py::test_battery_and_near_tie_fail_on_a_broken_candidate_and_pass_the_clean_baseline"],
+             gate="battery"),
+    Mutation("decode-scaled-1.001", "gqa_swap's decode output scaled by 1.001 (under the interpreter)",
+             "vtengine/kernels/attention.py",
+             '    counters.record("decode_attention", route, grid=grid, splits=num_splits, variant=_variant(fast_math))\n',
+             '    counters.record("decode_attention", route, grid=grid, splits=num_splits, variant=_variant(fast_math))\n'
+             '    out.mul_(1.001)\n',
+             ["tests/test_kernels_attention.py", "tests/test_gates_faults.py::test_op_gate_catches_a_kernel_off_by_a_tenth_of_a_percent"],
+             gate="op"),
+    Mutation("async-batch1-ignored", "async_parity's batch-1 (exact) leg ignored",
+             "campaigns/gates/parity.py",
+             "    return counts, details, not b1_mism, not divergent\n",
+             "    return counts, details, True, not divergent\n",
+             ["tests/test_gates_parity.py"],
+             gate_note="the test is the gate's own run, against a real server on loopback"),
+    Mutation("preemption-forgets-tokens", "preemption forgets the generated tokens",
+             "vtengine/engine/scheduler.py",
+             "        seq.status = SequenceStatus.WAITING\n",
+             "        seq.status = SequenceStatus.WAITING\n        seq.token_ids = list(seq.prompt_token_ids)\n",
+             ["tests/test_preemption.py"]),
+    Mutation("latency-tie-wins", "a latency-axis tie counted as a WIN",
+             "campaigns/stats.py",
+             "        if max(on) < min(off):\n            return \"WIN\"\n        if min(on) > max(off):",
+             "        if max(on) <= min(off):\n            return \"WIN\"\n        if min(on) > max(off):",
+             ["tests/test_policy.py::test_separation_table", "tests/test_policy.py::test_a_latency_tie_is_not_a_win"]),
+    Mutation("save-drops-fields", "evidence save drops legs[].reasons, fingerprint.dirty_files and flip",
+             "campaigns/evidence.py",
+             "    def to_dict(self) -> dict[str, Any]:\n        return dataclasses.asdict(self)\n",
+             "    def to_dict(self) -> dict[str, Any]:\n        d = dataclasses.asdict(self)\n"
+             "        d['flip'] = {}\n        d['fingerprint']['dirty_files'] = []\n"
+             "        for leg in d['legs']:\n            leg['reasons'] = []\n        return d\n",
+             ["tests/test_evidence_roundtrip.py"]),
+    Mutation("leg-valid-missing-result", "a leg stays valid when a request is missing",
+             "campaigns/loadgen.py",
+             "    missing = [None] * (len(prompts) - len(results))",
+             "    missing = []",
+             ["tests/test_loadgen.py"]),
+    Mutation("leg-valid-chunk-mismatch", "a leg stays valid when chunk and token counts disagree",
+             "campaigns/loadgen.py",
+             "def _validate(r: RequestResult, output_len: int) -> str:\n",
+             "def _validate(r: RequestResult, output_len: int) -> str:\n    return ''\n",
+             ["tests/test_loadgen.py"]),
+    Mutation("skipped-gate-binds", "a binding verdict rests on a listed gate that was skipped",
+             "campaigns/policy.py",
+             "            elif r.skipped and not (g == \"mechanism\" and a == cand):",
+             "            elif False:",
+             ["tests/test_policy.py::test_a_listed_gate_that_did_not_run_makes_the_verdict_non_binding"]),
+    # one per gate (graph_parity and memcheck: GPU, see the module docstring)
+    Mutation("op-compares-ref-with-itself", "op: the kernel's output is never compared (reference against itself)",
+             "campaigns/gates/op.py",
+             "        out = run_case(setting, False)\n        err = rel_l2(out, expected)\n",
+             "        out = run_case(setting, False)\n        err = rel_l2(expected, expected)\n",
+             ["tests/test_gates_faults.py::test_op_gate_catches_a_kernel_off_by_a_tenth_of_a_percent"],
+             gate="op",
+             extra=[("campaigns/gates/op.py", "            wrong = rel_l2(run_case(setting, True), expected)\n"
+                     "            off = rel_l2(run_case(setting, False) * (1 + size), expected)\n",
+                     "            wrong = rel_l2(expected, expected)\n            off = rel_l2(expected, expected)\n")]),
+    Mutation("near-tie-gap-zero", "near_tie: every gap measured as 0 (every divergence 'ratified')",
+             "campaigns/gates/battery.py",
+             "    return [max(0.0, float(g)) * 1000.0 for g in (lp.max(dim=-1).values - ours_lp)]\n",
+             "    return [0.0 for g in (lp.max(dim=-1).values - ours_lp)]\n",
+             ["tests/test_gates_faults.py::test_battery_and_near_tie_fail_on_a_broken_candidate_and_pass_the_clean_baseline"],
+             gate="near_tie"),
+    Mutation("mechanism-nsplits-always", "mechanism: any nsplits_cap value passes (the audit's non-integer case)",
+             "campaigns/gates/mechanism.py",
+             "        pairs = [tuple(int(x) for x in p.split(\"/\")) for p in pr[\"split_vs_uncapped\"]]\n",
+             "        return True, \"anything goes\"\n",
+             ["tests/test_gates_faults.py::test_nsplits_cap_expectation_can_fail_for_every_value_type"],
+             gate="mechanism", lever="nsplits_cap"),
+    Mutation("async-fault-ignored", "async_parity: the server ignores the deliberate fault (its self-check breaks nothing)",
+             "vtengine/server.py",
+             "        await self.engine.call(lambda eng: set_fault(eng, fault))\n",
+             "        pass\n",
+             ["tests/test_gates_parity.py::test_async_parity_passes_and_its_fault_fails"],
+             gate_note="the test is the gate's own run (and its self-check), against a real server on loopback"),
+]
+
+GATE_PROBE = r'''
+import json, sys
+from omegaconf import OmegaConf
+from campaigns.evidence import Arm
+from campaigns.gates import GateContext, run_gate
+lever, gate = sys.argv[1], sys.argv[2]
+values = {"gqa_swap": (False, True), "nsplits_cap": ("off", "auto")}[lever]
+arms = [Arm(str(values[0]).lower() if values[0] is not False else "off", values[0], "baseline"),
+        Arm("on" if values[1] is True else str(values[1]), values[1], "candidate")]
+from vtengine import levers
+ctx = GateContext(lever=lever, arms=arms, model="tiny", quant="bf16", device="cpu", near_tie_max_mnats=500.0,
+                  gate_cfg=OmegaConf.create({"self_check": True, "op": {"seed": 0, "shapes": 2, "poison": True},
+                                             "battery": {"prompts": 4, "max_tokens": 8}}))
+out = []
+for arm in arms:
+    r = run_gate(gate, ctx, arm)
+    out.append({"arm": arm.name, "passed": r.passed, "self_check": r.self_check})
+print("GATE_PROBE " + json.dumps(out))
+'''
+
+
+def scratch_copy(dest: Path) -> None:
+    """The tracked files of HEAD plus the working tree's changes (what is being audited), without .git."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    for f in filter(None, (x.decode() for x in files)):
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def apply(dest: Path, path: str, old: str, new: str) -> None:
+    p = dest / path
+    text = p.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"mutation text not found exactly once in {path} ({text.count(old)} times): the audit's "
+                         f"list is out of date:\n{old}")
+    p.write_text(text.replace(old, new))
+
+
+def run_tests(dest: Path, tests: list[str]) -> tuple[bool, str]:
+    env = dict(os.environ, PYTHONPATH=str(dest), PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=dest,
+                       env=env, capture_output=True, text=True, timeout=1200)
+    last = (r.stdout.strip().splitlines() or ["?"])[-1]
+    return r.returncode == 1, last
+
+
+def run_gate(dest: Path, lever: str, gate: str) -> tuple[bool, str]:
+    """Caught when the gate fails, or reports its self-check NOT caught (the campaign is then INVALID)."""
+    import json
+    env = dict(os.environ, PYTHONPATH=str(dest), PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([sys.executable, "-c", GATE_PROBE, lever, gate], cwd=dest, env=env, capture_output=True,
+                       text=True, timeout=900)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("GATE_PROBE ")), None)
+    if line is None:                # an error proves nothing either way: counted as not caught
+        return False, f"the gate raised ({(r.stderr.strip().splitlines() or ['?'])[-1][:120]})"
+    rows = json.loads(line[len("GATE_PROBE "):])
+    caught = any(not x["passed"] or x["self_check"] is not True for x in rows)
+    return caught, "; ".join(f"{x['arm']}: {'PASS' if x['passed'] else 'FAIL'}, self-check "
+                             f"{'caught' if x['self_check'] else 'NOT caught'}" for x in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=f"bench/results/mutation-audit-{datetime.date.today().isoformat()}.md")
+    ap.add_argument("--only", nargs="*", help="mutation names to run (default: all)")
+    args = ap.parse_args(argv)
+    todo = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    rows = []
+    for m in todo:
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix=f"mut-{m.name}-") as tmp:
+            dest = Path(tmp)
+            scratch_copy(dest)
+            for path, old, new in [(m.path, m.old, m.new)] + m.extra:
+                apply(dest, path, old, new)
+            by_test, test_out = run_tests(dest, m.tests)
+            by_gate, gate_out = run_gate(dest, m.lever, m.gate) if m.gate else (None, "")
+        rows.append((m, by_test, test_out, by_gate, gate_out, time.time() - t0))
+        print(f"{m.name:<28} test {'CAUGHT' if by_test else 'MISSED'}"
+              + ("" if by_gate is None else f", gate {'CAUGHT' if by_gate else 'MISSED'}")
+              + f" ({time.time() - t0:.0f} s)", flush=True)
+    lines = [f"# Mutation audit ({datetime.date.today().isoformat()}, `python scripts/mutation_audit.py`, CPU)", "",
+             "Each fault planted in a scratch copy; the named tests must fail, and a gate's own run on `tiny` must "
+             "fail or report its self-check not caught (the campaign is then INVALID).", "",
+             "| fault | file | caught by a test | caught by the gate's own run |", "|---|---|---|---|"]
+    for m, by_test, test_out, by_gate, gate_out, _ in rows:
+        gate_cell = (f"— ({m.gate_note})" if m.gate_note else "—") if by_gate is None else \
+            f"{'yes' if by_gate else 'NO'} ({m.gate}: {gate_out})"
+        lines.append(f"| {m.what} | `{m.path}` | {'yes' if by_test else 'NO'} ({test_out}) | {gate_cell} |")
+    lines += ["", "graph_parity and memcheck need CUDA: their faults (graphs captured over a broken kernel; decode "
+              "reading past the engine's tensors) are checked by `pytest -m gpu tests/test_gates_faults.py` and by "
+              "every binding campaign's self-checks on the H200."]
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+    missed = [m.name for m, by_test, _, by_gate, _, _ in rows if not by_test or by_gate is False]
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
