@@ -28,7 +28,10 @@ from campaigns.config import CampaignConfigError, compose, options
 from campaigns.evidence import EvidenceError, find_evidence, load_evidence
 from campaigns.gitops import GitOpsError
 
-USER_ERRORS = (CampaignConfigError, EvidenceError, GitOpsError)
+from vtengine.confdirs import ConfDirError
+from vtengine.levers import LeverError
+
+USER_ERRORS = (CampaignConfigError, EvidenceError, GitOpsError, ConfDirError, LeverError)
 DEFAULT_OUT_DIR = "records/campaigns"
 DEFAULT_URI = "sqlite:///mlflow.db"
 
@@ -39,7 +42,9 @@ class UsageError(ValueError):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vtcampaign", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="--conf-dir DIR (first argument, or VTENGINE_CONF_DIR) reads a project's "
+                                       "conf/ over the packaged one")
     sub = p.add_subparsers(dest="cmd", required=True,
                            metavar="{run,status,calibrate,flip,recheck,render,log,pr,ui}")
     run = sub.add_parser("run", help="compose the campaign config and run it",
@@ -81,8 +86,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vtengine.confdirs import ConfDirError, take_conf_dir_flag
+    try:
+        argv = take_conf_dir_flag(sys.argv[1:] if argv is None else argv)
+    except ConfDirError as e:
+        print(f"vtcampaign: error: {e}", file=sys.stderr)
+        return 2
     parser = _parser()
-    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
     try:
         if args.cmd in ("run", "recheck"):
             flags = [x for x in extra if x.startswith("-")]
@@ -149,7 +160,7 @@ def cmd_status(args) -> int:
 
     from campaigns import context as lever_context
     from campaigns.recheck import latest_binding
-    from vtengine import levers
+    from vtengine import confdirs, levers
 
     by = _evidence_by_lever(args.out_dir)
     table = Table(title="levers (default: conf/lever/*.yaml; last campaign: " + args.out_dir + ")")
@@ -160,7 +171,7 @@ def cmd_status(args) -> int:
     except levers.LeverError as e:
         raise UsageError(str(e)) from None
     registry = levers.registry()
-    root = levers.CONF_DIR.parent
+    root = confdirs.SOURCE_ROOT
     digests = lever_context.tree_digests(registry, root)
     stale = []
     for name, lever in sorted(registry.items()):
@@ -234,7 +245,7 @@ def cmd_flip(args) -> int:
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
     files += [summaries / "STATUS.md", summaries / "BENCHMARKS.md"]
     info = flip_commit(Path.cwd(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
-                       lever_dir=levers.LEVER_DIR)
+                       lever_dir=levers.lever_file(ev.lever).parent)
     print(f"flip of {ev.lever} to {ev.decision.new_default} committed on {info['branch']} ({info['commit'][:7]}); "
           f"merge it to change the default")
     return 0

@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from vtengine import confdirs
+
 GATE_NAMES = ("op", "battery", "near_tie", "graph_parity", "async_parity", "mechanism", "memcheck")
 # Gates whose failure on the candidate is a correctness failure (rule 2); 'mechanism' is about inertness (rule 1).
 CORRECTNESS_GATES = ("op", "battery", "near_tie", "graph_parity", "async_parity", "memcheck")
@@ -164,9 +165,11 @@ register_schemas()
 # ----------------------------------------------------------------------------------------------- compose
 
 
-def options(group: str, conf_dir: Path | str = CONF_DIR) -> list[str]:
-    """The option names of a config group (file stems under conf/<group>/)."""
-    return sorted(p.stem for p in (Path(conf_dir) / group).glob("*.yaml"))
+def options(group: str, conf_dir: Path | str | None = None) -> list[str]:
+    """The option names of a config group (file stems under conf/<group>/: the packaged ones and a project's)."""
+    if conf_dir is not None:
+        return sorted(p.stem for p in (Path(conf_dir) / group).glob("*.yaml"))
+    return list(confdirs.group_files(group))
 
 
 def cuda_available() -> bool:
@@ -177,14 +180,18 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def compose(overrides: list[str] | tuple[str, ...] = (), conf_dir: Path | str = CONF_DIR,
+def compose(overrides: list[str] | tuple[str, ...] = (), conf_dir: Path | str | None = None,
             cuda: bool | None = None) -> DictConfig:
     """Compose and validate the campaign config for ``overrides`` (Hydra syntax: ``campaign=X grid.reps=5``).
 
     ``cuda`` forces the host kind (tests); None asks torch. Raises CampaignConfigError with one clear line.
     """
     overrides = list(overrides)
-    conf_dir = Path(conf_dir).resolve()
+    # the packaged conf/ with a project's own conf/ laid over it (vtengine/confdirs.py), unless one is named
+    conf_dir = Path(conf_dir).resolve() if conf_dir is not None else confdirs.merged()
+    if not (conf_dir / "config.yaml").is_file():
+        raise CampaignConfigError(f"no config.yaml in {conf_dir}: vtcampaign needs conf/config.yaml (the packaged "
+                                  f"one, or a project's conf/ named by --conf-dir or {confdirs.ENV})")
     user_keys = _override_keys(overrides)
     first = _compose(overrides, conf_dir)
     device = first.device

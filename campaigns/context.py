@@ -172,7 +172,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     ``repo_root`` now."""
     from vtengine import levers as lever_registry
     root = Path(repo_root)
-    levers_now = lever_registry.registry(root / "conf" / "lever") if levers_now is None else levers_now
+    levers_now = lever_registry.registry() if levers_now is None else levers_now
     digests_now = tree_digests(levers_now, root) if digests_now is None else digests_now
     ctx = context_of(ev, root, levers_now)
     reasons = []

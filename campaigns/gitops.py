@@ -76,6 +76,10 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
     if not lever_file.is_file():
         raise GitOpsError(f"lever file {lever_file} does not exist; levers: "
                           f"{sorted(p.stem for p in lever_dir.glob('*.yaml'))}")
+    if not lever_file.resolve().is_relative_to(root):
+        raise GitOpsError(f"lever file {lever_file} is not in the repository {root}: it is a read-only default (an "
+                          f"installed package's conf/?); copy it into your project's conf/lever/ (or name a conf "
+                          f"directory with --conf-dir) and flip it there")
     base = repo.head.commit.hexsha
     branch = flip_branch(lever)
 

@@ -33,8 +33,8 @@ def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
 
 
 def stale_verdicts(out_dir: Path | str, root: Path | str | None = None) -> list[tuple[Evidence, lever_context.Freshness]]:
-    from vtengine import levers
-    root = Path(root) if root is not None else levers.CONF_DIR.parent
+    from vtengine import confdirs, levers
+    root = Path(root) if root is not None else confdirs.SOURCE_ROOT
     registry = levers.registry()
     digests = lever_context.tree_digests(registry, root)
     evs = [load_evidence(p) for p in find_evidence(out_dir)]
@@ -49,7 +49,7 @@ def stale_verdicts(out_dir: Path | str, root: Path | str | None = None) -> list[
 def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | str | None = None) -> list:
     """The levers others depend on first: a lever live in more of the other latest verdicts' contexts goes first."""
     from vtengine import levers
-    root = Path(root) if root is not None else levers.CONF_DIR.parent
+    root = Path(root) if root is not None else confdirs.SOURCE_ROOT
     registry = levers.registry()
     latest = latest_binding([load_evidence(p) for p in find_evidence(out_dir)])
     contexts = {name: lever_context.context_of(ev, root, registry) for name, ev in latest.items()}

@@ -23,8 +23,11 @@ from campaigns.config import GATE_NAMES
 from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
 from campaigns.policy import effect_note, fmt_effect, inapplicable, policy_params
 from campaigns.stats import AXES, AXIS_BY_NAME
+from vtengine import confdirs
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates"
+_HERE = Path(__file__).resolve().parent
+# a wheel carries the templates as campaigns/templates; a source checkout has them beside the package
+TEMPLATE_DIR = _HERE / "templates" if (_HERE / "templates").is_dir() else _HERE.parent / "templates"
 RECORD_FILES = ("record.md", "pr.md")
 REFUTED = ("REJECT-PERFORMANCE", "REJECT-CORRECTNESS")
 
@@ -323,7 +326,7 @@ class _Freshness:
 
     def __init__(self, root: Path | None = None, lever_dir: Path | None = None):
         from vtengine import levers as lever_registry
-        self.root = Path(root) if root is not None else lever_registry.CONF_DIR.parent
+        self.root = Path(root) if root is not None else confdirs.SOURCE_ROOT
         self.levers = lever_registry.registry(lever_dir) if lever_dir else lever_registry.registry()
         self.digests = lever_context.tree_digests(self.levers, self.root)
         self._seen: dict[str, lever_context.Freshness] = {}

@@ -29,7 +29,7 @@ from campaigns.config import config_hash
 from campaigns.evidence import (Evidence, find_evidence, load_evidence, new_campaign_id, new_evidence,
                                 save_evidence, utc_now)
 from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate, skipped
-from vtengine import levers
+from vtengine import confdirs, levers
 
 console = Console(stderr=True)
 
@@ -58,7 +58,7 @@ def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
     cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha, kind)
     ev = new_evidence(OmegaConf.to_container(cfg, resolve=True), fpr, arms, cid, kind=kind)
     # the lever sources measured: a later change to them makes the verdict STALE (campaigns/context.py)
-    ev.lever_digests = lever_context.tree_digests(levers.registry(), levers.CONF_DIR.parent)
+    ev.lever_digests = lever_context.tree_digests(levers.registry(), confdirs.SOURCE_ROOT)
     return ev
 
 
@@ -355,7 +355,7 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
     files += [summaries / "STATUS.md", summaries / "BENCHMARKS.md"]
     info = flip_commit(repo, ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
-                       lever_dir=levers.LEVER_DIR)
+                       lever_dir=levers.lever_file(ev.lever).parent)
     ev.flip = info
     _save(ev, cdir)
     console.print(f"flip committed on {info['branch']} ({info['commit'][:7]})")
@@ -369,7 +369,7 @@ def check_flippable(ev: Evidence) -> None:
                             "FLIP changes a default")
     if not d.binding:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is not binding; nothing to commit")
-    fresh = lever_context.freshness(ev, levers.CONF_DIR.parent)
+    fresh = lever_context.freshness(ev, confdirs.SOURCE_ROOT)
     if not fresh.fresh:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "
                             "measured another engine than the one users run. Re-run it: `vtcampaign recheck`, or "

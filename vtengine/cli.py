@@ -1,5 +1,6 @@
-"""`vtengine`: levers | generate | serve | bench {kernels,decode,serve}.
+"""`vtengine [--conf-dir DIR]`: levers | generate | serve | bench {kernels,decode,serve}.
 
+``--conf-dir`` (or VTENGINE_CONF_DIR) names a project's own conf/ over the packaged one (vtengine/confdirs.py).
 User errors (bad model, quant, lever value, request) print one line naming the bad value and exit 2.
 """
 from __future__ import annotations
@@ -23,8 +24,10 @@ def cmd_levers(args) -> int:
     from rich.table import Table
 
     from vtengine import levers
+    from vtengine import confdirs
     resolved = levers.resolve(_lever_args(args.lever))
-    table = Table(title="vtengine levers (config > env > conf/lever default)")
+    dirs = ", ".join(str(d / "lever") for d in confdirs.search_dirs())
+    table = Table(title=f"vtengine levers (config > env > conf/lever default; files from {dirs})")
     for col in ("lever", "env", "default", "value", "source", "affects", "summary"):
         table.add_column(col, overflow="fold")
     for name, lv in levers.registry().items():
@@ -74,7 +77,8 @@ def cmd_bench(args, rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vtengine", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="vtengine", description=__doc__.splitlines()[0],
+                                 epilog="--conf-dir DIR (first argument) reads a project's conf/ over the packaged one")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("levers", help="list every lever with its default and resolved value")
@@ -104,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    from vtengine.confdirs import ConfDirError, take_conf_dir_flag
+    try:
+        argv = take_conf_dir_flag(sys.argv[1:] if argv is None else argv)
+    except ConfDirError as e:
+        print(f"vtengine: error: {e}", file=sys.stderr)
+        return 2
     if argv[:1] == ["serve"]:
         handler = lambda: cmd_serve(argv[1:])  # noqa: E731 (serve owns its flags)
     else:

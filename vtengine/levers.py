@@ -1,7 +1,8 @@
 """Performance levers: one YAML file each under conf/lever/, the only place a default lives.
 
 Resolution order for every lever: explicit engine config > ``VT_*`` environment variable > file default.
-The strings "0", "false" and "off" always mean off, whatever the lever's type.
+The strings "0", "false" and "off" always mean off, whatever the lever's type. The files come from the packaged
+conf/ with a project's own conf/lever/ over them (vtengine/confdirs.py).
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any, Mapping
 
 import yaml
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from vtengine import confdirs
+
+CONF_DIR = confdirs.PACKAGED            # the packaged defaults (a project's conf/ may override; see confdirs)
 LEVER_DIR = CONF_DIR / "lever"
 LEVER_TYPES = ("bool", "choice", "int_or_auto")
 OFF_STRINGS = ("0", "false", "off")
@@ -117,10 +120,10 @@ def _load_file(path: Path) -> Lever:
 
 
 @lru_cache(maxsize=None)
-def _registry(lever_dir: str) -> dict[str, Lever]:
+def _registry(files: tuple[tuple[str, float], ...]) -> dict[str, Lever]:
     levers = {}
-    for path in sorted(Path(lever_dir).glob("*.yaml")):
-        lever = _load_file(path)
+    for path, _mtime in files:
+        lever = _load_file(Path(path))
         levers[lever.name] = lever
     envs = [lv.env for lv in levers.values()]
     if len(set(envs)) != len(envs):
@@ -128,9 +131,23 @@ def _registry(lever_dir: str) -> dict[str, Lever]:
     return levers
 
 
-def registry(lever_dir: Path | str = LEVER_DIR) -> dict[str, Lever]:
-    """All levers by name, loaded once from conf/lever/*.yaml."""
-    return dict(_registry(str(lever_dir)))
+def _files(paths) -> tuple[tuple[str, float], ...]:
+    return tuple((str(p), p.stat().st_mtime_ns) for p in paths)
+
+
+def registry(lever_dir: Path | str | None = None) -> dict[str, Lever]:
+    """All levers by name: from ``lever_dir`` alone when given, else the packaged lever files with a project's own
+    conf/lever/ over them. Never silently empty: no lever file at all is an error naming where it looked."""
+    if lever_dir is not None:
+        paths = sorted(Path(lever_dir).glob("*.yaml"))
+        where = [str(lever_dir)]
+    else:
+        paths = list(confdirs.group_files("lever").values())
+        where = [str(d / "lever") for d in confdirs.search_dirs()]
+    if not paths:
+        raise LeverError(f"no lever files (*.yaml) in {where}; the packaged conf/ is missing, or --conf-dir / "
+                         f"{confdirs.ENV} names a directory without lever/")
+    return dict(_registry(_files(paths)))
 
 
 def reload() -> None:
@@ -180,9 +197,18 @@ def resolve(explicit: Mapping[str, Any] | None = None, environ: Mapping[str, str
     return ResolvedLevers(values, sources)
 
 
-def set_default_in_file(name: str, value: Any, lever_dir: Path | str = LEVER_DIR) -> Path:
-    """Rewrite only the ``default:`` line of a lever file (the flip). Returns the file path."""
-    lever = registry(lever_dir)[name] if Path(lever_dir) != LEVER_DIR else get(name)
+def lever_file(name: str) -> Path:
+    """The file the lever ``name`` is read from (a project's own, else the packaged default)."""
+    lever = get(name)
+    return lever.path
+
+
+def set_default_in_file(name: str, value: Any, lever_dir: Path | str | None = None) -> Path:
+    """Rewrite only the ``default:`` line of a lever file (the flip): in ``lever_dir``, else the file the lever is
+    read from. Returns the file path."""
+    if lever_dir is None:
+        lever_dir = lever_file(name).parent
+    lever = registry(lever_dir)[name]
     canonical = lever.parse(value, source="new default")
     path = Path(lever_dir) / f"{name}.yaml"
     lines = path.read_text().splitlines(keepends=True)

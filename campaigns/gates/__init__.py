@@ -24,9 +24,9 @@ import torch
 import yaml
 
 from campaigns.evidence import Arm, GateResult
-from vtengine.levers import CONF_DIR
+from vtengine import confdirs
 
-BATTERY_FILE = CONF_DIR / "battery" / "default.yaml"
+BATTERY = "battery/default.yaml"        # the fixed prompts, under conf/ (a project's own conf/ may replace them)
 GATE_KV_BLOCKS = 1024                 # in-process gate engines: a small KV pool (16k tokens) is plenty
 
 
@@ -142,7 +142,7 @@ class GateContext:
             torch.cuda.empty_cache()
 
     def battery_prompts(self) -> list[str]:
-        prompts = yaml.safe_load(BATTERY_FILE.read_text())["prompts"]
+        prompts = yaml.safe_load(confdirs.file(BATTERY).read_text())["prompts"]
         return prompts[: int(self.gate_cfg.battery.prompts)]
 
 

@@ -16,20 +16,23 @@ from pathlib import Path
 import torch
 import yaml
 
+from vtengine import confdirs
 from vtengine.config import ConfigError, ModelConfig
-from vtengine.levers import CONF_DIR
 
-MODEL_DIR = CONF_DIR / "model"
 LOGIT_STD = 4.0
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in MODEL_DIR.glob("*.yaml"))
+    """conf/model/*.yaml, a project's own over the packaged ones; never silently empty."""
+    names = list(confdirs.group_files("model"))
+    if not names:
+        raise ConfigError(f"no model presets (conf/model/*.yaml) in {[str(d) for d in confdirs.search_dirs()]}")
+    return names
 
 
 def load_preset(name: str) -> dict:
-    path = MODEL_DIR / f"{name}.yaml"
-    if not path.exists():
+    path = confdirs.find("model", name)
+    if path is None:
         raise ConfigError(f"unknown model preset {name!r}; known presets: {preset_names()} "
                           f"(or give a path to an HF checkpoint directory or a .gguf file)")
     return yaml.safe_load(path.read_text())
