@@ -114,7 +114,7 @@ def pool_for(ev: Evidence, others: Iterable[Evidence]) -> NoiseModel:
 def template(ev: Evidence, byte_exact: bool) -> Evidence:
     """A complete, binding copy of ``ev``'s shape (arms, grid, policy) whose every listed gate passed and was
     self-checked; its legs are replaced per simulation."""
-    from campaigns.config import GATE_NAMES
+    from campaigns.gates import GATE_NAMES
     t = copy.deepcopy(ev)
     t.kind = "lever"
     cfg = t.config

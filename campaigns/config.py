@@ -21,11 +21,9 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from campaigns.gates import CORRECTNESS_GATES, GATE_NAMES
 from vtengine import confdirs
 
-GATE_NAMES = ("op", "battery", "near_tie", "graph_parity", "async_parity", "mechanism", "memcheck")
-# Gates whose failure on the candidate is a correctness failure (rule 2); 'mechanism' is about inertness (rule 1).
-CORRECTNESS_GATES = ("op", "battery", "near_tie", "graph_parity", "async_parity", "memcheck")
 DEVICES = ("auto", "cuda", "cpu")
 
 

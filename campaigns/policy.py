@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from campaigns.config import CORRECTNESS_GATES, PolicyConfig
+from campaigns.config import PolicyConfig
+from campaigns.gates import CORRECTNESS_GATES
 from campaigns.evidence import Arm, AxisStat, Decision, Evidence, GateResult, PooledEffect
 from campaigns.stats import AXIS_BY_NAME, compute_stats, planned_legs, pooled_effects
 

@@ -19,7 +19,7 @@ import jinja2
 
 from campaigns import calibrate
 from campaigns import context as lever_context
-from campaigns.config import GATE_NAMES
+from campaigns.gates import GATE_NAMES
 from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
 from campaigns.policy import effect_note, fmt_effect, inapplicable, policy_params
 from campaigns.stats import AXES, AXIS_BY_NAME

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from campaigns import policy
-from campaigns.config import GATE_NAMES
+from campaigns.gates import GATE_NAMES
 from campaigns.evidence import Arm, Evidence, Fingerprint, GateResult, LegResult
 from campaigns.stats import compute_stats, oriented_ratio, separation
 

@@ -14,17 +14,48 @@ freed before the grid's servers start, so two 8B models never sit on the GPU nex
 from __future__ import annotations
 
 import gc
+import importlib
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import yaml
 
 from campaigns.evidence import Arm, GateResult
 from vtengine import confdirs
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One gate: where its function lives, where it runs (in process before the servers start, or against the
+    arm's server), and whether failing it on the candidate is a correctness failure (policy rule 2; the mechanism
+    gate is about an inert lever, rule 1)."""
+    name: str
+    function: str                       # "module:function"
+    runs: str                           # "in_process" | "server"
+    correctness: bool = True
+
+    def load(self) -> Callable[..., GateResult]:
+        module, fn = self.function.split(":")
+        return getattr(importlib.import_module(module), fn)
+
+
+# The one list of gates, in the order they run and are reported (the server gate needs the arms' servers).
+GATES = {g.name: g for g in (
+    Gate("op", "campaigns.gates.op:run", "in_process"),
+    Gate("battery", "campaigns.gates.battery:run_battery", "in_process"),
+    Gate("near_tie", "campaigns.gates.battery:run_near_tie", "in_process"),
+    Gate("graph_parity", "campaigns.gates.parity:run_graph_parity", "in_process"),
+    Gate("async_parity", "campaigns.gates.parity:run_async_parity", "server"),
+    Gate("mechanism", "campaigns.gates.mechanism:run", "in_process", correctness=False),
+    Gate("memcheck", "campaigns.gates.memcheck:run", "in_process"),
+)}
+GATE_NAMES = tuple(GATES)
+CORRECTNESS_GATES = tuple(n for n, g in GATES.items() if g.correctness)
+IN_PROCESS_GATES = tuple(n for n, g in GATES.items() if g.runs == "in_process")
+SERVER_GATES = tuple(n for n, g in GATES.items() if g.runs == "server")
 
 BATTERY = "battery/default.yaml"        # the fixed prompts, under conf/ (a project's own conf/ may replace them)
 GATE_KV_BLOCKS = 1024                 # in-process gate engines: a small KV pool (16k tokens) is plenty
@@ -136,6 +167,7 @@ class GateContext:
         return self._engines["oracle"]
 
     def release_engines(self) -> None:
+        import torch
         self._engines.clear()
         gc.collect()
         if torch.cuda.is_available():
@@ -155,27 +187,10 @@ def skipped(gate: str, arm: Arm, reason: str) -> GateResult:
     return GateResult(gate=gate, arm=arm.name, passed=True, skipped=True, reason=reason)
 
 
-def gate_functions() -> dict[str, Callable[..., GateResult]]:
-    from campaigns.gates import battery, mechanism, memcheck, op, parity
-    return {
-        "op": op.run,
-        "battery": battery.run_battery,
-        "near_tie": battery.run_near_tie,
-        "graph_parity": parity.run_graph_parity,
-        "async_parity": parity.run_async_parity,
-        "mechanism": mechanism.run,
-        "memcheck": memcheck.run,
-    }
-
-
-IN_PROCESS_GATES = ("op", "battery", "near_tie", "graph_parity", "mechanism", "memcheck")
-SERVER_GATES = ("async_parity",)
-
-
 def run_gate(name: str, ctx: GateContext, arm: Arm, self_check: bool = True) -> GateResult:
     """Run one gate on one arm, then its deliberate fault(s); their outcome becomes ``self_check`` (True only when
     the faulted run failed, i.e. every fault was caught)."""
-    fn = gate_functions()[name]
+    fn = GATES[name].load()
     res = fn(ctx, arm, fault=False)
     if res.skipped or not self_check:
         return res
