@@ -23,7 +23,7 @@ rules (AA-PASS / AA-FAIL): it must not show more separations than its calibratio
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from campaigns.config import PolicyConfig
@@ -178,130 +178,195 @@ def _measured_byte_exact(ev: Evidence, cand: str | None = None) -> bool | None:
     return all(measured) if measured else None
 
 
-def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
+@dataclass
+class Facts:
+    """What the rules read about one candidate, computed once: its gates, its token safety, and the notes every
+    verdict carries (divergences near_tie ratified; a correctness fix's RED -> GREEN)."""
+    ev: Evidence
+    cand: Arm
+    p: PolicyConfig
+    base: str
+    run: list[GateResult]                   # the gate results that ran (not skipped)
+    byte_exact: bool | None                 # measured candidate-vs-baseline bitwise equality
+    near_ran: bool
+    max_gap: float | None
+    gap_ok: bool
+    near_ok: bool                           # near_tie ran, passed, and its largest gap is within the policy's
+    fix: set[str]                           # a correctness fix's gates (RED on the baseline, GREEN on the fix)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def token_safe(self) -> bool:
+        return self.byte_exact is True or self.near_ok
+
+    def gate(self, name: str, arm: str) -> GateResult | None:
+        return self.ev.gate(name, arm)
+
+    @property
+    def stats(self) -> list[AxisStat]:
+        return [s for s in self.ev.stats if s.candidate == self.cand.name]
+
+    def wins(self, primary_only: bool = True) -> list[AxisStat]:
+        return [s for s in self.stats if s.separation == "WIN" and (s.axis in self.p.primary_axes or not primary_only)]
+
+    def losses(self, primary_only: bool = False) -> list[AxisStat]:
+        return [s for s in self.stats if s.separation == "LOSS" and (s.axis in self.p.primary_axes or not primary_only)]
+
+
+def facts(ev: Evidence, cand: Arm, p: PolicyConfig) -> Facts:
     base = ev.baseline.name
-    reasons: list[str] = []
-    run = [g for g in ev.gates if not g.skipped]
-
-    def gate(name: str, arm: str) -> GateResult | None:
-        return ev.gate(name, arm)
-
-    def verdict(key: str, why: list[str], **kw) -> Decision:
-        v = "FLIP" if key == "FLIP-CORRECTNESS" else key
-        return Decision(verdict=v, rule=rule_text(key, p), reasons=why + reasons, candidate=cand.name,
-                        byte_exact=byte_exact, token_safe=token_safe, headline=headline(ev, cand.name, p, v),
-                        effect_note=effect_note(ev, cand.name, p) if v == "KEEP" else "", **kw)
-
-    # Measured byte-exactness and token safety (reported whatever the verdict).
-    byte_exact = _measured_byte_exact(ev, cand.name)
-    near = gate("near_tie", cand.name)
+    near = ev.gate("near_tie", cand.name)
     near_ran = near is not None and not near.skipped
     max_gap = near.counts.get("max_gap_mnats") if near_ran else None
     gap_ok = max_gap is None or max_gap <= p.near_tie_max_mnats
-    near_ok = near_ran and near.passed and gap_ok
-    token_safe = byte_exact is True or near_ok
-    fix = set(p.fix_gates) if p.flip_on_correctness else set()
+    f = Facts(ev=ev, cand=cand, p=p, base=base, run=[g for g in ev.gates if not g.skipped],
+              byte_exact=_measured_byte_exact(ev, cand.name), near_ran=near_ran, max_gap=max_gap, gap_ok=gap_ok,
+              near_ok=near_ran and near.passed and gap_ok,
+              fix=set(p.fix_gates) if p.flip_on_correctness else set())
+    for arm, ok, gap in ((base, _ratified(ev, base, p), None), (cand.name, f.near_ok, max_gap)):
+        bat = ev.gate("battery", arm)
+        if bat is not None and not bat.skipped and not bat.passed and ok and "battery" not in f.fix:
+            gap = ev.gate("near_tie", arm).counts.get("max_gap_mnats") if gap is None else gap
+            who = f"the baseline arm {arm}" if arm == base else f"arm {arm}"
+            f.notes.append(f"battery divergences on {who} all ratified by near_tie "
+                           f"(max gap {gap} mnats <= {p.near_tie_max_mnats:g})")
+    for name in sorted(f.fix):
+        b, c = ev.gate(name, base), ev.gate(name, cand.name)
+        if b is not None and not b.skipped and not b.passed:
+            f.notes.append(f"{name}: RED on {base} ({_counts(b)})"
+                           + (f" → GREEN on {cand.name} ({_counts(c)})" if c is not None and c.passed else ""))
+    return f
 
-    # 1. INVALID
-    invalid = []
-    for name in sorted({g.gate for g in run}):
-        results = [g for g in run if g.gate == name]
+
+def _ratified(ev: Evidence, arm: str, p: PolicyConfig) -> bool:
+    near = ev.gate("near_tie", arm)
+    return (near is not None and not near.skipped and near.passed
+            and (near.counts.get("max_gap_mnats") or 0) <= p.near_tie_max_mnats)
+
+
+# Each rule reads the facts and returns its reasons when it fires (with the Decision fields it sets), else None.
+Fired = tuple[list[str], dict[str, Any]] | None
+
+
+def rule_invalid(f: Facts) -> Fired:
+    """1. A gate that cannot fail, an inert lever, a failing baseline, a fix that nothing shows broken."""
+    why = []
+    for name in sorted({g.gate for g in f.run}):
+        results = [g for g in f.run if g.gate == name]
         broken = [g for g in results if g.self_check is False]
         if broken:
-            invalid.append(f"the self-check of gate {name} passed on arm {broken[0].arm}: its deliberate fault "
-                           "went undetected, so the gate cannot fail")
+            why.append(f"the self-check of gate {name} passed on arm {broken[0].arm}: its deliberate fault "
+                       "went undetected, so the gate cannot fail")
         elif not any(g.self_check for g in results):
-            invalid.append(f"gate {name} ran without its self-check, so it is not shown able to fail")
-    mech = gate("mechanism", cand.name)
+            why.append(f"gate {name} ran without its self-check, so it is not shown able to fail")
+    mech = f.gate("mechanism", f.cand.name)
     if mech is not None and not mech.skipped and not mech.passed:
-        why = mech.reason or mech.details.get("why", "")
-        invalid.append(f"the mechanism gate shows the lever inert on arm {cand.name}" + (f": {why}" if why else ""))
-    base_near = gate("near_tie", base)
-    base_ratified = (base_near is not None and not base_near.skipped and base_near.passed
-                     and (base_near.counts.get("max_gap_mnats") or 0) <= p.near_tie_max_mnats)
-    for g in run:
-        if g.arm == base and not g.passed:
-            if g.gate in fix:
-                continue                        # RED: the bug the correctness fix addresses (checked below)
-            if g.gate == "battery" and base_ratified:
-                reasons.append(f"battery divergences on the baseline arm {base} all ratified by near_tie (max gap "
-                               f"{base_near.counts.get('max_gap_mnats')} mnats <= {p.near_tie_max_mnats:g})")
-                continue
-            invalid.append(f"the baseline arm {base} fails gate {g.gate}" + (f": {g.reason}" if g.reason else ""))
-    red_green = []
-    for name in sorted(fix):
-        b, c = gate(name, base), gate(name, cand.name)
-        if b is None or b.skipped:
-            invalid.append(f"correctness fix: gate {name} did not run on the baseline {base}, so nothing shows "
-                           "the bug it fixes")
-        elif b.passed:
-            invalid.append(f"correctness fix: the baseline {base} passes {name} ({_counts(b)}), so the gate cannot "
-                           "prove the fix (RED first: it must fail before the fix)")
-        else:
-            red_green.append(f"{name}: RED on {base} ({_counts(b)})"
-                             + (f" → GREEN on {cand.name} ({_counts(c)})" if c is not None and c.passed else ""))
-    if invalid:
-        return verdict("INVALID", invalid)
-
-    # 2. REJECT (correctness)
-    failures = []
-    for g in run:
-        if g.arm != cand.name or g.gate not in CORRECTNESS_GATES:
+        detail = mech.reason or mech.details.get("why", "")
+        why.append(f"the mechanism gate shows the lever inert on arm {f.cand.name}" + (f": {detail}" if detail else ""))
+    for g in f.run:
+        if g.arm != f.base or g.passed or g.gate in f.fix:
             continue
-        if g.gate == "near_tie" and g.passed and not gap_ok:
-            failures.append(f"near_tie on arm {cand.name}: max gap {max_gap} mnats exceeds the policy's "
-                            f"{p.near_tie_max_mnats:g} mnats")
-        elif not g.passed:
-            if g.gate == "battery" and near_ok:
-                reasons.append(f"battery divergences on arm {cand.name} all ratified by near_tie "
-                               f"(max gap {max_gap} mnats <= {p.near_tie_max_mnats:g})")
-                continue
-            failures.append(f"{g.gate} fails on arm {cand.name}" + (f": {g.reason}" if g.reason else "")
-                            + (f" ({_counts(g)})" if g.counts else ""))
-    if fix:
-        missing = [n for n in sorted(fix) if gate(n, cand.name) is None or gate(n, cand.name).skipped]
-        failures += [f"correctness fix: gate {n} did not run on the candidate {cand.name}" for n in missing]
-    if failures:
-        return verdict("REJECT-CORRECTNESS", failures)
+        if g.gate == "battery" and _ratified(f.ev, f.base, f.p):
+            continue                        # bf16 near-ties of the baseline itself, ratified: a note, not a failure
+        why.append(f"the baseline arm {f.base} fails gate {g.gate}" + (f": {g.reason}" if g.reason else ""))
+    for name in sorted(f.fix):
+        b = f.gate(name, f.base)
+        if b is None or b.skipped:
+            why.append(f"correctness fix: gate {name} did not run on the baseline {f.base}, so nothing shows the bug "
+                       "it fixes")
+        elif b.passed:
+            why.append(f"correctness fix: the baseline {f.base} passes {name} ({_counts(b)}), so the gate cannot "
+                       "prove the fix (RED first: it must fail before the fix)")
+    return (why, {}) if why else None
 
-    # 3. NON-BINDING
-    nb = _non_binding(ev, base, cand.name, p)
-    if nb:
-        return verdict("NON-BINDING", red_green + nb, binding=False)
 
-    stats = [s for s in ev.stats if s.candidate == cand.name]
-    primary = [s for s in stats if s.axis in p.primary_axes]
-    wins = [s for s in primary if s.separation == "WIN"]
-    losses = [s for s in stats if s.separation == "LOSS"]
-    all_wins = [s for s in stats if s.separation == "WIN"]
-
-    # 4. FLIP
-    if fix:
-        why = red_green + [f"note: LOSS on {_fmt_stat(s)}" for s in losses]
-        return verdict("FLIP-CORRECTNESS", why, binding=True, new_default=cand.value)
-    qualifying = wins if byte_exact else [s for s in wins if s.ratio is not None and s.ratio >= 1 + p.min_gain]
-    if token_safe and qualifying and not losses:
-        why = [f"token-safe: {'measured byte-exact' if byte_exact else 'every divergence ratified by near_tie'}"]
-        why += [f"WIN on {_fmt_stat(s)}" for s in qualifying]
-        return verdict("FLIP", why, binding=True, new_default=cand.value)
-
-    # 5. REJECT (performance)
-    primary_losses = [s for s in losses if s.axis in p.primary_axes]
-    if primary_losses and not all_wins:
-        return verdict("REJECT-PERFORMANCE", [f"LOSS on {_fmt_stat(s)}" for s in primary_losses], binding=True)
-
-    # 6. KEEP: say why it did not flip.
+def rule_reject_correctness(f: Facts) -> Fired:
+    """2. The candidate fails a correctness gate (a battery ratified by near_tie is not a failure)."""
     why = []
-    if not token_safe:
-        why.append("not token-safe: " + ("not measured byte-exact" if byte_exact is None else "not byte-exact")
-                   + (" and near_tie did not ratify the divergences" if near_ran else " and near_tie did not run"))
+    for g in f.run:
+        if g.arm != f.cand.name or g.gate not in CORRECTNESS_GATES:
+            continue
+        if g.gate == "near_tie" and g.passed and not f.gap_ok:
+            why.append(f"near_tie on arm {f.cand.name}: max gap {f.max_gap} mnats exceeds the policy's "
+                       f"{f.p.near_tie_max_mnats:g} mnats")
+        elif not g.passed and not (g.gate == "battery" and f.near_ok):
+            why.append(f"{g.gate} fails on arm {f.cand.name}" + (f": {g.reason}" if g.reason else "")
+                       + (f" ({_counts(g)})" if g.counts else ""))
+    why += [f"correctness fix: gate {n} did not run on the candidate {f.cand.name}" for n in sorted(f.fix)
+            if f.gate(n, f.cand.name) is None or f.gate(n, f.cand.name).skipped]
+    return (why, {}) if why else None
+
+
+def rule_non_binding(f: Facts) -> Fired:
+    """3. Nothing measured here may bind (host, tree, fingerprints, reps, void grid, gates that did not run)."""
+    why = _non_binding(f.ev, f.base, f.cand.name, f.p)
+    return (why, {"binding": False}) if why else None
+
+
+def rule_flip_correctness(f: Facts) -> Fired:
+    """4. A correctness fix that got here (RED on the baseline, GREEN on the candidate) flips."""
+    if not f.fix:
+        return None
+    return [f"note: LOSS on {_fmt_stat(s)}" for s in f.losses()], {"binding": True, "new_default": f.cand.value}
+
+
+def rule_flip(f: Facts) -> Fired:
+    """4. Token-safe, a (large enough) WIN on a primary axis, no LOSS anywhere."""
+    wins = f.wins()
+    qualifying = wins if f.byte_exact else [s for s in wins if s.ratio is not None and s.ratio >= 1 + f.p.min_gain]
+    if not (f.token_safe and qualifying and not f.losses()):
+        return None
+    why = [f"token-safe: {'measured byte-exact' if f.byte_exact else 'every divergence ratified by near_tie'}"]
+    return why + [f"WIN on {_fmt_stat(s)}" for s in qualifying], {"binding": True, "new_default": f.cand.value}
+
+
+def rule_reject_performance(f: Facts) -> Fired:
+    """5. A LOSS on a primary axis and no WIN anywhere: refuted."""
+    primary_losses = f.losses(primary_only=True)
+    if not primary_losses or f.wins(primary_only=False):
+        return None
+    return [f"LOSS on {_fmt_stat(s)}" for s in primary_losses], {"binding": True}
+
+
+def rule_keep(f: Facts) -> Fired:
+    """6. Otherwise, saying why it did not flip."""
+    why = []
+    if not f.token_safe:
+        why.append("not token-safe: " + ("not measured byte-exact" if f.byte_exact is None else "not byte-exact")
+                   + (" and near_tie did not ratify the divergences" if f.near_ran else " and near_tie did not run"))
+    wins = f.wins()
+    qualifying = wins if f.byte_exact else [s for s in wins if s.ratio is not None and s.ratio >= 1 + f.p.min_gain]
     if not wins:
-        why.append("no WIN on a primary axis (" + ", ".join(p.primary_axes) + ")")
+        why.append("no WIN on a primary axis (" + ", ".join(f.p.primary_axes) + ")")
     elif not qualifying:
-        why.append(f"WINs below the minimum gain {p.min_gain:.1%} for a non-byte-exact lever: "
+        why.append(f"WINs below the minimum gain {f.p.min_gain:.1%} for a non-byte-exact lever: "
                    + "; ".join(_fmt_stat(s) for s in wins))
-    why += [f"LOSS on {_fmt_stat(s)}" for s in losses]
-    return verdict("KEEP", why, binding=True)
+    return why + [f"LOSS on {_fmt_stat(s)}" for s in f.losses()], {"binding": True}
+
+
+# The written rules, tried in order; the first that fires is the verdict (its text: RULES[key]).
+RULE_ORDER = (("INVALID", rule_invalid), ("REJECT-CORRECTNESS", rule_reject_correctness),
+              ("NON-BINDING", rule_non_binding), ("FLIP-CORRECTNESS", rule_flip_correctness),
+              ("FLIP", rule_flip), ("REJECT-PERFORMANCE", rule_reject_performance), ("KEEP", rule_keep))
+
+
+def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
+    f = facts(ev, cand, p)
+    for key, rule in RULE_ORDER:
+        fired = rule(f)
+        if fired is None:
+            continue
+        why, fields = fired
+        verdict = "FLIP" if key == "FLIP-CORRECTNESS" else key
+        # a fix's RED -> GREEN leads its reasons; the ratification notes follow every verdict's own
+        red_green = [n for n in f.notes if ": RED on " in n]
+        notes = [n for n in f.notes if n not in red_green]
+        lead = red_green if key in ("NON-BINDING", "FLIP-CORRECTNESS") else []
+        return Decision(verdict=verdict, rule=rule_text(key, p), reasons=lead + why + notes, candidate=cand.name,
+                        byte_exact=f.byte_exact, token_safe=f.token_safe,
+                        headline=headline(ev, cand.name, p, verdict),
+                        effect_note=effect_note(ev, cand.name, p) if verdict == "KEEP" else "", **fields)
+    raise AssertionError("rule_keep always fires")
 
 
 def _counts(g: GateResult) -> str:
