@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,10 +33,6 @@ from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gat
 from vtengine import confdirs, levers
 
 console = Console(stderr=True)
-
-
-class _Done(Exception):
-    """Nothing more to measure (the gates fixed the verdict)."""
 
 
 class CampaignError(RuntimeError):
@@ -97,13 +94,51 @@ def _ctrl_c_raises():
         signal.signal(signal.SIGINT, previous)
 
 
+@dataclass
+class _Run:
+    """One campaign run's state, handed from phase to phase."""
+    cfg: DictConfig
+    repo: Path
+    out_dir: Path
+    cdir: Path
+    ev: Evidence
+    ctx: GateContext
+    gates: list[str]                    # the gates to run (inapplicable ones already recorded as skipped)
+    inject: dict[str, Any]
+    t_start: float
+
+
 def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | None,
                   on_start: Callable[[str], None] | None = None) -> Evidence:
-    inject = dict(inject or {})
+    """The phases: open (preflight or resume) -> in-process gates -> servers (server gates, then the grid unless
+    the gates already fixed the verdict) -> conclude (policy, records, tracking, flip)."""
+    run = _open(cfg, Path(repo).resolve(), dict(inject or {}), on_start)
+    try:
+        _in_process_gates(run)
+        why = _gates_decide(run.ev)
+        if why and "async_parity" not in run.gates:
+            console.print(f"[yellow]grid skipped:[/] {why}")
+        else:
+            _serve(run, grid=not why)
+    except KeyboardInterrupt:
+        _save(run.ev, run.cdir)
+        console.print(f"[red]interrupted[/]: {len(run.ev.legs)} legs kept; continue with "
+                      f"`vtcampaign run campaign={cfg.campaign.name} resume={run.ev.campaign_id}`")
+        raise
+    except gridmod.GridError as e:
+        _save(run.ev, run.cdir)
+        raise CampaignError(str(e)) from None
+    finally:
+        run.ctx.release_engines()
+    _conclude(run)
+    return run.ev
+
+
+def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callable[[str], None] | None) -> _Run:
+    """A new campaign (preflight) or the one ``resume=`` names, its evidence saved, and the gate context."""
     if not _cuda():
         import torch
         torch.set_num_threads(1)    # tiny CPU models: one thread beats two on a small, shared host
-    repo = Path(repo).resolve()
     out_dir = (repo / cfg.out_dir).resolve()
     t_start = time.perf_counter()
     if cfg.resume:
@@ -126,13 +161,12 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
     console.print(f"[bold]campaign[/] {ev.campaign_id}  lever={ev.lever}  arms="
                   f"{[f'{a.name}({a.role})' for a in ev.arms]}  model={cfg.model.name}/{cfg.model.quant}  "
                   f"device={ev.fingerprint.device_name}  evidence={cdir}")
-
     ctx = GateContext(lever=ev.lever, arms=ev.arms, model=str(cfg.model.name), quant=str(cfg.model.quant),
                       device=ev.fingerprint.device_type, gate_cfg=cfg.gate,
                       near_tie_max_mnats=float(cfg.campaign.policy.near_tie_max_mnats), work_dir=cdir,
                       inert_arm=inject.get("inert_arm"), broken_arm=inject.get("broken_arm"),
                       with_levers=dict(cfg.campaign.with_levers), cpu_max_model_len=_cpu_max_model_len(cfg))
-    gates = [g for g in cfg.campaign.gates]
+    gates = list(cfg.campaign.gates)
     unknown = sorted(set(gates) - set(IN_PROCESS_GATES) - set(SERVER_GATES))
     if unknown:
         raise CampaignError(f"unknown gate(s) {unknown}; accepted: {list(IN_PROCESS_GATES + SERVER_GATES)}")
@@ -141,57 +175,55 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
         for a in ev.arms:
             if g in exempt and ev.gate(g, a.name) is None:
                 ev.gates.append(skipped(g, a, f"inapplicable: {exempt[g]}"))
-    gates = [g for g in gates if g not in exempt]
-    self_check = bool(cfg.gate.self_check)
-    try:
-        _run_gates(ev, cdir, ctx, [g for g in gates if g in IN_PROCESS_GATES], self_check)
-        if "async_parity" in gates:
-            for arm in ev.arms:        # the sync anchors, before the engines are freed for the servers
-                from campaigns.gates.parity import sync_reference
-                sync_reference(ctx, arm)
-        ctx.release_engines()
-        stop_early = _gates_decide(ev)
-        if stop_early and "async_parity" not in gates:
-            console.print(f"[yellow]grid skipped:[/] {stop_early}")
-            raise _Done
-        with gridmod.servers(ev.arms, lambda a: _server_cmd(cfg, ev, a, inject), str(cdir), _server_env(),
-                             on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
-            ctx.server_urls = {n: h.url for n, h in handles.items()}
-            ctx.server_model = next(iter(handles.values())).model_name
-            _run_gates(ev, cdir, ctx, [g for g in gates if g in SERVER_GATES], self_check)
-            stop_early = stop_early or _gates_decide(ev)
-            if stop_early:
-                console.print(f"[yellow]grid skipped:[/] {stop_early}")
-            else:
-                _run_grid(ev, cdir, cfg, handles)
-            for n, h in handles.items():
-                ev.peak_memory_gib[n] = gridmod.peak_memory_gib(h.url)
-            _record_context(ev, handles)
-            _save(ev, cdir)
-    except _Done:
-        pass
-    except KeyboardInterrupt:
-        _save(ev, cdir)
-        console.print(f"[red]interrupted[/]: {len(ev.legs)} legs kept; continue with "
-                      f"`vtcampaign run campaign={cfg.campaign.name} resume={ev.campaign_id}`")
-        raise
-    except gridmod.GridError as e:
-        _save(ev, cdir)
-        raise CampaignError(str(e)) from None
-    finally:
-        ctx.release_engines()
+    return _Run(cfg, repo, out_dir, cdir, ev, ctx, [g for g in gates if g not in exempt], inject, t_start)
 
+
+def _in_process_gates(run: _Run) -> None:
+    """The gates that run on in-process engines, then the async gate's anchors; the engines are freed after, so
+    they never sit on the GPU beside the servers."""
+    _run_gates(run.ev, run.cdir, run.ctx, [g for g in run.gates if g in IN_PROCESS_GATES],
+               bool(run.cfg.gate.self_check))
+    if "async_parity" in run.gates:
+        from campaigns.gates.parity import sync_reference
+        for arm in run.ev.arms:
+            sync_reference(run.ctx, arm)
+    run.ctx.release_engines()
+
+
+def _serve(run: _Run, grid: bool) -> None:
+    """Every arm's server: the server gates, then the grid (unless ``grid`` is False or the server gates fixed the
+    verdict), then what the servers report (peak memory, lever context)."""
+    ev, cfg = run.ev, run.cfg
+    with gridmod.servers(ev.arms, lambda a: _server_cmd(cfg, ev, a, run.inject), str(run.cdir), _server_env(),
+                         on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
+        run.ctx.server_urls = {n: h.url for n, h in handles.items()}
+        run.ctx.server_model = next(iter(handles.values())).model_name
+        _run_gates(ev, run.cdir, run.ctx, [g for g in run.gates if g in SERVER_GATES], bool(cfg.gate.self_check))
+        why = _gates_decide(ev)                 # the gates so far, the server gates included
+        if why or not grid:
+            console.print(f"[yellow]grid skipped:[/] {why}")
+        else:
+            _run_grid(ev, run.cdir, cfg, handles)
+        for n, h in handles.items():
+            ev.peak_memory_gib[n] = gridmod.peak_memory_gib(h.url)
+        _record_context(ev, handles)
+        _save(ev, run.cdir)
+
+
+def _conclude(run: _Run) -> None:
+    """Statistics, calibration and the verdict; then records, tracking, the flip and the summary."""
+    ev, cfg = run.ev, run.cfg
     if not ev.context:             # no server ran (the gates fixed the verdict): the gate engines' context
-        _record_gate_context(ev, ctx)
-    policy.conclude(ev, noise=calibrate.pool_for(ev, _other_evidence(out_dir, ev.campaign_id)))
+        _record_gate_context(ev, run.ctx)
+    policy.conclude(ev, noise=calibrate.pool_for(ev, _other_evidence(run.out_dir, ev.campaign_id)))
     ev.status = "complete"
-    _save(ev, cdir)
-    records.render_all(out_dir, status_dir(repo, out_dir))
-    _track(cfg, ev, cdir)
+    _save(ev, run.cdir)
+    summaries = status_dir(run.repo, run.out_dir)
+    records.render_all(run.out_dir, summaries)
+    _track(cfg, ev, run.cdir)
     if ev.decision and ev.decision.verdict == "FLIP" and cfg.commit:
-        _flip(ev, cdir, repo, status_dir(repo, out_dir))
-    _summary(ev, cdir, time.perf_counter() - t_start)
-    return ev
+        _flip(ev, run.cdir, run.repo, summaries)
+    _summary(ev, run.cdir, time.perf_counter() - run.t_start)
 
 
 def _other_evidence(out_dir: Path, own: str) -> list[Evidence]:
