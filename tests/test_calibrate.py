@@ -90,7 +90,7 @@ def test_calibration_follows_the_campaign_shape(h200):
 
 
 def test_an_empty_noise_model_gives_no_calibration():
-    from test_policy import make_evidence
+    from helpers import make_evidence
     ev = make_evidence({})
     assert calibrate.calibrate(ev, calibrate.NoiseModel({}, [])) is None
     assert "not calibrated" in calibrate.sentence(None)

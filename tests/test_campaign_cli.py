@@ -8,7 +8,7 @@ from campaigns import records
 from campaigns.cli import main
 from campaigns.config import CampaignConfigError, compose, options
 from campaigns.evidence import save_evidence
-from test_policy import TPUT_WIN, make_evidence
+from helpers import TPUT_WIN, make_evidence
 
 CAMPAIGNS = ["fast_math", "gqa_swap", "marlin_dense", "nsplits_cap", "pdl", "triton_gemv"]
 

@@ -13,7 +13,7 @@ import pytest
 
 from campaigns import context as lever_context
 from campaigns.evidence import save_evidence
-from test_policy import TPUT_WIN, make_evidence
+from helpers import TPUT_WIN, make_evidence
 from vtengine import levers
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 from campaigns import records
 from campaigns.evidence import (Evidence, EvidenceError, LegResult, find_evidence, load_evidence, new_campaign_id,
                                 save_evidence, write_atomic)
-from test_policy import TPUT_WIN, gates, make_evidence
+from helpers import TPUT_WIN, gates, make_evidence
 
 LOSS = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}}
 NEUTRAL = {"total_token_throughput": {"off": [101.0, 102.0, 104.0], "on": [100.0, 103.0, 106.0]}}

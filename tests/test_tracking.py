@@ -10,7 +10,7 @@ import pytest
 from campaigns import records, tracking
 from campaigns.cli import main
 from campaigns.evidence import save_evidence
-from test_policy import TPUT_WIN, make_evidence
+from helpers import TPUT_WIN, make_evidence
 
 
 @pytest.fixture(scope="module")

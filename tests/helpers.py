@@ -1,0 +1,79 @@
+"""Evidence builders the campaign tests share: a complete, binding campaign (CUDA, clean tree, 3 reps, every gate
+passed and self-checked, byte-exact) whose grid values a test chooses, so each test breaks one thing."""
+from __future__ import annotations
+
+from campaigns import policy
+from campaigns.evidence import Arm, Evidence, Fingerprint, GateResult, LegResult
+from campaigns.gates import GATE_NAMES
+
+# Baseline reps that other axes reuse for both arms (identical values -> NEUTRAL, ratio 1.0).
+SAME = [10.0, 10.5, 11.0]
+
+
+def fingerprint(device_type="cuda", dirty=False, sha="abc1234def5678") -> Fingerprint:
+    return Fingerprint(git_sha=sha, git_short_sha=sha[:7], dirty=dirty, branch="main", device_type=device_type,
+                       device_name="NVIDIA H200" if device_type == "cuda" else "cpu", cuda_version="12.8",
+                       torch_version="2.13.0", triton_version="3.9.0", python_version="3.11.9",
+                       hostname="host-a", arms_env={"off": {"VT_DECODE_GQA_SWAP": "off"},
+                                                    "on": {"VT_DECODE_GQA_SWAP": "on"}},
+                       config_hash="0" * 64)
+
+
+def gates(arms=("off", "on"), byte_exact=True, **override) -> list[GateResult]:
+    """Every gate passed and self-checked on every arm; ``override[(gate, arm)] = dict(field=value)`` edits one."""
+    out = []
+    for name in GATE_NAMES:
+        for arm in arms:
+            g = GateResult(gate=name, arm=arm, passed=True, counts={"checks": 8}, self_check=True, duration_s=1.5)
+            if name in ("op", "battery") and arm != arms[0]:
+                g.byte_exact = byte_exact
+            if name == "near_tie":
+                g.counts = {"divergences": 0, "max_gap_mnats": 0.0}
+            for k, v in override.get(f"{name}@{arm}", {}).items():
+                setattr(g, k, v)
+            out.append(g)
+    return out
+
+
+def legs(values: dict[str, dict[str, list[float]]], concurrency=(1, 2, 4, 8), reps=3,
+         arms=("off", "on")) -> list[LegResult]:
+    """``values[axis_metric][arm]`` = per-rep values (same at every concurrency); unspecified metrics = SAME."""
+    metrics = ("total_token_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms", "median_e2el_ms",
+               "output_throughput", "request_throughput")
+    out, order = [], 0
+    for c in concurrency:
+        for r in range(reps):
+            for arm in (arms if r % 2 == 0 else arms[::-1]):
+                m = {k: float(values.get(k, {}).get(arm, SAME * 2)[r]) for k in metrics}
+                out.append(LegResult(concurrency=c, rep=r, arm=arm, order_index=order, prompts_sha256=f"{c}-{r}",
+                                     num_prompts=6, metrics=m, started="2026-11-30T10:00:00Z",
+                                     ended="2026-11-30T10:00:05Z"))
+                order += 1
+    return out
+
+
+def make_evidence(values=None, *, reps=3, concurrency=(1, 2, 4, 8), device_type="cuda", dirty=False,
+                  gate_results=None, policy_cfg=None, candidates=(True,), binding=True, lever="gqa_swap",
+                  created="2026-11-30T10:00:00Z", campaign_id=None, campaign_gates=GATE_NAMES,
+                  inapplicable=None) -> Evidence:
+    arms = [Arm("off", False, "baseline")] + [Arm(str(v).lower() if not isinstance(v, bool) else "on", v,
+                                                  "candidate") for v in candidates]
+    names = tuple(a.name for a in arms)
+    cfg = {"campaign": {"name": lever, "lever": lever, "gates": list(campaign_gates),
+                        "inapplicable": dict(inapplicable or {}),
+                        "policy": {"near_tie_max_mnats": 500.0, "min_gain": 0.01, "min_reps": 3,
+                                   "flip_on_correctness": False, **(policy_cfg or {})},
+                        "hypothesis": "K/V read once per group.", "residual": "split count next."},
+           "grid": {"name": "online" if binding else "rehearsal", "binding": binding,
+                    "concurrency": list(concurrency), "reps": reps, "prompts_per_leg": [6] * len(concurrency),
+                    "input_len": 1024, "output_len": 128},
+           "model": {"name": "qwen3-8b", "quant": "bf16"}}
+    ev = Evidence(campaign_id=campaign_id or f"{created[:10]}-{lever}-abc1234", lever=lever, arms=arms, config=cfg,
+                  fingerprint=fingerprint(device_type, dirty), created=created,
+                  gates=gate_results if gate_results is not None else gates(names),
+                  legs=legs(values or {}, concurrency, reps, names),
+                  arm_fingerprints={a: "fp0" for a in names})
+    return policy.conclude(ev)
+
+
+TPUT_WIN = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [110.0, 111.0, 112.0]}}
