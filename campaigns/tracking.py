@@ -48,14 +48,30 @@ def _artifact_root(uri: str) -> str | None:
     return (db.resolve().parent / "mlartifacts").as_uri()
 
 
+# MLflow 3 opens an experiment without this tag on its GenAI overview (traces, empty here); this kind opens the runs
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def ensure_experiment(c, lever: str, uri: str) -> str:
     name = experiment_name(lever)
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if exp.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+            c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
         return exp.experiment_id
     root = _artifact_root(uri)
     return c.create_experiment(name, artifact_location=f"{root}/{name}" if root else None,
-                               tags={"lever": lever, "vtcampaign": "1"})
+                               tags={"lever": lever, "vtcampaign": "1", EXPERIMENT_KIND[0]: EXPERIMENT_KIND[1]})
+
+
+def campaign_span(ev: Evidence) -> tuple[int | None, int | None]:
+    """(start, end) of the campaign in ms: its creation, and its last leg's end (else creation + the gates'
+    durations), so an ingested run shows how long the campaign took, not how long ago it ran."""
+    start = _ms(ev.created)
+    ends = [t for t in (_ms(leg.ended) for leg in ev.legs) if t]
+    if ends:
+        return start, max(ends)
+    return start, (start + int(1000 * sum(g.duration_s for g in ev.gates))) if start else None
 
 
 def campaign_runs(c, experiment_id: str, campaign_id: str) -> list:
@@ -110,7 +126,7 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
         c.delete_run(old.info.run_id)
 
     fp, d = ev.fingerprint, ev.decision
-    start = _ms(ev.created)
+    start, end = campaign_span(ev)
     base_tags = {CAMPAIGN_TAG: ev.campaign_id, "lever": ev.lever}
     parent = c.create_run(exp, start_time=start, run_name=f"campaign {ev.campaign_id}", tags={
         **base_tags, KIND_TAG: "campaign", "verdict": d.verdict if d else "IN-PROGRESS",
@@ -147,7 +163,8 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
         metrics = [(k, v, 0) for k, v in g.counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
         _log(c, run.info.run_id, metrics=metrics + [("duration_s", g.duration_s, 0)],
              tags={"reason": g.reason[:5000]} if g.reason else None, timestamp=start or 0)
-        c.set_terminated(run.info.run_id, "FINISHED" if g.passed or g.skipped else "FAILED")
+        c.set_terminated(run.info.run_id, "FINISHED" if g.passed or g.skipped else "FAILED",
+                         end_time=(start + int(1000 * g.duration_s)) if start else None)
 
     for leg in ev.legs:
         t0 = _ms(leg.started)
@@ -162,19 +179,22 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
         c.set_terminated(run.info.run_id, "FINISHED" if leg.valid else "FAILED", end_time=_ms(leg.ended))
 
     for arm in ev.arms:
-        run = c.create_run(exp, start_time=start, run_name=f"arm {arm.name}", tags={
+        arm_legs = [leg for leg in ev.legs if leg.arm == arm.name]
+        arm_start = min((_ms(leg.started) for leg in arm_legs if leg.started), default=start)
+        arm_end = max((_ms(leg.ended) for leg in arm_legs if leg.ended), default=end)
+        run = c.create_run(exp, start_time=arm_start, run_name=f"arm {arm.name}", tags={
             **child, KIND_TAG: "arm-summary", "arm": arm.name, "role": arm.role, "value": str(arm.value)})
         _log(c, run.info.run_id, metrics=arm_summary_metrics(ev, arm.name), timestamp=start or 0,
              params={"lever_value": str(arm.value), "env": " ".join(f"{k}={v}" for k, v in
                                                                      sorted(fp.arms_env.get(arm.name, {}).items()))})
-        c.set_terminated(run.info.run_id, "FINISHED")
+        c.set_terminated(run.info.run_id, "FINISHED", end_time=arm_end)
 
     if campaign_dir is not None:
         for name in ARTIFACTS:
             path = Path(campaign_dir) / name
             if path.is_file():
                 c.log_artifact(pid, str(path))
-    c.set_terminated(pid, "FINISHED")     # an in-progress campaign shows as such in its `status` tag
+    c.set_terminated(pid, "FINISHED", end_time=end)   # an in-progress campaign shows as such in its `status` tag
     return pid
 
 

@@ -98,3 +98,19 @@ def test_cli_log_ingests_an_evidence_file_written_with_tracking_off(store, capsy
     runs = tracking.campaign_runs(store["client"], exp.experiment_id, ev.campaign_id)
     assert sum(r.data.tags.get(tracking.KIND_TAG) == "campaign" for r in runs) == 1
     assert main(["log", str(cdir / "missing.json"), "--tracking-uri", store["uri"]]) == 2
+
+
+def test_experiments_open_on_runs_and_ingested_runs_keep_the_campaigns_own_times(store):
+    """MLflow 3 opens an untagged experiment on its (empty) GenAI traces view; and an ingested run's end time was
+    the time of ingestion, so an arm run showed a duration of a day."""
+    c, ev = store["client"], store["ev"]
+    exp = c.get_experiment(store["exp"].experiment_id)
+    assert exp.tags[tracking.EXPERIMENT_KIND[0]] == "custom_model_development"
+    start, end = tracking.campaign_span(ev)
+    parent = c.get_run(store["parent"])
+    assert (parent.info.start_time, parent.info.end_time) == (start, end)
+    # make_evidence's legs run 10:00:00 -> 10:00:05 (5 s each): the arm run spans exactly that
+    for arm in _runs(store, "arm-summary"):
+        assert arm.info.end_time - arm.info.start_time == 5000
+    for gate in _runs(store, "gate"):
+        assert gate.info.end_time - gate.info.start_time == 1500           # duration_s 1.5 in the builder
