@@ -30,6 +30,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable
 
+from campaigns.config import settings
 from campaigns.evidence import Calibration, Evidence, GateResult, LegResult
 from campaigns.stats import AXES, AXIS_BY_NAME
 
@@ -141,6 +142,7 @@ def template(ev: Evidence, byte_exact: bool) -> Evidence:
                 r.counts = {"divergences": 0, "max_gap_mnats": 0.0}
             t.gates.append(r)
     t.decision, t.stats, t.pooled, t.calibration = None, [], [], None
+    t.__dict__.pop("_settings", None)          # its config was edited above: no stale typed view
     return t
 
 
@@ -153,10 +155,10 @@ def _gain(axis_name: str, metric_value: float, gain: float) -> float:
 
 def simulate(t: Evidence, noise: NoiseModel, rng: random.Random, gain: float = 0.0) -> Evidence:
     """One simulated campaign of ``t``'s shape: legs drawn from the noise model, the candidates ``gain`` better."""
-    grid = t.config.get("grid", {})
-    reps = int(grid.get("reps", 0))
+    grid = settings(t).grid
+    reps = int(grid.reps)
     legs, order = [], 0
-    for c in grid.get("concurrency", []):
+    for c in grid.concurrency:
         _, pool = noise.at(int(c))
         for r in range(reps):
             for arm in t.arms:
@@ -222,7 +224,7 @@ def calibrate(ev: Evidence, noise: NoiseModel, sims: int = DEFAULT_SIMS, seed: i
     null, seps = verdicts(t, noise, sims, seed)
     seps_sorted = sorted(seps)
     power = {f"{g:.2f}": flip_rate(t, noise, sims, seed, g) for g in POWER_GAINS}
-    stats_shape = len(t.candidates) * len(AXES) * len(t.config.get("grid", {}).get("concurrency", []))
+    stats_shape = len(t.candidates) * len(AXES) * len(settings(t).grid.concurrency)
     return Calibration(
         false_flip=null.count("FLIP") / sims, false_reject=null.count("REJECT-PERFORMANCE") / sims,
         power=power, mde_80=minimum_detectable(t, noise, sims, seed),
@@ -236,7 +238,7 @@ def calibrate(ev: Evidence, noise: NoiseModel, sims: int = DEFAULT_SIMS, seed: i
 
 def _borrowed(t: Evidence, noise: NoiseModel) -> str:
     notes = []
-    for c in t.config.get("grid", {}).get("concurrency", []):
+    for c in settings(t).grid.concurrency:
         near, _ = noise.at(int(c))
         if near != int(c):
             notes.append(f"c{c} from c{near}")

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from campaigns.config import CampaignConfigError, compose, options
+from campaigns.config import CampaignConfigError, compose, options, settings
 from campaigns.evidence import EvidenceError, find_evidence, load_evidence
 from campaigns.gitops import GitOpsError
 
@@ -215,7 +215,7 @@ def cmd_calibrate(args) -> int:
         if cal is None:
             table.add_row(ev.campaign_id, "—", "—", "no noise model", "", "", "", "")
             continue
-        table.add_row(ev.campaign_id, str(ev.config.get("grid", {}).get("reps", "?")), str(cal.comparisons),
+        table.add_row(ev.campaign_id, str(settings(ev).grid.reps), str(cal.comparisons),
                       f"{cal.false_flip:.1%}", f"{cal.false_reject:.1%}", f"{cal.power.get('0.05', 0):.1%}",
                       f"> {calibrate.MDE_SEARCH[1]:.0%}" if cal.mde_80 is None else f"{cal.mde_80:.1%}",
                       f"{cal.separations_mean:.2f} / {cal.separations_q95}")

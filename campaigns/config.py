@@ -404,6 +404,20 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
                                   "postgresql://..., sqlite:///mlflow.db), or use tracking=local / tracking=off")
 
 
+def settings(ev) -> AppConfig:
+    """An evidence file's composed config as the typed AppConfig (its schema checked, defaults filled for keys an
+    older campaign did not have), so readers write ``settings(ev).grid.reps`` instead of ``.get()`` chains.
+    Cached on the evidence for as long as its config object is the same one (configs are not edited in place,
+    except by campaigns/calibrate.py's template, which drops the cache)."""
+    from campaigns.evidence import _build
+    cached = ev.__dict__.get("_settings")
+    if cached is not None and cached[0] is ev.config:
+        return cached[1]
+    typed = _build(AppConfig, ev.config, "config")
+    ev.__dict__["_settings"] = (ev.config, typed)
+    return typed
+
+
 def _axis_names() -> list[str]:
     from campaigns.stats import AXES
     return [a.name for a in AXES]

@@ -23,10 +23,10 @@ rules (AA-PASS / AA-FAIL): it must not show more separations than its calibratio
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from campaigns.config import PolicyConfig
+from campaigns.config import PolicyConfig, settings
 from campaigns.gates import CORRECTNESS_GATES
 from campaigns.evidence import Arm, AxisStat, Decision, Evidence, GateResult, PooledEffect
 from campaigns.stats import AXIS_BY_NAME, compute_stats, planned_legs, pooled_effects
@@ -62,10 +62,13 @@ COMBINE_ORDER = ("INVALID", "FLIP", "NON-BINDING", "KEEP", "REJECT-PERFORMANCE",
 
 
 def policy_params(ev: Evidence, override: dict[str, Any] | None = None) -> PolicyConfig:
-    raw = dict(ev.config.get("campaign", {}).get("policy", {}) or {})
-    raw.update(override or {})
-    known = set(asdict(PolicyConfig()))
-    return PolicyConfig(**{k: v for k, v in raw.items() if k in known})
+    p = settings(ev).campaign.policy
+    if not override:
+        return p
+    unknown = sorted(set(override) - set(asdict(PolicyConfig())))
+    if unknown:
+        raise ValueError(f"unknown policy parameter(s) {unknown}; accepted: {sorted(asdict(PolicyConfig()))}")
+    return replace(p, **override)
 
 
 def rule_text(key: str, p: PolicyConfig) -> str:
@@ -376,7 +379,7 @@ def _counts(g: GateResult) -> str:
 def inapplicable(ev: Evidence) -> dict[str, str]:
     """Gates the campaign (or its lever) declares inapplicable, with the reason: exempt from 'every listed gate
     ran'."""
-    return dict((ev.config.get("campaign", {}) or {}).get("inapplicable", {}) or {})
+    return dict(settings(ev).campaign.inapplicable)
 
 
 def _binding_conditions(ev: Evidence, arms: tuple[str, ...], p: PolicyConfig) -> list[str]:
@@ -391,13 +394,13 @@ def _binding_conditions(ev: Evidence, arms: tuple[str, ...], p: PolicyConfig) ->
     arm_fps = {a: h for a, h in ev.arm_fingerprints.items() if a in arms}
     if len(set(arm_fps.values())) > 1:
         out.append(f"arms ran on different fingerprints: {arm_fps}")
-    grid = ev.config.get("grid", {}) or {}
-    if not grid.get("binding", True):
-        out.append(f"grid {grid.get('name', '?')!r} is a rehearsal grid (binding: false)")
-    reps = int(grid.get("reps", 0))
+    grid = settings(ev).grid
+    if not grid.binding:
+        out.append(f"grid {grid.name!r} is a rehearsal grid (binding: false)")
+    reps = int(grid.reps)
     if reps < p.min_reps:
         out.append(f"{reps} reps per point, fewer than {p.min_reps}")
-    planned = planned_legs(grid.get("concurrency", []), reps, list(arms))
+    planned = planned_legs(grid.concurrency, reps, list(arms))
     done = {leg.key for leg in ev.legs if leg.arm in arms}
     missing = sorted(planned - done)
     if missing:
@@ -427,7 +430,7 @@ def _non_binding(ev: Evidence, base: str, cand: str, p: PolicyConfig) -> list[st
         out.append("no mechanism proof: the mechanism gate has no result for the candidate")
     elif mech.skipped and "mechanism" not in exempt:
         out.append(f"no mechanism proof: the mechanism gate was skipped ({mech.reason or 'no reason given'})")
-    wanted = (ev.config.get("campaign", {}) or {}).get("gates", []) or []
+    wanted = settings(ev).campaign.gates
     absent, skipped = [], []
     for g in wanted:
         if g in exempt:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from campaigns import context as lever_context
 from campaigns.evidence import Evidence, find_evidence, load_evidence, write_atomic
+from vtengine import confdirs
 
 STATE_FILE = ".recheck.json"
 
@@ -33,7 +34,7 @@ def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
 
 
 def stale_verdicts(out_dir: Path | str, root: Path | str | None = None) -> list[tuple[Evidence, lever_context.Freshness]]:
-    from vtengine import confdirs, levers
+    from vtengine import levers
     root = Path(root) if root is not None else confdirs.SOURCE_ROOT
     registry = levers.registry()
     digests = lever_context.tree_digests(registry, root)
@@ -64,9 +65,10 @@ def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | s
 
 def overrides_for(ev: Evidence, registry: dict) -> list[str]:
     """Hydra overrides that re-run ``ev``'s campaign on today's defaults and the default grid."""
-    camp = ev.config.get("campaign", {}) or {}
-    model = ev.config.get("model", {}) or {}
-    out = [f"campaign={camp.get('name', ev.lever)}"]
+    from campaigns.config import settings
+    cfg = settings(ev)
+    camp, model = cfg.campaign, cfg.model
+    out = [f"campaign={camp.name}"]
     if model.get("name"):
         out.append(f"model={model['name']}")
     if model.get("quant"):
@@ -75,7 +77,7 @@ def overrides_for(ev: Evidence, registry: dict) -> list[str]:
     cands = [a.value for a in ev.candidates if a.value != lever.default]
     if cands:
         out.append("campaign.arms.candidates=[" + ",".join(_text(v) for v in cands) + "]")
-    pins = camp.get("with_levers") or {}
+    pins = dict(camp.with_levers)
     if pins:
         out.append("+campaign.with_levers={" + ", ".join(f"{k}: {_text(v)}" for k, v in sorted(pins.items())) + "}")
     return out

@@ -20,6 +20,7 @@ import jinja2
 from campaigns import calibrate
 from campaigns import context as lever_context
 from campaigns.gates import GATE_NAMES
+from campaigns.config import settings
 from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
 from campaigns.policy import effect_note, fmt_effect, inapplicable, policy_params
 from campaigns.stats import AXES, AXIS_BY_NAME
@@ -163,10 +164,8 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
     """Every value record.md.j2 and pr.md.j2 print, already formatted."""
     from vtengine import levers as lever_registry
 
-    cfg = ev.config
-    camp = cfg.get("campaign", {}) or {}
-    grid = cfg.get("grid", {}) or {}
-    model = cfg.get("model", {}) or {}
+    cfg = settings(ev)
+    camp, grid = cfg.campaign, cfg.grid
     fp = ev.fingerprint
     d = ev.decision
     p = policy_params(ev)
@@ -229,7 +228,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
 
     arms_env = {arm_label(ev, arm): " ".join(f"{k}={v}" for k, v in sorted(env.items()))
                 for arm, env in fp.arms_env.items()}
-    pinned = dict(camp.get("with_levers") or {})
+    pinned = dict(camp.with_levers)
     with_text = (" with " + ", ".join(f"{k}={fmt_lever_value(v)}" for k, v in sorted(pinned.items()))) if pinned else ""
     title = f"row/{ev.lever}{with_text}: {what_changed(ev)} — {d.headline if d else 'in progress'}"
     base_label = arm_label(ev, ev.baseline.name)
@@ -262,11 +261,11 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "candidates": ", ".join(f"{a.name} ({fmt_lever_value(a.value)})" for a in ev.candidates),
         "candidate_label": ", ".join(cand_labels.values()),
         "arms_env": arms_env,
-        "hypothesis": (camp.get("hypothesis") or "").strip(), "residual": (camp.get("residual") or "").strip(),
-        "model": f"{model.get('name', '?')} ({model.get('quant', '?')})",
-        "grid": {"name": grid.get("name", "?"), "concurrency": ", ".join(map(str, grid.get("concurrency", []))),
-                 "reps": grid.get("reps", "?"), "prompts": ", ".join(map(str, grid.get("prompts_per_leg", []))),
-                 "input_len": grid.get("input_len", "?"), "output_len": grid.get("output_len", "?")},
+        "hypothesis": (camp.hypothesis or "").strip(), "residual": (camp.residual or "").strip(),
+        "model": _model(ev),
+        "grid": {"name": grid.name, "concurrency": ", ".join(map(str, grid.concurrency)), "reps": grid.reps,
+                 "prompts": ", ".join(map(str, grid.prompts_per_leg)), "input_len": grid.input_len,
+                 "output_len": grid.output_len},
         "versions": f"torch {fp.torch_version}, triton {fp.triton_version or '—'}, "
                     f"CUDA {fp.cuda_version or '—'}, Python {fp.python_version}",
         "gates": [_gate_cell(g, ev) for g in sorted(ev.gates, key=lambda g: (_gate_rank(g.gate), g.gate,
@@ -382,7 +381,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
 
 
 def _model(ev: Evidence) -> str:
-    model = ev.config.get("model", {}) or {}
+    model = settings(ev).model
     return f"{model.get('name', '?')} ({model.get('quant', '?')})"
 
 

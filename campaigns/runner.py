@@ -26,7 +26,7 @@ from campaigns import context as lever_context
 from campaigns import fingerprint as fp
 from campaigns import grid as gridmod
 from campaigns import policy, records
-from campaigns.config import config_hash
+from campaigns.config import config_hash, settings
 from campaigns.evidence import (Evidence, find_evidence, load_evidence, new_campaign_id, new_evidence,
                                 save_evidence, utc_now)
 from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate, skipped
@@ -405,7 +405,7 @@ def check_flippable(ev: Evidence) -> None:
     if not fresh.fresh:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "
                             "measured another engine than the one users run. Re-run it: `vtcampaign recheck`, or "
-                            f"`vtcampaign run campaign={ev.config.get('campaign', {}).get('name', ev.lever)}`")
+                            f"`vtcampaign run campaign={settings(ev).campaign.name}`")
 
 
 def _summary(ev: Evidence, cdir: Path, elapsed_s: float) -> None:
