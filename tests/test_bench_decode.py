@@ -4,11 +4,15 @@ checked is that every figure is what its definition makes of the measurements it
 per-rep times, kernel times summing to the total, ratios the quotient of their figures, markdown = JSON)."""
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
-from vtengine.bench import decode
+from vtengine.bench import common, decode
+from vtengine.bench.decode import cli as decode_cli
+from vtengine.bench.decode import engine_timing, hf_baseline, kernel_profile, report
+from vtengine.bench.decode.results import DecodeResult
 
 
 def md_tables(md: str, header: str) -> list[list[dict[str, str]]]:
@@ -61,27 +65,28 @@ def check_profile_markdown(md: str, table: list[dict[str, str]], p: dict) -> Non
     assert (f"sum of kernel time {p['kernel_us_per_step']:.1f} us/step vs measured step time "
             f"{p['step_us_measured']:.1f} us/step") in md
     assert f"gap {p['gap_us_per_step']:.1f} us/step ({gap_pct:.1f}%)" in md
-    top = p["kernels"][:decode.MD_TOP_KERNELS]
+    top = p["kernels"][:report.MD_TOP_KERNELS]
     assert [row["kernel"] for row in table[:len(top)]] == [f"`{k['kernel']}`" for k in top]
     for row, k in zip(table, top):
         assert shown(row["us/step"], k["us_per_step"], 1) and shown(row["launches/step"], k["launches_per_step"], 2)
         assert shown(row["% of step"], 100 * k["share_of_step"], 1)
     shown_us = sum(float(row["us/step"]) for row in table)       # the top rows and the "others" row
     assert shown_us == pytest.approx(p["kernel_us_per_step"], abs=0.05 * len(table) + 1e-9)
-    if p["num_kernel_names"] > decode.MD_TOP_KERNELS:
-        assert table[-1]["kernel"] == f"({p['num_kernel_names'] - decode.MD_TOP_KERNELS} others)"
-        assert len(table) == decode.MD_TOP_KERNELS + 1
+    if p["num_kernel_names"] > report.MD_TOP_KERNELS:
+        assert table[-1]["kernel"] == f"({p['num_kernel_names'] - report.MD_TOP_KERNELS} others)"
+        assert len(table) == report.MD_TOP_KERNELS + 1
 
 
 @pytest.fixture(scope="module")
 def tiny_llm():
-    return decode.build_llm("tiny", "bf16", max_num_seqs=4, levers={}, device="cpu", backend="torch",
+    return engine_timing.build_llm("tiny", "bf16", max_num_seqs=4, levers={}, device="cpu", backend="torch",
                             num_kv_blocks=64, max_model_len=256)
 
 
 def test_hf_decode_eager_on_cpu_times_every_rep():
     import transformers
-    h = decode.hf_decode_ms("tiny", batch=2, prompt_len=16, gen_len=8, device="cpu", compile=False, reps=3)
+    h = hf_baseline.hf_decode_ms("tiny", batch=2, prompt_len=16, gen_len=8, device="cpu", compile=False,
+                                 reps=3).to_dict()
     assert "error" not in h, h.get("error")
     assert [len(h["generate_s"][k]) for k in ("1", "2", "8")] == [3, 3, 3]
     assert all(t > 0 for times in h["generate_s"].values() for t in times)
@@ -93,9 +98,10 @@ def test_hf_decode_eager_on_cpu_times_every_rep():
 
 
 def test_hf_decode_records_errors_instead_of_raising():
-    h = decode.hf_decode_ms("no-such-preset", batch=1, prompt_len=8, gen_len=8, device="cpu", compile=False)
+    h = hf_baseline.hf_decode_ms("no-such-preset", batch=1, prompt_len=8, gen_len=8, device="cpu",
+                                 compile=False).to_dict()
     assert "no-such-preset" in h["error"] and "ms_per_step" not in h
-    h = decode.hf_decode_ms("tiny", batch=1, prompt_len=8, gen_len=2, device="cpu", compile=False)
+    h = hf_baseline.hf_decode_ms("tiny", batch=1, prompt_len=8, gen_len=2, device="cpu", compile=False).to_dict()
     assert "gen_len must be >= 3" in h["error"]
 
 
@@ -104,7 +110,8 @@ def test_hf_decode_compiles_once_through_generate(request):
     """The GPU path (generate's auto-compile, static cache) on CPU: exactly one dynamo graph, positive time."""
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("slow (an inductor compile, ~40 s on 2 cores): run with -m slow")
-    h = decode.hf_decode_ms("tiny", batch=2, prompt_len=16, gen_len=8, device="cpu", compile=True, reps=2)
+    h = hf_baseline.hf_decode_ms("tiny", batch=2, prompt_len=16, gen_len=8, device="cpu", compile=True,
+                                 reps=2).to_dict()
     assert "error" not in h, h.get("error")
     assert h["compile"].startswith("generate auto-compile") and "fullgraph=True" in h["compile"]
     assert h["dynamo_graphs_compiled"] == 1
@@ -121,7 +128,7 @@ def test_engine_decode_ms_on_cpu(tiny_llm, monkeypatch):
         return snapshots[-1]
 
     monkeypatch.setattr(eng, "stats", recorded_stats)
-    r = decode.engine_decode_ms(tiny_llm, batch=2, prompt_len=16, gen_len=8)
+    r = engine_timing.engine_decode_ms(tiny_llm, batch=2, prompt_len=16, gen_len=8).to_dict()
     before, after = snapshots
     assert r["decode_steps"] == after["decode_steps_total"] - before["decode_steps_total"] == 7
     decode_s = after["decode_time_s_sum"] - before["decode_time_s_sum"]
@@ -135,7 +142,7 @@ def test_engine_decode_ms_on_cpu(tiny_llm, monkeypatch):
 
 
 def test_profile_engine_decode_on_cpu(tiny_llm):
-    p = decode.profile_engine_decode(tiny_llm, batch=2, prompt_len=16, steps=4, warm_steps=1)
+    p = kernel_profile.profile_engine_decode(tiny_llm, batch=2, prompt_len=16, steps=4, warm_steps=1).to_dict()
     assert p["activity"] == "cpu" and p["steps_asked"] == 4 and "warning" not in p
     assert p["context_len"] == 16 + 1 + 2                      # the prompt, the warm step, the profiler's 2 warm-up
     check_profile(p, steps=4)
@@ -143,10 +150,15 @@ def test_profile_engine_decode_on_cpu(tiny_llm):
     mm = {k["name_full"]: k for k in p["kernels"]}["aten::mm"]
     assert mm["launches_per_step"] >= 2
     assert not tiny_llm.engine.has_unfinished_requests()       # the profile's requests were aborted
-    md = decode.render_markdown({"engine": [], "profiles": [dict(p, step_us_timed=123.0)]})
+    md = report.render_markdown(DecodeResult.from_dict({"engine": [], "profiles": [dict(p, step_us_timed=123.0)]}))
     assert "123.0 us/step in the timed run" in md
     [table] = md_tables(md, "| kernel |")
     check_profile_markdown(md, table, p)
+
+
+def kernel_table(events: list[dict], steps: int, on_device: bool) -> list[dict]:
+    """The kernel table's rows as they land in the JSON."""
+    return [r.to_dict() for r in kernel_profile.kernel_table(events, steps, on_device)]
 
 
 def test_kernel_table_self_time_and_device_events():
@@ -154,21 +166,22 @@ def test_kernel_table_self_time_and_device_events():
         {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "pid": 1, "tid": 1, "ts": 0.0, "dur": 10.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 2.0, "dur": 4.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 2, "ts": 3.0, "dur": 1.0},
-        {"ph": "X", "cat": "user_annotation", "name": decode.STEP_MARK, "pid": 1, "tid": 1, "ts": 0.0, "dur": 12.0},
+        {"ph": "X", "cat": "user_annotation", "name": kernel_profile.STEP_MARK, "pid": 1, "tid": 1, "ts": 0.0,
+         "dur": 12.0},
     ]
-    rows = {r["name_full"]: r["us_per_step"] for r in decode.kernel_table(nested, steps=2, on_device=False)}
+    rows = {r["name_full"]: r["us_per_step"] for r in kernel_table(nested, steps=2, on_device=False)}
     assert rows == {"aten::linear": 3.0, "aten::mm": 2.0, "aten::add": 0.5}
     dev = [{"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 5.0},
            {"ph": "X", "cat": "kernel", "name": "k1", "ts": 9, "dur": 3.0},
            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 20, "dur": 1.0},
            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50.0}]
-    rows = decode.kernel_table(dev, steps=2, on_device=True)
+    rows = kernel_table(dev, steps=2, on_device=True)
     assert [(r["kernel"], r["us_per_step"], r["launches_per_step"]) for r in rows] == [
         ("k1", 4.0, 1.0), ("Memcpy HtoD (Pageable -> Device)", 0.5, 0.5)]
 
 
 def test_short_kernel_name():
-    s = decode.short_kernel_name
+    s = kernel_profile.short_kernel_name
     assert s("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, "
              "at::detail::Array<char*, 1> >(int, at::native::FillFunctor<int>, at::detail::Array<char*, 1>)"
              ) == "vectorized_elementwise_kernel<4, FillFunctor<int>, Array<char*, 1>>"
@@ -176,7 +189,7 @@ def test_short_kernel_name():
     assert s("Memcpy HtoD (Pageable -> Device)") == "Memcpy HtoD (Pageable -> Device)"
     long = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas"
     short = s(long)
-    assert len(short) == decode.KERNEL_NAME_MAX and short.startswith("sm90_xmma_gemm_bf16bf16")
+    assert len(short) == kernel_profile.KERNEL_NAME_MAX and short.startswith("sm90_xmma_gemm_bf16bf16")
     assert short.endswith("kernel__5x_cublas") and "…" in short
 
 
@@ -201,7 +214,7 @@ def test_markdown_engine_table_shows_the_json():
     """Every engine row's cells are the JSON's figures; the speed-up is HF ms/step over engine ms/step."""
     result = _synthetic_result()
     result["hf_transformers_compiled"][1] = dict(result["hf_transformers_compiled"][0], batch=8, ms_per_step=7.5)
-    [table] = md_tables(decode.render_markdown(result), "| model |")
+    [table] = md_tables(report.render_markdown(DecodeResult.from_dict(result)), "| model |")
     hf = {h["batch"]: h["ms_per_step"] for h in result["hf_transformers_compiled"]}
     assert len(table) == len(result["engine"])
     for row, r in zip(table, result["engine"]):
@@ -220,7 +233,7 @@ def test_markdown_engine_table_shows_the_json():
 
 
 def test_markdown_hf_column_and_ratio():
-    md = decode.render_markdown(_synthetic_result())
+    md = report.render_markdown(DecodeResult.from_dict(_synthetic_result()))
     rows = {tuple(c.strip() for i, c in enumerate(line.split("|")[1:5]) if i != 2): line
             for line in md.splitlines() if line.startswith("| qwen3-8b")}
     assert all("| base |" in line for line in rows.values())
@@ -233,29 +246,55 @@ def test_markdown_hf_column_and_ratio():
     assert "HF transformers 5.17.0: generate auto-compile" in md and "median of 3" in md
     assert "HF qwen3-8b c8: error: RuntimeError: compile failed" in md
     assert "Incomplete run" not in md
-    assert "Incomplete run" in decode.render_markdown(dict(_synthetic_result(), complete=False))
+    incomplete = DecodeResult.from_dict(dict(_synthetic_result(), complete=False))
+    assert "Incomplete run" in report.render_markdown(incomplete)
 
 
 def test_unique_stem_and_outputs(tmp_path, monkeypatch):
     out, copy = tmp_path / "results", tmp_path / "OUT"
     copy.mkdir()
     base = "decode-2026-12-01"
-    assert decode.unique_stem(out, base) == base
+    assert report.unique_stem(out, base) == base
     monkeypatch.setenv("OUT", str(copy))
     result = _synthetic_result()
-    decode.write_outputs(result, out, base)
-    assert decode.unique_stem(out, base) == base + "-2"
+    report.write_outputs(DecodeResult.from_dict(result), out, base)
+    assert report.unique_stem(out, base) == base + "-2"
     (out / f"{base}-2.md").write_text("an earlier run's markdown alone still claims the name\n")
-    assert decode.unique_stem(out, base) == base + "-3"
+    assert report.unique_stem(out, base) == base + "-3"
     for d in (out, copy):
         assert json.loads((d / f"{base}.json").read_text()) == result
-        assert (d / f"{base}.md").read_text() == decode.render_markdown(result)
+        assert (d / f"{base}.md").read_text() == report.render_markdown(DecodeResult.from_dict(result))
+
+
+RESULT_FILES = sorted((Path(__file__).parents[1] / "bench" / "results").glob("decode-*.json"))
+
+
+def test_committed_results_are_there():
+    assert len(RESULT_FILES) >= 7               # the parametrized read-back below must not pass on no files
+
+
+@pytest.mark.parametrize("path", RESULT_FILES, ids=lambda p: p.name)
+def test_committed_results_read_back(path):
+    """Every committed result file reads into the typed result and writes back key for key; files in the current
+    format render the markdown committed beside them (the first run's markdown had no variant column)."""
+    data = json.loads(path.read_text())
+    result = DecodeResult.from_dict(data)
+    assert result.to_dict() == data
+    assert result.engine and all(r.error is not None or r.ms_per_step > 0 for r in result.engine)
+    if "variants" in data:
+        assert report.render_markdown(result) == path.with_suffix(".md").read_text()
+
+
+def test_result_keys_are_checked_on_reading():
+    row = {"model": "qwen3-8b", "quant": "bf16", "batch": 1, "ms_per_stepp": 5.0}
+    with pytest.raises(ValueError, match="EngineTiming has no field 'ms_per_stepp'"):
+        DecodeResult.from_dict({"engine": [row]})
 
 
 def test_model_specs_error_names_the_bad_value():
-    assert decode._model_specs("qwen3-8b:bf16, tiny:mxfp4") == [("qwen3-8b", "bf16"), ("tiny", "mxfp4")]
+    assert decode_cli.parse_model_specs("qwen3-8b:bf16, tiny:mxfp4") == [("qwen3-8b", "bf16"), ("tiny", "mxfp4")]
     with pytest.raises(ValueError, match="'qwen3-8b'"):
-        decode._model_specs("qwen3-8b")
+        decode_cli.parse_model_specs("qwen3-8b")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-host refusal")
@@ -271,12 +310,12 @@ def cpu_stand_ins(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu-stand-in")
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(decode, "copy_bandwidth_gbs", lambda: 100.0)
-    build = decode.build_llm
-    monkeypatch.setattr(decode, "build_llm", lambda model, quant, n, levers: build(
+    monkeypatch.setattr(common, "copy_bandwidth_gbs", lambda: 100.0)
+    build = engine_timing.build_llm
+    monkeypatch.setattr(engine_timing, "build_llm", lambda model, quant, n, levers: build(
         model, quant, n, levers, device="cpu", backend="torch", num_kv_blocks=64, max_model_len=256))
-    hf = decode.hf_decode_ms
-    monkeypatch.setattr(decode, "hf_decode_ms", lambda *a, **k: hf(*a, **dict(k, device="cpu", compile=False)))
+    hf = hf_baseline.hf_decode_ms
+    monkeypatch.setattr(hf_baseline, "hf_decode_ms", lambda *a, **k: hf(*a, **dict(k, device="cpu", compile=False)))
     monkeypatch.setenv("OUT", str(tmp_path / "OUT"))
     (tmp_path / "OUT").mkdir()
     return monkeypatch
@@ -331,7 +370,7 @@ def test_main_interrupted_keeps_the_engine_figures(tmp_path, cpu_stand_ins):
     def interrupted(*a, **k):
         raise KeyboardInterrupt          # what a step time limit (SIGINT) raises
 
-    cpu_stand_ins.setattr(decode, "hf_decode_ms", interrupted)
+    cpu_stand_ins.setattr(hf_baseline, "hf_decode_ms", interrupted)
     argv = ["--models", "tiny:bf16", "--batches", "1", "--prompt-len", "16", "--gen-len", "8", "--hf", "--profile"]
     assert decode.main(str(tmp_path / "res"), argv) == 130
     [path] = (tmp_path / "OUT").glob("decode-*.json")
@@ -342,11 +381,11 @@ def test_main_interrupted_keeps_the_engine_figures(tmp_path, cpu_stand_ins):
 
 
 def test_variants_parse_and_run_beside_the_base(tmp_path, cpu_stand_ins):
-    assert decode.parse_variants({"gqa_swap": "on"}, ["pdl=on", "pdl=on, triton_gemv=on"]) == [
+    assert decode_cli.parse_variants({"gqa_swap": "on"}, ["pdl=on", "pdl=on, triton_gemv=on"]) == [
         ("base", {"gqa_swap": "on"}), ("pdl=on", {"gqa_swap": "on", "pdl": "on"}),
         ("pdl=on,triton_gemv=on", {"gqa_swap": "on", "pdl": "on", "triton_gemv": "on"})]
     with pytest.raises(ValueError, match="'pdl'"):
-        decode.parse_variants({}, ["pdl"])
+        decode_cli.parse_variants({}, ["pdl"])
     argv = ["--models", "tiny:bf16", "--batches", "1", "--prompt-len", "16", "--gen-len", "8",
             "--lever", "gqa_swap=on", "--variant", "fast_math=on"]
     assert decode.main(str(tmp_path / "res"), argv) == 0

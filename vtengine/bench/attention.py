@@ -7,7 +7,8 @@ at the full context; the block table is shuffled, so pages are scattered as in a
 Definitions:
 - bytes moved = K + V of every sequence read once + q read + out written (bf16). Split partials and the block table
   are overhead, not counted.
-- copy bandwidth = device-to-device copy of 1 GiB, bytes read + bytes written, measured in the same run.
+- copy bandwidth = vtengine/bench/common.py's ``copy_bandwidth_gbs`` (a device-to-device copy of max(1 GiB, 8 x L2),
+  bytes read + written, do_bench median; the ceiling every benchmark uses), measured in the same run.
 - time = ``triton.testing.do_bench`` median. do_bench writes a 256 MB buffer before every repetition, which evicts
   the 60 MB L2, so K/V come from HBM each time (no buffer rotation is needed on top). ``eager_us`` times the
   Python launch path; ``graph_us`` replays a CUDA graph of the same call (what the engine's decode does), which
@@ -16,7 +17,8 @@ Definitions:
   ``fused_merge=False`` (stage 1, then the merge as a second launch) is timed beside it (``two_launch_eager_us``,
   ``two_launch_graph_us``), and ``bitwise_vs_two_launch`` says whether the two outputs are bitwise equal (they
   must be).
-- rel_l2 = ||out - ref|| / ||ref|| against the torch reference backend (fp32 math and output, same bf16 inputs).
+- rel_l2 = vtengine.testing.rel_l2, ||out - ref|| / ||ref|| in fp64 (inf if out holds a NaN or inf), against the
+  torch reference backend (fp32 math and output, same bf16 inputs).
 
 ``python -m vtengine.bench.attention OUT_DIR`` or ``vtengine bench kernels``.
 """
@@ -32,8 +34,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vtengine.bench import common
 from vtengine.kernels import attention as attn  # noqa: F401  (sets the interpreter switch before triton)
 from vtengine.kernels.splits import sm_count
+from vtengine.testing import rel_l2
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
@@ -51,15 +55,9 @@ ARMS = [  # name, kwargs
     ("gqa_swap/off/fast_math", dict(gqa_swap=True, nsplits_cap="off", fast_math=True)),
 ]
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+OLD_COPY_BW_METHOD = "1 GiB device-to-device, read + write"     # how files without copy_bw_method measured it
 TILE_SWEEP = [attn.Tiles(block_n=bn, num_warps=w, num_stages=st)
               for bn, w, st in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2))]
-
-
-def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
-    src = torch.empty(nbytes // 2, dtype=torch.int16, device=DEVICE).random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def make_case(batch: int, context: int, gen: torch.Generator):
@@ -77,12 +75,6 @@ def make_case(batch: int, context: int, gen: torch.Generator):
     q = torch.randn(batch, HQ, D, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     ctx = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     return q, k, v, k_cache, v_cache, bt, ctx
-
-
-def rel_l2(out, ref) -> float:
-    if torch.isnan(out).any():
-        return float("inf")
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def time_us(fn) -> dict:
@@ -107,12 +99,13 @@ def main(out_dir: str = "bench/results", sweeps: bool = True, max_seconds: float
     from vtengine.backends.torch_backend import TorchBackend
     ref_backend = TorchBackend()
     props = torch.cuda.get_device_properties(0)
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = common.copy_bandwidth_gbs()
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "bench": "decode_attention", "device": props.name, "sm_count": sm_count(),
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "copy_bw_gbs": round(copy_gbs, 1),
+        "copy_bw_method": common.COPY_BANDWIDTH_DEFINITION,
         "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": PAGE, "dtype": "bfloat16"},
         "timing": "triton.testing.do_bench median (L2 flushed before each rep); eager and CUDA-graph replay",
         "cases": [], "split_sweep": [], "tile_sweep": [],
@@ -221,9 +214,10 @@ def explore(out_dir: str, max_seconds: float | None = None) -> dict:
     host time of one eager launcher call. Picks the tiles and programs_per_sm the launcher defaults use."""
     from vtengine.backends.torch_backend import TorchBackend
     ref_backend = TorchBackend()
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = common.copy_bandwidth_gbs()
     res = {"device": torch.cuda.get_device_properties(0).name, "torch": torch.__version__,
            "triton": triton.__version__, "copy_bw_gbs": round(copy_gbs, 1),
+           "copy_bw_method": common.COPY_BANDWIDTH_DEFINITION,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "rows": [], "host_us": {}}
     gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -307,7 +301,7 @@ def summary_table(result: dict) -> str:
     lines = [f"# Decode attention, {result['device']} ({result['sm_count']} SMs), torch {result['torch']}, "
              f"triton {result['triton']}, {result['date_utc']}",
              "",
-             f"Copy bandwidth (1 GiB device-to-device, read + write): {result['copy_bw_gbs']} GB/s. "
+             f"Copy bandwidth ({result.get('copy_bw_method', OLD_COPY_BW_METHOD)}): {result['copy_bw_gbs']} GB/s. "
              "32 q / 8 kv heads, d=128, bf16, block_size 16. Times: do_bench median, L2 flushed per rep.",
              "",
              "Arms merge split outputs inside stage 1 (one launch); 'graph µs, 2 launches' is the same call with the "

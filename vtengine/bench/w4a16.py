@@ -7,9 +7,10 @@ Protocol (every method the same way): triton.testing.do_bench_cudagraph medians 
 calls that rotate over enough weight sets to exceed 3x the L2 cache (each call reads cold weights, as a decode step
 does), so launch gaps are the graph's, as in the engine's graphed decode. Each time is turned into achieved
 bandwidth over the bytes the call must move (weights incl. scales + activations + output) and reported as a
-fraction of the device-to-device copy bandwidth measured in the same run (bytes read + written; the best of an
-eager memcpy and an SM copy kernel: a memcpy node inside a CUDA graph measured only 2.7 TB/s on H200). Before timing,
-each route is checked at the real shape against quant.dequantize + an fp64 matmul (relative L2, bf16 output).
+fraction of the copy bandwidth measured in the same run: vtengine/bench/common.py's, the ceiling every benchmark
+uses (an eager device-to-device copy of max(1 GiB, 8 x L2), bytes read + written, do_bench median; a memcpy node
+inside a CUDA graph measured only 2.7 TB/s on H200, so the ceiling is taken eagerly). Before timing, each route is
+checked at the real shape against quant.dequantize + an fp64 matmul (vtengine.testing.rel_l2, bf16 output).
 ``--sweep`` also times a grid of dense-route tiles and split counts, to pick the launcher's table.
 The bf16 weights also run through the lever triton_gemv's split-K GEMV (vtengine/kernels/gemv.py) beside cuBLAS,
 with a small tile sweep at M = 1; ``--bf16-only`` runs just that comparison (a short run).
@@ -29,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+from vtengine.bench import common
+from vtengine.testing import rel_l2
+
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]       # K -> N: qkv, o, gate_up, down
 SHAPE_NAMES = {(4096, 6144): "qkv_proj", (4096, 4096): "o_proj", (4096, 24576): "gate_up_proj",
                (12288, 4096): "down_proj"}
@@ -36,6 +40,7 @@ MS = (1, 2, 4, 8, 16)
 FORMATS = ("mxfp4", "nvfp4")
 TINYGEMM_GROUP = 128
 REP_MS = 10
+OLD_COPY_BW_METHOD = "D2D, read + write"        # files without copy_bw_method: the best of three copies
 
 # dense-route variants around the default tile (M <= 16), and the best alternates of the 2026-11-30 sweeps
 def sweep_variants(n: int, k: int, fmt: str) -> list:
@@ -110,30 +115,7 @@ def time_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median") * 1e3
 
 
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if torch.isnan(out).any():
-        return float("inf")
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
-
-
 # -- the measurements ------------------------------------------------------------------------------------------
-def copy_bandwidth_gbs() -> tuple[float, dict]:
-    """Device-to-device copy bandwidth (bytes read + written) of a 2 GiB buffer, three ways: eager
-    cudaMemcpyAsync, the same inside a CUDA graph (a memcpy node, which may take the copy engines), and an SM
-    elementwise kernel (x * 1). The ceiling is the best of them."""
-    import triton.testing
-    n = 2 << 30
-    src = torch.rand(n // 4, device="cuda")
-    dst = torch.empty_like(src)
-    t = {"memcpy_eager": triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e3,
-         "memcpy_graph": time_us(lambda: dst.copy_(src)),
-         "sm_kernel": triton.testing.do_bench(lambda: torch.mul(src, 1.0, out=dst), return_mode="median") * 1e3}
-    gbs = {key: 2 * n / (us * 1e-6) / 1e9 for key, us in t.items()}
-    del src, dst
-    return max(gbs.values()), gbs
-
-
 def w4a16_bytes(q, m: int) -> int:
     n, k = q.shape
     return q.packed.numel() + q.scales.numel() + 4 + m * k * 2 + m * n * 2
@@ -372,7 +354,8 @@ def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"# W4A16 GEMV benchmark — {env['device']} ({env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; copy bandwidth "
-             f"{result['copy_gbs']:.0f} GB/s (D2D, read + write); L2 {env['l2_mb']:.0f} MB, {env['sms']} SMs.",
+             f"{result['copy_gbs']:.0f} GB/s ({result.get('copy_bw_method', OLD_COPY_BW_METHOD)}); "
+             f"L2 {env['l2_mb']:.0f} MB, {env['sms']} SMs.",
              "Cells: median µs per call (CUDA graph of back-to-back calls over rotating weight sets) and achieved "
              "bandwidth as % of copy bandwidth (bytes = weights incl. scales + activations + output; cuBLAS counts "
              "bf16 weight bytes, tinygemm int4 + bf16 scales/zeros).", ""]
@@ -428,12 +411,13 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
     env = dict(device=props.name, sms=props.multi_processor_count, l2_mb=props.L2_cache_size / 2 ** 20,
                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                python=platform.python_version(), date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat())
-    gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     compile_errors = precompile(shapes, sweep, precompile_workers) if precompile_workers and not bf16_only else []
-    copy_gbs, copy_ways = copy_bandwidth_gbs()
-    _log(f"copy bandwidth {copy_gbs:.0f} GB/s {copy_ways}")
-    result = dict(env=env, copy_gbs=copy_gbs, copy_ways_gbs=copy_ways, protocol=__doc__.split("\n\n")[2].strip(),
+    copy_gbs = common.copy_bandwidth_gbs()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    _log(f"copy bandwidth {copy_gbs:.0f} GB/s ({common.COPY_BANDWIDTH_DEFINITION})")
+    result = dict(env=env, copy_gbs=copy_gbs, copy_bw_method=common.COPY_BANDWIDTH_DEFINITION,
+                  protocol=__doc__.split("\n\n")[2].strip(),
                   shapes=[], compile_errors=compile_errors)
     stem = f"{'gemv-bf16' if bf16_only else 'w4a16'}-{props.name.replace(' ', '_')}-{env['date']}"
     for k, n in shapes:

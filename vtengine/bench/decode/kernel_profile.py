@@ -1,0 +1,196 @@
+"""Where the decode step goes, kernel by kernel: drive a built engine step by step under torch.profiler and
+aggregate the Kineto trace by kernel name (``KernelProfile``, whose docstring defines the figures).
+
+On a GPU the rows are device activities (kernels, memcpy, memset) inside the recorded steps; on CPU (the tests'
+stand-in) they are CPU ops by self time. The sum of kernel time is below the step's wall time; the difference is
+launch gaps, idle device time and host work.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from vtengine.bench.common import synchronize
+from vtengine.bench.decode.engine_timing import random_prompts
+from vtengine.bench.decode.results import KernelProfile, KernelRow, KernelsOther
+
+STEP_MARK = "vtengine_decode_step"          # record_function range around each profiled engine step
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")   # Kineto trace categories of device activity
+KERNEL_NAME_MAX = 80
+JSON_MAX_KERNELS = 60                       # kernel names kept in the JSON; the rest summed in kernels_other
+PROFILER_WARM_STEPS = 2                     # the profiler's own warm-up steps (not recorded)
+
+
+def short_kernel_name(name: str, max_len: int = KERNEL_NAME_MAX) -> str:
+    """A readable kernel name: C++ kernels lose 'void', their argument list and namespace qualifiers; what is still
+    too long keeps its head and tail (cuBLAS names carry the tile shape in the middle, the variant at the end)."""
+    s = name.strip()
+    if s.startswith("void ") or ("::" in s and re.search(r"[<( ]", s)):    # a C++ signature, not aten::mm
+        s = s.removeprefix("void ")
+        if s.endswith(")"):                             # drop the argument list: the ( matching the last )
+            depth = 0
+            for i in range(len(s) - 1, -1, -1):
+                depth += {")": 1, "(": -1}.get(s[i], 0)
+                if depth == 0:
+                    s = s[:i] if i > 0 else s
+                    break
+        s = re.sub(r"\(anonymous namespace\)::|\b[A-Za-z_]\w*::", "", s)
+        s = re.sub(r"\s*>\s*>", ">>", s).strip()
+    s = re.sub(r"\s+", " ", s)
+    if len(s) > max_len:
+        tail = max_len // 3
+        s = s[:max_len - tail - 1] + "…" + s[-tail:]
+    return s
+
+
+def _self_times_us(ops: list[dict]) -> list[float]:
+    """Self time of each CPU op (its duration less that of the ops nested directly inside it, per thread)."""
+    order = sorted(range(len(ops)), key=lambda i: (ops[i].get("pid"), ops[i].get("tid"), ops[i]["ts"], -ops[i]["dur"]))
+    self_us = [float(op["dur"]) for op in ops]
+    stack: list[int] = []
+    for i in order:
+        op = ops[i]
+        while stack:
+            top = ops[stack[-1]]
+            same_thread = (top.get("pid"), top.get("tid")) == (op.get("pid"), op.get("tid"))
+            if same_thread and op["ts"] < top["ts"] + top["dur"]:
+                break
+            stack.pop()
+        if stack:
+            self_us[stack[-1]] -= float(op["dur"])
+        stack.append(i)
+    return [max(0.0, t) for t in self_us]
+
+
+def kernel_table(trace_events: list[dict], steps: int, on_device: bool) -> list[KernelRow]:
+    """Aggregate Kineto trace events by kernel name: us per step, launches per step, sorted by time (longest first).
+
+    On a GPU the "kernels" are device activities (kernels, memcpy, memset); on CPU they are CPU ops by self time."""
+    if on_device:
+        acts = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
+        times = [float(e["dur"]) for e in acts]
+    else:
+        acts = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+        times = _self_times_us(acts)
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e, us in zip(acts, times):
+        total[e["name"]] = total.get(e["name"], 0.0) + us
+        count[e["name"]] = count.get(e["name"], 0) + 1
+    rows = [KernelRow(kernel=short_kernel_name(n), name_full=n, us_per_step=total[n] / steps,
+                      launches_per_step=count[n] / steps) for n in total]
+    rows.sort(key=lambda r: -r.us_per_step)
+    return rows
+
+
+def _decode_step(eng, batch: int) -> float:
+    """One engine step, which must decode all ``batch`` sequences (no prefill, no preemption, none finishing): its
+    wall time in s."""
+    n0 = eng.stats()["decode_steps_total"]
+    t0 = time.perf_counter()
+    outs = eng.step()
+    dt = time.perf_counter() - t0
+    if eng.stats()["decode_steps_total"] != n0 + 1 or len(outs) != batch or any(o.finished for o in outs):
+        raise RuntimeError(f"a profiled step was not a decode of all {batch} sequences "
+                           f"({len(outs)} outputs; preemptions {eng.scheduler.num_preemptions})")
+    return dt
+
+
+def _record_trace(eng, batch: int, steps: int) -> tuple[list[dict], list[float]]:
+    """``PROFILER_WARM_STEPS`` + ``steps`` decode steps of all ``batch`` sequences under torch.profiler: the Kineto
+    trace's events and each step's wall time (s)."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+    trace: dict = {}
+
+    def keep_trace(p) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "trace.json")
+            p.export_chrome_trace(str(path))
+            trace["events"] = json.loads(path.read_text()).get("traceEvents", [])
+
+    on_device = eng.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    step_s = []
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=PROFILER_WARM_STEPS, active=steps, repeat=1),
+                 on_trace_ready=keep_trace) as prof:
+        for _ in range(PROFILER_WARM_STEPS + steps):
+            with record_function(STEP_MARK):
+                step_s.append(_decode_step(eng, batch))
+            prof.step()
+    synchronize(eng.device)
+    events = trace.get("events")
+    if not events:
+        raise RuntimeError("the profiler returned no trace")
+    return events, step_s
+
+
+def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, warm_steps: int = 3) -> KernelProfile:
+    """Profile ``steps`` decode steps of ``batch`` sequences at context ~``prompt_len`` on a built engine.
+
+    The engine is driven step by step: requests are added, stepped until every sequence is past its prefill (has
+    its first token and none waits), ``warm_steps`` decode steps run, then the profiler (2 of its own warm-up steps,
+    then ``steps`` recorded ones). Every one of those steps must decode all ``batch`` sequences (no prefill, no
+    preemption), or this raises. Leaves the engine idle (the requests are aborted)."""
+    from vtengine.engine.sampling_params import SamplingParams
+    eng = llm.engine
+    on_device = eng.device.type == "cuda"
+    if eng.has_unfinished_requests():
+        raise RuntimeError("profile_engine_decode needs an idle engine")
+    params = SamplingParams(max_tokens=warm_steps + PROFILER_WARM_STEPS + steps + 4, temperature=0.0,
+                            ignore_eos=True)
+    rids = [f"profile-{i}" for i in range(batch)]
+    for rid, prompt in zip(rids, random_prompts(batch, prompt_len, eng.model_config.vocab_size)):
+        eng.add_request(rid, prompt, params)
+    try:
+        for _ in range(8 * batch + 8):                  # prefill (one batch, or a few if the token budget splits it)
+            if not eng.scheduler.waiting and all(eng.seqs[r].num_completion_tokens >= 1 for r in rids):
+                break
+            eng.step()
+        else:
+            raise RuntimeError("the sequences did not all get past prefill")
+        for _ in range(warm_steps):
+            _decode_step(eng, batch)
+        events, step_s = _record_trace(eng, batch, steps)
+    finally:
+        for rid in rids:
+            eng.abort_request(rid)
+    marks = [e for e in events if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation"]
+    warnings = []
+    if len(marks) != steps:                             # kept, not raised: the table is still worth having
+        warnings.append(f"the trace holds {len(marks)} profiled steps, {steps} were asked")
+    rows: list[KernelRow] = []
+    if marks:
+        # only activity inside the recorded steps (a step ends on the sampler's sync, so its kernels are done);
+        # Kineto puts device and host times on one clock
+        lo, hi = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
+        rows = kernel_table([e for e in events if lo <= e.get("ts", lo - 1) <= hi], steps, on_device)
+        if not rows:
+            warnings.append("no activity inside the recorded steps' time window: the whole trace is counted")
+    rows = rows or kernel_table(events, steps, on_device)
+    if not rows:
+        raise RuntimeError("no " + ("device kernels" if on_device else "CPU ops") + " in the trace (on a GPU: CUPTI "
+                           "reported no kernels, e.g. none inside the CUDA-graph replays)")
+    step_us = 1e6 * statistics.fmean(step_s[PROFILER_WARM_STEPS:])
+    for r in rows:
+        r.share_of_step = r.us_per_step / step_us
+    kernel_us = sum(r.us_per_step for r in rows)
+    out = KernelProfile(model=eng.config.model, quant=eng.config.quant, batch=batch,
+                        activity="cuda" if on_device else "cpu", steps=len(marks), steps_asked=steps,
+                        warm_steps=warm_steps, context_len=prompt_len + warm_steps + PROFILER_WARM_STEPS,
+                        step_us_measured=step_us, kernel_us_per_step=kernel_us, gap_us_per_step=step_us - kernel_us,
+                        num_kernel_names=len(rows), kernels=rows[:JSON_MAX_KERNELS])
+    if len(rows) > JSON_MAX_KERNELS:
+        rest = rows[JSON_MAX_KERNELS:]
+        out.kernels_other = KernelsOther(names=len(rest), us_per_step=sum(r.us_per_step for r in rest))
+    if on_device and kernel_us > 1.05 * step_us:
+        # one stream cannot be busy longer than the step: CUPTI's times inside graph replays are off
+        warnings.append(f"kernel time {kernel_us:.0f} us/step exceeds the step ({step_us:.0f} us): the device "
+                        "times are not trustworthy")
+    if warnings:
+        out.warning = "; ".join(warnings)
+    return out

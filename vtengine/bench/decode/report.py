@@ -1,0 +1,139 @@
+"""The decode benchmark's files: <stem>.json (the evidence, ``DecodeResult.to_dict``) and <stem>.md, rendered only
+from the result (``render_markdown``), so any committed JSON renders its markdown again."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from vtengine.bench.common import error_text
+from vtengine.bench.decode.results import DecodeResult
+
+MD_TOP_KERNELS = 15                         # kernel rows per profile table; the rest are summed in one row
+
+
+def unique_stem(out_dir: Path, base: str) -> str:
+    """``base``, or ``base-2``, ``base-3``... : the first whose .json and .md are both absent from ``out_dir``."""
+    stem, n = base, 1
+    while (out_dir / f"{stem}.json").exists() or (out_dir / f"{stem}.md").exists():
+        n += 1
+        stem = f"{base}-{n}"
+    return stem
+
+
+def _f(x, fmt: str = ".3f") -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _engine_table(result: DecodeResult) -> list[str]:
+    """One row per engine timing; the HF figure and the speed-up (HF ms/step over the engine's) for bf16 rows."""
+    hf_by = {(h.model, h.batch): h for h in result.hf_transformers_compiled}
+    lines = ["| model | quant | variant | concurrency | ms/step | floor ms | % of floor | HF compiled ms/step | "
+             "engine speed-up vs HF |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result.engine:
+        head = f"| {r.model} | {r.quant} | {'base' if r.variant is None else r.variant} | {r.batch} "
+        if r.error is not None:
+            lines.append(head + f"| error: {r.error[:120]} | | | | |")
+            continue
+        h = hf_by.get((r.model, r.batch)) if r.quant == "bf16" else None
+        hf_cell = ratio = ""
+        if h is not None and h.ms_per_step:
+            hf_cell, ratio = f"{h.ms_per_step:.3f}", f"{h.ms_per_step / r.ms_per_step:.2f}×"
+        elif h is not None:
+            hf_cell = "error"
+        frac_pct = 100 * r.frac_of_floor if r.frac_of_floor is not None else None
+        lines.append(head + f"| {r.ms_per_step:.3f} | {_f(r.floor_ms)} | {_f(frac_pct, '.1f')}% | {hf_cell} "
+                     f"| {ratio} |")
+    return lines
+
+
+def _hf_notes(result: DecodeResult) -> list[str]:
+    """How HF was timed (from its first measured row), and what went differently for any of its rows."""
+    hf = result.hf_transformers_compiled
+    h0 = next((h for h in hf if h.ms_per_step is not None), hf[0])
+    lines = ["", f"HF transformers {h0.transformers}: {h0.compile}; bf16, random weights; "
+             f"ms/step = median of {h0.reps} x (t(generate {result.gen_len}) - t(generate 2)) / "
+             f"{(result.gen_len or 0) - 2}. speed-up = HF ms/step / engine ms/step."]
+    for h in hf:
+        notes = []
+        if h.compile != h0.compile:
+            notes.append(f"compile: {h.compile}")
+        if h.fullgraph_error:
+            notes.append(f"fullgraph=True failed ({h.fullgraph_error[:160]})")
+        if (h.dynamo_graphs_compiled or 0) > 1:
+            notes.append(f"{h.dynamo_graphs_compiled} dynamo graphs (graph breaks or recompiles)")
+        if h.cudagraph_skips:
+            notes.append(f"{h.cudagraph_skips} CUDA-graph skip(s): HF ran partly without graphs")
+        if h.error:
+            notes.append(f"error: {h.error[:200]}")
+        if notes:
+            lines.append(f"- HF {h.model} c{h.batch}: " + "; ".join(notes))
+    return lines
+
+
+def _profile_section(p) -> list[str]:
+    """One profile: the kernel-time vs step-time line, then the top ``MD_TOP_KERNELS`` kernels and the rest."""
+    title = f"### {p.model} {p.quant} [{'base' if p.variant is None else p.variant}] c{p.batch}"
+    if p.error is not None:
+        return [title, "", f"profile failed: {p.error[:300]}", ""]
+    timed = p.step_us_timed
+    lines = [f"{title}: {p.steps} decode steps at context ~{p.context_len}", "",
+             f"sum of kernel time {p.kernel_us_per_step:.1f} us/step vs measured step time "
+             f"{p.step_us_measured:.1f} us/step (under the profiler"
+             + (f"; {timed:.1f} us/step in the timed run" if timed else "")
+             + f"): gap {p.gap_us_per_step:.1f} us/step "
+             f"({100 * p.gap_us_per_step / p.step_us_measured:.1f}%) = launch gaps, idle device, host work; "
+             f"{p.num_kernel_names} kernel names", ""]
+    if p.warning:
+        lines += [f"**warning**: {p.warning}", ""]
+    lines += ["| kernel | us/step | launches/step | % of step |", "|---|---|---|---|"]
+    for k in p.kernels[:MD_TOP_KERNELS]:
+        lines.append(f"| `{k.kernel}` | {k.us_per_step:.1f} | {k.launches_per_step:.2f} | "
+                     f"{100 * k.share_of_step:.1f}% |")
+    rest = p.kernels[MD_TOP_KERNELS:]
+    other_us = sum(k.us_per_step for k in rest) + (p.kernels_other.us_per_step if p.kernels_other else 0.0)
+    if other_us:
+        lines.append(f"| ({p.num_kernel_names - MD_TOP_KERNELS} others) | {other_us:.1f} | | "
+                     f"{100 * other_us / p.step_us_measured:.1f}% |")
+    lines.append("")
+    return lines
+
+
+def render_markdown(result: DecodeResult) -> str:
+    """The markdown view of a result (the JSON is the evidence; this is rendered only from it). A result file read
+    back renders through ``DecodeResult.from_dict``."""
+    lines = [f"# decode benchmark — {result.device}, torch {result.torch}, triton {result.triton}, {result.date}", ""]
+    if result.interrupted:
+        lines += ["**Interrupted run** (a time limit stopped it): what is here was measured, the rest was not.", ""]
+    elif result.complete is False:
+        lines += ["**Incomplete run**: written before the run ended (what is here was measured).", ""]
+    lines += [f"copy bandwidth {_f(result.copy_bandwidth_gbs, '.0f')} GB/s; prompt {result.prompt_len}, "
+              f"{result.gen_len} new tokens; ms per decode step (CUDA graphs)", ""]
+    for v in result.variants or []:
+        lines.append(f"- variant `{v.name}`: levers {v.levers or 'at their defaults'}")
+    lines += [""] + _engine_table(result)
+    if result.hf_transformers_compiled:
+        lines += _hf_notes(result)
+    if result.profiles:
+        lines += ["", "## Where the decode step goes (torch.profiler)", ""]
+        for p in result.profiles:
+            lines += _profile_section(p)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_outputs(result: DecodeResult, out_dir: Path, stem: str) -> None:
+    """Write <stem>.json and .md to ``out_dir`` and, when $OUT is set, to $OUT as well (never raises for $OUT)."""
+    text = json.dumps(result.to_dict(), indent=2, default=str) + "\n"
+    try:
+        md = render_markdown(result)
+    except Exception as e:                              # the view must never cost the evidence
+        md = f"# decode benchmark\n\nthe markdown could not be rendered ({error_text(e)}); the JSON holds the results\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(text)
+    (out_dir / f"{stem}.md").write_text(md)
+    if os.environ.get("OUT"):
+        try:
+            Path(os.environ["OUT"], f"{stem}.json").write_text(text)
+            Path(os.environ["OUT"], f"{stem}.md").write_text(md)
+        except OSError as e:
+            print(f"could not copy the results to $OUT: {error_text(e)}", flush=True)
