@@ -65,14 +65,3 @@ def snapshot() -> dict[str, dict[str, dict[str, Any]]]:
 def launches(kernel: str, route: str | None = None) -> int:
     with _lock:
         return sum(st.launches for (k, r), st in _stats.items() if k == kernel and (route is None or r == route))
-
-
-def prometheus_lines(prefix: str = "vtengine") -> list[str]:
-    lines = [f"# HELP {prefix}_kernel_launches_total Kernel launches by kernel and route.",
-             f"# TYPE {prefix}_kernel_launches_total counter"]
-    for kernel, routes in snapshot().items():
-        for route, st in routes.items():
-            lines.append(f'{prefix}_kernel_launches_total{{kernel="{kernel}",route="{route}"}} {st["launches"]}')
-            for s, n in st["splits"].items():
-                lines.append(f'{prefix}_kernel_splits_total{{kernel="{kernel}",route="{route}",splits="{s}"}} {n}')
-    return lines

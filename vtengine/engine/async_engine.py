@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator
 
 from vtengine.engine.outputs import CompletionOutput, RequestOutput
 from vtengine.engine.sampling_params import RequestError, SamplingParams
+from vtengine.engine.sequence import SequenceTimes
 
 
 class EngineDeadError(RuntimeError):
@@ -40,6 +41,9 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     finished: bool = False
+    # the engine's timestamps of this request (arrival, first scheduled, each token, finish): written by the engine
+    # thread, complete once the stream delivered its finished output (the delivery happens after the step)
+    times: SequenceTimes | None = None
 
 
 # Items put on a request's queue besides RequestOutputs.
@@ -52,7 +56,7 @@ class AsyncEngine:
     def __init__(self, engine: Any, start: bool = True):
         self.engine = engine
         self._cv = threading.Condition()
-        # ("add", stream, prompt, params) | ("abort", id) | ("call", stream, fn)
+        # ("add", stream, prompt, params, arrival_time) | ("abort", id) | ("call", stream, fn)
         self._inbox: collections.deque = collections.deque()
         self._streams: dict[str, _Stream] = {}                        # engine thread only
         self._stopping = False
@@ -95,13 +99,16 @@ class AsyncEngine:
         async for out in self.stream_outputs(stream):
             yield out
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> _Stream:
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          arrival_time: float | None = None) -> _Stream:
         """Queue the request and wait until the engine thread accepted it (RequestError if it did not).
 
         Split from iteration so that the server can answer a bad request with a 400 before it commits to a
-        streaming 200. If the caller is cancelled while waiting, the request is aborted."""
+        streaming 200. If the caller is cancelled while waiting, the request is aborted. ``arrival_time``
+        (``time.perf_counter()``) is when the request reached the server: its queue time and TTFT start there, not
+        when the engine thread gets to it between two steps."""
         stream = _Stream(request_id, asyncio.get_running_loop(), asyncio.Queue())
-        self._post(("add", stream, prompt, params))
+        self._post(("add", stream, prompt, params, arrival_time))
         try:
             first = await stream.queue.get()
         except BaseException:
@@ -206,12 +213,15 @@ class AsyncEngine:
     def _handle(self, cmd: tuple, deliveries: dict) -> None:
         eng = self.engine
         if cmd[0] == "add":
-            _, stream, prompt, params = cmd
+            _, stream, prompt, params, arrival_time = cmd
             if stream.request_id in self._streams:
                 result: Any = RequestError(f"request id {stream.request_id!r} is already in flight")
             else:
                 try:
-                    eng.add_request(stream.request_id, prompt, params)
+                    # arrival_time only when given, so an engine without timing hooks still serves
+                    kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+                    seq = eng.add_request(stream.request_id, prompt, params, **kw)
+                    stream.times = getattr(seq, "times", None)
                     self._streams[stream.request_id] = stream
                     result = _ACCEPTED
                 except RequestError as e:

@@ -134,7 +134,11 @@ class LLMEngine:
             raise RequestError("prompt is empty; give a non-empty string or a list of token ids")
         return ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Sequence:
+        """Queue a request. ``arrival_time`` (``time.perf_counter()``) is when it reached the server, so that queue
+        time and TTFT include the wait before the engine thread picked it up; default: now. Returns the sequence,
+        whose ``times`` the step stamps."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids = self.encode_prompt(prompt)
@@ -142,13 +146,14 @@ class LLMEngine:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
                 f"exceeds the model's maximum length of {self.max_seq_tokens} tokens")
-        seq = Sequence(request_id, ids, params, self.config.block_size)
+        seq = Sequence(request_id, ids, params, self.config.block_size, arrival_time)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_gen))
         if not params.greedy:
             self.runner.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seed)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self._stats["prompt_tokens_total"] += len(ids)
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)
@@ -179,7 +184,8 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         tokens = self.runner.run(seqs, is_prefill)
-        dt = time.perf_counter() - t0   # .tolist() in the sampler synchronized the device
+        t1 = time.perf_counter()
+        dt = t1 - t0                    # .tolist() in the sampler synchronized the device
         st = self._stats
         st["step_time_s_last"], st["steps_total"] = dt, st["steps_total"] + 1
         st["step_time_s_sum"] += dt
@@ -188,10 +194,15 @@ class LLMEngine:
             st["decode_time_s_sum"] += dt
         outputs = []
         for seq, tok in zip(seqs, tokens):
+            times = seq.times                   # timing hooks: read by the server's latency histograms
+            if times.first_scheduled is None:
+                times.first_scheduled = t0
+            times.token_times.append(t1)
             seq.append_token(tok)
             st["tokens_generated_total"] += 1
             reason = self._finish_reason(seq, tok)
             if reason is not None:
+                times.finished = t1
                 self.scheduler.finish(seq, reason)
                 self._forget(seq)
                 st["requests_finished_total"] += 1

@@ -1,7 +1,9 @@
-"""A request's token sequence and its place in the paged KV cache."""
+"""A request's token sequence, its place in the paged KV cache, and when things happened to it."""
 from __future__ import annotations
 
 import enum
+import time
+from dataclasses import dataclass, field
 from itertools import count
 
 from vtengine.engine.sampling_params import SamplingParams
@@ -13,10 +15,45 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class SequenceTimes:
+    """When things happened to one request, in ``time.perf_counter()`` seconds (comparable within one process).
+
+    Stamped by the engine (``LLMEngine.add_request`` and ``step``); read by the server once the request finished,
+    which turns them into the latency histograms of ``vtengine/metrics.py``. Every token of one step gets that
+    step's end time: the moment its token existed on the host."""
+    arrival: float                          # the request arrived (the server passes its HTTP arrival time)
+    first_scheduled: float | None = None    # the start of the first step that ran it (its prefill)
+    token_times: list[float] = field(default_factory=list)      # one per generated token
+    finished: float | None = None           # its last token (stop or length); None while running or when aborted
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first scheduled: time spent waiting for a batch slot and KV blocks."""
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        """Arrival to the first generated token."""
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        """Arrival to the last token."""
+        return None if self.finished is None else self.finished - self.arrival
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """The gap before every token but the first (one per token: a preemption's wait shows as one long gap)."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
 class Sequence:
     _ids = count()
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
+                 arrival_time: float | None = None):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -28,6 +65,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.times = SequenceTimes(time.perf_counter() if arrival_time is None else arrival_time)
 
     def __len__(self) -> int:
         return len(self.token_ids)
