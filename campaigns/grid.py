@@ -159,28 +159,57 @@ def servers(arms: list[Arm], make_cmd: Callable[[Arm], list[str]], log_dir: str,
 
 def server_info(url: str) -> dict:
     """What a server reports of itself on /metrics: every lever's resolved value, the kernels that ran (launch
-    counters), and its build info (model, quant, dtype, device, versions)."""
+    counters), and its build info (model, quant, dtype, device, versions). A series the campaign records that the
+    server does not expose (renamed, removed) is a GridError naming it, never an empty context."""
     import re
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    lever_re = re.compile(r'^vtengine_lever_info\{lever="([^"]+)",value="([^"]*)",source="([^"]*)"\} 1', re.M)
-    launch_re = re.compile(r'^vtengine_kernel_launches_total\{kernel="([^"]+)",route="([^"]+)"\} (\d+)', re.M)
-    build = re.search(r'^vtengine_build_info\{([^}]*)\} 1', text, re.M)
-    ran: dict[str, int] = {}
-    for kernel, _route, n in launch_re.findall(text):
-        ran[kernel] = ran.get(kernel, 0) + int(n)
-    return {"levers": {name: value for name, value, _src in lever_re.findall(text)},
-            "kernels_ran": {k for k, n in ran.items() if n > 0},
-            "build": dict(re.findall(r'(\w+)="([^"]*)"', build.group(1))) if build else {}}
+    try:
+        resp = httpx.get(f"{url}/metrics", timeout=30)
+        resp.raise_for_status()
+    except httpx.HTTPError as e:
+        raise GridError(f"cannot read {url}/metrics for the arm's context: {type(e).__name__}: {e}") from None
+    text = resp.text
+    wanted = ("vtengine_lever_info", "vtengine_build_info", "vtengine_kernel_launches_total")
+    absent = [name for name in wanted if not re.search(rf"^# TYPE {name} ", text, re.M)]
+    if absent:
+        raise GridError(f"{url}/metrics does not expose {', '.join(absent)}: the arm's context cannot be recorded")
+
+    def labels(body: str) -> dict[str, str]:
+        # name="value" pairs in any order (prometheus-client sorts them); values escape \\, \" and \n
+        unescape = {"n": "\n"}
+        return {k: re.sub(r"\\(.)", lambda m: unescape.get(m.group(1), m.group(1)), v)
+                for k, v in re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', body)}
+
+    series = re.compile(rf'^({"|".join(wanted)})\{{((?:[^"}}]|"(?:[^"\\]|\\.)*")*)\}} (\S+)$', re.M)
+    levers: dict[str, str] = {}
+    build: dict[str, str] = {}
+    ran: dict[str, float] = {}
+    for name, body, value in series.findall(text):
+        lab = labels(body)
+        if name == "vtengine_lever_info" and float(value) == 1:
+            levers[lab["lever"]] = lab["value"]
+        elif name == "vtengine_build_info" and float(value) == 1:
+            build = lab
+        elif name == "vtengine_kernel_launches_total":
+            ran[lab["kernel"]] = ran.get(lab["kernel"], 0.0) + float(value)
+    for name, found in (("vtengine_lever_info", levers), ("vtengine_build_info", build)):
+        if not found:
+            raise GridError(f"{url}/metrics has no {name} series: the arm's context cannot be recorded")
+    return {"levers": levers, "kernels_ran": {k for k, n in ran.items() if n > 0}, "build": build}
 
 
 def peak_memory_gib(url: str) -> float:
+    """The server's peak GPU memory (``vtengine_peak_gpu_memory_bytes``; 0 on CPU) in GiB. A server that does not
+    expose it, or whose /metrics cannot be read, is a GridError naming the metric, never a silent 0."""
+    name = "vtengine_peak_gpu_memory_bytes"
     try:
-        text = httpx.get(f"{url}/metrics", timeout=30).text
-    except httpx.HTTPError:
-        return 0.0
-    vals = loadgen.parse_prometheus(text)
-    peak = next((v for k, v in vals.items() if "peak_gpu_memory_bytes" in k), 0.0)
-    return round(peak / 2**30, 3)
+        resp = httpx.get(f"{url}/metrics", timeout=30)
+        resp.raise_for_status()
+    except httpx.HTTPError as e:
+        raise GridError(f"cannot read {url}/metrics for {name}: {type(e).__name__}: {e}") from None
+    vals = loadgen.parse_prometheus(resp.text)
+    if name not in vals:
+        raise GridError(f"{url}/metrics does not expose {name}: the arm's peak memory cannot be recorded")
+    return round(vals[name] / 2**30, 3)
 
 
 class GpuSampler:

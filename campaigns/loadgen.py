@@ -98,9 +98,15 @@ class LegMetrics:
       ``p99_*_ms`` (numpy percentiles, linear interpolation), in milliseconds.
 
     ``valid`` is True only if every prompt has one result and every request completed with exactly ``output_len``
-    completion tokens (by usage and by chunk token ids) and ``output_len - 1`` ITLs. ``server`` holds the server's
-    own counters over the leg (deltas of /metrics) when it could be read: tokens generated, requests finished,
-    engine steps and step time.
+    completion tokens (by usage and by chunk token ids) and ``output_len - 1`` ITLs.
+
+    ``server`` holds the server's own figures over the leg (``SERVER_COUNTERS``: deltas of /metrics between just
+    before and just after the measured requests; ``SERVER_GAUGES``: the value after), and means derived from them:
+    ``mean_step_ms``, ``mean_decode_step_ms`` and, from the server's latency histograms, ``mean_ttft_ms``,
+    ``mean_itl_ms``, ``mean_e2el_ms``, ``mean_queue_ms`` (server-side, so each is at most the client's figure but
+    for the clock; left out when their count did not move). A metric the server does not expose (renamed, removed,
+    or /metrics unreadable) is never filled with 0: its fields are left out, ``server["missing"]`` lists the metric
+    names, and the leg fails (``valid = False``) with a reason naming them.
     """
     concurrency: int
     input_len: int
@@ -137,7 +143,7 @@ class LegMetrics:
     std_e2el_ms: float = 0.0
     p90_e2el_ms: float = 0.0
     p99_e2el_ms: float = 0.0
-    server: dict[str, float] = field(default_factory=dict)
+    server: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -292,15 +298,20 @@ async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], out
             warm, _ = await _run(client, url, model, warmup_prompts, output_len, concurrency, timeout_s)
             warm_fail = [f"warm-up request {i}: {_failure(r, output_len)}"
                          for i, r in enumerate(warm) if _failure(r, output_len)]
-        before = await _scrape(client, base_url) if read_server_metrics else {}
+        before = await _scrape(client, base_url) if read_server_metrics else None
         results, duration = await _run(client, url, model, prompts, output_len, concurrency, timeout_s)
-        after = await _scrape(client, base_url) if read_server_metrics else {}
+        after = await _scrape(client, base_url) if read_server_metrics else None
     m = compute_metrics(results, duration, concurrency=concurrency, output_len=output_len, prompts=prompts)
     if warm_fail:       # a failing warm-up says the server is broken: the leg cannot be valid
         m.failures = warm_fail + m.failures
         m.valid = False
-    if before and after:
+    if read_server_metrics:
         m.server = _server_deltas(before, after)
+        problems = [p for p in (before, after) if isinstance(p, str)]
+        if m.server.get("missing"):     # evidence the leg promises and does not have: fail it, by name
+            m.failures.append(f"server metrics missing from {base_url}/metrics: {', '.join(m.server['missing'])}"
+                              + (f" ({problems[0]})" if problems else " (renamed or removed on the server?)"))
+            m.valid = False
     return m
 
 
@@ -313,12 +324,13 @@ def run_leg(base_url: str, model: str, prompts: list[list[int]], output_len: int
                                      read_server_metrics=read_server_metrics))
 
 
-async def _scrape(client, base_url: str) -> dict[str, float]:
+async def _scrape(client, base_url: str) -> dict[str, float] | str:
+    """The server's /metrics as parse_prometheus gives it, or why it could not be read (a string)."""
     try:
         resp = await client.get(f"{base_url}/metrics", timeout=30)
         resp.raise_for_status()
-    except Exception:
-        return {}
+    except Exception as e:
+        return f"/metrics could not be read: {type(e).__name__}: {e}"
     return parse_prometheus(resp.text)
 
 
@@ -336,22 +348,62 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def _server_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    def d(name):
-        return after.get(f"vtengine_{name}", 0.0) - before.get(f"vtengine_{name}", 0.0)
+# The server's figures a leg records, by the leg's field name -> the /metrics series it comes from. One table, so a
+# metric renamed on the server shows up here as missing, by name, instead of as a silent 0.
+SERVER_COUNTERS = {                 # recorded as after - before
+    "tokens_generated": "vtengine_generation_tokens_total",
+    "prompt_tokens": "vtengine_prompt_tokens_total",
+    "requests_finished": "vtengine_requests_finished_total",
+    "steps": "vtengine_engine_steps_total",
+    "step_time_s": "vtengine_engine_step_time_seconds_sum",
+    "decode_steps": "vtengine_engine_decode_steps_total",
+    "decode_time_s": "vtengine_engine_decode_time_seconds_sum",
+    "ttft_s": "vtengine:time_to_first_token_seconds_sum",
+    "ttft_count": "vtengine:time_to_first_token_seconds_count",
+    "itl_s": "vtengine:inter_token_latency_seconds_sum",
+    "itl_count": "vtengine:inter_token_latency_seconds_count",
+    "e2el_s": "vtengine:e2e_request_latency_seconds_sum",
+    "e2el_count": "vtengine:e2e_request_latency_seconds_count",
+    "queue_s": "vtengine:request_queue_time_seconds_sum",
+    "queue_count": "vtengine:request_queue_time_seconds_count",
+}
+SERVER_GAUGES = {                   # recorded as the value after the leg
+    "peak_gpu_memory_bytes": "vtengine_peak_gpu_memory_bytes",
+}
+# derived means (ms): field -> (numerator field in seconds, denominator field)
+SERVER_MEANS = {
+    "mean_step_ms": ("step_time_s", "steps"),
+    "mean_decode_step_ms": ("decode_time_s", "decode_steps"),
+    "mean_ttft_ms": ("ttft_s", "ttft_count"),
+    "mean_itl_ms": ("itl_s", "itl_count"),
+    "mean_e2el_ms": ("e2el_s", "e2el_count"),
+    "mean_queue_ms": ("queue_s", "queue_count"),
+}
 
-    out = {
-        "tokens_generated": d("generation_tokens_total"),
-        "prompt_tokens": d("prompt_tokens_total"),
-        "requests_finished": d("requests_finished_total"),
-        "steps": d("engine_steps_total"),
-        "step_time_s": d("engine_step_time_seconds_sum"),
-        "decode_steps": d("engine_decode_steps_total"),
-        "decode_time_s": d("engine_decode_time_seconds_sum"),
-        "peak_gpu_memory_bytes": after.get("vtengine_peak_gpu_memory_bytes", 0.0),
-    }
-    out["mean_step_ms"] = 1000 * out["step_time_s"] / out["steps"] if out["steps"] else 0.0
-    out["mean_decode_step_ms"] = 1000 * out["decode_time_s"] / out["decode_steps"] if out["decode_steps"] else 0.0
+
+def _server_deltas(before: dict[str, float] | str | None, after: dict[str, float] | str | None
+                   ) -> dict[str, Any]:
+    """The leg's ``server`` dict from two scrapes (a scrape that failed is a string or None: everything it should
+    have given is missing). Fields whose metric is absent are left out and listed under ``missing``."""
+    before = before if isinstance(before, dict) else {}
+    after = after if isinstance(after, dict) else {}
+    out: dict[str, Any] = {}
+    missing: list[str] = []
+    for name, metric in SERVER_COUNTERS.items():
+        if metric in before and metric in after:
+            out[name] = after[metric] - before[metric]
+        else:
+            missing.append(metric)
+    for name, metric in SERVER_GAUGES.items():
+        if metric in after:
+            out[name] = after[metric]
+        else:
+            missing.append(metric)
+    for name, (total, count) in SERVER_MEANS.items():
+        if out.get(count):          # a mean of nothing is left out, not 0
+            out[name] = 1000 * out[total] / out[count]
+    if missing:
+        out["missing"] = missing
     return out
 
 
@@ -430,7 +482,7 @@ def format_summary(m: LegMetrics) -> str:
     for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
         for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {title} (ms)", f"{getattr(m, f'{stat}_{name}_ms'):.2f}"))
-    if m.server:
+    if "mean_decode_step_ms" in m.server:
         rows.append(("Server mean decode step (ms)", f"{m.server['mean_decode_step_ms']:.2f}"))
     lines = ["=" * 20 + " Serving Benchmark Result " + "=" * 20]
     lines += [f"{k:<40}{v:>26}" for k, v in rows]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from campaigns.loadgen import (LegMetrics, RequestResult, compute_metrics, get_model_info, make_prompts,
+from campaigns import grid
+from campaigns.loadgen import (SERVER_COUNTERS, SERVER_GAUGES, SERVER_MEANS, LegMetrics, RequestResult,
+                               _server_deltas, compute_metrics, format_summary, get_model_info, make_prompts,
                                prompts_sha256, run_leg, safe_vocab_range)
 from vtengine.config import EngineConfig
 from vtengine.engine.llm_engine import LLMEngine
@@ -130,13 +132,18 @@ def test_chunk_and_token_counts_that_disagree_make_the_leg_invalid(output_tokens
 
 
 @pytest.fixture(scope="module")
-def server_url():
+def served():
     engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4))
     server = Server.from_engine(engine)
     uv = start_in_thread(server)
-    yield uv.url
+    yield server, uv.url
     stop_thread(uv)
     server.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server_url(served):
+    return served[1]
 
 
 def test_leg_c4_agrees_with_server_counters(server_url):
@@ -162,6 +169,17 @@ def test_leg_c4_agrees_with_server_counters(server_url):
     assert 0 < m.median_itl_ms <= m.p99_itl_ms and 0 < m.mean_tpot_ms < m.mean_e2el_ms
     # the engine's mean step bounds how fast tokens can stream: client ITL cannot beat it by much
     assert m.mean_itl_ms >= 0.5 * s["mean_decode_step_ms"]
+    # every server figure the leg promises is there, none missing; the server's latency histograms counted exactly
+    # the leg's requests, and each server-side latency is within what the client measured
+    fields = set(SERVER_COUNTERS) | set(SERVER_GAUGES) | set(SERVER_MEANS)
+    assert fields <= set(s) and "missing" not in s, sorted(fields - set(s))
+    assert all(isinstance(s[f], float) for f in fields)
+    assert s["ttft_count"] == s["e2el_count"] == s["queue_count"] == n
+    assert s["itl_count"] == n * (output_len - 1)
+    assert 0 < s["mean_ttft_ms"] <= m.mean_ttft_ms and 0 < s["mean_e2el_ms"] <= m.mean_e2el_ms
+    assert 0 <= s["mean_queue_ms"] <= s["mean_ttft_ms"]
+    assert s["e2el_s"] == pytest.approx(s["ttft_s"] + s["itl_s"], rel=1e-9)
+    assert s["peak_gpu_memory_bytes"] == 0.0          # CPU: the metric is there, and 0 is its true value
 
 
 def test_leg_with_rejected_requests_is_invalid(server_url):
@@ -182,3 +200,70 @@ def test_cli_writes_result_json(server_url, tmp_path):
     res = json.loads(out.read_text())
     assert rc == 0 and res["valid"] and res["completed"] == 4 and res["total_output_tokens"] == 16
     assert res["model"] == "tiny" and res["concurrency"] == 2 and len(res["prompts_sha256"]) == 64
+
+
+def _without(server, monkeypatch, name: str, renamed: str | None = None) -> None:
+    """Make ``server``'s /metrics lose every series of the family ``name`` (or call it ``renamed``)."""
+    render = server.metrics.render
+
+    def filtered() -> bytes:
+        keep = []
+        for line in render().decode().splitlines():
+            series = line.split(" ")[2] if line.startswith("#") else line
+            if series.split("{")[0].split(" ")[0] == name:
+                if renamed is None:
+                    continue
+                line = line.replace(name, renamed)
+            keep.append(line)
+        return ("\n".join(keep) + "\n").encode()
+    monkeypatch.setattr(server.metrics, "render", filtered)
+
+
+def test_a_renamed_server_metric_is_reported_missing_by_name(served, monkeypatch):
+    server, url = served
+    _without(server, monkeypatch, "vtengine_engine_steps_total", renamed="vtengine_engine_step_count_total")
+    info = get_model_info(url)
+    prompts = make_prompts(2, 12, seed=5, vocab_range=safe_vocab_range(info))
+    m = run_leg(url, info["id"], prompts, 4, 2, timeout_s=60)
+    # every request was fine; the leg is not, and says which metric it could not read
+    assert m.completed == 2 and not m.valid
+    assert m.server["missing"] == ["vtengine_engine_steps_total"]
+    assert "steps" not in m.server and "mean_step_ms" not in m.server        # left out, not 0
+    assert m.server["tokens_generated"] == 8 and m.server["decode_steps"] > 0   # what could be read is there
+    assert m.failures == [f"server metrics missing from {url}/metrics: vtengine_engine_steps_total "
+                          f"(renamed or removed on the server?)"]
+    assert "Server mean decode step" in format_summary(m)
+
+
+def test_missing_memory_and_context_series_are_grid_errors(served, monkeypatch):
+    server, url = served
+    assert grid.peak_memory_gib(url) == 0.0 and grid.server_info(url)["levers"]
+    with monkeypatch.context() as mp:
+        _without(server, mp, "vtengine_peak_gpu_memory_bytes")
+        with pytest.raises(grid.GridError, match="vtengine_peak_gpu_memory_bytes"):
+            grid.peak_memory_gib(url)
+    with monkeypatch.context() as mp:
+        _without(server, mp, "vtengine_lever_info")
+        with pytest.raises(grid.GridError, match="vtengine_lever_info"):
+            grid.server_info(url)
+    with monkeypatch.context() as mp:
+        _without(server, mp, "vtengine_build_info", renamed="vtengine_build")
+        with pytest.raises(grid.GridError, match="vtengine_build_info"):
+            grid.server_info(url)
+    with pytest.raises(grid.GridError, match="cannot read http://127.0.0.1:9/metrics"):
+        grid.peak_memory_gib("http://127.0.0.1:9")
+
+
+def test_unreadable_metrics_make_every_server_field_missing():
+    everything = sorted(list(SERVER_COUNTERS.values()) + list(SERVER_GAUGES.values()))
+    out = _server_deltas("/metrics could not be read: ConnectError: refused", None)
+    assert out == {"missing": list(SERVER_COUNTERS.values()) + list(SERVER_GAUGES.values())}
+    assert sorted(out["missing"]) == everything
+    before = {name: 1.0 for name in everything}
+    after = {name: 3.0 for name in everything}
+    out = _server_deltas(before, after)
+    assert "missing" not in out and out["steps"] == 2.0 and out["mean_step_ms"] == 1000.0
+    assert out["peak_gpu_memory_bytes"] == 3.0
+    # a count that did not move leaves its mean out rather than reporting 0
+    out = _server_deltas(before, dict(after, **{"vtengine:time_to_first_token_seconds_count": 1.0}))
+    assert "mean_ttft_ms" not in out and out["ttft_count"] == 0.0
