@@ -9,14 +9,17 @@ caller after every leg, so a killed campaign resumes.
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
@@ -52,6 +55,7 @@ def server_command(model: str, quant: str, lever_values: dict, *, backend: str |
         cmd += ["--lever", f"{lever}={value_text}"]
     if fault_injection:
         cmd.append("--fault-injection")
+    cmd.append("--exit-with-parent")        # a campaign killed even by SIGKILL takes its servers with it
     if backend:
         cmd += ["--backend", backend]
     if gpu_util:
@@ -82,9 +86,59 @@ def _launch(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str]) -> _La
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+    write_pid_file(_pid_file(log_path), proc.pid, cmd)
     ready: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_drain, args=(proc, log, ready), daemon=True).start()
     return _Launch(arm, proc, ready, log_path)
+
+
+# ----------------------------------------------------------------------------------------------- pid files
+# Each server's pid sits in the campaign directory while it runs (server-<arm>.pid), so a campaign killed with
+# SIGKILL (no chance to stop its servers; they also exit with their parent, see vtengine serve --exit-with-parent)
+# leaves a trace its resume uses to stop any that survived.
+
+
+def _pid_file(log_path: str) -> Path:
+    return Path(log_path).with_suffix(".pid")
+
+
+def write_pid_file(path: Path, pid: int, cmd: list[str]) -> None:
+    path.write_text(json.dumps({"pid": pid, "cmd": cmd}) + "\n")
+
+
+def _alive(pid: int, cmd: list[str]) -> bool:
+    """Whether ``pid`` is still that process (its command line, not a recycled pid)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:len(cmd)] == [c.encode() for c in cmd]
+    except OSError:
+        return True                 # no /proc: the pid exists, trust it
+
+
+def stop_stale_servers(campaign_dir: Path | str, timeout_s: float = 30.0) -> list[int]:
+    """Stop the servers an earlier run of this campaign left behind (their pid files), and remove the files.
+    Returns the pids that were still running."""
+    stopped = []
+    for path in sorted(Path(campaign_dir).glob("server-*.pid")):
+        try:
+            info = json.loads(path.read_text())
+            pid, cmd = int(info["pid"]), list(info["cmd"])
+        except (OSError, ValueError, KeyError, TypeError):
+            path.unlink(missing_ok=True)
+            continue
+        if _alive(pid, cmd):
+            stopped.append(pid)
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while _alive(pid, cmd) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _alive(pid, cmd):
+                os.kill(pid, signal.SIGKILL)
+        path.unlink(missing_ok=True)
+    return stopped
 
 
 def _await_ready(launch: _Launch, timeout_s: float = SERVER_START_TIMEOUT_S) -> ServerHandle:
@@ -132,6 +186,7 @@ def stop_server(h: ServerHandle) -> None:
             h.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             _kill(h.proc)
+    _pid_file(h.log_path).unlink(missing_ok=True)
 
 
 @contextmanager
@@ -153,6 +208,7 @@ def servers(arms: list[Arm], make_cmd: Callable[[Arm], list[str]], log_dir: str,
         for launch in launches:
             if launch.arm.name not in handles:
                 _kill(launch.proc)
+                _pid_file(launch.log_path).unlink(missing_ok=True)
         for h in handles.values():
             stop_server(h)
 

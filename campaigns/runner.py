@@ -194,6 +194,10 @@ def _serve(run: _Run, grid: bool) -> None:
     """Every arm's server: the server gates, then the grid (unless ``grid`` is False or the server gates fixed the
     verdict), then what the servers report (peak memory, lever context)."""
     ev, cfg = run.ev, run.cfg
+    stale = gridmod.stop_stale_servers(run.cdir)        # an earlier run killed with SIGKILL may have left some
+    if stale:
+        console.print(f"[yellow]stopped {len(stale)} server(s) an earlier run of {ev.campaign_id} left running: "
+                      f"{stale}[/]")
     with gridmod.servers(ev.arms, lambda a: _server_cmd(cfg, ev, a, run.inject), str(run.cdir), _server_env(),
                          on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
         run.ctx.server_urls = {n: h.url for n, h in handles.items()}

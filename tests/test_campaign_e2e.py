@@ -189,3 +189,48 @@ def test_a_broken_candidate_is_rejected_by_its_gates(tmp_path):
     assert {r.split(" fails")[0] for r in ev.decision.reasons if " fails on arm on" in r} >= {"near_tie"}
     for g in ev.gates:                    # every gate still proved it can fail
         assert g.self_check is True, (g.gate, g.arm)
+
+
+def test_a_campaign_killed_with_sigkill_leaves_no_server_and_resumes(tmp_path):
+    """SIGKILL gives the runner no chance to stop its servers: they exit with their parent (--exit-with-parent),
+    and the pid files they leave let resume= stop any survivor before it starts its own."""
+    repo = temp_repo(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
+            "tracking=off", "campaign.gates=[mechanism]"]
+    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out_dir = repo / "records" / "campaigns"
+    deadline, evidence, pids = time.time() + 600, None, []
+    while time.time() < deadline and proc.poll() is None:
+        found = list(out_dir.glob("*/evidence.json"))
+        if found:
+            try:
+                if len(json.loads(found[0].read_text())["legs"]) >= 1:
+                    evidence = found[0]
+                    pids = [json.loads(p.read_text())["pid"] for p in evidence.parent.glob("server-*.pid")]
+                    break
+            except (json.JSONDecodeError, KeyError):
+                pass
+        time.sleep(0.3)
+    assert evidence is not None and len(pids) == 2, "the grid did not start with two servers"
+    proc.kill()                                               # SIGKILL: no handler runs in the runner
+    proc.wait(timeout=30)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+            return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+        except (ProcessLookupError, FileNotFoundError):
+            return False
+    t0 = time.time()
+    while any(alive(p) for p in pids) and time.time() - t0 < 15:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), f"servers outlived their campaign: {[p for p in pids if alive(p)]}"
+    assert time.time() - t0 < 15
+
+    ev = load_evidence(evidence)
+    done = subprocess.run(args + [f"resume={ev.campaign_id}"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ev2 = load_evidence(evidence)
+    assert ev2.status == "complete" and len(ev2.legs) == 8 and not list(evidence.parent.glob("server-*.pid"))

@@ -74,3 +74,23 @@ def test_warmup_fills_the_leg_batch():
     assert grid.warmup_for(warm, 1, 2) == [[0], [1]]
     assert grid.warmup_for(warm, 8, 2) == warm                  # c=8: eight warm-up requests, a batch of 8
     assert grid.warmup_for(warm, 4, 0) == []                    # warmup_requests 0: no warm-up at all
+
+
+def test_stale_servers_of_an_earlier_run_are_stopped_by_their_pid_files(tmp_path):
+    import json
+    import subprocess
+    import sys
+    survivor_cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
+    survivor = subprocess.Popen(survivor_cmd)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # not ours"])
+    try:
+        grid.write_pid_file(tmp_path / "server-on.pid", survivor.pid, survivor_cmd)
+        # a pid file whose pid now belongs to another command (a recycled pid) must not be killed
+        (tmp_path / "server-off.pid").write_text(json.dumps({"pid": bystander.pid, "cmd": survivor_cmd}))
+        assert grid.stop_stale_servers(tmp_path, timeout_s=10) == [survivor.pid]
+        assert survivor.wait(timeout=10) is not None and bystander.poll() is None
+        assert not list(tmp_path.glob("*.pid"))
+    finally:
+        for p in (survivor, bystander):
+            if p.poll() is None:
+                p.kill()

@@ -258,6 +258,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "references); CPU rehearsals use the lever's own kernels")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    ap.add_argument("--exit-with-parent", action="store_true",
+                    help="exit when the process that started this server dies, even by SIGKILL (campaign servers: "
+                         "an 8B server holds half a GPU, and must not outlive its campaign)")
     ap.add_argument("--fault-injection", action="store_true",
                     help="open POST /debug/fault, through which a campaign gate breaks this server on purpose to "
                          "prove it can fail (never for real serving)")
@@ -335,10 +338,39 @@ def stop_thread(uv: UvicornServer, timeout_s: float = 10.0) -> None:
     uv.thread.join(timeout_s)
 
 
+def exit_with_parent(poll_s: float = 0.5, grace_s: float = 10.0) -> None:
+    """Die with the parent: on Linux the kernel sends SIGTERM when it exits (PR_SET_PDEATHSIG), and a watch
+    thread covers the rest (a parent that died before the request, other platforms): when the parent pid changes
+    (reparented), SIGTERM to ourselves (uvicorn shuts down gracefully), then a hard exit after ``grace_s``."""
+    import os
+    import signal
+    import threading
+
+    parent = os.getppid()
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+    if parent == 1:                 # already orphaned before we could ask
+        os._exit(1)
+    threading.Thread(target=watch, name="vtengine-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``vtengine serve --model M [--quant Q] [--port P] [--host H] [--max-num-seqs N] [--max-model-len L]
-    [--gpu-memory-utilization F] [--backend B] [--lever name=value ...] [--no-cuda-graphs] [--seed S]``"""
+    [--gpu-memory-utilization F] [--backend B] [--lever name=value ...] [--no-cuda-graphs] [--seed S]
+    [--exit-with-parent] [--fault-injection]``"""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.exit_with_parent:
+        exit_with_parent()
     from vtengine.config import ConfigError
     from vtengine.levers import LeverError
     try:
