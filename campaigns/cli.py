@@ -2,6 +2,8 @@
 
     vtcampaign run campaign=gqa_swap [grid.reps=5 model=qwen3-8b ...] [--dry-run]
     vtcampaign run campaign=gqa_swap aa=true   the grid's A/A self-check (two servers at one value)
+    vtcampaign run -m campaign=gqa_swap,pdl [hydra/launcher=submitit_local]   a sweep (Hydra multirun): one
+                                       campaign per job, one GPU per campaign; records and MLflow once at the end
     vtcampaign status                  levers, defaults, resolved values, measured byte-exactness, last verdicts, and
                                        which verdicts are STALE (and why)
     vtcampaign calibrate               each binding campaign's false FLIP / false REJECT rates and minimum detectable
@@ -92,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfDirError as e:
         print(f"vtcampaign: error: {e}", file=sys.stderr)
         return 2
+    from campaigns import sweep
+    if argv[:1] == ["run"] and sweep.is_sweep(argv[1:]):     # a Hydra multirun: Hydra parses its own flags
+        try:
+            return sweep.run_sweep(argv[1:])
+        except (UsageError, *USER_ERRORS) as e:
+            print(f"vtcampaign: error: {e}", file=sys.stderr)
+            return 2
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     try:

@@ -149,6 +149,7 @@ class AppConfig:
     allow_dirty: bool = False            # run on a dirty tree anyway (the result is then non-binding)
     commit: bool = False                 # on FLIP, commit the default flip on branch row/<lever>-flip
     aa: bool = False                     # an A/A campaign: the grid's self-check, two servers at the same value
+    summaries: bool = True               # render STATUS/BENCHMARKS after it (a sweep's jobs leave that to the end)
     resume: Optional[str] = None         # a campaign id under out_dir to continue
     out_dir: str = "records/campaigns"
     device: str = "auto"                 # auto | cuda | cpu; composed configs carry the resolved device
@@ -444,8 +445,13 @@ def to_plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
 
 
+# Keys that change what happens around a campaign, not what it measures: a resume may differ in them (a sweep's job
+# ran with commit=false summaries=false tracking=off; its resume by hand need not repeat them).
+UNMEASURED_KEYS = ("resume", "commit", "summaries", "tracking", "allow_dirty")
+
+
 def config_hash(cfg: DictConfig | dict) -> str:
-    """sha256 of the canonical JSON of the resolved config (without ``resume``, which does not change the run)."""
+    """sha256 of the canonical JSON of the resolved config, without UNMEASURED_KEYS (they do not change the run)."""
     plain = to_plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
-    plain = {k: v for k, v in plain.items() if k != "resume"}
+    plain = {k: v for k, v in plain.items() if k not in UNMEASURED_KEYS}
     return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()

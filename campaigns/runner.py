@@ -33,6 +33,8 @@ from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gat
 from vtengine import confdirs, levers
 
 console = Console(stderr=True)
+# what running campaigns writes into the tree, which is no dirt: records, MLflow's files, Hydra's sweep directories
+RUN_OUTPUTS = ("records", "mlflow.db", "mlruns", "mlartifacts", "multirun", "outputs")
 
 
 class CampaignError(RuntimeError):
@@ -49,7 +51,7 @@ def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
     kind = "aa" if cfg.aa else "lever"
     arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates), aa=cfg.aa)
     ignore = (str(out_dir.relative_to(repo)) if out_dir.is_relative_to(repo) else "",
-              "records", "mlflow.db", "mlruns", "mlartifacts")
+              *RUN_OUTPUTS)
     fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=tuple(i for i in ignore if i),
                      pinned={levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()})
     cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha, kind)
@@ -156,6 +158,7 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
         ev = _preflight(cfg, repo, out_dir)
         cdir = out_dir / ev.campaign_id
     _save(ev, cdir)
+    (cdir / "runner.pid").write_text(f"{os.getpid()}\n")     # which process runs it (a sweep's job, to stop it)
     if on_start:
         on_start(ev.campaign_id)
     console.print(f"[bold]campaign[/] {ev.campaign_id}  lever={ev.lever}  arms="
@@ -223,10 +226,14 @@ def _conclude(run: _Run) -> None:
     ev.status = "complete"
     _save(ev, run.cdir)
     summaries = status_dir(run.repo, run.out_dir)
-    records.render_all(run.out_dir, summaries)
+    if cfg.summaries:
+        records.render_all(run.out_dir, summaries)
+    else:                           # one job of a sweep: its own records; the sweep renders the summaries once
+        records.write_campaign(ev, run.cdir)
     _track(cfg, ev, run.cdir)
     if ev.decision and ev.decision.verdict == "FLIP" and cfg.commit:
         _flip(ev, run.cdir, run.repo, summaries)
+    (run.cdir / "runner.pid").unlink(missing_ok=True)
     _summary(ev, run.cdir, time.perf_counter() - run.t_start)
 
 
@@ -273,7 +280,7 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path) -> None:
                             f"were recorded in {ev.campaign_id}/evidence.json under 'config'); resume with the same "
                             "campaign and overrides, or start a new campaign")
     now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, ev.fingerprint.config_hash,
-                     ignore_dirty=("records", "mlflow.db", "mlruns", "mlartifacts"))
+                     ignore_dirty=RUN_OUTPUTS)
     if now.git_sha != ev.fingerprint.git_sha:
         raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at {ev.fingerprint.git_short_sha}, the checkout "
                             f"is now at {now.git_short_sha}; legs from two commits would not compare")
