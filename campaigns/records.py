@@ -17,7 +17,7 @@ from typing import Any
 
 import jinja2
 
-from campaigns import calibrate
+from campaigns import attribution, calibrate
 from campaigns import context as lever_context
 from campaigns.gates import GATE_NAMES
 from campaigns.config import settings
@@ -160,6 +160,47 @@ def verdict_headline(ev: Evidence) -> str:
     return f"{d.verdict}: {what_changed(ev)}, {d.headline}"
 
 
+def _tpot_ms(ev: Evidence, cand: str, c: int) -> tuple[float | None, float | None]:
+    hit = [s for s in ev.stats if s.candidate == cand and s.axis == "tpot" and s.concurrency == c]
+    if not hit:
+        return None, None
+    s = hit[0]
+    return s.summary[s.baseline].median, s.summary[cand].median
+
+
+def attribution_view(ev: Evidence) -> list[dict[str, Any]]:
+    """Per candidate and profiled concurrency: the Attribution table (campaigns/attribution.py) from the profile
+    gate's windows and the grid's TPOT, its summary line, and the generated residual."""
+    base = ev.gate("profile", ev.baseline.name)
+    if base is None or base.skipped or "windows" not in base.details:
+        return []
+    out = []
+    for arm in ev.candidates:
+        cand = ev.gate("profile", arm.name)
+        if cand is None or cand.skipped or "windows" not in cand.details:
+            continue
+        for c in sorted(set(base.details["windows"]) & set(cand.details["windows"]), key=int):
+            bw, cw = base.details["windows"][c], cand.details["windows"][c]
+            tb, tc = _tpot_ms(ev, arm.name, int(c))
+            floors = (cand.details.get("floor_bytes") or {}).get(c)
+            rows, summary = attribution.table(bw, cw, tb, tc, floors, cand.details.get("copy_gbs"))
+            measured = summary["measured_delta_us"]
+            out.append({
+                "arm": arm.name, "candidate": arm_label(ev, arm.name), "c": c, "activity": cw["activity"],
+                "rows": [{"kernel": r.kernel, "base": f"{r.base_us:,.1f}", "cand": f"{r.cand_us:,.1f}",
+                          "delta": f"{r.delta_us:+,.1f}",
+                          "share": "—" if r.share is None else f"{round(100 * r.share):+d}%",
+                          "floor": "—" if r.floor is None else f"{r.floor:.0%}"} for r in rows],
+                "summary": (f"profiled step {bw['step_us']:,.0f} → {cw['step_us']:,.0f} µs; grid TPOT delta "
+                            + ("—" if measured is None else f"{measured:+,.1f} µs")
+                            + f", kernels {summary['kernels_delta_us']:+,.1f} µs"
+                            + ("" if summary["unattributed_us"] is None
+                               else f", unattributed (host time, gaps) {summary['unattributed_us']:+,.1f} µs")),
+                "residual": attribution.residual(cw, rows),
+            })
+    return out
+
+
 def campaign_view(ev: Evidence) -> dict[str, Any]:
     """Every value record.md.j2 and pr.md.j2 print, already formatted."""
     from vtengine import levers as lever_registry
@@ -246,7 +287,10 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
                                  "levers": ", ".join(f"{k}={fmt_lever_value(v)}{'' if k in live else ' (inert)'}"
                                                      for k, v in sorted(vals.items()))})
     exempt = [{"gate": g, "why": why} for g, why in sorted(inapplicable(ev).items())]
+    attrib = attribution_view(ev)
     return {
+        "attribution": attrib,
+        "residual_generated": attrib[-1]["residual"] if attrib else "",
         "baseline_label": base_label, "pooled": pooled, "context_rows": context_rows, "inapplicable": exempt,
         "calibration": calibrate.sentence(ev.calibration) if ev.stats else "",
         "noise": ev.calibration.noise if ev.calibration else "",

@@ -150,6 +150,12 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
         metrics += [(f"calibration/power_at_{g}", p, 0) for g, p in cal.power.items()]
         if cal.mde_80 is not None:
             metrics.append(("calibration/mde_80", cal.mde_80, 0))
+    from campaigns.records import attribution_view
+    for a in attribution_view(ev):      # the Attribution table, charted by concurrency per kernel
+        for r in a["rows"]:
+            for key in ("base", "cand", "delta"):
+                metrics.append((f"attribution/{a['arm']}/{r['kernel'].replace(' ', '_')}/{key}_us",
+                                float(r[key].replace(",", "")), int(a["c"])))
     tags = {"rule": d.rule[:5000], "kind": ev.kind} if d else {"kind": ev.kind}
     if d and d.effect_note:
         tags["effect_note"] = d.effect_note[:5000]

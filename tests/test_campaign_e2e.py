@@ -63,12 +63,20 @@ def test_rehearsal_end_to_end(tmp_path):
     orders = [[leg.arm for leg in sorted(ev.legs, key=lambda x: x.order_index) if leg.rep == r] for r in (0, 1)]
     assert orders[0][0] == "off" and orders[1][0] == "on"          # arm order alternates per rep
 
+    # the attribution: both arms profiled from real profiler events, the lever's kernel explaining the delta
+    prof = {a: ev.gate("profile", a) for a in ("off", "on")}
+    assert all(p.passed and p.self_check for p in prof.values())
+    assert set(prof["on"].details["windows"]) == {"1", "2"}
+    assert "decode_attention" in prof["on"].details["windows"]["1"]["kernels"]
     # records rendered, and re-rendered byte for byte from evidence alone
     cdir = repo / "records" / "campaigns" / ev.campaign_id
     files = [cdir / "evidence.json", cdir / "record.md", cdir / "pr.md", repo / "records" / "STATUS.md",
              repo / "records" / "BENCHMARKS.md"]
     before = {f: f.read_bytes() for f in files}
     assert "NON-BINDING" in before[cdir / "record.md"].decode() and "row/gqa_swap" in before[cdir / "pr.md"].decode()
+    record, pr = before[cdir / "record.md"].decode(), before[cdir / "pr.md"].decode()
+    assert "### Attribution" in record and "| decode_attention |" in record.split("### Attribution")[1]
+    assert "## Attribution" in pr and "From the attribution: at batch 2 the step" in pr
     for f in files[1:]:
         f.unlink()
     records.render_all(repo / "records" / "campaigns", repo / "records")

@@ -21,6 +21,7 @@ KINDS = {
     "oob": "decode attention reads through block-table entries far past the end of the KV cache",
     "stale_input": "each decode step embeds a sequence's previous token instead of its newest one (the async race)",
     "drop_token": "the serving path drops the second token of every request's stream",
+    "slow": "the kernel runs twice per call (its result unchanged, its time doubled)",
 }
 OOB_GAP_BYTES = 1 << 30         # an "oob" read lands this far above the highest tensor the engine holds
 INT32_MAX = 2**31 - 1           # the decode kernel's block offset (block x stride) is a 32-bit product
@@ -39,7 +40,7 @@ class Fault:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise FaultError(f"fault kind {self.kind!r} is not known; accepted: {', '.join(KINDS)}")
-        if self.kind == "perturb":
+        if self.kind in ("perturb", "slow"):
             if self.kernel not in KERNEL_OPS:
                 raise FaultError(f"perturb needs a kernel; {self.kernel!r} is not one of {sorted(KERNEL_OPS)}")
             if self.kernel in ("store_kv", "argmax"):
@@ -50,6 +51,8 @@ class Fault:
         if self.kind == "perturb":
             factor = 1 + self.size
             what = f"{self.kernel} output scaled by {factor:g}" + (" (negated)" if factor == -1 else "")
+        elif self.kind == "slow":
+            what = f"{self.kernel} run twice per call"
         return what
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,6 +92,18 @@ def _perturbed(op: Callable, fault: Fault, quantized: bool | None) -> Callable:
         if isinstance(out, tuple):          # add_rms_norm returns (normed, residual): the kernel's output is both
             return tuple(scale(t) for t in out)
         return scale(out)
+    return wrapped
+
+
+def _twice(op: Callable, quantized: bool | None) -> Callable:
+    def wrapped(*args, **kwargs):
+        if quantized is not None:
+            from vtengine.quant import QuantizedWeight
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if isinstance(weight, QuantizedWeight) != quantized:
+                return op(*args, **kwargs)
+        op(*args, **kwargs)
+        return op(*args, **kwargs)
     return wrapped
 
 
@@ -137,11 +152,13 @@ def install(backend, fault: Fault | None, ceiling: int = 0) -> None:
         else:
             setattr(backend, op, saved)
     backend._fault_saved = {}
-    if fault is None or fault.kind not in ("perturb", "oob"):
+    if fault is None or fault.kind not in ("perturb", "slow", "oob"):
         return
+    quantized = {"w4a16_gemm": True, "dense_linear": False}.get(fault.kernel)
     if fault.kind == "perturb":
-        quantized = {"w4a16_gemm": True, "dense_linear": False}.get(fault.kernel)
         wrap = {op: _perturbed(getattr(backend, op), fault, quantized) for op in KERNEL_OPS[fault.kernel]}
+    elif fault.kind == "slow":
+        wrap = {op: _twice(getattr(backend, op), quantized) for op in KERNEL_OPS[fault.kernel]}
     else:
         wrap = {"decode_attention": _oob(backend.decode_attention, ceiling)}
     for op, fn in wrap.items():

@@ -50,6 +50,7 @@ GATES = {g.name: g for g in (
     Gate("graph_parity", "campaigns.gates.parity:run_graph_parity", "in_process"),
     Gate("async_parity", "campaigns.gates.parity:run_async_parity", "server"),
     Gate("mechanism", "campaigns.gates.mechanism:run", "in_process", correctness=False),
+    Gate("profile", "campaigns.gates.profile:run", "in_process", correctness=False),
     Gate("memcheck", "campaigns.gates.memcheck:run", "in_process"),
 )}
 GATE_NAMES = tuple(GATES)
@@ -75,6 +76,7 @@ class GateContext:
     server_model: str = ""
     inert_arm: str | None = None       # fault injection for tests: this arm runs with the lever forced to baseline
     broken_arm: str | None = None      # fault injection for tests: this arm's engines run the perturb fault throughout
+    slowed: dict[str, str] = field(default_factory=dict)   # tests: arm -> a kernel its engine runs twice per call
     with_levers: dict[str, Any] = field(default_factory=dict)      # other levers pinned for both arms
     cpu_max_model_len: int = 512
     _engines: dict[str, Any] = field(default_factory=dict)
@@ -113,14 +115,24 @@ class GateContext:
             llm = LLM(model=self.model, quant=self.quant, backend=self.backend, levers=self.lever_values(arm),
                       num_kv_blocks=GATE_KV_BLOCKS, max_num_seqs=32, triton_kernels=self.triton_kernels,
                       max_model_len=self.max_model_len)
-            if arm.name == self.broken_arm:         # a product test's broken arm: its kernel broken everywhere,
-                set_fault(llm.engine, self.perturb_fault())     # eager steps and captured graphs alike
+            standing = self._standing_fault(arm)
+            if standing is not None:                # a product test's broken or slowed arm: broken everywhere,
+                set_fault(llm.engine, standing)     # eager steps and captured graphs alike
                 runner = llm.engine.runner
                 if runner.use_graphs:
                     runner.graphs = {}
                     runner.capture_graphs(llm.engine.config.max_num_seqs)
             self._engines[arm.name] = llm
         return self._engines[arm.name]
+
+    def _standing_fault(self, arm: Arm):
+        """The fault a product test planted in this arm for the whole campaign (broken_arm, slowed), or None."""
+        from vtengine.faults import Fault
+        if arm.name == self.broken_arm:
+            return self.perturb_fault()
+        if arm.name in self.slowed:
+            return Fault("slow", self.slowed[arm.name])
+        return None
 
     def perturb_fault(self, size: float = -2.0):
         """The lever's own kernel broken: its output scaled by 1 + size in every call (-2: negated)."""
@@ -140,8 +152,29 @@ class GateContext:
         try:
             yield llm
         finally:
-            set_fault(llm.engine, self.perturb_fault() if arm.name == self.broken_arm else None)
+            set_fault(llm.engine, self._standing_fault(arm))
             runner.use_graphs = use_graphs
+
+    @contextmanager
+    def graphs_captured_with(self, arm: Arm, fault, max_batch: int):
+        """The arm's runner replaying graphs (batch sizes up to ``max_batch``) captured while ``fault`` broke the
+        engine; eager steps stay clean, and the clean graphs (with their static buffers) are put back afterwards,
+        so nothing is re-captured."""
+        from vtengine.faults import set_fault
+        llm = self.engine(arm)
+        runner = llm.engine.runner
+        saved = {k: getattr(runner, k) for k in ("graphs", "g_out", "g_ids", "g_pos", "g_ctx")}
+        runner.graphs = {}
+        set_fault(llm.engine, fault)
+        try:
+            runner.capture_graphs(max_batch)
+        finally:
+            set_fault(llm.engine, None)     # eager steps are clean again; only the captured graphs carry the fault
+        try:
+            yield llm
+        finally:
+            for k, v in saved.items():
+                setattr(runner, k, v)
 
     @contextmanager
     def lever_set_to(self, arm: Arm, value: Any):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import contextmanager
 
 import httpx
 import torch
@@ -65,27 +64,6 @@ def _graphed_tokens(llm, prompts, params) -> tuple[list[list[int]], int]:
     return toks, _graph_replays() - before
 
 
-@contextmanager
-def _graphs_captured_with(ctx: GateContext, arm: Arm, fault, sizes: list[int]):
-    """The arm's runner replaying graphs captured while ``fault`` broke the lever's kernel; the clean graphs (and
-    their static buffers) are put back afterwards, so nothing is re-captured."""
-    from vtengine.faults import set_fault
-    llm = ctx.engine(arm)
-    runner = llm.engine.runner
-    saved = {k: getattr(runner, k) for k in ("graphs", "g_out", "g_ids", "g_pos", "g_ctx")}
-    runner.graphs = {}
-    set_fault(llm.engine, fault)
-    try:
-        runner.capture_graphs(max(sizes))
-    finally:
-        set_fault(llm.engine, None)         # eager steps are clean again; only the captured graphs carry the fault
-    try:
-        yield llm
-    finally:
-        for k, v in saved.items():
-            setattr(runner, k, v)
-
-
 def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     """Graphed decode equals eager decode, token for token, and the graphed run really replayed graphs (counted).
     Fault: graphs captured while the lever's kernel was broken, replayed against the clean eager run."""
@@ -115,7 +93,7 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
     note = ""
     if fault:
         fault_obj = ctx.perturb_fault()
-        with _graphs_captured_with(ctx, arm, fault_obj, [1, 2, 4, len(prompts)]) as faulted:
+        with ctx.graphs_captured_with(arm, fault_obj, len(prompts)) as faulted:
             graphed, replays = _graphed_tokens(faulted, prompts, params)
         note = f"graphs captured over a broken kernel ({fault_obj.describe()}), replayed against clean eager steps"
     else:

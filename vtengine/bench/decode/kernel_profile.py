@@ -129,8 +129,10 @@ def _record_trace(eng, batch: int, steps: int) -> tuple[list[dict], list[float]]
     return events, step_s
 
 
-def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, warm_steps: int = 3) -> KernelProfile:
-    """Profile ``steps`` decode steps of ``batch`` sequences at context ~``prompt_len`` on a built engine.
+def record_decode_trace(llm, batch: int, prompt_len: int, steps: int = 16,
+                        warm_steps: int = 3) -> tuple[list[dict], list[float]]:
+    """The Kineto trace of ``steps`` decode steps of ``batch`` sequences at context ~``prompt_len`` on a built
+    engine, and every step's wall time (s; the first PROFILER_WARM_STEPS are the profiler's own warm-up).
 
     The engine is driven step by step: requests are added, stepped until every sequence is past its prefill (has
     its first token and none waits), ``warm_steps`` decode steps run, then the profiler (2 of its own warm-up steps,
@@ -138,9 +140,8 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
     preemption), or this raises. Leaves the engine idle (the requests are aborted)."""
     from vtengine.engine.sampling_params import SamplingParams
     eng = llm.engine
-    on_device = eng.device.type == "cuda"
     if eng.has_unfinished_requests():
-        raise RuntimeError("profile_engine_decode needs an idle engine")
+        raise RuntimeError("profiling needs an idle engine")
     params = SamplingParams(max_tokens=warm_steps + PROFILER_WARM_STEPS + steps + 4, temperature=0.0,
                             ignore_eos=True)
     rids = [f"profile-{i}" for i in range(batch)]
@@ -155,10 +156,18 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
             raise RuntimeError("the sequences did not all get past prefill")
         for _ in range(warm_steps):
             _decode_step(eng, batch)
-        events, step_s = _record_trace(eng, batch, steps)
+        return _record_trace(eng, batch, steps)
     finally:
         for rid in rids:
             eng.abort_request(rid)
+
+
+def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, warm_steps: int = 3) -> KernelProfile:
+    """Profile ``steps`` decode steps of ``batch`` sequences at context ~``prompt_len`` on a built engine (driven as
+    ``record_decode_trace`` says) and aggregate the trace by kernel name."""
+    eng = llm.engine
+    on_device = eng.device.type == "cuda"
+    events, step_s = record_decode_trace(llm, batch, prompt_len, steps, warm_steps)
     marks = [e for e in events if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation"]
     warnings = []
     if len(marks) != steps:                             # kept, not raised: the table is still worth having

@@ -1,0 +1,70 @@
+"""profile: where each arm's decode step goes, kernel by kernel, outside the timed grid (campaigns/attribution.py).
+
+Profiler windows over the arm's decode at two concurrencies: on CUDA c1 and c8, graphed steps at ~1k context (as
+the grid decodes), with each kernel's byte floor and the measured copy bandwidth recorded beside them; on CPU (the
+rehearsal) c1 and c2, times only. The record's Attribution table and the PR's Residual are computed from these
+windows and the grid's TPOT. Passes when every window recorded its steps and its kernels.
+
+Fault: the lever's own kernel made slower in the arm's engine (run twice per call: vtengine/faults.py ``slow``; on
+CUDA in graphs captured with it). The attribution must name that kernel as the one that grew the most; a profile
+that cannot point at a planted slowdown cannot explain a lever's.
+"""
+from __future__ import annotations
+
+import time
+
+from campaigns import attribution
+from campaigns.evidence import Arm, GateResult
+from campaigns.gates import GateContext, result
+
+
+def _settings(ctx: GateContext) -> dict:
+    if ctx.device == "cuda":
+        return {"batches": [1, 8], "prompt_len": 1024, "steps": 16}
+    return {"batches": [1, 2], "prompt_len": 16, "steps": 3}
+
+
+def _windows(ctx: GateContext, llm, batches: list[int]) -> dict[str, dict]:
+    s = _settings(ctx)
+    return {str(b): attribution.profile_window(llm, b, s["prompt_len"], s["steps"]) for b in batches}
+
+
+def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
+    t0 = time.perf_counter()
+    s = _settings(ctx)
+    key = f"profile:{arm.name}"
+    if key not in ctx.cache:
+        llm = ctx.engine(arm)
+        ctx.cache[key] = _windows(ctx, llm, s["batches"])
+    windows = ctx.cache[key]
+    if fault:
+        slow = ctx.perturb_fault()
+        from vtengine.faults import Fault
+        slow = Fault("slow", slow.kernel)
+        b = s["batches"][0]
+        if ctx.device == "cuda":
+            with ctx.graphs_captured_with(arm, slow, b) as llm:
+                faulted = _windows(ctx, llm, [b])[str(b)]
+        else:
+            with ctx.faulted(arm, slow) as llm:
+                faulted = _windows(ctx, llm, [b])[str(b)]
+        clean = windows[str(b)]
+        growth = {k: faulted["kernels"].get(k, 0.0) - clean["kernels"].get(k, 0.0)
+                  for k in set(faulted["kernels"]) | set(clean["kernels"])}
+        named = max(growth, key=growth.get) if growth else ""
+        caught = named == slow.kernel
+        return result("profile", arm, not caught, t0, counts={"grew_us": round(growth.get(named, 0.0), 3)},
+                      details={"fault": f"{slow.describe()}; the attribution named {named!r} as the kernel that "
+                                        "grew the most", "named": named, "planted": slow.kernel})
+    details: dict = {"windows": windows, "fault": ""}
+    if ctx.device == "cuda":
+        from vtengine.bench.common import copy_bandwidth_gbs
+        cfg = ctx.engine(arm).engine.model_config
+        shape = {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                               "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}
+        details["copy_gbs"] = round(copy_bandwidth_gbs(), 1)
+        details["floor_bytes"] = {c: attribution.floor_bytes(shape, ctx.quant, w["batch"], w["context_len"])
+                                  for c, w in windows.items()}
+    ok = all(w["steps"] > 0 and w["kernels"] for w in windows.values())
+    counts = {f"step_us_c{c}": w["step_us"] for c, w in windows.items()}
+    return result("profile", arm, ok, t0, counts=counts, details=details)

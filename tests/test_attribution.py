@@ -1,0 +1,83 @@
+"""Attribution: per-kernel time of each arm's decode step from real profiler events, and the table that explains a
+measured delta. A kernel slowed on purpose in one arm must come out as the kernel that grew."""
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from campaigns import attribution
+from campaigns.evidence import Arm
+from campaigns.gates import GateContext, run_gate
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("device_name,kernel", [
+    ("_decode_kernel", "decode_attention"), ("_decode_merge_kernel", "decode_attention"),
+    ("_w4a16_gemm_kernel", "w4a16_gemm"), ("_add_rms_norm_kernel", "rms_norm"), ("_gemv_kernel", "dense_linear"),
+    ("nvjet_tst_128x64_64x6_1x2_h_bz_coopA_NNT", "dense_linear"), ("sm90_xmma_gemm_bf16bf16_bf16f32", "dense_linear"),
+    ("Memcpy DtoD (Device -> Device)", "memcpy/memset"), ("_qkv_epilogue_kernel", "qkv_epilogue"),
+    ("void at::native::vectorized_elementwise_kernel<4, ...>", attribution.OTHER),
+])
+def test_device_kernels_map_to_the_engines_kernel_names(device_name, kernel):
+    assert attribution.engine_kernel(device_name) == kernel
+
+
+def test_gpu_trace_groups_device_time_by_engine_kernel():
+    ev = [{"ph": "X", "cat": "kernel", "name": "_decode_kernel", "ts": 0, "dur": 30.0},
+          {"ph": "X", "cat": "kernel", "name": "_decode_merge_kernel", "ts": 40, "dur": 10.0},
+          {"ph": "X", "cat": "kernel", "name": "nvjet_abc", "ts": 60, "dur": 100.0},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500.0}]         # host ops: not device time
+    assert attribution.group(ev, steps=2, on_device=True) == {"dense_linear": 50.0, "decode_attention": 20.0}
+
+
+def test_cpu_trace_takes_wall_time_inside_each_kernels_range_less_nested_ranges():
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "vt::qkv_epilogue", "pid": 1, "tid": 1, "ts": 0, "dur": 100},
+          {"ph": "X", "cat": "user_annotation", "name": "vt::rms_norm", "pid": 1, "tid": 1, "ts": 10, "dur": 30},
+          {"ph": "X", "cat": "user_annotation", "name": "vt::decode_attention", "pid": 1, "tid": 1, "ts": 200,
+           "dur": 400}]
+    assert attribution.group(ev, steps=1, on_device=False) == {"decode_attention": 400.0, "qkv_epilogue": 70.0,
+                                                               "rms_norm": 30.0}
+
+
+def test_table_splits_the_measured_delta_and_says_what_is_left():
+    base = {"batch": 8, "step_us": 1000.0, "kernels": {"decode_attention": 400.0, "dense_linear": 500.0},
+            "unattributed_us": 100.0}
+    cand = {"batch": 8, "step_us": 900.0, "kernels": {"decode_attention": 300.0, "dense_linear": 500.0},
+            "unattributed_us": 100.0}
+    floors = {"decode_attention": 1.0e9, "dense_linear": 2.0e9}            # bytes per step
+    rows, summary = attribution.table(base, cand, tpot_base_ms=1.0, tpot_cand_ms=0.88, floors=floors, copy_gbs=4000)
+    att = next(r for r in rows if r.kernel == "decode_attention")
+    assert att.delta_us == -100.0 and att.share == pytest.approx(100 / 120, abs=1e-3)
+    assert att.floor == pytest.approx((1.0e9 / 4000e9 * 1e6) / 300.0, abs=1e-3)     # 250 µs floor in 300 µs
+    assert summary == {"measured_delta_us": -120.0, "kernels_delta_us": -100.0, "unattributed_us": -20.0,
+                       "profiled_step_delta_us": -100.0}
+    text = attribution.residual(cand, rows)
+    assert text.startswith("at batch 8 the step (900 µs) is bound by dense_linear 500 µs/step (56% of the step")
+    assert "83% of its byte floor" in text and "100 µs/step outside kernels" in text
+
+
+@pytest.fixture(scope="module")
+def slowed():
+    """gqa_swap's arms on `tiny` under the interpreter; the candidate's rms_norm runs twice per call."""
+    arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
+    ctx = GateContext(lever="gqa_swap", arms=arms, model="tiny", quant="bf16", device="cpu", near_tie_max_mnats=500.0,
+                      gate_cfg=OmegaConf.create({"self_check": True}), slowed={"on": "rms_norm"})
+    yield ctx
+    ctx.release_engines()
+
+
+def test_a_kernel_slowed_in_one_arm_is_the_one_the_attribution_names(slowed):
+    base, cand = (run_gate("profile", slowed, a, self_check=False) for a in slowed.arms)
+    assert base.passed and cand.passed
+    for c in ("1", "2"):
+        rows, _ = attribution.table(base.details["windows"][c], cand.details["windows"][c], None, None)
+        grew = max(rows, key=lambda r: r.delta_us)
+        assert grew.kernel == "rms_norm", [(r.kernel, r.delta_us) for r in rows]
+        assert grew.cand_us > 1.2 * grew.base_us                 # twice the calls (warm caches make it less than 2x)
+
+
+def test_the_profile_gates_self_check_names_its_planted_slowdown(slowed):
+    res = run_gate("profile", slowed, slowed.arms[0])
+    assert res.passed and res.self_check is True
+    assert "decode_attention run twice per call" in res.details["self_check_fault"]
