@@ -153,6 +153,15 @@ def cmd_run(overrides: list[str], dry_run: bool) -> int:
     return 0
 
 
+def _campaign_evidence(out_dir: str, campaign_id: str) -> Path:
+    path = Path(out_dir) / campaign_id / "evidence.json"
+    if not path.is_file():
+        known = [p.parent.name for p in find_evidence(out_dir)]
+        raise UsageError(f"unknown campaign id {campaign_id!r} under {out_dir}; "
+                         f"accepted: {', '.join(known) or '(none yet)'}")
+    return path
+
+
 def _evidence_by_lever(out_dir: str) -> dict[str, list]:
     by: dict[str, list] = {}
     for path in find_evidence(out_dir):
@@ -237,11 +246,7 @@ def cmd_flip(args) -> int:
     from campaigns.gitops import flip_commit
     from campaigns.records import render_all
     from vtengine import levers
-    path = Path(args.out_dir) / args.campaign_id / "evidence.json"
-    if not path.is_file():
-        known = [p.parent.name for p in find_evidence(args.out_dir)]
-        raise UsageError(f"unknown campaign id {args.campaign_id!r} under {args.out_dir}; "
-                         f"accepted: {', '.join(known) or '(none yet)'}")
+    path = _campaign_evidence(args.out_dir, args.campaign_id)
     ev = load_evidence(path)
     try:
         check_flippable(ev)
@@ -306,12 +311,7 @@ def cmd_log(args) -> int:
 
 def cmd_pr(args) -> int:
     from campaigns.records import render_pr
-    path = Path(args.out_dir) / args.campaign_id / "evidence.json"
-    if not path.is_file():
-        known = [p.parent.name for p in find_evidence(args.out_dir)]
-        raise UsageError(f"unknown campaign id {args.campaign_id!r} under {args.out_dir}; "
-                         f"accepted: {', '.join(known) or '(none yet)'}")
-    print(render_pr(load_evidence(path)), end="")
+    print(render_pr(load_evidence(_campaign_evidence(args.out_dir, args.campaign_id))), end="")
     return 0
 
 

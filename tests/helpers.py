@@ -2,6 +2,9 @@
 passed and self-checked, byte-exact) whose grid values a test chooses, so each test breaks one thing."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from pathlib import Path
+
 from campaigns import policy
 from campaigns.evidence import Arm, Evidence, Fingerprint, GateResult, LegResult
 from campaigns.gates import GATE_NAMES
@@ -77,3 +80,30 @@ def make_evidence(values=None, *, reps=3, concurrency=(1, 2, 4, 8), device_type=
 
 
 TPUT_WIN = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [110.0, 111.0, 112.0]}}
+
+
+@contextmanager
+def serving(max_num_seqs: int = 4, **engine_kwargs):
+    """A real `vtengine serve` app over the `tiny` engine, on loopback in this process: yields (server, base URL)."""
+    from vtengine.config import EngineConfig
+    from vtengine.engine.llm_engine import LLMEngine
+    from vtengine.server import Server, start_in_thread, stop_thread
+    server = Server.from_engine(LLMEngine(EngineConfig(model="tiny", max_num_seqs=max_num_seqs, **engine_kwargs)))
+    uv = start_in_thread(server)
+    try:
+        yield server, uv.url
+    finally:
+        stop_thread(uv)
+        server.engine.shutdown()
+
+
+def temp_repo(tmp_path: Path, name: str = "repo") -> Path:
+    """A fresh git repository with one commit: a campaign's sandbox (its sha and cleanliness are real)."""
+    import git
+    repo = tmp_path / name
+    repo.mkdir(parents=True)
+    r = git.Repo.init(repo)
+    (repo / "README.md").write_text("campaign sandbox\n")
+    r.index.add(["README.md"])
+    r.index.commit("sandbox", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    return repo

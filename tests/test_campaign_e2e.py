@@ -10,26 +10,16 @@ import sys
 import time
 from pathlib import Path
 
-import git
 import pytest
 
 from campaigns import records
 from campaigns.config import compose
 from campaigns.evidence import load_evidence
 from campaigns.runner import run_campaign
+from helpers import temp_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(1200)
-
-
-def temp_repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    r = git.Repo.init(repo)
-    (repo / "README.md").write_text("campaign rehearsal sandbox\n")
-    r.index.add(["README.md"])
-    r.index.commit("sandbox", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
-    return repo
 
 
 def test_rehearsal_end_to_end(tmp_path):

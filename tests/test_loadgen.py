@@ -9,9 +9,7 @@ from campaigns import grid
 from campaigns.loadgen import (SERVER_COUNTERS, SERVER_GAUGES, SERVER_MEANS, LegMetrics, RequestResult,
                                _server_deltas, compute_metrics, format_summary, get_model_info, make_prompts,
                                prompts_sha256, run_leg, safe_vocab_range)
-from vtengine.config import EngineConfig
-from vtengine.engine.llm_engine import LLMEngine
-from vtengine.server import Server, start_in_thread, stop_thread
+from helpers import serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -133,12 +131,8 @@ def test_chunk_and_token_counts_that_disagree_make_the_leg_invalid(output_tokens
 
 @pytest.fixture(scope="module")
 def served():
-    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4))
-    server = Server.from_engine(engine)
-    uv = start_in_thread(server)
-    yield server, uv.url
-    stop_thread(uv)
-    server.engine.shutdown()
+    with serving(max_num_seqs=4) as (server, url):
+        yield server, url
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from vtengine.config import EngineConfig
-from vtengine.engine.llm_engine import LLMEngine
-from vtengine.server import Server, start_in_thread, stop_thread
+from helpers import serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -142,12 +140,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def served():
-    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4))
-    server = Server.from_engine(engine)
-    uv = start_in_thread(server)
-    yield server, uv.url
-    stop_thread(uv)
-    server.engine.shutdown()
+    with serving(max_num_seqs=4) as (server, url):
+        yield server, url
 
 
 def send(url: str, method: str, path: str, body, content_type: str = "application/json") -> httpx.Response:

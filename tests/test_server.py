@@ -18,18 +18,15 @@ from vtengine.engine.llm import LLM
 from vtengine.engine.llm_engine import LLMEngine
 from vtengine.engine.sampling_params import SamplingParams
 from vtengine.server import Server, parse_args, engine_config, start_in_thread, stop_thread
+from helpers import serving
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def served():
-    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=8))
-    server = Server.from_engine(engine)
-    uv = start_in_thread(server)
-    yield server, uv.url
-    stop_thread(uv)
-    server.engine.shutdown()
+    with serving(max_num_seqs=8) as (server, url):
+        yield server, url
     assert not server.engine._thread.is_alive(), "engine thread did not stop on shutdown"
 
 

@@ -17,6 +17,7 @@ from campaigns.loadgen import parse_prometheus
 from vtengine.config import EngineConfig
 from vtengine.engine.llm_engine import LLMEngine
 from vtengine.server import Server, start_in_thread, stop_thread
+from helpers import serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,12 +38,8 @@ EXISTING = ("vtengine_num_requests_running", "vtengine_num_requests_waiting", "v
 
 @pytest.fixture
 def served():
-    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4))
-    server = Server.from_engine(engine)
-    uv = start_in_thread(server)
-    yield server, uv.url
-    stop_thread(uv)
-    server.engine.shutdown()
+    with serving(max_num_seqs=4) as (server, url):
+        yield server, url
 
 
 def scrape(url: str) -> tuple[str, dict[str, float]]:

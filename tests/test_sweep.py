@@ -12,11 +12,11 @@ import threading
 import time
 from pathlib import Path
 
-import git
 import pytest
 
 from campaigns import gpus
 from campaigns.evidence import load_evidence
+from helpers import temp_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)
@@ -61,19 +61,9 @@ def test_host_gpus_prefers_the_sweeps_list(monkeypatch):
     assert gpus.host_gpus() == ["1"]
 
 
-def _repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    r = git.Repo.init(repo)
-    (repo / "README.md").write_text("sweep sandbox\n")
-    r.index.add(["README.md"])
-    r.index.commit("sandbox", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
-    return repo
-
-
 def test_a_submitit_local_sweep_runs_campaigns_side_by_side_and_merges_once(tmp_path):
     import mlflow
-    repo = _repo(tmp_path)
+    repo = temp_repo(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = [sys.executable, "-m", "campaigns.cli", "run", "-m", "campaign=gqa_swap,fast_math", *SMALL,
