@@ -50,6 +50,11 @@ def test_rehearsal_end_to_end(tmp_path):
         by_point.setdefault((leg.concurrency, leg.rep), set()).add(leg.prompts_sha256)
     assert all(len(s) == 1 for s in by_point.values())
     assert len({next(iter(s)) for s in by_point.values()}) == len(by_point)
+    # every leg carries the server's own view of it, read by name (a missing metric would void the leg)
+    for leg in ev.legs:
+        assert leg.metrics["server_tokens_generated"] == leg.num_prompts * grid.output_len
+        assert leg.metrics["server_requests_finished"] == leg.num_prompts and leg.metrics["server_ttft_count"] > 0
+        assert 0 < leg.metrics["server_mean_ttft_ms"] <= leg.metrics["mean_ttft_ms"]
     orders = [[leg.arm for leg in sorted(ev.legs, key=lambda x: x.order_index) if leg.rep == r] for r in (0, 1)]
     assert orders[0][0] == "off" and orders[1][0] == "on"          # arm order alternates per rep
 
