@@ -10,6 +10,7 @@ import pytest
 from campaigns import records, tracking
 from campaigns.cli import main
 from campaigns.evidence import save_evidence
+from campaigns.gates import GATE_NAMES
 from helpers import TPUT_WIN, make_evidence
 
 
@@ -52,7 +53,7 @@ def test_parent_run_carries_the_campaign_tags(store):
 def test_children_are_nested_per_gate_arm_and_per_leg(store):
     ev = store["ev"]
     gates, legs = _runs(store, "gate"), _runs(store, "leg")
-    assert len(gates) == len(ev.gates) == 14 and len(legs) == len(ev.legs) == 24
+    assert len(gates) == len(ev.gates) == 2 * len(GATE_NAMES) and len(legs) == len(ev.legs) == 24
     for r in gates + legs + _runs(store, "arm-summary"):
         assert r.data.tags["mlflow.parentRunId"] == store["parent"]
     op_on = next(r for r in gates if r.data.tags["gate"] == "op" and r.data.tags["arm"] == "on")
@@ -80,7 +81,7 @@ def test_arm_summaries_log_medians_at_step_concurrency(store):
 def test_relogging_replaces_instead_of_duplicating(store):
     c = store["client"]
     before = {r.info.run_id for r in _runs(store)}
-    assert len(before) == 1 + 14 + 24 + 2
+    assert len(before) == 1 + 2 * len(GATE_NAMES) + 24 + 2
     new_parent = tracking.log_evidence(store["ev"], store["uri"], campaign_dir=store["cdir"])
     after = {r.info.run_id for r in _runs(store)}
     assert len(after) == len(before) and not (after & before) and new_parent in after
