@@ -66,3 +66,28 @@ def test_gpu_graphed_decode_equals_eager_qwen3_0_6b():
     eager = LLM(backend="triton", levers=levers, cuda_graphs=False, **ENGINE)
     assert not eager.engine.runner.use_graphs
     assert tokens(graphed.generate(ps, GREEDY)) == tokens(eager.generate(ps, GREEDY))
+
+
+@gpu
+@needs_cuda
+def test_async_scheduling_on_the_gpu_equals_sync_and_launches_without_a_host_sync():
+    """Graphed decode with one step in flight equals the synchronous engine token for token, and launching a step
+    (inputs, mirror gather, graph replay, sampling, the host copy) never waits for the device: under
+    ``torch.cuda.set_sync_debug_mode("error")`` any synchronising call in ``launch`` raises."""
+    ps = prompts(8)
+    sampled = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    params = [GREEDY, sampled] * 4
+    sync = LLM(**ENGINE)
+    want = tokens(sync.generate(ps, params))
+    llm = LLM(**ENGINE, levers={"async_scheduling": True, "async_device_mirror": True})
+    runner = llm.engine.runner
+    launch = runner.launch
+
+    def strict_launch(*a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    runner.launch = strict_launch
+    assert tokens(llm.generate(ps, params)) == want

@@ -12,7 +12,7 @@ from vtengine import levers as lever_registry
 from vtengine.backends import make_backend
 from vtengine.config import ConfigError, EngineConfig, ModelConfig
 from vtengine.engine.block_manager import BlockManager
-from vtengine.engine.model_runner import ModelRunner
+from vtengine.engine.model_runner import InFlight, ModelRunner
 from vtengine.engine.outputs import CompletionOutput, RequestOutput
 from vtengine.engine.sampling_params import RequestError, SamplingParams
 from vtengine.engine.scheduler import Scheduler
@@ -103,13 +103,15 @@ class LLMEngine:
                               f"gpu_memory_utilization (now {config.gpu_memory_utilization})")
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         self.max_seq_tokens = min(self.max_model_len, num_blocks * config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   self.max_seq_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len,
                                   config.max_num_seqs, config.cuda_graphs)
         self.blocks_per_seq = blocks_per_seq
         self.seqs: dict[str, Sequence] = {}
         self.fault = None                   # a deliberate fault of a gate's self-check (vtengine/faults.py)
+        self._in_flight = None              # async scheduling: the step launched last, not read yet
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._stats = dict(tokens_generated_total=0, prompt_tokens_total=0, requests_finished_total=0,
                            step_time_s_last=0.0, step_time_s_sum=0.0, steps_total=0, decode_steps_total=0,
@@ -159,9 +161,17 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             self._forget(seq)
+        self._settle()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """The lever async_scheduling: one step in flight; its sampled ids reach the next step's embedding through
+        the device token mirror (lever async_device_mirror), and the host reads them a step later. Read from the
+        backend's levers, so a gate can re-resolve them on an idle engine."""
+        return self.backend.levers.on("async_scheduling")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def _forget(self, seq: Sequence) -> None:
         self.seqs.pop(seq.request_id, None)
@@ -173,32 +183,82 @@ class LLMEngine:
             return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or len(seq) >= self.max_seq_tokens:
+        pending = seq.num_pending               # positions of a step launched since (async): not generated yet
+        if seq.num_completion_tokens - pending >= p.max_tokens or len(seq) - pending >= self.max_seq_tokens:
             return "length"
         return None
 
     # -- one step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. Synchronous: schedule, run, read the sampled ids, append, stop checks, outputs.
+        With async scheduling: schedule and launch the next step, then read the one launched before it (the host
+        prepares step N+1 while the device runs step N); outputs are the previous step's."""
+        if self.async_scheduling:
+            return self._step_async()
+        if self._in_flight is not None:     # the lever went off with a step in flight: read that one first
+            return self._collect(self._in_flight, None)
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
         t0 = time.perf_counter()
         tokens = self.runner.run(seqs, is_prefill)
+        t1 = time.perf_counter()        # .tolist() in the sampler synchronized the device
+        self._count_step(is_prefill, t1 - t0)
+        return self._outputs(seqs, tokens, t0, t1)
+
+    def _step_async(self) -> list[RequestOutput]:
+        seqs, is_prefill = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        launched = None
+        if seqs:
+            launched = self.runner.launch(seqs, is_prefill, started=t0)
+            launched.is_prefill = is_prefill
+            for s in seqs:
+                s.add_pending()         # its position exists from now on; its token arrives with the collection
+        if self._in_flight is None:
+            self._in_flight = launched
+            return []
+        outputs = self._collect(self._in_flight, launched)
+        self._settle()
+        return outputs
+
+    def _collect(self, step: InFlight, launched: InFlight | None) -> list[RequestOutput]:
+        """Read a launched step's sampled ids (``launched``, the step after it, is in flight from now on)."""
+        self._in_flight = launched
+        tokens = self.runner.collect(step)
         t1 = time.perf_counter()
-        dt = t1 - t0                    # .tolist() in the sampler synchronized the device
+        self._count_step(step.is_prefill, t1 - step.started)
+        live = [(s, tok) for s, tok in zip(step.seqs, tokens) if not s.is_finished]     # aborted since: dropped
+        return self._outputs([s for s, _ in live], [tok for _, tok in live], step.started, t1)
+
+    def _settle(self) -> None:
+        """With nothing left to schedule, read a step in flight whose sequences all finished since (their last
+        tokens are discarded), so an engine without requests is idle."""
+        step = self._in_flight
+        if step is not None and not self.scheduler.has_unfinished() and all(s.is_finished for s in step.seqs):
+            self._collect(step, None)
+
+    def _count_step(self, is_prefill: bool, dt: float) -> None:
         st = self._stats
         st["step_time_s_last"], st["steps_total"] = dt, st["steps_total"] + 1
         st["step_time_s_sum"] += dt
         if not is_prefill:
             st["decode_steps_total"] += 1
             st["decode_time_s_sum"] += dt
+
+    def _outputs(self, seqs: list[Sequence], tokens: list[int], t0: float, t1: float) -> list[RequestOutput]:
+        """Append each sequence's new token, check its stops, finish it; one RequestOutput per sequence."""
+        st = self._stats
         outputs = []
         for seq, tok in zip(seqs, tokens):
             times = seq.times                   # timing hooks: read by the server's latency histograms
             if times.first_scheduled is None:
                 times.first_scheduled = t0
             times.token_times.append(t1)
-            seq.append_token(tok)
+            if seq.has_pending:
+                seq.resolve_pending(tok)
+            else:
+                seq.append_token(tok)
             st["tokens_generated_total"] += 1
             reason = self._finish_reason(seq, tok)
             if reason is not None:

@@ -10,16 +10,33 @@ from ``max_model_len``; each sequence divides its own context over those splits.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from vtengine import counters
 from vtengine.engine.sampler import Sampler
 from vtengine.engine.sequence import Sequence
+from vtengine.engine.transfer import to_device
 from vtengine.models.decoder import AttnContext, DecoderModel
 
 log = logging.getLogger(__name__)
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled ids the host has not read yet (async scheduling): the ids on the device (the
+    device token mirror the next step's embedding reads), their host copy under way, and the event that says when
+    that copy is done."""
+    seqs: list[Sequence]
+    is_prefill: bool
+    ids: torch.Tensor                       # [len(seqs)] int64 on the device
+    host: torch.Tensor                      # [len(seqs)] int64 on the host (pinned on CUDA), filled asynchronously
+    event: object | None                    # torch.cuda.Event recorded after the copy (None on CPU: copies are done)
+    rows: dict[int, int] = field(default_factory=dict)     # seq_id -> row of ids
+    started: float = 0.0
+    host_pending: bool = True               # the host has not read ``host`` yet
 
 
 class ModelRunner:
@@ -37,6 +54,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.fault = None                   # a deliberate fault of a gate's self-check (vtengine/faults.py)
+        self.mirror: InFlight | None = None   # async scheduling: the last launched step (its ids stay on the device)
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         if self.use_graphs and not model.backend.capturable:
             # e.g. the torch backend (the oracle) on a GPU: its references synchronise with the host, so a capture
@@ -52,7 +70,7 @@ class ModelRunner:
         bt = torch.full((len(seqs), self.max_blocks_per_seq), -1, dtype=torch.int32)
         for i, s in enumerate(seqs):
             bt[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        return bt
+        return to_device(bt, torch.int32, self.device)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -69,32 +87,58 @@ class ModelRunner:
         dev = self.device
         ctx = AttnContext(
             is_prefill=True,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev),
-            block_tables=self._block_tables(seqs).to(dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            last_token_idx=torch.tensor(last, dtype=torch.int64, device=dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            context_lens=to_device([len(s) for s in seqs], torch.int32, dev),
+            block_tables=self._block_tables(seqs),
+            cu_seqlens_q=to_device(cu, torch.int32, dev),
+            last_token_idx=to_device(last, torch.int64, dev),
             max_context_len=max(len(s) for s in seqs),
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                ctx)
+        return to_device(ids, torch.int64, dev), to_device(pos, torch.int64, dev), ctx
 
     def prepare_decode(self, seqs: list[Sequence]):
         dev = self.device
-        stale = self.fault is not None and self.fault.kind == "stale_input"
-        # a deliberate fault (stale_input): the token before the newest, as a racy async step would read it
-        ids = torch.tensor([s.token_ids[-2] if stale and s.num_completion_tokens > 1 else s.last_token
-                            for s in seqs], dtype=torch.int64, device=dev)
-        pos = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.int64, device=dev)
+        ids = self._decode_ids(seqs)
+        pos = to_device([len(s) - 1 for s in seqs], torch.int64, dev)
         ctx = AttnContext(
             is_prefill=False,
-            slot_mapping=torch.tensor([self._slot(s, len(s) - 1) for s in seqs], dtype=torch.int64, device=dev),
-            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev),
-            block_tables=self._block_tables(seqs).to(dev),
+            slot_mapping=to_device([self._slot(s, len(s) - 1) for s in seqs], torch.int64, dev),
+            context_lens=to_device([len(s) for s in seqs], torch.int32, dev),
+            block_tables=self._block_tables(seqs),
             # split count from max_model_len in eager and graphed decode alike, so the two are bitwise equal
             max_context_len=self.max_model_len,
         )
         return ids, pos, ctx
+
+    def _decode_ids(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Each sequence's newest token, on the device. A token the step in flight sampled (PENDING on the host)
+        comes from that step's ids on the device (the device token mirror), gathered there without a host sync;
+        with the mirror off it comes from the host, which holds only the token before it: the stale read of a
+        plain async port, kept so a gate can show the race."""
+        dev = self.device
+        stale = self.fault is not None and self.fault.kind == "stale_input"
+        # the stale_input fault on a sequence whose newest token is in flight: the host's copy (the one before it)
+        device_mirror = self.model.backend.levers.on("async_device_mirror") and not stale
+        host, src = [], []
+        pending = False
+        for s in seqs:
+            if s.has_pending:
+                pending = True
+                row = self.mirror.rows.get(s.seq_id, -1) if (self.mirror is not None and device_mirror) else -1
+                src.append(row)
+                host.append(s.last_known_token())
+            else:
+                src.append(-1)
+                # a deliberate fault (stale_input): the token before the newest, as a racy async step would read it
+                host.append(s.token_ids[-2] if stale and s.num_completion_tokens > 1 else s.last_token)
+        ids = to_device(host, torch.int64, dev)
+        if pending:
+            counters.record("async_inputs", "device_mirror" if device_mirror else "host_copy",
+                            grid=(len(seqs),))
+        if any(r >= 0 for r in src):
+            rows = to_device(src, torch.int64, dev)
+            ids = torch.where(rows >= 0, self.mirror.ids[rows.clamp(min=0)], ids)
+        return ids
 
     # -- CUDA graphs -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -144,8 +188,7 @@ class ModelRunner:
         return self.g_out[bs][:b]
 
     # -- one step ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def _logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         if is_prefill:
             ids, pos, ctx = self.prepare_prefill(seqs)
             logits = self.model.logits(self.model.forward(ids, pos, ctx, self.kv_caches))
@@ -158,7 +201,40 @@ class ModelRunner:
                 counters.record("decode_step", "eager", grid=(len(seqs),))
         for s in seqs:
             s.num_cached_tokens = len(s)
-        return self.sampler(logits, seqs, self.generators)
+        return logits
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """One synchronous step: the sampled ids on the host (the sampler's read waits for the device)."""
+        return self.sampler(self._logits(seqs, is_prefill), seqs, self.generators)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, started: float = 0.0) -> InFlight:
+        """One step of async scheduling: everything queued on the device, nothing waited for. Its sampled ids stay
+        on the device (the next step's decode inputs gather from them) and are copied to the host behind an event;
+        ``collect`` reads them."""
+        if self.mirror is not None and self.mirror.host_pending:
+            counters.record("async_steps", "launched_ahead", grid=(len(seqs),))   # the overlap, made visible
+        else:
+            counters.record("async_steps", "launched_after_read", grid=(len(seqs),))
+        ids = self.sampler.sample(self._logits(seqs, is_prefill), seqs, self.generators)
+        on_cuda = ids.device.type == "cuda"
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=on_cuda)
+        host.copy_(ids, non_blocking=on_cuda)
+        event = None
+        if on_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        step = InFlight(seqs, is_prefill, ids, host, event, {s.seq_id: i for i, s in enumerate(seqs)}, started)
+        self.mirror = step
+        return step
+
+    def collect(self, step: InFlight) -> list[int]:
+        """The host's copy of a launched step's sampled ids (waits for that copy only)."""
+        if step.event is not None:
+            step.event.synchronize()
+        step.host_pending = False
+        return step.host.tolist()
 
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)

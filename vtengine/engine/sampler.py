@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vtengine.engine.sequence import Sequence
+from vtengine.engine.transfer import to_device
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -21,8 +22,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
+        # scattered back to vocabulary order as a mask: a boolean index would wait for the device to size it
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 
 
@@ -30,13 +31,16 @@ class Sampler:
     def __init__(self, backend):
         self.backend = backend
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], generators: dict[int, torch.Generator]) -> list[int]:
-        out = [0] * len(seqs)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], generators: dict[int, torch.Generator]
+               ) -> torch.Tensor:
+        """The next token of every sequence, as an int64 tensor on the logits' device (no host sync)."""
+        out = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
-        if greedy_rows:
-            rows = logits if len(greedy_rows) == len(seqs) else logits[greedy_rows]
-            for i, tok in zip(greedy_rows, self.backend.greedy(rows).tolist()):
-                out[i] = int(tok)
+        if len(greedy_rows) == len(seqs):
+            out.copy_(self.backend.greedy(logits))
+        elif greedy_rows:
+            idx = to_device(greedy_rows, torch.int64, logits.device)
+            out[idx] = self.backend.greedy(logits[idx]).to(torch.int64)
         for i, seq in enumerate(seqs):
             if seq.params.greedy:
                 continue
@@ -44,5 +48,8 @@ class Sampler:
             row = apply_top_k_top_p(logits[i].float() / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(row, dim=-1)
             race = torch.empty_like(probs).exponential_(generator=generators[seq.seq_id])
-            out[i] = int(torch.argmax(probs / race))
+            out[i] = torch.argmax(probs / race)
         return out
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], generators: dict[int, torch.Generator]) -> list[int]:
+        return self.sample(logits, seqs, generators).tolist()

@@ -14,10 +14,12 @@ from vtengine.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_seq_tokens: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_seq_tokens = max_seq_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -45,8 +47,12 @@ class Scheduler:
             self.running.extend(scheduled)
             return scheduled, True
 
-        while self.running:
+        resting = []                        # async scheduling: sequences whose last token is still in flight and
+        while self.running:                 # at their length limit; they finish when it is read, not decode again
             seq = self.running.popleft()
+            if not self._wants_token(seq):
+                resting.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -56,8 +62,17 @@ class Scheduler:
             else:
                 self.block_manager.append_slot(seq)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+        self.running.extendleft(reversed(scheduled + resting))
         return scheduled, False
+
+    def _wants_token(self, seq: Sequence) -> bool:
+        """Whether a running sequence may decode another token: below max_tokens and the length limit, counting
+        the tokens of a step still in flight (always true for a synchronous engine, which has none in flight)."""
+        if not seq.has_pending:
+            return True
+        if seq.num_completion_tokens >= seq.params.max_tokens:
+            return False
+        return self.max_seq_tokens is None or len(seq) < self.max_seq_tokens
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -69,9 +84,11 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+        for queue in (self.running, self.waiting):      # waiting: preempted while its last token was in flight
+            if seq in queue:
+                queue.remove(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.waiting, self.running):

@@ -9,6 +9,9 @@ from itertools import count
 from vtengine.engine.sampling_params import SamplingParams
 
 
+PENDING = -1                    # a token sampled on the device by a step still in flight (async scheduling)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -76,15 +79,39 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated tokens known on the host (up to the first one still in flight)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def num_completion_tokens(self) -> int:
+        """Generated tokens, those still in flight included (what positions and limits count)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
+
+    # -- async scheduling: a position holds PENDING from the launch of the step that samples it to its collection
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.token_ids) and self.token_ids[-1] == PENDING
+
+    @property
+    def num_pending(self) -> int:
+        """Positions still in flight: at most two, always the last (one step launched, the next launched before
+        the first was read)."""
+        return sum(t == PENDING for t in self.token_ids[-2:])
+
+    def last_known_token(self) -> int:
+        """The newest token the host holds (what a step reading host ids sees while one is in flight)."""
+        return self.token_ids[len(self.token_ids) - self.num_pending - 1]
+
+    def add_pending(self) -> None:
+        self.token_ids.append(PENDING)
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The oldest in-flight position gets its sampled token."""
+        self.token_ids[len(self.token_ids) - self.num_pending] = token_id
 
     @property
     def num_blocks_needed(self) -> int:

@@ -137,7 +137,7 @@ def record_decode_trace(llm, batch: int, prompt_len: int, steps: int = 16,
     The engine is driven step by step: requests are added, stepped until every sequence is past its prefill (has
     its first token and none waits), ``warm_steps`` decode steps run, then the profiler (2 of its own warm-up steps,
     then ``steps`` recorded ones). Every one of those steps must decode all ``batch`` sequences (no prefill, no
-    preemption), or this raises. Leaves the engine idle (the requests are aborted)."""
+    preemption), or this raises. Leaves the engine idle (the requests are aborted, a step in flight collected)."""
     from vtengine.engine.sampling_params import SamplingParams
     eng = llm.engine
     if eng.has_unfinished_requests():
@@ -149,7 +149,8 @@ def record_decode_trace(llm, batch: int, prompt_len: int, steps: int = 16,
         eng.add_request(rid, prompt, params)
     try:
         for _ in range(8 * batch + 8):                  # prefill (one batch, or a few if the token budget splits it)
-            if not eng.scheduler.waiting and all(eng.seqs[r].num_completion_tokens >= 1 for r in rids):
+            # the first token read on the host (with async scheduling a decode step is in flight by then)
+            if not eng.scheduler.waiting and all(eng.seqs[r].completion_token_ids for r in rids):
                 break
             eng.step()
         else:
@@ -160,6 +161,8 @@ def record_decode_trace(llm, batch: int, prompt_len: int, steps: int = 16,
     finally:
         for rid in rids:
             eng.abort_request(rid)
+        while eng.has_unfinished_requests():            # async scheduling: collect the step still in flight
+            eng.step()
 
 
 def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, warm_steps: int = 3) -> KernelProfile:

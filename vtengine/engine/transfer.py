@@ -1,0 +1,17 @@
+"""Host-to-device inputs that do not wait for the device.
+
+``torch.tensor(data, device="cuda")`` copies from pageable host memory, and such a copy synchronises the stream: with
+a step in flight (async scheduling) preparing the next step's inputs would wait for it, and nothing would overlap.
+Staged in pinned memory, the copy is queued behind the step in flight instead (the caching host allocator keeps the
+pinned buffer until the copy has run)."""
+from __future__ import annotations
+
+import torch
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list or CPU tensor on ``device``; on CUDA without a host sync."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
