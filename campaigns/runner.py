@@ -121,7 +121,7 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
         if why and "async_parity" not in run.gates:
             console.print(f"[yellow]grid skipped:[/] {why}")
         else:
-            _serve(run, grid=not why)
+            _serve(run)         # the server gates may complete what the in-process ones left open (a fix's RED)
     except KeyboardInterrupt:
         _save(run.ev, run.cdir)
         console.print(f"[red]interrupted[/]: {len(run.ev.legs)} legs kept; continue with "
@@ -193,8 +193,8 @@ def _in_process_gates(run: _Run) -> None:
     run.ctx.release_engines()
 
 
-def _serve(run: _Run, grid: bool) -> None:
-    """Every arm's server: the server gates, then the grid (unless ``grid`` is False or the server gates fixed the
+def _serve(run: _Run) -> None:
+    """Every arm's server: the server gates, then the grid (unless the gates, the server gates included, fixed the
     verdict), then what the servers report (peak memory, lever context)."""
     ev, cfg = run.ev, run.cfg
     stale = gridmod.stop_stale_servers(run.cdir)        # an earlier run killed with SIGKILL may have left some
@@ -207,7 +207,7 @@ def _serve(run: _Run, grid: bool) -> None:
         run.ctx.server_model = next(iter(handles.values())).model_name
         _run_gates(ev, run.cdir, run.ctx, [g for g in run.gates if g in SERVER_GATES], bool(cfg.gate.self_check))
         why = _gates_decide(ev)                 # the gates so far, the server gates included
-        if why or not grid:
+        if why:
             console.print(f"[yellow]grid skipped:[/] {why}")
         else:
             _run_grid(ev, run.cdir, cfg, handles)
@@ -339,8 +339,10 @@ def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
     # on CPU: the Triton interpreter for the lever's own kernels only, and a short max_model_len (see GateContext)
     kernels = None if cuda else list(levers.get(ev.lever).affects)
     max_len = None if cuda else _cpu_max_model_len(cfg)
+    # a lever that routes no kernel (an engine-loop lever) rehearses on the torch references alone
+    backend = "torch" if kernels == [] else "triton"
     return gridmod.server_command(str(cfg.model.name), str(cfg.model.quant), {**others, ev.lever: value},
-                                  backend="triton", gpu_util=util, max_num_seqs=max_seqs, triton_kernels=kernels,
+                                  backend=backend, gpu_util=util, max_num_seqs=max_seqs, triton_kernels=kernels,
                                   max_model_len=max_len, fault_injection=True)
 
 

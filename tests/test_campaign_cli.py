@@ -10,7 +10,8 @@ from campaigns.config import CampaignConfigError, compose, options
 from campaigns.evidence import save_evidence
 from helpers import TPUT_WIN, make_evidence
 
-CAMPAIGNS = ["fast_math", "gqa_swap", "marlin_dense", "nsplits_cap", "pdl", "triton_gemv"]
+CAMPAIGNS = ["async_device_mirror", "async_scheduling", "fast_math", "gqa_swap", "marlin_dense", "nsplits_cap",
+             "pdl", "triton_gemv"]
 
 
 def _error_line(capsys) -> str:
@@ -37,7 +38,9 @@ def test_every_campaign_composes_on_both_host_kinds():
         assert list(gpu.grid.concurrency) == [1, 2, 4, 8] and list(gpu.grid.prompts_per_leg) == [6, 6, 12, 24]
         assert gpu.grid.reps == 5 and (gpu.grid.input_len, gpu.grid.output_len) == (1024, 128)
         pol = gpu.campaign.policy
-        assert (pol.near_tie_max_mnats, pol.min_gain, pol.flip_on_correctness) == (500, 0.01, False)
+        # async_device_mirror is a correctness fix (RED first): it flips on its gates, not on speed
+        assert (pol.near_tie_max_mnats, pol.min_gain) == (500, 0.01)
+        assert pol.flip_on_correctness == (name == "async_device_mirror")
         assert (gpu.allow_dirty, gpu.commit, gpu.resume, gpu.out_dir) == (False, False, None, "records/campaigns")
         assert gpu.tracking.uri == "sqlite:///mlflow.db"
 
@@ -74,8 +77,8 @@ def test_user_choices_override_the_host_defaults():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["campaign=nope"], "unknown campaign 'nope'; accepted: fast_math, gqa_swap, marlin_dense, nsplits_cap"),
-    ([], "no campaign chosen; add campaign=<name>, accepted: fast_math, gqa_swap"),
+    (["campaign=nope"], "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, fast_math"),
+    ([], "no campaign chosen; add campaign=<name>, accepted: async_device_mirror, async_scheduling"),
     (["campaign=gqa_swap", "grid.reps=abc"], "bad value for grid.reps ('grid.reps=abc')"),
     (["campaign=gqa_swap", "grid.repz=3"], "unknown key 'grid.repz' in override 'grid.repz=3'; accepted keys of "
                                            "grid: name, binding, concurrency, reps"),

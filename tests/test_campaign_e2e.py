@@ -183,6 +183,24 @@ def test_correctness_fix_rehearsal_is_red_first(tmp_path):
     assert any("baseline off passes battery" in r and "cannot prove the fix" in r for r in ev.decision.reasons)
 
 
+def test_async_device_mirror_rehearsal_is_red_then_green(tmp_path):
+    """Nothing planted: with async scheduling pinned on, the baseline (decode inputs from the host's copy) really
+    embeds stale tokens, and battery, near_tie and async_parity catch it; the device token mirror passes them."""
+    cfg = compose(["campaign=async_device_mirror", "tracking=off", "grid.concurrency=[1]", "grid.prompts_per_leg=[2]",
+                   "campaign.gates=[battery,near_tie,async_parity,mechanism]"], cuda=False)
+    ev = run_campaign(cfg, repo=temp_repo(tmp_path))
+    for gate in ("battery", "near_tie", "async_parity"):
+        assert not ev.gate(gate, "off").passed and ev.gate(gate, "on").passed, gate
+        assert ev.gate(gate, "off").self_check is True and ev.gate(gate, "on").self_check is True, gate
+    assert ev.gate("async_parity", "off").counts["batch1_mismatched"] > 0
+    assert ev.context["off"]["async_scheduling"] is True and ev.context["on"]["async_device_mirror"] is True
+    d = ev.decision
+    assert d.verdict == "NON-BINDING" and any("not CUDA" in r for r in d.reasons), d.reasons
+    red_green = [r for r in d.reasons if "RED on off" in r and "→ GREEN on on" in r]
+    assert sorted(r.split(":")[0] for r in red_green) == ["async_parity", "battery", "near_tie"], d.reasons
+    assert ev.legs and not any("void grid" in r for r in d.reasons), "a correctness fix still measures its grid"
+
+
 def test_a_broken_candidate_is_rejected_by_its_gates(tmp_path):
     repo = temp_repo(tmp_path)
     cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=false", "tracking=off",

@@ -88,8 +88,9 @@ class GateContext:
 
     @property
     def backend(self) -> str:
-        # the levers route Triton kernels; on CPU those run in Triton's interpreter
-        return "triton"
+        # the levers route Triton kernels; on CPU those run in Triton's interpreter (a lever with no kernel of its
+        # own rehearses on the torch references alone)
+        return "torch" if self.device != "cuda" and self.triton_kernels == [] else "triton"
 
     @property
     def triton_kernels(self) -> list[str] | None:
@@ -135,10 +136,25 @@ class GateContext:
         return None
 
     def perturb_fault(self, size: float = -2.0):
-        """The lever's own kernel broken: its output scaled by 1 + size in every call (-2: negated)."""
+        """The lever's own kernel broken: its output scaled by 1 + size in every call (-2: negated). A lever that
+        routes no kernel (an engine-loop lever) gets rms_norm broken: every model runs it every step."""
         from vtengine import levers
         from vtengine.faults import Fault, first_perturbable
-        return Fault("perturb", first_perturbable(list(levers.get(self.lever).affects)), size)
+        return Fault("perturb", first_perturbable(list(levers.get(self.lever).affects) or ["rms_norm"]), size)
+
+    @contextmanager
+    def synchronous(self, arm: Arm):
+        """The arm's engine with async scheduling off (the in-process anchors the async_parity gate compares a
+        server with are synchronous by definition)."""
+        from vtengine import levers
+        llm = self.engine(arm)
+        be = llm.engine.backend
+        saved = be.levers
+        be.levers = levers.resolve({**{n: v for n, v in saved.values.items()}, "async_scheduling": False})
+        try:
+            yield llm
+        finally:
+            be.levers = saved
 
     @contextmanager
     def faulted(self, arm: Arm, fault):
@@ -191,11 +207,13 @@ class GateContext:
             be.levers, runner.use_graphs = saved, use_graphs
 
     def oracle(self):
-        """The torch reference path on the same weights: the goldens' source."""
+        """The torch reference path on the same weights, synchronous (a reference has no step in flight): the
+        goldens' source."""
         if "oracle" not in self._engines:
             from vtengine.engine.llm import LLM
+            levers = {**self.lever_values(self.baseline), "async_scheduling": False}
             self._engines["oracle"] = LLM(model=self.model, quant=self.quant, backend="torch",
-                                          levers=self.lever_values(self.baseline), num_kv_blocks=GATE_KV_BLOCKS,
+                                          levers=levers, num_kv_blocks=GATE_KV_BLOCKS,
                                           max_num_seqs=32, cuda_graphs=False, max_model_len=self.max_model_len)
         return self._engines["oracle"]
 

@@ -65,6 +65,13 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"routes": _routes(snap, "dense_linear"), "grids": _grids(snap, "dense_linear")[:8]}
     if lever == "pdl":
         return {"launches": _routes(snap, "launch"), "kernels": _variants(snap, "launch")}
+    if lever == "async_scheduling":
+        # steps launched while the previous step's ids were not read yet: the overlap itself
+        ahead = snap.get("async_steps", {}).get("launched_ahead", {}).get("launches", 0)
+        return {"launched_ahead": ahead, "async_steps": sum(st["launches"] for st in
+                                                            snap.get("async_steps", {}).values())}
+    if lever == "async_device_mirror":
+        return {"decode_inputs": _routes(snap, "async_inputs")}
     raise ValueError(f"no mechanism probe for lever {lever!r}")
 
 
@@ -87,6 +94,15 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "pdl":
         want = ["pdl"] if value else ["plain"]
         return pr["launches"] == want, f"kernel launches {pr['launches']} (kernels {pr['kernels']}), expected {want}"
+    if lever == "async_scheduling":
+        if value:
+            return pr["launched_ahead"] > 0, (f"{pr['launched_ahead']} of {pr['async_steps']} steps launched before the "
+                                              "previous step's ids were read (expected some)")
+        return pr["async_steps"] == 0, f"{pr['async_steps']} asynchronous steps (expected none)"
+    if lever == "async_device_mirror":
+        want = ["device_mirror"] if value else ["host_copy"]
+        return pr["decode_inputs"] == want, (f"decode inputs of in-flight tokens read from {pr['decode_inputs']}, "
+                                             f"expected {want} (needs async_scheduling on)")
     if lever == "nsplits_cap":
         pairs = [tuple(int(x) for x in p.split("/")) for p in pr["split_vs_uncapped"]]
         want = [f"cap={value}"]

@@ -115,10 +115,10 @@ def sync_reference(ctx: GateContext, arm: Arm) -> dict:
     if key not in ctx.cache:
         cfg = ctx.gate_cfg.async_parity
         prompts = parity_prompts(ctx, int(cfg.prompts))
-        llm = ctx.engine(arm)
-        together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(cfg))]
-        alone = [list(llm.generate([p], _params(cfg))[0].outputs[0].token_ids) for p in prompts]
-        logprobs = [llm.engine.score(p, t).float().cpu() for p, t in zip(prompts, together)]
+        with ctx.synchronous(arm) as llm:       # the anchor is the synchronous engine, whatever the arm schedules
+            together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(cfg))]
+            alone = [list(llm.generate([p], _params(cfg))[0].outputs[0].token_ids) for p in prompts]
+            logprobs = [llm.engine.score(p, t).float().cpu() for p, t in zip(prompts, together)]
         ctx.cache[key] = {"together": together, "alone": alone, "logprobs": logprobs}
     return ctx.cache[key]
 
