@@ -122,6 +122,18 @@ def run_sweep(args: list[str], out_dir: str = "records/campaigns") -> int:
     return _after_sweep(Path(out_dir), t0, commit, tracking, uri, failed)
 
 
+def lever_vetoes(evs: list) -> dict[str, str]:
+    """A lever swept over several models (``-m campaign=X model.quant=bf16,mxfp4``) flips when at least one model
+    FLIPs and none REJECTs: lever -> why its FLIPs are refused."""
+    vetoes = {}
+    for ev in evs:
+        verdict = ev.decision.verdict if ev.decision else ""
+        if verdict.startswith("REJECT"):
+            vetoes[ev.lever] = (f"{ev.campaign_id} is {verdict}; a lever flips only when no model of the sweep "
+                                "rejects it")
+    return vetoes
+
+
 def _after_sweep(out_dir: Path, t0: float, commit: bool, tracking: str, uri: str | None, failed) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -141,13 +153,19 @@ def _after_sweep(out_dir: Path, t0: float, commit: bool, tracking: str, uri: str
     table = Table(title=f"sweep: {len(evs)} campaign(s) in {out_dir}")
     for col in ("campaign", "status", "verdict", "flip"):
         table.add_column(col)
+    vetoes, flipped = lever_vetoes(evs), {}
     for ev, path in zip(evs, touched):
         flip = ""
-        if commit and ev.status == "complete" and ev.decision and ev.decision.verdict == "FLIP":
+        if commit and ev.lever in vetoes and ev.decision and ev.decision.verdict == "FLIP":
+            flip = f"refused: {vetoes[ev.lever]}"
+        elif commit and ev.lever in flipped and ev.decision and ev.decision.verdict == "FLIP":
+            flip = f"already flipped by {flipped[ev.lever]}"
+        elif commit and ev.status == "complete" and ev.decision and ev.decision.verdict == "FLIP":
             from campaigns.runner import _flip
             try:
                 _flip(ev, path.parent, Path.cwd(), status_dir(Path.cwd(), out_dir.resolve()))
                 flip = ev.flip.get("branch", "")
+                flipped[ev.lever] = ev.campaign_id
             except CampaignError as e:
                 flip = f"refused: {e}"
         table.add_row(ev.campaign_id, ev.status, ev.decision.verdict if ev.decision else "—", flip)

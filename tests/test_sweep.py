@@ -16,7 +16,7 @@ import pytest
 
 from campaigns import gpus
 from campaigns.evidence import load_evidence
-from helpers import temp_repo
+from helpers import TPUT_WIN, make_evidence, temp_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)
@@ -50,6 +50,19 @@ def test_gpu_slots_give_each_job_its_own_gpu_and_make_the_rest_wait(tmp_path):
     assert order[-1][0] == "third" and order[-1][1] in ("0", "1")
     with gpus.gpu_slot(tmp_path, gpus=[]) as g:               # a CPU host: no slot, no wait
         assert g is None
+
+
+def test_a_lever_swept_over_models_flips_only_when_no_model_rejects_it():
+    from campaigns.sweep import lever_vetoes
+    loss = {"total_token_throughput": {"off": [110.0, 111.0, 112.0], "on": [100.0, 101.0, 102.0]}}
+    bf16 = make_evidence(TPUT_WIN, lever="async_scheduling", campaign_id="2026-12-01-async_scheduling-bf16")
+    mxfp4 = make_evidence(loss, lever="async_scheduling", campaign_id="2026-12-01-async_scheduling-mxfp4")
+    other = make_evidence(TPUT_WIN, lever="gqa_swap")
+    assert (bf16.decision.verdict, mxfp4.decision.verdict) == ("FLIP", "REJECT-PERFORMANCE")
+    vetoes = lever_vetoes([bf16, mxfp4, other])
+    assert list(vetoes) == ["async_scheduling"] and "async_scheduling-mxfp4 is REJECT-PERFORMANCE" in vetoes[
+        "async_scheduling"]
+    assert lever_vetoes([bf16, other]) == {}
 
 
 def test_host_gpus_prefers_the_sweeps_list(monkeypatch):
