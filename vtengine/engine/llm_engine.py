@@ -212,7 +212,6 @@ class LLMEngine:
         launched = None
         if seqs:
             launched = self.runner.launch(seqs, is_prefill, started=t0)
-            launched.is_prefill = is_prefill
             for s in seqs:
                 s.add_pending()         # its position exists from now on; its token arrives with the collection
         if self._in_flight is None:
