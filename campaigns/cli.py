@@ -259,7 +259,7 @@ def cmd_flip(args) -> int:
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
     files += [summaries / "STATUS.md", summaries / "BENCHMARKS.md"]
     info = flip_commit(Path.cwd(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
-                       lever_dir=levers.lever_file(ev.lever).parent)
+                       lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id)
     print(f"flip of {ev.lever} to {ev.decision.new_default} committed on {info['branch']} ({info['commit'][:7]}); "
           f"merge it to change the default")
     return 0

@@ -58,13 +58,27 @@ def flip_branch(lever: str) -> str:
     return f"row/{lever}-flip"
 
 
+SUBJECT_MAX = 72
+
+
+def flip_subject(lever: str, new_default: Any, campaign_id: str = "") -> str:
+    """A commit subject of at most SUBJECT_MAX characters: "Flip <lever> default to <value>", with the campaign id
+    in parentheses when it fits."""
+    value = {True: "on", False: "off"}.get(new_default, str(new_default)) if isinstance(new_default, bool) \
+        else str(new_default)
+    subject = f"Flip {lever} default to {value}"
+    with_id = f"{subject} ({campaign_id})"
+    return with_id if campaign_id and len(with_id) <= SUBJECT_MAX else subject[:SUBJECT_MAX]
+
+
 def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iterable[Path | str], message: str,
-                lever_dir: Path | str = "conf/lever") -> dict[str, str]:
+                lever_dir: Path | str = "conf/lever", campaign_id: str = "") -> dict[str, str]:
     """Commit the lever's new ``default:`` line plus ``files`` (records) on branch ``row/<lever>-flip``.
 
     ``lever_dir`` is the lever directory inside the repository (relative to its root, or absolute). The commit's
-    parent is the current HEAD; the message is the PR text. Returns {branch, commit, base, previous} (previous:
-    the branch's old tip, '' if it is new). The working tree, index and current branch are left untouched.
+    parent is the current HEAD; its subject is ``flip_subject`` (at most 72 characters, as git tools expect) and
+    its body the PR text. Returns {branch, commit, base, previous} (previous: the branch's old tip, '' if it is
+    new). The working tree, index and current branch are left untouched.
     """
     from vtengine.levers import set_default_in_file
 
@@ -114,7 +128,8 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
             repo.git.update_index("--add", "--cacheinfo", f"100644,{blob},{rel}", env=env)
         tree = repo.git.write_tree(env=env)
         with tempfile.NamedTemporaryFile("w", delete=False, encoding="utf-8") as mf:
-            mf.write(message if message.endswith("\n") else message + "\n")
+            body = message if message.endswith("\n") else message + "\n"
+            mf.write(f"{flip_subject(lever, new_default, campaign_id)}\n\n{body}")
         try:
             commit = repo.git.commit_tree(tree, "-p", base, "-F", mf.name, env=env)
         finally:

@@ -65,7 +65,8 @@ def test_flip_commit_changes_only_the_default_line(repo):
     assert out["branch"] == "row/gqa_swap-flip" and out["base"] == base and out["previous"] == ""
     commit = repo.commit(out["commit"])
     assert repo.heads["row/gqa_swap-flip"].commit == commit
-    assert commit.message == PR_TEXT and [p.hexsha for p in commit.parents] == [base]
+    subject = f"Flip gqa_swap default to {'off' if current else 'on'}"
+    assert commit.message == f"{subject}\n\n{PR_TEXT}" and [p.hexsha for p in commit.parents] == [base]
     changed = sorted(d.b_path for d in repo.commit(base).diff(commit))
     assert changed == ["conf/lever/gqa_swap.yaml", "records/STATUS.md",
                        "records/campaigns/2026-11-30-gqa_swap-abc1234/evidence.json",
@@ -79,6 +80,15 @@ def test_flip_commit_changes_only_the_default_line(repo):
     assert repo.active_branch.name == "main" and repo.head.commit.hexsha == base
     assert (root / "conf/lever/gqa_swap.yaml").read_text() == lever_before
     assert all(f.is_file() for f in files) and not repo.index.diff(None)
+
+
+def test_flip_subjects_stay_within_72_characters():
+    from campaigns.gitops import flip_subject
+    assert flip_subject("gqa_swap", True, "2026-12-01-gqa_swap-5bdf31a") == \
+        "Flip gqa_swap default to on (2026-12-01-gqa_swap-5bdf31a)"
+    long = flip_subject("async_device_mirror", True, "2026-12-01-async_device_mirror-d14227b")
+    assert long == "Flip async_device_mirror default to on"           # the id would pass 72: left to the body
+    assert len(flip_subject("x" * 100, "auto", "id")) == 72
 
 
 def test_flip_commit_updates_the_branch_to_one_commit_on_the_new_base(repo):
