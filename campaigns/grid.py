@@ -146,6 +146,11 @@ def _await_ready(launch: _Launch, timeout_s: float = SERVER_START_TIMEOUT_S) -> 
     try:
         try:
             url = launch.ready.get(timeout=timeout_s)
+            if not url:                     # its output ended: the exit status lands a moment after the EOF
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
         except queue.Empty:
             url = None
         if not url:
