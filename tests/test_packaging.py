@@ -47,6 +47,7 @@ def test_the_wheel_carries_conf_and_templates_and_runs_from_anywhere(installed):
     venv, elsewhere = installed
     where = run(venv, elsewhere, "python", "-c", "import vtengine, campaigns.records as r; "
                                                   "print(vtengine.__file__); print(r.TEMPLATE_DIR)")
+    assert where.returncode == 0, where.stderr
     pkg_file, templates = where.stdout.split()
     assert "site-packages" in pkg_file and str(ROOT) not in pkg_file     # the installed copy, not this checkout
     assert templates.endswith("campaigns/templates") and "site-packages" in templates
