@@ -113,6 +113,18 @@ def test_nsplits_cap_expectation_can_fail_for_every_value_type(value, pairs, cap
     assert mechanism.expected("nsplits_cap", value, probe)[0] is ok
 
 
+@pytest.mark.parametrize("value,rules,ok", [
+    ("len512", ["len512"], True),
+    ("len512", ["off"], False),                        # an inert lever: the count rule ran
+    ("off", ["off"], True),
+    ("off", ["len512", "off"], False),                 # a stuck lever somewhere
+    ("len256", [], False),                             # no decode launch: nothing proven
+])
+def test_split_rule_expectation_can_fail(value, rules, ok):
+    probe = {"rules": rules, "floors": [], "grids": []}
+    assert mechanism.expected("split_rule", value, probe)[0] is ok
+
+
 def test_faults_name_what_is_accepted():
     with pytest.raises(FaultError, match="accepted: perturb, oob"):
         Fault("melt")

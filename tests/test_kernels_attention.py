@@ -142,6 +142,42 @@ def test_sm_count_without_gpu_is_h200():
         assert splits.sm_count() == 132
 
 
+# -- the split rule (hand-worked cases) -------------------------------------------------------------------------
+def test_split_rule_values_and_errors():
+    from vtengine.levers import get
+    for raw in get("split_rule").values:
+        splits.parse_split_rule(raw)              # every lever value is accepted by the kernel side
+    assert splits.parse_split_rule("count") == splits.parse_split_rule("off") == ("count", None)
+    assert splits.parse_split_rule("LEN512") == ("length", 512)
+    for bad in ("len", "len0", "len-4", "length512", "fixed", 512):
+        with pytest.raises(ValueError, match="split_rule .* accepted: 'off'"):
+            splits.parse_split_rule(bad)
+
+
+def test_split_plan_count_is_the_heuristic_over_the_bound():
+    # batch-independent: 8 kv heads, bound 4096 in 128-token slices = 32, a wave of 528 -> the heuristic's 32 slots
+    for batch in (1, 64):
+        plan = splits.split_plan("count", "off", 8, batch, 4096, 64, 528)
+        assert plan == (32, 128, 32, 32) and plan.programs == plan.slots
+    # a cap bounds the slots themselves under "count": within 8, 7 x 8 / 528 = .106 is >= .85 x (8 x 8 / 528)
+    assert splits.split_plan("count", 8, 8, 1, 4096, 64, 528) == (7, 128, 7, 32)
+
+
+def test_split_plan_length_fixes_the_slice_and_fills_one_wave():
+    # len512 over a 4096 bound: 8 slots of 512 tokens whatever the batch; the programs per (sequence, head) fill
+    # about one wave of 528: batch 1 x 8 heads could use 66, capped at the 8 slots; batch 64 x 8 = 512 programs
+    # need cdiv(528, 512) = 2 each; batch 128 one each
+    assert splits.split_plan("len512", "off", 8, 1, 4096, 64, 528) == (8, 512, 8, 8)
+    assert splits.split_plan("len512", "off", 8, 64, 4096, 64, 528) == (8, 512, 2, 2)
+    assert splits.split_plan("len512", "off", 8, 128, 4096, 64, 528) == (8, 512, 1, 1)
+    # the bound sizes the slots only: 40960 / 512 = 80, the programs the same
+    assert splits.split_plan("len512", "off", 8, 64, 40960, 64, 528) == (80, 512, 2, 2)
+    # L is rounded up to whole tiles; nsplits_cap caps the programs, "auto" to floor(wave / programs)
+    assert splits.split_plan("len100", "off", 8, 1, 4096, 64, 528).min_split == 128
+    assert splits.split_plan("len512", 4, 8, 1, 4096, 64, 528) == (8, 512, 4, 8)
+    assert splits.split_plan("len512", "auto", 8, 64, 4096, 64, 528) == (8, 512, 1, 2)
+
+
 # -- store_kv ----------------------------------------------------------------------------------------------------
 def test_store_kv_matches_reference_bitwise():
     gen, seed = fresh_generator()
@@ -319,6 +355,68 @@ def test_decode_fused_merge_many_splits_in_chunks(poisoned_partials):
     assert err < BOUND[torch.float32], f"rel L2 {err:.3e}, seed {seed}"
 
 
+@pytest.mark.parametrize("gqa_swap", [False, True], ids=["per_q_head", "gqa_swap"])
+def test_decode_length_rule_independent_of_programs_bound_and_batch(gqa_swap, poisoned_partials):
+    # len32 = two tiles of 16 per slice: contexts 1, 21, 38, 70 have 1, 1, 2, 3 live slices. The slots past them are
+    # NaN (poisoned) and must never be read; the result must not change with the programs per head (grid_splits),
+    # the bound (slots), the merge form, or the batch around a sequence; and it must match the reference.
+    gen, seed = fresh_generator()
+    s = DECODE_SHAPE
+    lens = [1, 21, 38, 70]
+    kc, vc, bt, ctx = make_paged(lens, s["hkv"], s["d"], s["page"], torch.float32, gen)
+    q = make_q(len(lens), s["hq"], s["d"], torch.float32, gen)
+    ref = ref_decode(q, kc, vc, bt, ctx, 0.25)
+
+    def run(q, bt, ctx, **kw):
+        return attn.decode_attention(q, kc, vc, bt, ctx, 0.25, gqa_swap=gqa_swap, split_rule="len32",
+                                     tiles=TINY_TILES, out=poisoned(q), **kw)
+    first = run(q, bt, ctx, max_context_len=80)
+    err = rel_l2(first, ref)
+    assert err < BOUND[torch.float32], f"rel L2 {err:.3e}, seed {seed}"
+    for kw in (dict(max_context_len=80, grid_splits=1), dict(max_context_len=80, grid_splits=2),
+               dict(max_context_len=400), dict(max_context_len=400, grid_splits=3),
+               dict(max_context_len=80, fused_merge=False), dict(max_context_len=80, nsplits_cap=1)):
+        assert torch.equal(run(q, bt, ctx, **kw), first), f"{kw}: the length rule's result moved, seed {seed}"
+    for b in range(len(lens)):          # each sequence alone
+        alone = run(q[b:b + 1], bt[b:b + 1], ctx[b:b + 1], max_context_len=80)
+        assert torch.equal(alone[0], first[b]), f"sequence {b} alone differs from it in the batch, seed {seed}"
+
+
+def test_decode_count_rule_skips_empty_slices(poisoned_partials):
+    # count rule with 9 slots of two tiles over 38 tokens: 2 live slices, 7 empty ones never written (NaN) and never
+    # read; the result equals the two-launch merge and the reference, and every program count gives the same bits
+    gen, seed = fresh_generator()
+    s = DECODE_SHAPE
+    kc, vc, bt, ctx = make_paged([38, 3], s["hkv"], s["d"], s["page"], torch.float32, gen)
+    q = make_q(2, s["hq"], s["d"], torch.float32, gen)
+    outs = [attn.decode_attention(q, kc, vc, bt, ctx, 0.25, num_splits=9, tiles=TINY_TILES, out=poisoned(q), **kw)
+            for kw in (dict(), dict(fused_merge=False), dict(grid_splits=1), dict(grid_splits=4))]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0]), f"seed {seed}"
+    err = rel_l2(outs[0], ref_decode(q, kc, vc, bt, ctx, 0.25))
+    assert err < BOUND[torch.float32], f"rel L2 {err:.3e}, seed {seed}"
+
+
+def test_decode_split_rule_counters_and_errors():
+    gen, _ = fresh_generator()
+    s = DECODE_SHAPE
+    kc, vc, bt, ctx = make_paged([38], s["hkv"], s["d"], s["page"], torch.float32, gen)
+    q = make_q(1, s["hq"], s["d"], torch.float32, gen)
+    counters.reset()
+    attn.decode_attention(q, kc, vc, bt, ctx, 0.25, split_rule="len32", max_context_len=128, tiles=TINY_TILES)
+    rule = counters.snapshot()["decode_split_rule"]
+    assert list(rule) == ["len32"] and rule["len32"]["variants"] == {"min_split=32": 1}
+    counters.reset()
+    attn.decode_attention(q, kc, vc, bt, ctx, 0.25, max_context_len=128, tiles=TINY_TILES)
+    assert list(counters.snapshot()["decode_split_rule"]) == ["off"]
+    with pytest.raises(ValueError, match="num_splits=3 forces a slot count"):
+        attn.decode_attention(q, kc, vc, bt, ctx, 0.25, split_rule="len32", num_splits=3, tiles=TINY_TILES)
+    with pytest.raises(ValueError, match="grid_splits 0 must be a positive integer"):
+        attn.decode_attention(q, kc, vc, bt, ctx, 0.25, grid_splits=0, tiles=TINY_TILES)
+    with pytest.raises(ValueError, match="split_rule 'len' is not valid"):
+        attn.decode_attention(q, kc, vc, bt, ctx, 0.25, split_rule="len", tiles=TINY_TILES)
+
+
 def test_decode_fused_merge_counters_clean_themselves():
     gen, seed = fresh_generator()
     s = DECODE_SHAPE
@@ -430,7 +528,8 @@ def test_gpu_decode_real_shapes_all_arms():
     for gqa_swap in (False, True):
         for fast_math in (False, True):
             for case in (dict(nsplits_cap="off"), dict(nsplits_cap="auto"), dict(nsplits_cap=8),
-                         dict(num_splits=1), dict(num_splits=16)):
+                         dict(num_splits=1), dict(num_splits=16), dict(split_rule="len256"),
+                         dict(split_rule="len512", grid_splits=1), dict(split_rule="len1024")):
                 out = attn.decode_attention(q, kc, vc, bt, ctx, scale, gqa_swap=gqa_swap, fast_math=fast_math,
                                             max_context_len=8192, out=poisoned(q), **case)
                 torch.cuda.synchronize()
@@ -464,6 +563,38 @@ def test_gpu_decode_cuda_graph_replay_matches_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager), f"gqa_swap={gqa_swap}: graph replay differs from eager"
+
+
+@gpu
+@needs_cuda
+def test_gpu_length_rule_invariant_to_batch_bound_and_graphs():
+    # fixed-length slices: a sequence's output must not move with the batch around it, the context bound (8k or
+    # 40k: 16 or 80 slots of 512) or CUDA-graph replay, for both routes
+    gen, seed = fresh_generator()
+    ctx_lens = [7, 300, 1100, 2049, 8191]
+    kc, vc, bt, ctx = make_paged(ctx_lens, REAL["hkv"], REAL["d"], REAL["page"], torch.bfloat16, gen)
+    q = make_q(len(ctx_lens), REAL["hq"], REAL["d"], torch.bfloat16, gen)
+    ref = ref_decode(q, kc, vc, bt, ctx, 0.088)
+    for gqa_swap in (False, True):
+        for rule in ("len256", "len512"):
+            kw = dict(gqa_swap=gqa_swap, split_rule=rule)
+            first = attn.decode_attention(q, kc, vc, bt, ctx, 0.088, max_context_len=8192, out=poisoned(q), **kw)
+            torch.cuda.synchronize()
+            assert rel_l2(first, ref) < BOUND[torch.bfloat16], f"{kw}: seed {seed}"
+            wide = attn.decode_attention(q, kc, vc, bt, ctx, 0.088, max_context_len=40960, out=poisoned(q), **kw)
+            assert torch.equal(wide, first), f"{kw}: a 40k bound changed the result"
+            for b in range(len(ctx_lens)):
+                alone = attn.decode_attention(q[b:b + 1], kc, vc, bt[b:b + 1], ctx[b:b + 1], 0.088,
+                                              max_context_len=8192, **kw)
+                assert torch.equal(alone[0], first[b]), f"{kw}: sequence {b} alone differs, seed {seed}"
+            out = poisoned(q)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                attn.decode_attention(q, kc, vc, bt, ctx, 0.088, max_context_len=40960, out=out, **kw)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, first), f"{kw}: graph replay differs from eager"
 
 
 @gpu

@@ -16,11 +16,11 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     # gqa_swap and marlin_dense were flipped on by their FLIP campaigns (merges of row/<lever>-flip); the rest are off
     reg = levers.registry()
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "fast_math", "gqa_swap", "marlin_dense",
-                           "nsplits_cap", "pdl", "triton_gemv"]
+                           "nsplits_cap", "pdl", "split_rule", "triton_gemv"]
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": False, "async_scheduling": False, "fast_math": False,
                         "gqa_swap": True, "marlin_dense": True, "nsplits_cap": "off", "pdl": False,
-                        "triton_gemv": False}
+                        "split_rule": "off", "triton_gemv": False}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
     assert sorted(n for n in reg if r.on(n)) == ["gqa_swap", "marlin_dense"]

@@ -59,6 +59,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"splits": _splits(snap, "decode_attention"), "caps": _routes(snap, "decode_splits"),
                 "split_vs_uncapped": [f"{s}/{u}" for s, u in _split_pairs(snap)],
                 "grids": _grids(snap, "decode_attention")}
+    if lever == "split_rule":
+        return {"rules": _routes(snap, "decode_split_rule"), "floors": _variants(snap, "decode_split_rule"),
+                "grids": _grids(snap, "decode_attention")}
     if lever == "fast_math":
         return {"variants": _variants(snap, "decode_attention") + _variants(snap, "prefill_attention")}
     if lever == "triton_gemv":
@@ -83,6 +86,9 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "marlin_dense":
         want = ["dense"] if value else ["grouped"]
         return pr["routes"] == want, f"w4a16_gemm routes {pr['routes']}, expected {want}"
+    if lever == "split_rule":
+        want = [str(value)]
+        return pr["rules"] == want, f"decode split rules {pr['rules']} (slice floors {pr['floors']}), expected {want}"
     if lever == "fast_math":
         want = ["fast_math"] if value else ["precise"]
         got = sorted(set(pr["variants"]))

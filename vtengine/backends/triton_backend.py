@@ -76,6 +76,7 @@ class TritonBackend(TorchBackend):
                                           num_sms=INTERPRETER_SMS if INTERPRET else None,
                                           gqa_swap=self.levers.on("gqa_swap"),
                                           nsplits_cap=self.levers.nsplits_cap,
+                                          split_rule=self.levers.split_rule,
                                           fast_math=self.levers.on("fast_math"), pdl=self.levers.on("pdl"))
 
     def linear(self, x, weight):

@@ -27,12 +27,16 @@ Three levers shape it:
   ``expf``/``logf`` and IEEE round-to-nearest division. Under the interpreter both use numpy (there are no
   approximate instructions there), so the two variants differ only by the log2(e) folding.
 
-Slices are per sequence: sequence b's slice length is max(cdiv(cdiv(ctx_b, S), BLOCK_N) * BLOCK_N,
-MIN_SPLIT_TILES * BLOCK_N) tokens, so every split of a long sequence has work whatever the batch's other lengths,
-and a short one fills a few slices of at least two tiles; its trailing slices are empty and skipped (partial = 0,
-lse = -inf). The result depends only on (S, ctx_b), and S only on one sequence's heads and the context bound
-(``max_context_len`` or the block table width), never on the batch: decode is batch-invariant, and eager and
-CUDA-graphed decode agree bitwise.
+Slices are per sequence, and the split rule (the lever ``split_rule``, vtengine/kernels/splits.py) fixes them:
+sequence b's slice length is max(cdiv(cdiv(ctx_b, S), BLOCK_N) * BLOCK_N, MIN_SPLIT) tokens for S partial slots,
+where "off" (the count rule) takes S from the split heuristic over the context bound and MIN_SPLIT =
+MIN_SPLIT_TILES tiles, and "len<L>" takes S = cdiv(bound, L) and MIN_SPLIT = L (every slice L tokens). Sequence b has n_live = cdiv(ctx_b,
+slice length) live slices; each is its own online softmax written to its own slot, and the merge reads the live
+ones only. The grid's third dimension holds G <= S programs per (sequence, grid head), program s walking slices
+s, s + G, ...: G follows the batch (about one wave of programs), and changes no bit, since a slice's arithmetic is
+the same whichever program runs it. The result depends only on (S, MIN_SPLIT, ctx_b), never on the batch: decode
+is batch-invariant, eager and CUDA-graphed decode agree bitwise, and under "len<L>" the bound does not matter
+either.
 
 Every launch records a counter (vtengine/counters.py): kernel, route, grid, split count and compiled variant. The
 merge records ``decode_attention_merge`` in either form (so a reader sees the split outputs merged): as its own
@@ -48,7 +52,7 @@ import torch
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, launch_options
 from vtengine.kernels.fused import pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.splits import decode_num_splits, parse_cap, sm_count
+from vtengine.kernels.splits import parse_cap, parse_split_rule, sm_count, split_plan
 
 import triton  # noqa: E402  (after vtengine.kernels: it sets TRITON_INTERPRET on CPU hosts)
 import triton.language as tl  # noqa: E402
@@ -311,51 +315,25 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-# -- decode stage 1 (both routes) ----------------------------------------------------------------------------
-# grid (B, q_heads, S) with ROWS = 1 (per_q_head) or (B, kv_heads, S) with ROWS = GROUP (gqa_swap). Program
-# (b, g, s) takes q heads g*ROWS .. g*ROWS+ROWS-1 as the rows of a Q tile [BLOCK_M = max(16, pow2(ROWS)), D]
-# (rows past ROWS masked: tl.dot needs M >= 16, and FlashAttention's unswapped decode likewise pads its M tile
-# around one query row), and walks slice s of sequence b's context in K, V tiles [BLOCK_N, D] gathered through
-# the block table: S = Q K^T [BLOCK_M, BLOCK_N], O += P V, both by tl.dot with fp32 accumulation.
-# Bound: bytes. gqa_swap reads each K/V byte once per group; per_q_head once per q head (GROUP x the bytes from
-# L2/HBM); when S > 1 each row also writes a partial (D + 1) x 4 bytes, read back by the merge. With
-# FUSED_MERGE the last of the S programs of (b, g) to finish also merges the ROWS heads (_merge_splits): the merge
-# costs no launch, but every program one release atomic after its stores, and the last one per (b, g) the merge.
+# -- decode: slices ---------------------------------------------------------------------------------------------
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                   out_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
-                   qk_scale, num_splits, num_q_heads,
-                   stride_qb, stride_qh,
-                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                   stride_bt, stride_ob, stride_oh,
-                   GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   SPLIT: tl.constexpr, FAST_MATH: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr,
-                   FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   CHUNK_S: tl.constexpr, MIN_SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
-    b = tl.program_id(0)
-    head0 = tl.program_id(1) * ROWS
-    kvh = head0 // GROUP
-    s = tl.program_id(2)
-    pdl_wait(USE_PDL)                        # q, the cache and the lengths come from earlier kernels
-    ctx = tl.load(context_lens_ptr + b)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    start = s * split_len
-    end = tl.minimum(start + split_len, ctx)
+def _slice_len(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Tokens per slice of a context of ``ctx`` tokens cut for ``num_splits`` slots: the context over the slots, in
+    whole tiles, at least MIN_SPLIT. The split rule (vtengine/kernels/splits.py) picks (num_splits, MIN_SPLIT): "count"
+    a slot count from the context bound and MIN_SPLIT = two tiles; "len<L>" slots = cdiv(bound, L) and MIN_SPLIT = L,
+    so every slice is L tokens long whatever the bound. Either way it depends on this sequence alone."""
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < ROWS
-    heads = head0 + offs_m
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
 
+@triton.jit
+def _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, start, end,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, offs_d, d_mask,
+            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            FAST_MATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """Online softmax of the tile's rows of q over keys [start, end) of one sequence: (max, sum, unnormalised acc)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + b * stride_bt
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -376,47 +354,106 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
         m_i = m_new
-    pdl_launch_dependents(USE_PDL)
+    return m_i, l_i, acc
 
+
+# -- decode: stage 1 -------------------------------------------------------------------------------------------
+# Grid (B, q_heads, G) with ROWS = 1 (per_q_head) or (B, kv_heads, G) with ROWS = GROUP (gqa_swap). Program
+# (b, g, s) takes q heads g*ROWS .. g*ROWS+ROWS-1 as the rows of a Q tile [BLOCK_M = max(16, pow2(ROWS)), D]
+# (rows past ROWS masked: tl.dot needs M >= 16, and FlashAttention's unswapped decode likewise pads its M tile
+# around one query row), and walks slices s, s + G, s + 2G, ... of sequence
+# b's live slices (n_live = cdiv(ctx, slice length), at most num_splits), each in K, V tiles [BLOCK_N, D] gathered
+# through the block table: S = Q K^T [BLOCK_M, BLOCK_N], O += P V, both by tl.dot with fp32 accumulation. Each slice
+# is its own online softmax written to its own partial slot, so which program computes a slice (G) never changes
+# a bit of the result. A program with no live slice does nothing but exit: neither a partial nor an arrival.
+# Bound: bytes. gqa_swap reads each K/V byte once per group; per_q_head once per q head (GROUP x the bytes from
+# L2/HBM); when split each live slice also writes a partial (D + 1) x 4 bytes per row, read back by the merge. With
+# FUSED_MERGE the last of the min(G, n_live) working programs of (b, g) to finish also merges the ROWS heads
+# (_merge_splits): the merge costs no launch, but every working program one release atomic after its stores, and
+# the last one per (b, g) the merge.
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                   out_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
+                   qk_scale, num_splits, num_q_heads,
+                   stride_qb, stride_qh,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   stride_bt, stride_ob, stride_oh,
+                   GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   SPLIT: tl.constexpr, FAST_MATH: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr,
+                   FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   CHUNK_S: tl.constexpr, MIN_SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+    b = tl.program_id(0)
+    head0 = tl.program_id(1) * ROWS
+    kvh = head0 // GROUP
+    s = tl.program_id(2)
+    programs = tl.num_programs(2)
+    pdl_wait(USE_PDL)                        # q, the cache and the lengths come from earlier kernels
+    ctx = tl.load(context_lens_ptr + b)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < ROWS
+    heads = head0 + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+    bt_row = block_tables_ptr + b * stride_bt
     out_mask = m_mask[:, None] & d_mask[None, :]
     if SPLIT:
-        has_keys = l_i > 0.0                 # an empty trailing slice: partial 0 with weight exp(-inf) = 0
-        l_safe = tl.where(has_keys, l_i, 1.0)
-        o = _normalize(acc, tl.zeros_like(acc) + l_safe[:, None], FAST_MATH)
-        lse = tl.where(has_keys, m_i + _softmax_log(l_safe, FAST_MATH), float("-inf"))
-        rows = (b * num_q_heads + heads) * num_splits + s
-        tl.store(o_part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
-        tl.store(lse_part_ptr + rows, lse, mask=m_mask)
+        split_len = _slice_len(ctx, num_splits, BLOCK_N, MIN_SPLIT)
+        n_live = tl.cdiv(ctx, split_len)
+        rows0 = (b * num_q_heads + heads) * num_splits
+        for sl in range(s, n_live, programs):
+            start = sl * split_len
+            end = tl.minimum(start + split_len, ctx)
+            m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, start, end,
+                                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+                                    offs_d, d_mask, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, FAST_MATH, DOT_DTYPE,
+                                    DOT_IEEE)
+            o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)   # a live slice has keys: l_i > 0
+            lse = m_i + _softmax_log(l_i, FAST_MATH)
+            tl.store(o_part_ptr + (rows0 + sl)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
+            tl.store(lse_part_ptr + rows0 + sl, lse, mask=m_mask)
+        pdl_launch_dependents(USE_PDL)
         if FUSED_MERGE:
-            # Memory ordering (PTX memory model; the interpreter runs programs one by one, so there it is moot):
-            # - Release. The partials above are stored by all of this program's threads, while a scalar atomic is
-            #   issued by one thread. The barrier makes every thread's stores precede that thread's atomic (CTA
-            #   scope), and the atomic's release at gpu scope is cumulative: whoever acquires a count at or after
-            #   the one this atomic produced also sees those stores.
-            # - Acquire, by the last arrival only. The program that reads old == S - 1 swaps the counter back to 0
-            #   with acquire semantics: it reads S, the end of the chain of S release read-modify-writes, so it
-            #   synchronises with all of them and every program's partials happen-before its merge. The barrier
-            #   after it extends that order from the issuing thread to the threads that load the partials. (An
-            #   acq_rel add in every program would also be correct; measured on the H200 it cost the programs
-            #   that do not merge about 11 µs more at batch 32 x 8192, gqa_swap, 64 splits.)
-            # - Caches. The merge loads bypass L1 (.cg, in _merge_splits): L2 is the GPU's point of coherence
-            #   and L1 is not kept coherent with other SMs' stores, so a line of these partials left in this
-            #   SM's L1 by an earlier program (one 128-byte line holds the LSEs of several heads, which other
-            #   (b, g) programs on this SM may have merged) must not serve a load. A gpu-scope acquire should
-            #   already invalidate L1; .cg does not rely on it, and costs nothing as each partial is read once.
-            # - Reset. The swap leaves 0 for the next launch (or graph replay), which the stream starts only after
-            #   this one ends; every program of (b, g) has arrived by then, so nothing else in this launch
-            #   touches the counter.
-            tl.debug_barrier()
-            arrival = arrivals_ptr + b * tl.num_programs(1) + tl.program_id(1)
-            old = tl.atomic_add(arrival, 1, sem="release", scope="gpu")
-            if old == num_splits - 1:
-                tl.atomic_xchg(arrival, 0, sem="acquire", scope="gpu")
+            if s < n_live:                   # a working program: it arrives; the last of min(G, n_live) merges
+                # Memory ordering (PTX memory model; the interpreter runs programs one by one, so there it is
+                # moot):
+                # - Release. The partials above are stored by all of this program's threads, while a scalar atomic
+                #   is issued by one thread. The barrier makes every thread's stores precede that thread's atomic
+                #   (CTA scope), and the atomic's release at gpu scope is cumulative: whoever acquires a count at
+                #   or after the one this atomic produced also sees those stores.
+                # - Acquire, by the last arrival only. The program that reads old == arrivals - 1 swaps the
+                #   counter back to 0 with acquire semantics: it reads the end of the chain of release
+                #   read-modify-writes, so it synchronises with all of them and every program's partials
+                #   happen-before its merge. The barrier after it extends that order from the issuing thread to
+                #   the threads that load the partials. (An acq_rel add in every program would also be correct;
+                #   measured on the H200 it cost the programs that do not merge about 11 µs more at batch
+                #   32 x 8192, gqa_swap, 64 splits.)
+                # - Caches. The merge loads bypass L1 (.cg, in _merge_splits): L2 is the GPU's point of coherence
+                #   and L1 is not kept coherent with other SMs' stores, so a line of these partials left in this
+                #   SM's L1 by an earlier program (one 128-byte line holds the LSEs of several heads, which other
+                #   (b, g) programs on this SM may have merged) must not serve a load. A gpu-scope acquire should
+                #   already invalidate L1; .cg does not rely on it, and costs nothing as each partial is read once.
+                # - Reset. The swap leaves 0 for the next launch (or graph replay), which the stream starts only
+                #   after this one ends; every working program of (b, g) has arrived by then, so nothing else in
+                #   this launch touches the counter.
                 tl.debug_barrier()
-                _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, head0, num_q_heads, num_splits,
-                              stride_ob, stride_oh, ROWS=ROWS, BLOCK_R=MERGE_ROWS, HEAD_DIM=HEAD_DIM,
-                              BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, CHUNK_S=CHUNK_S, FAST_MATH=FAST_MATH)
+                arrival = arrivals_ptr + b * tl.num_programs(1) + tl.program_id(1)
+                old = tl.atomic_add(arrival, 1, sem="release", scope="gpu")
+                if old == tl.minimum(programs, n_live) - 1:
+                    tl.atomic_xchg(arrival, 0, sem="acquire", scope="gpu")
+                    tl.debug_barrier()
+                    _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, head0, num_q_heads, num_splits, n_live,
+                                  stride_ob, stride_oh, ROWS=ROWS, BLOCK_R=MERGE_ROWS, HEAD_DIM=HEAD_DIM,
+                                  BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, CHUNK_S=CHUNK_S, FAST_MATH=FAST_MATH)
     else:
+        m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, 0, ctx,
+                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+                                offs_d, d_mask, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, FAST_MATH, DOT_DTYPE, DOT_IEEE)
+        pdl_launch_dependents(USE_PDL)
         o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -436,17 +473,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 # a CTA barrier at every split, serialising the loads (measured on the H200, fused gqa_swap, 4 heads x 64 splits:
 # 12 µs longer at batch 1 x 8192).
 @triton.jit
-def _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, head0, num_q_heads, num_splits, stride_ob, stride_oh,
-                  ROWS: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, FAST_MATH: tl.constexpr):
-    """Merge the S partials of q heads head0 .. head0 + ROWS - 1 of sequence b into out (rows past ROWS of the
-    [BLOCK_R, D] tile are masked). Overwrites the heads' LSEs with their weights."""
+def _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, head0, num_q_heads, num_splits, n_live, stride_ob,
+                  stride_oh, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Merge the n_live partials (of num_splits slots per head) of q heads head0 .. head0 + ROWS - 1 of sequence b
+    into out (rows past ROWS of the [BLOCK_R, D] tile are masked). Overwrites the heads' LSEs with their weights.
+    Slots past n_live hold nothing of this launch and are never read."""
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < ROWS
     heads = head0 + offs_r
     row0 = (b * num_q_heads + heads) * num_splits          # each head's split-0 partial row
     offs_s = tl.arange(0, BLOCK_S)
-    s_mask = r_mask[:, None] & (offs_s < num_splits)[None, :]
+    s_mask = r_mask[:, None] & (offs_s < n_live)[None, :]
     lse = tl.load(lse_part_ptr + row0[:, None] + offs_s[None, :], mask=s_mask, other=float("-inf"),
                   cache_modifier=".cg")
     lse_max = tl.max(lse, 1)           # finite for live heads: slice 0 always holds key 0 (context_len >= 1)
@@ -461,11 +499,11 @@ def _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, head0, num_q_heads, num_
     denom = tl.zeros([BLOCK_R], tl.float32)
     # num_stages=1: plain register loads, never async copies staged in shared memory, which in the fused form
     # would add to every stage-1 program's footprint
-    for s0 in tl.range(0, num_splits, CHUNK_S, num_stages=1):
+    for s0 in tl.range(0, n_live, CHUNK_S, num_stages=1):
         for i in tl.static_range(CHUNK_S):
             # split s0 + i as a vector (the interpreter mis-types a vector mask & a scalar one)
             split = tl.zeros([BLOCK_R], tl.int32) + (s0 + i)
-            live = r_mask & (split < num_splits)       # past the last split: w = 0, o = 0
+            live = r_mask & (split < n_live)           # past the last live slice: w = 0, o = 0
             w_s = tl.load(lse_part_ptr + row0 + split, mask=live, other=0.0, cache_modifier=".cg")
             o_s = tl.load(o_part_ptr + (row0 + split)[:, None] * HEAD_DIM + offs_d[None, :],
                           mask=live[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
@@ -477,16 +515,20 @@ def _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, head0, num_q_heads, num_
 
 
 # The merge as its own launch (fused_merge=False): grid (B, q_heads), one q head per program.
-# Bound: bytes, B x Hq x S x (D + 1) x 4 read, B x Hq x D written; it exists only when S > 1.
+# Bound: bytes, B x Hq x n_live x (D + 1) x 4 read, B x Hq x D written; it exists only when split.
 @triton.jit
-def _decode_merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, num_splits,
+def _decode_merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, context_lens_ptr, num_splits,
                          stride_ob, stride_oh,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         CHUNK_S: tl.constexpr, FAST_MATH: tl.constexpr, USE_PDL: tl.constexpr):
+                         CHUNK_S: tl.constexpr, FAST_MATH: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MIN_SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
-    _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-                  num_splits, stride_ob, stride_oh, ROWS=1, BLOCK_R=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+    b = tl.program_id(0)
+    ctx = tl.load(context_lens_ptr + b)
+    n_live = tl.cdiv(ctx, _slice_len(ctx, num_splits, BLOCK_N, MIN_SPLIT))
+    _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, tl.program_id(1), tl.num_programs(1),
+                  num_splits, n_live, stride_ob, stride_oh, ROWS=1, BLOCK_R=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                   BLOCK_S=BLOCK_S, CHUNK_S=CHUNK_S, FAST_MATH=FAST_MATH)
 
 
@@ -529,13 +571,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      fast_math: bool = False, num_splits: int | None = None, max_context_len: int | None = None,
                      num_sms: int | None = None,
                      tiles: Tiles | None = None, out: torch.Tensor | None = None,
-                     fused_merge: bool = True, pdl: bool = False) -> torch.Tensor:
+                     fused_merge: bool = True, pdl: bool = False, split_rule: str = "off",
+                     grid_splits: int | None = None) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, D] attends to its whole cached context; returns [B, Hq, D].
 
     gqa_swap:        route, see the module docstring.
     nsplits_cap:     "off" | "auto" | N, see vtengine/kernels/splits.py.
+    split_rule:      "off" (the split count from the bound) | "len<L>": how a context is cut into slices (the
+                     lever split_rule, vtengine/kernels/splits.py).
     fast_math:       the exp2/approximate-reciprocal binary.
-    num_splits:      force the split count (tests, benches); None = the heuristic under nsplits_cap.
+    num_splits:      force the slot count under "count" (tests, benches); None = the heuristic under nsplits_cap.
+    grid_splits:     force the programs per (sequence, grid head) (tests, benches); it never changes the result,
+                     only which program computes which slice. None = the split rule's choice.
     num_sms:         the SM count the split heuristic assumes (None: the device's); the engine passes a small
                      virtual count under the CPU interpreter, which walks every program one by one.
     max_context_len: host-side upper bound on context_lens that sizes the heuristic; None = the block table's
@@ -561,25 +608,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid_heads = hkv if gqa_swap else hq
     page_size = k_cache.shape[1]
     min_split = MIN_SPLIT_TILES * meta.block_n
+    rule, _length = parse_split_rule(split_rule)
+    programs = None
     if num_splits is None:
         bound = max_context_len if max_context_len is not None else block_tables.shape[1] * page_size
-        # Batch-invariant: the split count depends on one sequence's programs (its heads) and the context bound,
-        # never on the batch size, so a request's tokens do not depend on which requests share its batch (the
-        # campaign's async_parity gate compares served against in-process tokens; with batch-dependent splits a
-        # concurrent arrival order changed bf16 near-ties). Larger batches pay in more, smaller split programs.
-        # The heuristic counts the bound in minimum-length slices, so the split count never exceeds what a context
-        # at the bound could fill (a graph captured for a long bound otherwise launched 64 slices per sequence of
-        # which a 1k-token context filled 17, each of one tile).
-        slices = triton.cdiv(max(1, int(bound)), min_split)
+        # Batch-invariant either way: the slices depend on one sequence's context, its heads and the bound (under
+        # "count") or L (under "len<L>"), never on the batch size, so a request's tokens do not depend on which
+        # requests share its batch (the campaign's async_parity gate compares served against in-process tokens;
+        # with batch-dependent splits a concurrent arrival order changed bf16 near-ties). Only the number of
+        # programs that walk the slices follows the batch, and it changes no bit. Under "count" the heuristic
+        # counts the bound in minimum-length slices, so the slot count never exceeds what a context at the bound
+        # could fill.
         wave = (num_sms or sm_count(q.device)) * meta.programs_per_sm
-        num_splits = decode_num_splits(grid_heads, slices, nsplits_cap, num_sms=wave)
-        # the mechanism gate's proof of nsplits_cap: the cap applied, and "splits/uncapped" (what the heuristic
-        # would have picked without a cap) per launch
-        uncapped = decode_num_splits(grid_heads, slices, "off", num_sms=wave)
-        counters.record("decode_splits", f"cap={parse_cap(nsplits_cap)}", splits=num_splits,
-                        variant=f"{num_splits}/{uncapped}")
+        plan = split_plan(split_rule, nsplits_cap, grid_heads, bsz, int(bound), meta.block_n, wave)
+        num_splits, min_split, programs = plan.slots, plan.min_split, plan.programs
+        # the mechanism gate's proof of nsplits_cap: the cap applied, and "programs/uncapped" (what the rule would
+        # have picked without a cap) per launch; and of split_rule: the rule, its slice floor and slots
+        counters.record("decode_splits", f"cap={parse_cap(nsplits_cap)}", splits=programs,
+                        variant=f"{programs}/{plan.uncapped}")
+        counters.record("decode_split_rule", "off" if rule == "count" else f"len{_length}", splits=num_splits,
+                        variant=f"min_split={min_split}")
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
+    elif rule == "length":
+        raise ValueError(f"decode_attention: num_splits={num_splits} forces a slot count, which only the 'count' "
+                         f"split rule has; split_rule {split_rule!r} fixes the slice length instead")
+    if grid_splits is not None:
+        if not isinstance(grid_splits, int) or isinstance(grid_splits, bool) or grid_splits < 1:
+            raise ValueError(f"decode_attention: grid_splits {grid_splits!r} must be a positive integer (or None)")
+        programs = grid_splits
+    programs = min(num_splits, programs or num_splits)
     split = num_splits > 1
     fused = split and bool(fused_merge)
     fast_math = bool(fast_math)
@@ -600,7 +658,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = hq // hkv
     rows = group if gqa_swap else 1
     ddt = dot_dtype(q)
-    grid = (bsz, grid_heads, num_splits)
+    grid = (bsz, grid_heads, programs if split else 1)
     on = use_pdl(pdl, "decode_attention", q.device)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, o_part, lse_part, arrivals,
@@ -619,8 +677,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     elif split:
         merge_grid = (bsz, hq)
         _decode_merge_kernel[merge_grid](
-            o_part, lse_part, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=chunk_s, FAST_MATH=fast_math, USE_PDL=on,
+            o_part, lse_part, out, context_lens, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=chunk_s, FAST_MATH=fast_math,
+            BLOCK_N=meta.block_n, MIN_SPLIT=min_split, USE_PDL=on,
             num_warps=4 if d >= 128 else 2, **launch_options(on))
         counters.record("decode_attention_merge", route, grid=merge_grid, splits=num_splits,
                         variant=_variant(fast_math))

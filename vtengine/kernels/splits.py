@@ -122,3 +122,68 @@ def decode_num_splits(programs: int, num_n_blocks: int, nsplits_cap="off", num_s
     else:
         max_splits = min(cap, MAX_SPLITS)
     return num_splits_heuristic(programs, num_sms, max(1, num_n_blocks), max_splits)
+
+
+# -- the split rule (the ``split_rule`` lever) ------------------------------------------------------------------
+# "off" (or "count"): the slot count S comes from the heuristic above over the context bound (max_model_len in the
+#     engine), and sequence b's slice length is its context over S in whole tiles (at least two tiles).
+#     Batch-invariant, but the slices depend on the bound: a 40k bound cuts a 1k context into 128-token slices, and a grid of S programs per
+#     (sequence, head) mostly finds empty slices.
+# "len<L>": every slice is L tokens (L rounded up to whole tiles): a context of n tokens has cdiv(n, L) live slices,
+#     whatever the batch and whatever the bound, so the result depends on the sequence alone. The bound only sizes
+#     the partials workspace (cdiv(bound, L) slots); the grid has G programs per (sequence, head), each walking
+#     slices s, s + G, ..., where G fills about one wave of the GPU (wave / (batch x heads), at least 1): a batch
+#     of 64 gets one or two long-running programs per head, batch 1 as many as its slices.
+def parse_split_rule(rule) -> tuple[str, int | None]:
+    """("count", None) or ("length", L) from a lever value: "off" (the lever's default; also "count", None or False)
+    or "len<L>" with L a positive integer of tokens."""
+    if rule is None or rule is False:
+        return "count", None
+    text = str(rule).strip().lower()
+    if text in ("count", "off", "0", "false"):
+        return "count", None
+    if text.startswith("len") and text[3:].isdigit() and int(text[3:]) > 0:
+        return "length", int(text[3:])
+    raise ValueError(f"split_rule {rule!r} is not valid; accepted: 'off' (the split count from the bound; also "
+                     f"'count') or 'len<L>' with L a positive number of tokens (e.g. 'len256', 'len512')")
+
+
+class SplitPlan(tuple):
+    """(slots, min_split, programs, uncapped_programs): partial slots per (sequence, q head) and the slice-length
+    formula's floor (together they fix every slice), and the grid's programs per (sequence, grid head) with the cap
+    applied and without it. A plain tuple so it caches and compares."""
+    __slots__ = ()
+
+    def __new__(cls, slots: int, min_split: int, programs: int, uncapped: int):
+        return super().__new__(cls, (slots, min_split, programs, uncapped))
+
+    slots = property(lambda self: self[0])
+    min_split = property(lambda self: self[1])
+    programs = property(lambda self: self[2])
+    uncapped = property(lambda self: self[3])
+
+
+@lru_cache(maxsize=4096)
+def split_plan(split_rule, nsplits_cap, grid_heads: int, batch: int, bound: int, block_n: int, wave: int) -> SplitPlan:
+    """The split decode of one launch. ``grid_heads``: programs per sequence without splits (q heads, or kv heads
+    under gqa_swap); ``bound``: the host-side bound on every context; ``wave``: programs the GPU holds at once
+    (SMs x programs per SM). Under "count" the cap bounds the slot count (= programs); under "len<L>" it bounds
+    the programs per (sequence, head) only (the slices are fixed by L), "auto" to floor(wave / (batch x heads))."""
+    kind, length = parse_split_rule(split_rule)
+    bound = max(1, int(bound))
+    if kind == "count":
+        min_split = 2 * block_n
+        slices = _ceil_div(bound, min_split)
+        slots = decode_num_splits(grid_heads, slices, nsplits_cap, num_sms=wave)
+        return SplitPlan(slots, min_split, slots, decode_num_splits(grid_heads, slices, "off", num_sms=wave))
+    min_split = _ceil_div(length, block_n) * block_n
+    slots = _ceil_div(bound, min_split)
+    uncapped = min(slots, max(1, _ceil_div(wave, max(1, batch * grid_heads))))
+    cap = parse_cap(nsplits_cap)
+    if cap == "off":
+        programs = uncapped
+    elif cap == "auto":
+        programs = min(uncapped, wave_cap(batch * grid_heads, wave))
+    else:
+        programs = min(uncapped, cap)
+    return SplitPlan(slots, min_split, programs, uncapped)
