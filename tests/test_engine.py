@@ -155,3 +155,26 @@ def test_cuda_graph_capture_is_refused_for_host_synchronising_backends():
     assert TritonBackend(kernels=["decode_attention", "store_kv"]).capturable
     part = TritonBackend(kernels=["rms_norm", "store_kv"])
     assert not part.capturable and part.host_sync_ops() == ["decode_attention"]
+
+
+def test_max_num_seqs_is_sized_from_the_kv_pool_and_an_explicit_value_is_honoured():
+    from vtengine.engine import llm_engine as le
+    # the rule: pool blocks over one typical sequence's blocks (2048 tokens, or max_model_len when shorter), 1..256
+    assert le.auto_max_num_seqs(43305, 16, 4096) == 256            # an H200's pool: ~690k tokens, capped at 256
+    assert le.auto_max_num_seqs(43305, 16, 40960) == 256
+    assert le.auto_max_num_seqs(1280, 16, 4096) == 10              # 1280 blocks / 128 per 2048-token sequence
+    assert le.auto_max_num_seqs(64, 16, 256) == 4                  # a short bound: 16 blocks per sequence
+    assert le.auto_max_num_seqs(3, 16, 4096) == 1                  # never below one
+    # the engine applies it: 64 blocks of 16 at max_model_len 256 -> 4 running sequences, and no more run at once
+    eng = LLMEngine(EngineConfig(model="tiny", backend="torch", num_kv_blocks=64, max_model_len=256))
+    assert eng.max_num_seqs == 4 and eng.scheduler.max_num_seqs == 4 and eng.stats()["max_num_seqs"] == 4
+    for i in range(6):
+        eng.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    eng.step()
+    assert len(eng.scheduler.running) == 4 and len(eng.scheduler.waiting) == 2
+    explicit = LLMEngine(EngineConfig(model="tiny", backend="torch", num_kv_blocks=64, max_model_len=256,
+                                      max_num_seqs=6))
+    assert explicit.max_num_seqs == 6
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ConfigError, match=f"max_num_seqs must be a positive integer .*got {bad!r}"):
+            EngineConfig(model="tiny", max_num_seqs=bad)

@@ -237,6 +237,7 @@ def test_models_health_metrics_and_unknown_route(served):
     models = httpx.get(f"{url}/v1/models", timeout=10).json()
     (m,) = models["data"]
     assert m["id"] == "tiny" and m["max_model_len"] == server.max_model_len and m["vocab_size"] == 512
+    assert m["max_num_seqs"] == server.engine.engine.max_num_seqs >= 1      # what the engine sized or was given
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     r = httpx.get(f"{url}/v1/nothing", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

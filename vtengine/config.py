@@ -91,7 +91,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None    # None: sized from gpu_memory_utilization (CUDA) or max_model_len (CPU)
     gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None     # None: sized from the KV pool (vtengine/engine/llm_engine.py)
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     cuda_graphs: bool = True
@@ -102,7 +102,9 @@ class EngineConfig:
             raise ConfigError(f"quant {self.quant!r} is not supported; accepted: {list(QUANTS)}")
         if self.block_size not in (16, 32, 64):
             raise ConfigError(f"block_size {self.block_size!r} is not supported; accepted: 16, 32, 64")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool)
+                                              or not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1):
+            raise ConfigError(f"max_num_seqs must be a positive integer (or None: sized from the KV pool), got "
+                              f"{self.max_num_seqs!r}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:
             raise ConfigError(f"gpu_memory_utilization {self.gpu_memory_utilization!r} must be in [0.05, 0.98]")

@@ -142,6 +142,7 @@ class Server:
                 "id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "vtengine",
                 "root": srv.model_name, "max_model_len": srv.max_model_len, "vocab_size": srv.vocab_size,
                 "tokenizer_vocab_size": srv.tokenizer_vocab_size,
+                "max_num_seqs": getattr(srv.engine.engine, "max_num_seqs", None),
             }]}
 
         @app.get("/health")
@@ -246,7 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quant", default="bf16", help="bf16 | mxfp4 | nvfp4 (default bf16)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (the ready line says which)")
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (engine default if unset)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="running sequences at most (unset: sized from the KV pool, at most 256)")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--backend", default=None, help="triton | torch (default: triton on CUDA, torch on CPU)")

@@ -122,7 +122,7 @@ class GateContext:
                 runner = llm.engine.runner
                 if runner.use_graphs:
                     runner.graphs = {}
-                    runner.capture_graphs(llm.engine.config.max_num_seqs)
+                    runner.capture_graphs(llm.engine.max_num_seqs)
             self._engines[arm.name] = llm
         return self._engines[arm.name]
 

@@ -22,6 +22,18 @@ from vtengine.models.presets import load_preset, package_file, preset_names, ran
 
 CPU_KV_CACHE_BYTES = 512 * 2**20       # the KV pool on CPU hosts (GPU hosts size it from free memory)
 GPU_ACTIVATION_RESERVE = 2 * 2**30
+# max_num_seqs when not set: as many running sequences as the KV pool holds at TYPICAL_SEQ_TOKENS each (or
+# max_model_len when shorter), at most MAX_NUM_SEQS_CAP, the largest captured CUDA graph and vLLM's default. A
+# sequence that outgrows its share is preempted and recomputed later, as in vLLM, so this only bounds the batch.
+TYPICAL_SEQ_TOKENS = 2048
+MAX_NUM_SEQS_CAP = 256
+
+
+def auto_max_num_seqs(num_blocks: int, block_size: int, max_model_len: int) -> int:
+    """Running sequences the KV pool of ``num_blocks`` blocks admits at TYPICAL_SEQ_TOKENS (or max_model_len) each,
+    between 1 and MAX_NUM_SEQS_CAP."""
+    per_seq = -(-min(max_model_len, TYPICAL_SEQ_TOKENS) // block_size)
+    return max(1, min(MAX_NUM_SEQS_CAP, num_blocks // per_seq))
 
 
 def load_model_source(name_or_path: str, device, dtype):
@@ -104,10 +116,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
         self.max_seq_tokens = min(self.max_model_len, num_blocks * config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+        # an explicit max_num_seqs is honoured as given; otherwise the pool sizes it
+        self.max_num_seqs = config.max_num_seqs or auto_max_num_seqs(num_blocks, config.block_size,
+                                                                     self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_seq_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len,
-                                  config.max_num_seqs, config.cuda_graphs)
+                                  self.max_num_seqs, config.cuda_graphs)
         self.blocks_per_seq = blocks_per_seq
         self.seqs: dict[str, Sequence] = {}
         self.fault = None                   # a deliberate fault of a gate's self-check (vtengine/faults.py)
@@ -296,4 +311,5 @@ class LLMEngine:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         return dict(self._stats, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     kv_blocks_total=self.block_manager.num_blocks, kv_blocks_free=self.block_manager.num_free,
+                    max_num_seqs=self.max_num_seqs,
                     num_preemptions=self.scheduler.num_preemptions, peak_gpu_memory_bytes=peak)
