@@ -62,6 +62,9 @@ class PolicyConfig:
     fix_gates: List[str] = field(default_factory=list)   # the gate(s) that prove the fix: FAIL on baseline, PASS on it
     neutral_margin: float = 0.02         # a KEEP is "neutral" when the pooled interval lies within ±this
     primary_axes: List[str] = field(default_factory=lambda: ["total_token_throughput", "tpot"])
+    # FLIP needs WINs (REJECT-PERFORMANCE LOSSes) at this many concurrencies; 0: one per 4 points of the grid,
+    # rounded up (1 on the 4-point grid, 2 on the 8-point wide one), so more points do not mean more false FLIPs
+    min_win_points: int = 0
 
 
 @dataclass
@@ -386,6 +389,11 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     for key in ("concurrency", "prompts_per_leg"):
         if any(int(v) < 1 for v in grid[key]) or not grid[key]:
             raise CampaignConfigError(f"grid.{key} {list(grid[key])} must be a non-empty list of positive integers")
+    short = [(int(c), int(n)) for c, n in zip(grid.concurrency, grid.prompts_per_leg) if int(n) < int(c)]
+    if short:
+        raise CampaignConfigError(f"grid.prompts_per_leg {list(grid.prompts_per_leg)}: a leg needs at least as many "
+                                  f"prompts as its concurrency, or it never runs at that concurrency; short: "
+                                  + ", ".join(f"c{c} with {n}" for c, n in short))
     if len(set(grid.concurrency)) != len(grid.concurrency):
         raise CampaignConfigError(f"grid.concurrency {list(grid.concurrency)} repeats a value; each concurrency "
                                   "is one point of the grid (use grid.reps for repetitions)")

@@ -41,12 +41,14 @@ RULES = {
                    "grid, or no mechanism proof.",
     "FLIP": "4. FLIP — token-safe (measured byte-exact, or every divergence ratified by near_tie) and at least one "
             "WIN on {primary} and no LOSS on any axis. A non-byte-exact lever also needs its WINs to clear a "
-            "minimum gain ({min_gain:.1%}).",
+            "minimum gain ({min_gain:.1%}). A grid of more than 4 concurrencies needs WINs at one concurrency "
+            "per 4 of its points (rounded up), so its extra points do not add chances to flip by luck.",
     "FLIP-CORRECTNESS": "4. FLIP (correctness fix) — RED first: the gate(s) the campaign names as proving the fix "
                         "({fix_gates}) FAIL on the baseline and PASS on the candidate, and every other correctness "
                         "gate passes on the candidate.",
     "REJECT-PERFORMANCE": "5. REJECT (performance) — a LOSS on a primary axis and no WIN: recorded as refuted so "
-                          "it is not retried.",
+                          "it is not retried. A grid of more than 4 concurrencies needs LOSSes at one concurrency "
+                          "per 4 of its points (rounded up).",
     "KEEP": "6. KEEP — otherwise; the default stays. Neutral when the pooled effect's interval on every primary "
             "axis lies within ±{neutral_margin:.0%}, else underpowered: the grid could not tell.",
     "AA-PASS": "A/A PASS — the grid's self-check: two servers at the same value show no more separated points "
@@ -196,6 +198,7 @@ class Facts:
     gap_ok: bool
     near_ok: bool                           # near_tie ran, passed, and its largest gap is within the policy's
     fix: set[str]                           # a correctness fix's gates (RED on the baseline, GREEN on the fix)
+    points_needed: int = 1                  # concurrencies a FLIP needs WINs at (a REJECT LOSSes at)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -225,7 +228,8 @@ def facts(ev: Evidence, cand: Arm, p: PolicyConfig) -> Facts:
     f = Facts(ev=ev, cand=cand, p=p, base=base, run=[g for g in ev.gates if not g.skipped],
               byte_exact=_measured_byte_exact(ev, cand.name), near_ran=near_ran, max_gap=max_gap, gap_ok=gap_ok,
               near_ok=near_ran and near.passed and gap_ok,
-              fix=set(p.fix_gates) if p.flip_on_correctness else set())
+              fix=set(p.fix_gates) if p.flip_on_correctness else set(),
+              points_needed=points_needed(ev, p))
     for arm, ok, gap in ((base, _ratified(ev, base, p), None), (cand.name, f.near_ok, max_gap)):
         bat = ev.gate("battery", arm)
         if bat is not None and not bat.skipped and not bat.passed and ok and "battery" not in f.fix:
@@ -239,6 +243,22 @@ def facts(ev: Evidence, cand: Arm, p: PolicyConfig) -> Facts:
             f.notes.append(f"{name}: RED on {base} ({_counts(b)})"
                            + (f" → GREEN on {cand.name} ({_counts(c)})" if c is not None and c.passed else ""))
     return f
+
+
+POINTS_PER_WIN = 4
+
+
+def points_needed(ev: Evidence, p: PolicyConfig) -> int:
+    """Concurrencies at which a FLIP needs WINs (a REJECT-PERFORMANCE LOSSes): the policy's min_win_points, or one
+    per POINTS_PER_WIN of the grid's concurrencies, rounded up. Each added point is another chance of a separation
+    by luck (an 8-point grid at one WIN: 5.8% false FLIPs on the H200 noise, 3.0% at 4 points)."""
+    if p.min_win_points > 0:
+        return p.min_win_points
+    return max(1, -(-len(settings(ev).grid.concurrency) // POINTS_PER_WIN))
+
+
+def _points(stats: list[AxisStat]) -> int:
+    return len({s.concurrency for s in stats})
 
 
 def _ratified(ev: Evidence, arm: str, p: PolicyConfig) -> bool:
@@ -317,7 +337,7 @@ def rule_flip(f: Facts) -> Fired:
     """4. Token-safe, a (large enough) WIN on a primary axis, no LOSS anywhere."""
     wins = f.wins()
     qualifying = wins if f.byte_exact else [s for s in wins if s.ratio is not None and s.ratio >= 1 + f.p.min_gain]
-    if not (f.token_safe and qualifying and not f.losses()):
+    if not (f.token_safe and qualifying and _points(qualifying) >= f.points_needed and not f.losses()):
         return None
     why = [f"token-safe: {'measured byte-exact' if f.byte_exact else 'every divergence ratified by near_tie'}"]
     return why + [f"WIN on {_fmt_stat(s)}" for s in qualifying], {"binding": True, "new_default": f.cand.value}
@@ -326,7 +346,7 @@ def rule_flip(f: Facts) -> Fired:
 def rule_reject_performance(f: Facts) -> Fired:
     """5. A LOSS on a primary axis and no WIN anywhere: refuted."""
     primary_losses = f.losses(primary_only=True)
-    if not primary_losses or f.wins(primary_only=False):
+    if not primary_losses or _points(primary_losses) < f.points_needed or f.wins(primary_only=False):
         return None
     return [f"LOSS on {_fmt_stat(s)}" for s in primary_losses], {"binding": True}
 
@@ -344,6 +364,9 @@ def rule_keep(f: Facts) -> Fired:
     elif not qualifying:
         why.append(f"WINs below the minimum gain {f.p.min_gain:.1%} for a non-byte-exact lever: "
                    + "; ".join(_fmt_stat(s) for s in wins))
+    elif _points(qualifying) < f.points_needed:
+        why.append(f"WINs at {_points(qualifying)} concurrency, fewer than the {f.points_needed} this grid's "
+                   f"{len(settings(f.ev).grid.concurrency)} points need: " + "; ".join(_fmt_stat(s) for s in wins))
     return why + [f"LOSS on {_fmt_stat(s)}" for s in f.losses()], {"binding": True}
 
 

@@ -26,10 +26,11 @@ def h200():
     return binding, calibrate.noise_model(binding)
 
 
-def shaped(ev, reps=None, candidates=None):
-    """``ev`` reshaped to the default binding grid and policy as composed today (optionally other reps)."""
+def shaped(ev, reps=None, candidates=None, grid="online"):
+    """``ev`` reshaped to a binding grid (the default one unless named) and the policy as composed today (optionally
+    other reps)."""
     t = copy.deepcopy(ev)
-    cfg = to_plain(compose(["campaign=gqa_swap"], cuda=True))
+    cfg = to_plain(compose(["campaign=gqa_swap", f"grid={grid}"], cuda=True))
     t.config["grid"] = cfg["grid"]
     t.config["campaign"]["policy"] = cfg["campaign"]["policy"]
     if reps is not None:
@@ -54,6 +55,27 @@ def test_the_default_binding_grid_meets_its_error_rates(h200):
     t3 = calibrate.template(shaped(binding[0], reps=3), byte_exact=True)
     null3, _ = calibrate.verdicts(t3, noise, SIMS, seed=0)
     assert null3.count("FLIP") / SIMS > 0.10 and null3.count("REJECT-PERFORMANCE") / SIMS > 0.10
+
+
+def test_the_wide_grid_has_no_more_false_flips_than_the_default_one(h200):
+    """grid=online_wide: 8 concurrencies (1..128). Its rule needs WINs at 2 of them (policy.points_needed); with one
+    it would FLIP a lever that does nothing about twice as often as the 4-point grid (5.8% against 3.0%)."""
+    binding, noise = h200
+    narrow = calibrate.template(shaped(binding[0]), byte_exact=True)
+    wide = calibrate.template(shaped(binding[0], grid="online_wide"), byte_exact=True)
+    assert wide.config["grid"]["concurrency"] == [1, 2, 4, 8, 16, 32, 64, 128] and wide.config["grid"]["reps"] == 5
+    rates = {}
+    for name, t in (("narrow", narrow), ("wide", wide)):
+        null, _ = calibrate.verdicts(t, noise, SIMS, seed=0)
+        rates[name] = (null.count("FLIP") / SIMS, null.count("REJECT-PERFORMANCE") / SIMS)
+    assert rates["wide"][0] <= rates["narrow"][0] and rates["wide"][1] <= 0.05, rates
+    assert calibrate.flip_rate(wide, noise, SIMS, seed=0, gain=0.05) >= 0.80
+    # the same grid under the one-WIN rule: more points, more luck
+    one_win = copy.deepcopy(wide)
+    one_win.config["campaign"]["policy"]["min_win_points"] = 1
+    one_win.__dict__.pop("_settings", None)
+    null1, _ = calibrate.verdicts(one_win, noise, SIMS, seed=0)
+    assert null1.count("FLIP") / SIMS > rates["narrow"][0], (null1.count("FLIP") / SIMS, rates)
 
 
 def test_the_noise_model_is_within_arm_not_across_arms(h200):

@@ -94,3 +94,30 @@ def test_stale_servers_of_an_earlier_run_are_stopped_by_their_pid_files(tmp_path
         for p in (survivor, bystander):
             if p.poll() is None:
                 p.kill()
+
+
+def test_the_wide_grid_composes_plans_and_partitions():
+    from campaigns.config import compose
+    cfg = compose(["campaign=nsplits_cap", "grid=online_wide"], cuda=True)
+    g = cfg.grid
+    assert g.binding and list(g.concurrency) == [1, 2, 4, 8, 16, 32, 64, 128] and g.reps == 5
+    assert all(n >= c for c, n in zip(g.concurrency, g.prompts_per_leg))   # every leg reaches its concurrency
+    plan = grid.leg_plan(ARMS, list(g.concurrency), g.reps, g.alternate_order)
+    assert len(plan) == 8 * 5 * 2 and len({(c, r, a.name) for c, r, a in plan}) == 80
+    parts, warm = grid.prompt_partitions(OmegaConf.merge(g, {"input_len": 8}), (16, 500))
+    assert {k: len(v) for k, v in parts.items() if k[1] == 0} == dict(zip(
+        [(c, 0) for c in g.concurrency], g.prompts_per_leg))
+    assert len(grid.warmup_for(warm, 128, g.warmup_requests)) == 128       # the c128 leg warms a batch of 128
+    seen = [tuple(p) for ps in parts.values() for p in ps]
+    assert len(seen) == len(set(seen)) == 5 * sum(g.prompts_per_leg)
+
+
+@pytest.mark.parametrize("override,match", [
+    (["grid.prompts_per_leg=[6,6,12,24,48,96,192,100]"], r"at least as many prompts as its concurrency.*c128 with 100"),
+    (["grid.prompts_per_leg=[6,6]"], "must have one entry per"),
+    (["grid.concurrency=[1,2,4,8,16,32,64,64]"], "repeats a value"),
+])
+def test_the_wide_grid_refuses_a_malformed_override(override, match):
+    from campaigns.config import CampaignConfigError, compose
+    with pytest.raises(CampaignConfigError, match=match):
+        compose(["campaign=nsplits_cap", "grid=online_wide"] + override, cuda=True)

@@ -354,3 +354,34 @@ def test_headline_is_finite_and_rule_is_quoted_for_every_verdict():
     for ev in (make_evidence(TPUT_WIN), make_evidence({}), make_evidence(TPUT_WIN, device_type="cpu")):
         assert ev.decision.rule in {policy.rule_text(k, policy.policy_params(ev)) for k in policy.RULES}
         assert "×" in ev.decision.headline and not math.isnan(float(ev.decision.headline.split("×")[1][:5]))
+
+
+WIDE = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _separated_only_at(ev: Evidence, keep: set[int]) -> Evidence:
+    """The evidence with both arms' throughput equal (no separation) except at the concurrencies in ``keep``."""
+    for leg in ev.legs:
+        if leg.concurrency not in keep and leg.arm == "on":
+            twin = next(x for x in ev.legs if x.arm == "off" and (x.concurrency, x.rep) == (leg.concurrency, leg.rep))
+            leg.metrics = dict(twin.metrics)
+    return policy.conclude(ev)
+
+
+@pytest.mark.parametrize("values,separated", [
+    (TPUT_WIN, "FLIP"),
+    ({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}}, "REJECT-PERFORMANCE"),
+])
+def test_a_wide_grid_needs_separations_at_one_concurrency_per_four_points(values, separated):
+    # 8 concurrencies: one separated point is what luck gives a lever that does nothing (the wide grid's false FLIP
+    # was 5.8% at one WIN on the H200 noise); two are needed. The 4-point grid still needs one.
+    assert verdict(_separated_only_at(make_evidence(values), {8})) == separated
+    one = _separated_only_at(make_evidence(values, concurrency=WIDE), {64})
+    assert verdict(one) == "KEEP" and "one concurrency per 4 of its points" in policy.rule_text(
+        "FLIP", policy.policy_params(one))
+    if separated == "FLIP":
+        assert any("WINs at 1 concurrency, fewer than the 2 this grid's 8 points need" in r
+                   for r in one.decision.reasons), one.decision.reasons
+    assert verdict(_separated_only_at(make_evidence(values, concurrency=WIDE), {64, 128})) == separated
+    # an explicit policy setting overrides the rule of thumb
+    assert verdict(_separated_only_at(make_evidence(values, policy_cfg={"min_win_points": 3}), {4, 8})) == "KEEP"
