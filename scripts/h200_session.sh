@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: `bash scripts/h200_session.sh STEP...` with the `.whl` wheelhouse carried.
 # Each step is one argument: [SECONDS@]campaign:<name>[:<space-separated overrides>] | [SECONDS@]decode[:<args>] |
-# [SECONDS@]gputests[:<pytest args>] | [SECONDS@]py:<module> [args] (python3 -m <module> [args]). A step past its SECONDS (default 400) gets SIGINT: servers stop, evidence is kept (resume=<id>).
+# [SECONDS@]gputests[:<pytest args>] | [SECONDS@]py:<module> [args] (python3 -m <module> [args]) |
+# [SECONDS@]serve:<vtengine serve flags>|<vtengine bench serve flags>[|<bench serve flags>...] (one server, one
+# closed-loop leg per |-part, each with its own SECONDS). A step past its SECONDS (default 400) gets SIGINT:
+# servers stop, evidence is kept (resume=<id>).
 # Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -27,6 +30,17 @@ for step in "$@"; do
     decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
     gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider ${rest:-tests} 2>&1 | tail -40 | tee -a $LOGS/gputests.log ;;
     py)       timeout -s INT -k 30 $limit python3 -m $rest 2>&1 | tee -a $LOGS/py-${rest%% *}.log ;;
+    serve)    IFS='|' read -r -a parts <<< "$rest"; port=8123; url=http://127.0.0.1:$port
+              python3 -m vtengine.cli serve ${parts[0]} --port $port >> $LOGS/serve-server.log 2>&1 & spid=$!
+              python3 -c "import sys, time, urllib.request as u
+for _ in range($limit):
+    try: u.urlopen('$url/health', timeout=2); sys.exit(0)
+    except Exception: time.sleep(1)
+sys.exit(1)" || { echo "server did not start"; tail -20 $LOGS/serve-server.log; }
+              for leg in "${parts[@]:1}"; do
+                timeout -s INT -k 30 $limit python3 -m vtengine.cli bench serve --base-url $url $leg 2>&1 | tee -a $LOGS/serve.log
+              done
+              kill -INT $spid; wait $spid ;;
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - t0 )) s"

@@ -312,12 +312,17 @@ def cpu_stand_ins(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(common, "copy_bandwidth_gbs", lambda: 100.0)
     build = engine_timing.build_llm
-    monkeypatch.setattr(engine_timing, "build_llm", lambda model, quant, n, levers: build(
-        model, quant, n, levers, device="cpu", backend="torch", num_kv_blocks=64, max_model_len=256))
+    bounds = []
+
+    def cpu_build(model, quant, n, levers, max_model_len):
+        bounds.append(max_model_len)             # the --max-model-len flag reaches the engine (4096 by default)
+        return build(model, quant, n, levers, device="cpu", backend="torch", num_kv_blocks=64, max_model_len=256)
+    monkeypatch.setattr(engine_timing, "build_llm", cpu_build)
     hf = hf_baseline.hf_decode_ms
     monkeypatch.setattr(hf_baseline, "hf_decode_ms", lambda *a, **k: hf(*a, **dict(k, device="cpu", compile=False)))
     monkeypatch.setenv("OUT", str(tmp_path / "OUT"))
     (tmp_path / "OUT").mkdir()
+    monkeypatch.engine_bounds = bounds
     return monkeypatch
 
 
@@ -330,6 +335,7 @@ def test_main_orchestration_on_cpu(tmp_path, cpu_stand_ins):
     [path] = (tmp_path / "res").glob("decode-*.json")
     res = json.loads(path.read_text())
     assert res["complete"] and res["copy_bandwidth_gbs"] == 100.0 and "interrupted" not in res
+    assert cpu_stand_ins.engine_bounds == [4096] * 3          # one engine per spec, at the default bound
     eng = {(r["model"], r["quant"], r["batch"]): r for r in res["engine"]}
     for q in ("bf16", "mxfp4"):
         for b in (1, 2):

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=4096, help="the engine's context bound (it sizes the "
+                    "decode split rule's slots; 4096 unless set)")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers for every bf16 model (static "
                     "cache + generate's torch.compile, reduce-overhead)")
     ap.add_argument("--hf-reps", type=int, default=3, help="timed repetitions for HF (the median is reported)")
@@ -73,6 +75,7 @@ class DecodeArgs:
     batches: list[int]
     prompt_len: int
     gen_len: int
+    max_model_len: int
     hf: bool
     hf_reps: int
     profile: bool
@@ -90,13 +93,17 @@ class DecodeArgs:
             raise ValueError(f"--batches expects comma-separated integers, e.g. 1,8; got {args.batches!r}") from None
         if args.gen_len < 3:
             raise ValueError(f"--gen-len must be >= 3, got {args.gen_len}")
+        if args.max_model_len < args.prompt_len + args.gen_len:
+            raise ValueError(f"--max-model-len {args.max_model_len} must hold --prompt-len + --gen-len "
+                             f"({args.prompt_len + args.gen_len})")
         if args.profile_steps < 1 or args.hf_reps < 1:
             raise ValueError(f"--profile-steps and --hf-reps must be >= 1, got {args.profile_steps}, {args.hf_reps}")
         bad = [p for p in args.lever if "=" not in p]
         if bad:
             raise ValueError(f"--lever expects NAME=VALUE, got {bad[0]!r}")
         levers = dict(p.split("=", 1) for p in args.lever)
-        return cls(specs=specs, batches=batches, prompt_len=args.prompt_len, gen_len=args.gen_len, hf=args.hf,
+        return cls(specs=specs, batches=batches, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                   max_model_len=args.max_model_len, hf=args.hf,
                    hf_reps=args.hf_reps, profile=args.profile, profile_steps=args.profile_steps,
                    profile_variants=None if args.profile_variants is None else args.profile_variants.split(";"),
                    variants=parse_variants(levers, args.variant))
@@ -131,7 +138,8 @@ def engine_phase(cfg: DecodeArgs, run: Run) -> None:
             tag = f"{model} {quant} [{name}]"
             try:
                 torch.cuda.reset_peak_memory_stats()
-                llm = engine_timing.build_llm(model, quant, max(max(cfg.batches), 8), levers)
+                llm = engine_timing.build_llm(model, quant, max(max(cfg.batches), 8), levers,
+                                              max_model_len=cfg.max_model_len)
                 for b in cfg.batches:
                     try:
                         r = engine_timing.engine_decode_ms(llm, b, cfg.prompt_len, cfg.gen_len)
