@@ -6,7 +6,8 @@ source files (``paths:`` in its lever file). A verdict is STALE, with the reason
 
 - another lever that was live in its context has a default now that differs from its value there (the engine the
   verdict measured is not the engine users run any more), or
-- the lever's own source files changed since the campaign (the code the verdict measured is gone).
+- the lever's own source files changed since the campaign (the code the verdict measured is gone), or
+- a lever added since the campaign defaults to on (a lever added at its off default is the engine as it was).
 
 Evidence written before context was recorded (schema 1) gets its context from the lever files at its commit
 (git): every lever at that commit's default, except the campaign's own; liveness from its mechanism gate's kernel
@@ -182,8 +183,12 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
             continue
         was = {arm: vals.get(name) for arm, vals in ctx.values.items() if name in vals}
         if not was:
-            if name in live_anywhere or ctx.source == "unknown":
-                reasons.append(f"{name}: its value in the campaign is not known (lever added since?)")
+            # A lever added since the campaign, still at its off default, is the code path the campaign ran (levers
+            # arrive default-off, their off value the engine as it was); a changed source file of the verdict's
+            # own lever is caught below. At an on default it is a new engine the verdict never measured.
+            if (name in live_anywhere or ctx.source == "unknown") and lever.is_on(lever.default):
+                reasons.append(f"{name}: added since the campaign, with its default {_text(lever.default)}, which "
+                               "the campaign never ran")
             continue
         changed = sorted({_text(v) for v in was.values() if v != lever.default})
         if changed and name in live_anywhere:

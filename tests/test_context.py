@@ -87,6 +87,18 @@ def test_the_levers_own_source_change_stales_it(repo):
     assert lever_context.freshness(ev, repo, *now(repo)).fresh
 
 
+def test_a_lever_added_since_stales_only_at_an_on_default(repo):
+    ev = recorded(repo)
+    for arm in ev.arms:                                          # the campaign predates split_rule
+        del ev.context[arm.name]["split_rule"]
+        ev.live_levers[arm.name] = sorted(ev.live_levers[arm.name] + ["split_rule"])
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh   # added at "off": the engine the campaign ran
+    set_default(repo, "split_rule", "len512")
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert not f.fresh and f.reasons == ["split_rule: added since the campaign, with its default len512, which the "
+                                         "campaign never ran"]
+
+
 def test_schema_1_evidence_is_reconstructed_from_git(repo):
     sha = git.Repo(repo).head.commit.hexsha
     ev = make_evidence(TPUT_WIN)                                  # no context recorded
