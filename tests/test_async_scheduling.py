@@ -21,6 +21,7 @@ from helpers import serving
 
 pytestmark = pytest.mark.timeout(300)
 ASYNC = {"async_scheduling": True, "async_device_mirror": True}
+SYNC = {"async_scheduling": False, "async_device_mirror": False}     # pinned: async is the default since its flip
 HOST_COPY = {"async_scheduling": True, "async_device_mirror": False}
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [3] * 20, [4, 4], list(range(40, 71)), [200, 17, 93]]
 
@@ -43,7 +44,7 @@ def _generate(levers: dict, params=None, prompts=PROMPTS, **kw) -> tuple[list[li
 
 @pytest.fixture(scope="module")
 def sync_run():
-    return _generate({})
+    return _generate(SYNC)
 
 
 def test_a_mixed_batch_equals_the_synchronous_engine_token_for_token(sync_run):
@@ -65,7 +66,7 @@ def test_a_mixed_batch_equals_the_synchronous_engine_token_for_token(sync_run):
 
 def test_the_synchronous_engine_launches_nothing_ahead(sync_run):
     counters.reset()
-    _generate({"async_device_mirror": True})        # the mirror alone changes nothing: no step is in flight
+    _generate({"async_scheduling": False, "async_device_mirror": True})  # the mirror alone: no step in flight
     assert "async_steps" not in counters.snapshot() and "async_inputs" not in counters.snapshot()
 
 
@@ -73,7 +74,7 @@ def test_a_stop_token_found_a_step_late_discards_the_extra_token(sync_run):
     want, _, _ = sync_run
     stop = want[2][6]                       # greedy prompt 2 stops at its 7th token, mid-batch
     first = want[2].index(stop)
-    ref, ref_reasons, _ = _generate({}, _params([stop]))
+    ref, ref_reasons, _ = _generate(SYNC, _params([stop]))
     got, reasons, llm = _generate(ASYNC, _params([stop]))
     assert ref[2] == want[2][:first + 1] and ref_reasons[2] == "stop"
     assert got == ref and reasons == ref_reasons
@@ -119,7 +120,7 @@ def test_an_abort_mid_batch_leaves_the_others_equal():
                     eng.abort_request("r2")
         assert eng.block_manager.num_used == 0
         return done, aborted
-    want, want_aborted = run({})
+    want, want_aborted = run(SYNC)
     got, got_aborted = run(ASYNC)
     assert "r2" not in want and len(want) == 5
     assert got == want and got_aborted == want_aborted
@@ -129,7 +130,7 @@ def test_preemption_under_a_small_kv_pool_keeps_the_tokens():
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3 + \
              [SamplingParams(max_tokens=20, temperature=0.9, seed=11 + i, ignore_eos=True) for i in range(3)]
-    want, _, sync_llm = _generate({}, params, prompts, num_kv_blocks=12, max_num_seqs=6)
+    want, _, sync_llm = _generate(SYNC, params, prompts, num_kv_blocks=12, max_num_seqs=6)
     got, _, llm = _generate(ASYNC, params, prompts, num_kv_blocks=12, max_num_seqs=6)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemptions"
     assert got == want
@@ -150,7 +151,7 @@ def test_served_requests_equal_the_synchronous_engine(sync_run):
     """One at a time: token for token. Together: equal, or forking only at a near-tie (a served batch follows
     arrival times, the in-process one does not)."""
     prompts, max_tokens = PROMPTS[:4], 10
-    ref_llm = LLM(model="tiny")
+    ref_llm = LLM(model="tiny", levers=SYNC)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     together = [list(o.outputs[0].token_ids) for o in ref_llm.generate(prompts, greedy)]
     alone = [list(ref_llm.generate([p], greedy)[0].outputs[0].token_ids) for p in prompts]

@@ -13,17 +13,19 @@ from vtengine.levers import LeverError
 
 
 def test_the_defaults_are_the_files_and_the_flips_that_landed():
-    # gqa_swap and marlin_dense were flipped on by their FLIP campaigns (merges of row/<lever>-flip); the rest are off
+    # gqa_swap, marlin_dense and the two async levers were flipped on by their FLIP campaigns (merges of
+    # row/<lever>-flip); the rest are off
     reg = levers.registry()
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "fast_math", "gqa_swap", "marlin_dense",
                            "nsplits_cap", "pdl", "split_rule", "triton_gemv"]
     r = levers.resolve(environ={})
-    assert r.values == {"async_device_mirror": False, "async_scheduling": False, "fast_math": False,
+    assert r.values == {"async_device_mirror": True, "async_scheduling": True, "fast_math": False,
                         "gqa_swap": True, "marlin_dense": True, "nsplits_cap": "off", "pdl": False,
                         "split_rule": "off", "triton_gemv": False}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
-    assert sorted(n for n in reg if r.on(n)) == ["gqa_swap", "marlin_dense"]
+    assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "gqa_swap",
+                                                  "marlin_dense"]
 
 
 def test_resolution_order_config_over_env_over_default():
