@@ -16,10 +16,11 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     # gqa_swap, marlin_dense and the two async levers were flipped on by their FLIP campaigns (merges of
     # row/<lever>-flip); the rest are off
     reg = levers.registry()
-    assert sorted(reg) == ["async_device_mirror", "async_scheduling", "fast_math", "gqa_swap", "marlin_dense",
-                           "nsplits_cap", "pdl", "split_rule", "triton_gemv"]
+    assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunked_prefill", "fast_math", "gqa_swap",
+                           "marlin_dense", "nsplits_cap", "pdl", "split_rule", "triton_gemv"]
     r = levers.resolve(environ={})
-    assert r.values == {"async_device_mirror": True, "async_scheduling": True, "fast_math": False,
+    assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunked_prefill": "off",
+                        "fast_math": False,
                         "gqa_swap": True, "marlin_dense": True, "nsplits_cap": "off", "pdl": False,
                         "split_rule": "off", "triton_gemv": False}
     assert r.values == {n: lv.default for n, lv in reg.items()}

@@ -92,7 +92,7 @@ class LLMEngine:
         self.model_config = cfg
         self.model = DecoderModel(cfg, weights, self.backend, quant=config.quant, dtype=dtype, device=device)
         del weights
-        self.max_model_len = min(config.max_model_len or 4096, cfg.max_position_embeddings)
+        requested_len = config.max_model_len or cfg.max_position_embeddings     # the model's own, by default
         self.eos_token_ids = set(self.tokenizer.eos_token_ids or cfg.eos_token_id)
 
         block_bytes = (2 * cfg.num_hidden_layers * config.block_size * cfg.num_key_value_heads * cfg.head_dim
@@ -109,18 +109,27 @@ class LLMEngine:
             num_blocks = int(budget // block_bytes)
         else:
             num_blocks = int(CPU_KV_CACHE_BYTES // block_bytes)
-        blocks_per_seq = (self.max_model_len + config.block_size - 1) // config.block_size
         if num_blocks < 1:
             raise ConfigError(f"no room for the KV cache ({num_blocks} blocks): lower the model size or raise "
                               f"gpu_memory_utilization (now {config.gpu_memory_utilization})")
+        # max_model_len: as asked (or the model's maximum), at most what the model was trained for and, unless asked
+        # for explicitly, what the KV pool holds (as vLLM sizes it); an explicit length the pool cannot hold is
+        # kept, and its requests are refused at the pool's size (max_seq_tokens)
+        self.max_model_len = min(requested_len, cfg.max_position_embeddings)
+        if config.max_model_len is None:
+            self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        blocks_per_seq = (self.max_model_len + config.block_size - 1) // config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
+        # a prefill step never exceeds the budget: longer prompts are prefilled in chunks (vtengine/engine/scheduler.py)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_seq_tokens = min(self.max_model_len, num_blocks * config.block_size)
+        chunk = self.levers.chunked_prefill
+        self.prefill_chunk = None if chunk in ("off", False, None) else int(chunk)
         # an explicit max_num_seqs is honoured as given; otherwise the pool sizes it
         self.max_num_seqs = config.max_num_seqs or auto_max_num_seqs(num_blocks, config.block_size,
                                                                      self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_seq_tokens)
+                                   self.max_seq_tokens, prefill_chunk=self.prefill_chunk)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len,
                                   self.max_num_seqs, config.cuda_graphs)
         self.blocks_per_seq = blocks_per_seq
@@ -216,18 +225,31 @@ class LLMEngine:
         if not seqs:
             return []
         t0 = time.perf_counter()
+        sampling = self._scheduled(seqs, t0)
         tokens = self.runner.run(seqs, is_prefill)
+        if not sampling and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)     # a chunk that samples nothing: its time is still the step's
         t1 = time.perf_counter()        # .tolist() in the sampler synchronized the device
         self._count_step(is_prefill, t1 - t0)
-        return self._outputs(seqs, tokens, t0, t1)
+        return self._outputs(sampling, tokens, t0, t1)
+
+    @staticmethod
+    def _scheduled(seqs: list[Sequence], t0: float) -> list[Sequence]:
+        """Stamp the first scheduling of each sequence; return those the step samples a token for (a prefill chunk
+        that stops short of its prompt's end samples nothing)."""
+        for s in seqs:
+            if s.times.first_scheduled is None:
+                s.times.first_scheduled = t0
+        return [s for s in seqs if s.samples_this_step]
 
     def _step_async(self) -> list[RequestOutput]:
         seqs, is_prefill = self.scheduler.schedule()
         t0 = time.perf_counter()
         launched = None
         if seqs:
+            sampling = self._scheduled(seqs, t0)
             launched = self.runner.launch(seqs, is_prefill, started=t0)
-            for s in seqs:
+            for s in sampling:
                 s.add_pending()         # its position exists from now on; its token arrives with the collection
         if self._in_flight is None:
             self._in_flight = launched

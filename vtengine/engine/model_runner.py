@@ -76,19 +76,24 @@ class ModelRunner:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare_prefill(self, seqs: list[Sequence]):
-        ids, pos, slots, cu, last = [], [], [], [0], []
+        """Each sequence's next ``num_new_tokens`` tokens (its whole uncached rest when unset: scoring), attending to
+        everything before them in the cache; logits rows only for the sequences whose chunk ends their prefill."""
+        ids, pos, slots, cu, last, ends = [], [], [], [0], [], []
         for s in seqs:
             start = s.num_cached_tokens
-            ids.extend(s.token_ids[start:])
-            pos.extend(range(start, len(s)))
-            slots.extend(self._slot(s, p) for p in range(start, len(s)))
-            cu.append(cu[-1] + len(s) - start)
-            last.append(cu[-1] - 1)
+            end = min(len(s), start + s.num_new_tokens) if s.num_new_tokens else len(s)
+            ends.append(end)
+            ids.extend(s.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(self._slot(s, p) for p in range(start, end))
+            cu.append(cu[-1] + end - start)
+            if end == len(s):
+                last.append(cu[-1] - 1)
         dev = self.device
         ctx = AttnContext(
             is_prefill=True,
             slot_mapping=to_device(slots, torch.int64, dev),
-            context_lens=to_device([len(s) for s in seqs], torch.int32, dev),
+            context_lens=to_device(ends, torch.int32, dev),
             block_tables=self._block_tables(seqs),
             cu_seqlens_q=to_device(cu, torch.int32, dev),
             last_token_idx=to_device(last, torch.int64, dev),
@@ -188,10 +193,17 @@ class ModelRunner:
         return self.g_out[bs][:b]
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def _logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+    def _logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """The step's logits, one row per sequence that samples (``Sequence.samples_this_step``, read before the
+        call); None when none does (every chunk of the step stops short of its prompt's end)."""
         if is_prefill:
             ids, pos, ctx = self.prepare_prefill(seqs)
-            logits = self.model.logits(self.model.forward(ids, pos, ctx, self.kv_caches))
+            hidden = self.model.forward(ids, pos, ctx, self.kv_caches)
+            logits = self.model.logits(hidden) if ctx.last_token_idx.numel() else None
+            for s in seqs:
+                s.num_cached_tokens = min(len(s), s.num_cached_tokens + (s.num_new_tokens or len(s)))
+                s.in_prefill = s.num_cached_tokens < len(s)
+            return logits
         else:
             ids, pos, ctx = self.prepare_decode(seqs)
             if self.use_graphs and len(seqs) <= max(self.graphs):
@@ -205,8 +217,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One synchronous step: the sampled ids on the host (the sampler's read waits for the device)."""
-        return self.sampler(self._logits(seqs, is_prefill), seqs, self.generators)
+        """One synchronous step: the sampled ids on the host (the sampler's read waits for the device), one per
+        sequence that samples in it."""
+        sampling = [s for s in seqs if s.samples_this_step]
+        logits = self._logits(seqs, is_prefill)
+        return self.sampler(logits, sampling, self.generators) if sampling else []
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, started: float = 0.0) -> InFlight:
@@ -217,7 +232,10 @@ class ModelRunner:
             counters.record("async_steps", "launched_ahead", grid=(len(seqs),))   # the overlap, made visible
         else:
             counters.record("async_steps", "launched_after_read", grid=(len(seqs),))
-        ids = self.sampler.sample(self._logits(seqs, is_prefill), seqs, self.generators)
+        sampling = [s for s in seqs if s.samples_this_step]
+        logits = self._logits(seqs, is_prefill)
+        ids = (self.sampler.sample(logits, sampling, self.generators) if sampling
+               else torch.empty(0, dtype=torch.int64, device=self.device))
         on_cuda = ids.device.type == "cuda"
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=on_cuda)
         host.copy_(ids, non_blocking=on_cuda)
@@ -225,7 +243,8 @@ class ModelRunner:
         if on_cuda:
             event = torch.cuda.Event()
             event.record()
-        step = InFlight(seqs, is_prefill, ids, host, event, {s.seq_id: i for i, s in enumerate(seqs)}, started)
+        step = InFlight(sampling, is_prefill, ids, host, event, {s.seq_id: i for i, s in enumerate(sampling)},
+                        started)
         self.mirror = step
         return step
 

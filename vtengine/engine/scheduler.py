@@ -1,28 +1,40 @@
 """Continuous batching: each step is either a prefill batch (new or preempted sequences) or a decode batch.
 
 Prefill has priority (it admits waiting sequences while there are KV blocks, sequence slots and token budget);
-otherwise every running sequence decodes one token. When the KV pool cannot hold the next token of a running
-sequence, the most recently admitted sequence is preempted by recompute: its blocks are freed and it goes back to
-the front of the waiting queue with prompt + generated tokens, to be re-prefilled later (vLLM's RECOMPUTE mode).
+otherwise every running sequence decodes one token. A prompt longer than the token budget (max_num_batched_tokens)
+is prefilled in chunks over several steps, so a long max_model_len never makes a step larger than the budget; a
+sequence samples its first token in the step that prefills its last chunk. When the KV pool cannot hold the next
+token of a running sequence, the most recently admitted sequence is preempted by recompute: its blocks are freed and
+it goes back to the front of the waiting queue with prompt + generated tokens, to be re-prefilled later (vLLM's
+RECOMPUTE mode).
+
+The lever chunked_prefill (N tokens) changes the priority: a prefill step carries at most N tokens (the last
+sequence it admits may take a partial chunk), and while sequences are decoding, a decode step runs between every
+two prefill steps. A long prompt then costs each decoding sequence at most one N-token chunk per token, instead of
+its whole prefill (vLLM fuses the two into one step; here each step keeps its own kernels, so a decode step is the
+same graphed step, bit for bit, whether or not a prefill is under way).
 """
 from __future__ import annotations
 
 from collections import deque
 
+from vtengine import counters
 from vtengine.engine.block_manager import BlockManager
 from vtengine.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_seq_tokens: int | None = None):
+                 max_seq_tokens: int | None = None, prefill_chunk: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_seq_tokens = max_seq_tokens
+        self.prefill_chunk = prefill_chunk          # the lever chunked_prefill (None: off)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -31,26 +43,58 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return (sequences to run this step, is_prefill)."""
+        """Return (sequences to run this step, is_prefill). Each scheduled sequence's ``num_new_tokens`` says how
+        many of its tokens the step computes (a prefill chunk, or 1 when decoding)."""
+        decoding = any(not s.in_prefill for s in self.running)
+        if self.prefill_chunk and decoding and self._last_was_prefill:
+            scheduled = self._schedule_decode()         # chunked_prefill: a decode step between two prefill steps
+            if scheduled:
+                self._last_was_prefill = False
+                return scheduled, False
+        scheduled = self._schedule_prefill()
+        self._last_was_prefill = bool(scheduled)
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        budget = self.prefill_chunk or self.max_num_batched_tokens
         scheduled: list[Sequence] = []
-        num_tokens = 0
-        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
+        for seq in self.running:                    # chunks of prompts already under way come first, oldest first
+            if seq.in_prefill and budget > 0:
+                seq.num_new_tokens = min(seq.prefill_remaining, budget)
+                budget -= seq.num_new_tokens
+                scheduled.append(seq)
+        admitted: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) + len(admitted) < self.max_num_seqs:
             seq = self.waiting[0]
-            if num_tokens + len(seq) > self.max_num_batched_tokens or not self.block_manager.can_allocate(seq):
+            need = len(seq)
+            # Without the lever a prompt is admitted whole when it fits what is left of the budget; one longer
+            # than the whole budget is admitted alone and chunked. With it, the last admitted takes what is left.
+            if need > budget and not self.prefill_chunk and (scheduled or admitted):
+                break
+            if not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            num_tokens += len(seq)
-            scheduled.append(seq)
-        if scheduled:
-            self.running.extend(scheduled)
-            return scheduled, True
+            seq.in_prefill = True
+            seq.num_new_tokens = min(need, budget)
+            budget -= seq.num_new_tokens
+            admitted.append(seq)
+        self.running.extend(admitted)
+        scheduled += admitted
+        if scheduled:       # the mechanism gate's proof of chunked_prefill: which policy shaped the prefill step
+            counters.record("prefill_step", f"chunk={self.prefill_chunk}" if self.prefill_chunk else "prefill_first",
+                            grid=(sum(s.num_new_tokens for s in scheduled),))
+        return scheduled
 
-        resting = []                        # async scheduling: sequences whose last token is still in flight and
-        while self.running:                 # at their length limit; they finish when it is read, not decode again
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        resting = []                        # sequences still prefilling, and (async scheduling) sequences whose
+        while self.running:                 # last token is still in flight at their length limit: no decode now
             seq = self.running.popleft()
-            if not self._wants_token(seq):
+            if seq.in_prefill or not self._wants_token(seq):
                 resting.append(seq)
                 continue
             while not self.block_manager.can_append(seq):
@@ -61,9 +105,10 @@ class Scheduler:
                     break
             else:
                 self.block_manager.append_slot(seq)
+                seq.num_new_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled + resting))
-        return scheduled, False
+        return scheduled
 
     def _wants_token(self, seq: Sequence) -> bool:
         """Whether a running sequence may decode another token: below max_tokens and the length limit, counting
@@ -76,6 +121,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.in_prefill = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.block_manager.free(seq)

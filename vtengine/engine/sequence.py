@@ -65,6 +65,8 @@ class Sequence:
         self.block_size = block_size
         self.block_table: list[int] = []
         self.num_cached_tokens = 0                   # tokens whose K/V are in the cache
+        self.num_new_tokens = 0                      # tokens the scheduled step computes (a prefill chunk, or 1)
+        self.in_prefill = False                      # admitted, its prompt (or recompute) not all in the cache yet
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
@@ -112,6 +114,17 @@ class Sequence:
     def resolve_pending(self, token_id: int) -> None:
         """The oldest in-flight position gets its sampled token."""
         self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Tokens still to prefill before the sequence samples (0 once it decodes)."""
+        return len(self.token_ids) - self.num_cached_tokens if self.in_prefill else 0
+
+    @property
+    def samples_this_step(self) -> bool:
+        """Whether the scheduled step samples a token for this sequence: a decode step, or the prefill step of its
+        last chunk (read before the step runs: the runner then advances num_cached_tokens)."""
+        return not self.in_prefill or self.num_cached_tokens + self.num_new_tokens >= len(self.token_ids)
 
     @property
     def num_blocks_needed(self) -> int:

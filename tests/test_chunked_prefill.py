@@ -1,0 +1,99 @@
+"""Long prompts on CPU (tiny model): a prompt longer than the step budget is prefilled in chunks and samples what the
+unchunked engine samples; with the lever chunked_prefill the chunks alternate with decode steps, so a sequence that
+is decoding keeps getting tokens (the same ones it gets alone) while a long prompt prefills; max_model_len defaults
+to the model's maximum, or to what the KV pool holds when that is less."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtengine.engine.llm import LLM
+from vtengine.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+SYNC = {"async_scheduling": False}
+ASYNC = {"async_scheduling": True, "async_device_mirror": True}
+
+
+def long_prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True),
+            SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("levers", [SYNC, ASYNC], ids=["sync", "async"])
+def test_a_prompt_past_the_budget_is_prefilled_in_chunks_and_samples_the_same(levers):
+    prompts = [long_prompt(300), long_prompt(290, seed=1), [7, 8, 9]]
+    whole = LLM(model="tiny", backend="torch", levers=levers, max_num_batched_tokens=2048)
+    want = tokens(whole.generate(prompts, params()))
+    chunked = LLM(model="tiny", backend="torch", levers=levers, max_num_batched_tokens=64)
+    got = tokens(chunked.generate(prompts, params()))
+    assert got == want
+    st, st_whole = chunked.engine.stats(), whole.engine.stats()
+    prefill_steps = st["steps_total"] - st["decode_steps_total"]
+    # 593 prompt tokens in 64-token steps: at least ceil(593 / 64) = 10 prefill steps, where one step held them all
+    assert prefill_steps >= 10 and st_whole["steps_total"] - st_whole["decode_steps_total"] == 1
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def _timeline(llm: LLM, long: list[int], warm_steps: int = 3) -> tuple[list[str], dict[str, list[int]]]:
+    """Request "a" (short) decodes; after ``warm_steps`` steps the long request "b" arrives. Returns, per step from
+    b's arrival until b's first token, which requests got a token, and every request's tokens."""
+    eng = llm.engine
+    eng.add_request("a", [11, 12, 13], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    done: dict[str, list[int]] = {}
+    for _ in range(warm_steps):
+        eng.step()
+    eng.add_request("b", long, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    steps: list[str] = []
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        got = "".join(sorted(o.request_id for o in outs))
+        if "b" not in done and not any(o.request_id == "b" for o in outs):
+            steps.append(got or "-")
+        elif "b" not in done:
+            steps.append(got)
+        for o in outs:
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+            if o.request_id == "b":
+                done.setdefault("b_first_at", [len(steps)])
+    return steps[:done["b_first_at"][0]], done
+
+
+@pytest.mark.parametrize("levers", [SYNC, ASYNC], ids=["sync", "async"])
+def test_with_the_lever_a_decoding_sequence_keeps_its_tokens_coming_while_a_long_prompt_prefills(levers):
+    long = long_prompt(1200, seed=2)
+    alone_a = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+        [[11, 12, 13]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))[0]
+    alone_b = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+        [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
+    # the lever at 256 tokens: b's 1200 tokens take 5 prefill steps, and "a" decodes between every two of them
+    on = LLM(model="tiny", backend="torch", levers={**levers, "chunked_prefill": 256})
+    steps_on, done_on = _timeline(on, long)
+    assert steps_on.count("a") >= 4, steps_on
+    assert done_on["a"] == alone_a and done_on["b"] == alone_b
+    # without it, the same 256-token budget: b's chunks run back to back (prefill first) and "a" waits them out
+    off = LLM(model="tiny", backend="torch", levers=levers, max_num_batched_tokens=256)
+    steps_off, done_off = _timeline(off, long)
+    assert steps_off.count("a") <= 1, steps_off
+    assert done_off["a"] == alone_a and done_off["b"] == alone_b
+
+
+def test_max_model_len_defaults_to_the_model_and_then_to_the_pool():
+    assert LLM(model="tiny", backend="torch").engine.max_model_len == 2048     # tiny's max_position_embeddings
+    small = LLM(model="tiny", backend="torch", num_kv_blocks=40).engine           # 40 blocks of 16: 640 tokens
+    assert small.max_model_len == 640 and small.max_seq_tokens == 640
+    assert LLM(model="tiny", backend="torch", max_model_len=512).engine.max_model_len == 512
+    assert LLM(model="tiny", backend="torch", max_model_len=9999).engine.max_model_len == 2048
+    # the step budget no longer grows with the bound: a 2048-token bound keeps the 8192 default, a 64 budget stays
+    eng = LLM(model="tiny", backend="torch", max_num_batched_tokens=64).engine
+    assert eng.max_num_batched_tokens == 64 and eng.scheduler.max_num_batched_tokens == 64
