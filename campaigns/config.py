@@ -428,8 +428,8 @@ def settings(ev) -> AppConfig:
 
 
 def _axis_names() -> list[str]:
-    from campaigns.stats import AXES
-    return [a.name for a in AXES]
+    from campaigns.stats import AXES, OPTIONAL_AXES
+    return [a.name for a in AXES + OPTIONAL_AXES]
 
 
 # ----------------------------------------------------------------------------------------------- helpers

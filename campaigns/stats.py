@@ -43,7 +43,12 @@ AXES: tuple[Axis, ...] = (
     Axis("output_throughput", "output_throughput", True, "output tok/s", "tok/s"),
     Axis("request_throughput", "request_throughput", True, "req/s", "req/s"),
 )
-AXIS_BY_NAME = {a.name: a for a in AXES}
+# Axes a campaign reads only when its policy names them primary: the long-prompt grid's tail latency (a P99 over a
+# leg's tokens is noisier than a median, so it gates only the campaigns that are about it)
+OPTIONAL_AXES: tuple[Axis, ...] = (
+    Axis("p99_itl", "p99_itl_ms", False, "P99 ITL", "ms"),
+)
+AXIS_BY_NAME = {a.name: a for a in AXES + OPTIONAL_AXES}
 PRIMARY_AXES = ("total_token_throughput", "tpot")
 
 
@@ -92,14 +97,16 @@ def _effect(cand: list[float], base: list[float], higher_is_better: bool) -> Eff
 
 
 def compute_stats(legs: Iterable[LegResult], baseline: str, candidates: list[str],
-                  primary_axes: Iterable[str] = PRIMARY_AXES, axes: Iterable[Axis] = AXES,
+                  primary_axes: Iterable[str] = PRIMARY_AXES, axes: Iterable[Axis] | None = None,
                   with_effects: bool = True) -> list[AxisStat]:
     """Statistics over the valid legs, one AxisStat per (candidate, axis, concurrency) that has data on both arms.
-    ``with_effects=False`` skips the effect sizes (the calibration's thousands of simulated grids need only the
-    separations).
+    ``axes`` None: AXES plus the OPTIONAL_AXES named primary. ``with_effects=False`` skips the effect sizes (the
+    calibration's thousands of simulated grids need only the separations).
 
     Sorted by candidate order, axis order, concurrency: the views rely on that order being stable."""
     primary = set(primary_axes)
+    if axes is None:
+        axes = AXES + tuple(a for a in OPTIONAL_AXES if a.name in primary)
     valid = sorted((leg for leg in legs if leg.valid), key=lambda leg: (leg.concurrency, leg.rep, leg.order_index))
     concurrencies = sorted({leg.concurrency for leg in valid})
     out: list[AxisStat] = []

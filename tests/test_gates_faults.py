@@ -125,6 +125,17 @@ def test_split_rule_expectation_can_fail(value, rules, ok):
     assert mechanism.expected("split_rule", value, probe)[0] is ok
 
 
+@pytest.mark.parametrize("value,steps,ok", [
+    (512, ["chunk=512"], True),
+    (512, ["prefill_first"], False),                   # an inert lever: the scheduler ignored it
+    ("off", ["prefill_first"], True),
+    ("off", ["chunk=512"], False),                     # a stuck lever
+    (2048, [], False),                                 # no prefill step: nothing proven
+])
+def test_chunked_prefill_expectation_can_fail(value, steps, ok):
+    assert mechanism.expected("chunked_prefill", value, {"prefill_steps": steps, "tokens": []})[0] is ok
+
+
 def test_faults_name_what_is_accepted():
     with pytest.raises(FaultError, match="accepted: perturb, oob"):
         Fault("melt")

@@ -62,6 +62,8 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
     if lever == "split_rule":
         return {"rules": _routes(snap, "decode_split_rule"), "floors": _variants(snap, "decode_split_rule"),
                 "grids": _grids(snap, "decode_attention")}
+    if lever == "chunked_prefill":
+        return {"prefill_steps": _routes(snap, "prefill_step"), "tokens": _grids(snap, "prefill_step")[:8]}
     if lever == "fast_math":
         return {"variants": _variants(snap, "decode_attention") + _variants(snap, "prefill_attention")}
     if lever == "triton_gemv":
@@ -89,6 +91,9 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "split_rule":
         want = [str(value)]
         return pr["rules"] == want, f"decode split rules {pr['rules']} (slice floors {pr['floors']}), expected {want}"
+    if lever == "chunked_prefill":
+        want = ["prefill_first"] if value in ("off", False, None) else [f"chunk={value}"]
+        return pr["prefill_steps"] == want, f"prefill steps shaped by {pr['prefill_steps']}, expected {want}"
     if lever == "fast_math":
         want = ["fast_math"] if value else ["precise"]
         got = sorted(set(pr["variants"]))
