@@ -398,6 +398,7 @@ def test_variants_parse_and_run_beside_the_base(tmp_path, cpu_stand_ins):
     [path] = (tmp_path / "res").glob("decode-*.json")
     res = json.loads(path.read_text())
     assert [(r["variant"], r["levers"]) for r in res["engine"]] == [
-        ("base", {"gqa_swap": "on"}), ("fast_math=on", {"gqa_swap": "on", "fast_math": "on"})]
+        ("base", {"async_scheduling": False, "gqa_swap": "on"}),      # the step itself: async pinned off
+        ("fast_math=on", {"async_scheduling": False, "gqa_swap": "on", "fast_math": "on"})]
     md = path.with_suffix(".md").read_text()
     assert "| tiny | bf16 | fast_math=on | 1 |" in md and "variant `fast_math=on`" in md

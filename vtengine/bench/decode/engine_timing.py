@@ -19,8 +19,12 @@ def random_prompts(batch: int, prompt_len: int, vocab_size: int) -> list[list[in
 
 
 def build_llm(model: str, quant: str, max_num_seqs: int, levers: dict, device: str = "cuda", **engine_kwargs):
-    """One engine for every concurrency of a (model, quant): graphs are captured up to ``max_num_seqs``."""
+    """One engine for every concurrency of a (model, quant): graphs are captured up to ``max_num_seqs``.
+
+    Async scheduling is pinned off unless ``levers`` sets it: the bench times the decode step itself, and with a
+    step in flight the engine's launch-to-read time of one step overlaps the next one's."""
     from vtengine.engine.llm import LLM
+    levers = {"async_scheduling": False, **levers}
     kw = dict(max_model_len=4096, gpu_memory_utilization=0.6) if device == "cuda" else {}
     kw.update(engine_kwargs)
     return LLM(model=model, quant=quant, levers=levers, device=device, max_num_seqs=max_num_seqs, **kw)
