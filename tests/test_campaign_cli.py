@@ -10,8 +10,8 @@ from campaigns.config import CampaignConfigError, compose, options
 from campaigns.evidence import save_evidence
 from helpers import TPUT_WIN, make_evidence
 
-CAMPAIGNS = ["async_device_mirror", "async_scheduling", "fast_math", "gqa_swap", "marlin_dense", "nsplits_cap",
-             "pdl", "triton_gemv"]
+CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunked_prefill", "fast_math", "gqa_swap", "marlin_dense",
+             "nsplits_cap", "pdl", "split_rule", "triton_gemv"]
 
 
 def _error_line(capsys) -> str:
@@ -77,12 +77,12 @@ def test_user_choices_override_the_host_defaults():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["campaign=nope"], "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, fast_math"),
+    (["campaign=nope"], "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, chunked_prefill"),
     ([], "no campaign chosen; add campaign=<name>, accepted: async_device_mirror, async_scheduling"),
     (["campaign=gqa_swap", "grid.reps=abc"], "bad value for grid.reps ('grid.reps=abc')"),
     (["campaign=gqa_swap", "grid.repz=3"], "unknown key 'grid.repz' in override 'grid.repz=3'; accepted keys of "
                                            "grid: name, binding, concurrency, reps"),
-    (["campaign=gqa_swap", "grid=huge"], "unknown grid 'huge'; accepted: online, rehearsal"),
+    (["campaign=gqa_swap", "grid=huge"], "unknown grid 'huge'; accepted: long_prompt, online, online_wide, rehearsal"),
     (["campaign=gqa_swap", "model=llama-70b"], "unknown model 'llama-70b'; accepted: "),
     (["campaign=gqa_swap", "model.quant=int8"], "model.quant='int8' is not accepted; accepted: bf16, mxfp4, nvfp4"),
     (["campaign=gqa_swap", "campaign.arms.candidates=[7]"], "candidate arm 7 is not valid; accepted: true/false"),

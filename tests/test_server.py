@@ -368,19 +368,21 @@ def test_disconnect_during_non_streaming_request_frees_sequence(served):
     assert m["vtengine_requests_finished_total"] == m0["vtengine_requests_finished_total"]
 
 
-def test_engine_failure_fails_requests_loudly():
+@pytest.mark.parametrize("async_scheduling,before_fault", [(False, 3), (True, 2)], ids=["sync", "async"])
+def test_engine_failure_fails_requests_loudly(async_scheduling, before_fault):
     """A deliberate fault in the model runner: the in-flight request and every later one get a 503 (or an
-    in-band error chunk once streaming), /health says 503; nothing hangs."""
-    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=2))
-    real_run, calls = engine.runner.run, []
+    in-band error chunk once streaming), /health says 503; nothing hangs. (With a step in flight, the third step's
+    token is still on the device when the fourth step breaks: two tokens reach the client.)"""
+    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=2, levers={"async_scheduling": async_scheduling}))
+    real_logits, calls = engine.runner._logits, []
 
     def broken_after_three_steps(*args, **kwargs):
         calls.append(1)
         if len(calls) > 3:
             raise RuntimeError("injected fault in the model runner")
-        return real_run(*args, **kwargs)
+        return real_logits(*args, **kwargs)
 
-    engine.runner.run = broken_after_three_steps
+    engine.runner._logits = broken_after_three_steps
     server = Server.from_engine(engine)
     uv = start_in_thread(server)
     try:
@@ -388,8 +390,8 @@ def test_engine_failure_fails_requests_loudly():
                        timeout=30)
         ev = sse_events(r)
         assert r.status_code == 200 and ev[-1] == "[DONE]"
-        assert [len(e["choices"][0]["token_ids"]) for e in ev[:3]] == [1, 1, 1]
-        assert "injected fault" in ev[3]["error"]["message"] and len(ev) == 5
+        assert [len(e["choices"][0]["token_ids"]) for e in ev[:before_fault]] == [1] * before_fault
+        assert "injected fault" in ev[before_fault]["error"]["message"] and len(ev) == before_fault + 2
         r = httpx.post(f"{uv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         h = httpx.get(f"{uv.url}/health", timeout=10)
