@@ -312,7 +312,7 @@ def _chain(x, res, w_norm, qw_up, qw_down, pdl):
 def test_pdl_is_inert_and_recorded_plain_where_unsupported():
     """Without sm_90 (here: the interpreter) the lever cannot act; the launch counter must say so rather than
     claim PDL ran (the mechanism gate reads it)."""
-    from vtengine.kernels import pdl_supported
+    from vtengine.kernels.pdl import pdl_supported
     gen, _ = fresh_generator()
     x = rnd(3, 64, gen=gen)
     counters.reset()
@@ -328,7 +328,7 @@ def test_gpu_pdl_chain_bitwise_equal_eager_and_graphed():
     """The lever pdl changes when kernels start, never what they compute: the chain with PDL equals the chain
     without it bit for bit, eagerly and over 50 CUDA-graph replays with fresh inputs each time (a missing
     griddepcontrol.wait would read a half-written input and show up here)."""
-    from vtengine.kernels import pdl_supported
+    from vtengine.kernels.pdl import pdl_supported
     from vtengine.quant import quantize
     if not pdl_supported():
         pytest.skip("PDL needs sm_90 or newer")
@@ -359,7 +359,8 @@ def test_gpu_pdl_chain_bitwise_equal_eager_and_graphed():
 @needs_cuda
 def test_gpu_pdl_attention_chain_bitwise_equal_graphed():
     """qkv epilogue -> split decode attention (fused merge) -> its consumer, with and without PDL, in a graph."""
-    from vtengine.kernels import attention, pdl_supported
+    from vtengine.kernels import attention
+    from vtengine.kernels.pdl import pdl_supported
     if not pdl_supported():
         pytest.skip("PDL needs sm_90 or newer")
     gen, seed = fresh_generator()

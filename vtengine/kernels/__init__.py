@@ -2,9 +2,11 @@
 and records counters; the torch references live in vtengine/backends/torch_backend.py.
 
 On a host without CUDA the kernels run in Triton's CPU interpreter (tiny shapes only). The switch must be set
-before triton is first imported, so it lives here, where every kernel module is imported from.
+before triton is first imported, so it lives here, where every kernel module is imported from, with the device
+facts every launcher reads (the tl.dot operand dtype, the SM count). Programmatic dependent launch: pdl.py.
 """
 import os
+from functools import lru_cache
 
 import torch
 
@@ -23,18 +25,22 @@ def dot_dtype(x: torch.Tensor):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
 
 
-def pdl_supported(device=None) -> bool:
-    """Programmatic dependent launch (the ``pdl`` lever) needs a compiled launch on sm_90 or newer; the interpreter
-    and older GPUs launch plainly."""
-    if INTERPRET or not torch.cuda.is_available():
-        return False
-    index = None if device is None else torch.device(device).index
-    if index is None:
-        index = torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9
+H200_SMS = 132              # the SM count assumed when there is no GPU (the interpreter, CPU CI): one H200
 
 
-def launch_options(pdl: bool) -> dict:
-    """Extra keyword arguments of a Triton launch: ``launch_pdl`` asks the driver to start the kernel while the one
-    before it on the stream drains (it then waits in-kernel, griddepcontrol.wait, before reading its inputs)."""
-    return {"launch_pdl": True} if pdl else {}
+def sm_count(device: torch.device | str | int | None = None) -> int:
+    """Streaming multiprocessors of a CUDA device (the current one when None); H200_SMS when CUDA is unavailable or
+    the device is not a CUDA device (the interpreter runs CPU tensors as if on an H200)."""
+    if not torch.cuda.is_available():
+        return H200_SMS
+    if isinstance(device, (str, torch.device)):
+        device = torch.device(device)
+        if device.type != "cuda":
+            return H200_SMS
+        device = device.index
+    return _cuda_sm_count(torch.cuda.current_device() if device is None else int(device))
+
+
+@lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

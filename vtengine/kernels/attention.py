@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import torch
 
 from vtengine import counters
-from vtengine.kernels import INTERPRET, dot_dtype, launch_options
-from vtengine.kernels.fused import pdl_launch_dependents, pdl_wait, use_pdl
+from vtengine.kernels import INTERPRET, dot_dtype
+from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 from vtengine.kernels.splits import parse_cap, parse_split_rule, sm_count, split_plan
 
 import triton  # noqa: E402  (after vtengine.kernels: it sets TRITON_INTERPRET on CPU hosts)

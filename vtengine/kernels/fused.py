@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from vtengine import counters
-from vtengine.kernels import launch_options, pdl_supported
+from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -26,31 +26,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _row_warps(block: int) -> int:
     return max(1, min(16, block // 256))
-
-
-@triton.jit
-def pdl_wait(USE_PDL: tl.constexpr):
-    """Under programmatic dependent launch: block until the previous kernel on the stream has finished and its
-    writes are visible. Every PDL kernel calls it before its first read of an activation and before any store, so
-    ordering stays transitive along the stream (a kernel cannot finish before the one it follows)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def pdl_launch_dependents(USE_PDL: tl.constexpr):
-    """Let the next PDL kernel on the stream start launching (its programs then wait in pdl_wait). Called once a
-    program's main work is issued, so waiting dependents do not take SM slots from this kernel's later waves."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-def use_pdl(pdl: bool, kernel: str, device) -> bool:
-    """Whether this launch really uses PDL (the lever asked and the device can), recorded as the ``launch``
-    counter so the mechanism gate sees an inert lever as inert."""
-    on = bool(pdl) and pdl_supported(device)
-    counters.record("launch", "pdl" if on else "plain", variant=kernel)
-    return on
 
 
 # --------------------------------------------------------------------------------------------------------------

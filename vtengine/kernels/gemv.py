@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from vtengine import counters
-from vtengine.kernels import INTERPRET, dot_dtype, launch_options
-from vtengine.kernels.fused import pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.w4a16 import _num_sms, _split_k_locks
+from vtengine.kernels import INTERPRET, dot_dtype, sm_count
+from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
+from vtengine.kernels.w4a16 import _split_k_locks
 
 MAX_M = 16
 
@@ -122,7 +122,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
     x = x if x.stride(1) == 1 else x.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
-    cfg = dict(config or gemv_config(n, k, _num_sms(x.device)))
+    cfg = dict(config or gemv_config(n, k, sm_count(x.device)))
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     if bm < m:
         raise ValueError(f"linear: config BLOCK_M={bm} is smaller than M={m}; the GEMV does not tile M (use "

@@ -21,28 +21,9 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-import torch
+from vtengine.kernels import H200_SMS, sm_count  # noqa: F401  (the SM count the heuristic defaults to)
 
-H200_SMS = 132              # the SM count assumed when there is no GPU (the interpreter, CPU CI): one H200
 MAX_SPLITS = 128            # FlashAttention's cap, and ours when nsplits_cap is "off"
-
-
-def sm_count(device: torch.device | str | int | None = None) -> int:
-    """Streaming multiprocessors of a CUDA device (the current one when None); H200_SMS when CUDA is unavailable or
-    the device is not a CUDA device (the interpreter runs CPU tensors as if on an H200)."""
-    if not torch.cuda.is_available():
-        return H200_SMS
-    if isinstance(device, (str, torch.device)):
-        device = torch.device(device)
-        if device.type != "cuda":
-            return H200_SMS
-        device = device.index
-    return _cuda_sm_count(torch.cuda.current_device() if device is None else int(device))
-
-
-@lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from vtengine import counters
-from vtengine.kernels import dot_dtype, launch_options
-from vtengine.kernels.fused import pdl_launch_dependents, pdl_wait, use_pdl
+from vtengine.kernels import H200_SMS, dot_dtype, sm_count
+from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 from vtengine.quant import BLOCK, QuantizedWeight
 
 # --------------------------------------------------------------------------------------------------------------
@@ -325,16 +325,7 @@ def moe_align_e1(m: int, block_m: int, device, pdl: bool = False) -> tuple[torch
 # tile choice
 # --------------------------------------------------------------------------------------------------------------
 
-NUM_SMS_DEFAULT = 132
-
-
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return NUM_SMS_DEFAULT
-
-
-def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = NUM_SMS_DEFAULT) -> dict:
+def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = H200_SMS) -> dict:
     """Tiles of the dense route (lever ON), from the H200 sweeps in bench/results/w4a16-*.md.
 
     M <= 16: swap-AB GEMV tiles: 32 rows of W per 2-warp program (mma.sync; 64-row wgmma tiles measured 2-3x
@@ -354,7 +345,7 @@ def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = NUM_SMS_DEFAUL
                 num_warps=4 if block_m == 64 else 8, num_stages=3)
 
 
-def grouped_config(m: int, n: int, k: int, fmt: str, num_sms: int = NUM_SMS_DEFAULT) -> dict:
+def grouped_config(m: int, n: int, k: int, fmt: str, num_sms: int = H200_SMS) -> dict:
     """Tiles of the grouped route (lever OFF), as a tuned fused-MoE kernel picks them for one expert."""
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4)
@@ -473,7 +464,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     route = "dense" if dense else "grouped"
     if config is None:
         pick = dense_config if dense else grouped_config
-        config = pick(m, n, k, qweight.fmt, _num_sms(x.device))
+        config = pick(m, n, k, qweight.fmt, sm_count(x.device))
         if vtengine.kernels.INTERPRET:
             config = _interpreter_config(config, k, block)
     cfg = dict(config)

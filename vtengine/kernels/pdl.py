@@ -1,0 +1,55 @@
+"""Programmatic dependent launch (the ``pdl`` lever): on sm_90+, a kernel launched with ``launch_pdl`` starts while
+the one before it on the stream drains, and waits in-kernel (griddepcontrol.wait) before reading its inputs. The
+host side says whether a launch really uses it (and counts it); the device side is the wait and the early release
+every PDL kernel calls. One place for both, imported by every kernel module.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vtengine import counters
+from vtengine.kernels import INTERPRET
+
+
+def pdl_supported(device=None) -> bool:
+    """Programmatic dependent launch (the ``pdl`` lever) needs a compiled launch on sm_90 or newer; the interpreter
+    and older GPUs launch plainly."""
+    if INTERPRET or not torch.cuda.is_available():
+        return False
+    index = None if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """Extra keyword arguments of a Triton launch: ``launch_pdl`` asks the driver to start the kernel while the one
+    before it on the stream drains (it then waits in-kernel, griddepcontrol.wait, before reading its inputs)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Under programmatic dependent launch: block until the previous kernel on the stream has finished and its
+    writes are visible. Every PDL kernel calls it before its first read of an activation and before any store, so
+    ordering stays transitive along the stream (a kernel cannot finish before the one it follows)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next PDL kernel on the stream start launching (its programs then wait in pdl_wait). Called once a
+    program's main work is issued, so waiting dependents do not take SM slots from this kernel's later waves."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def use_pdl(pdl: bool, kernel: str, device) -> bool:
+    """Whether this launch really uses PDL (the lever asked and the device can), recorded as the ``launch``
+    counter so the mechanism gate sees an inert lever as inert."""
+    on = bool(pdl) and pdl_supported(device)
+    counters.record("launch", "pdl" if on else "plain", variant=kernel)
+    return on
