@@ -44,8 +44,9 @@ RULES = {
             "minimum gain ({min_gain:.1%}). A grid of more than 4 concurrencies needs WINs at one concurrency "
             "per 4 of its points (rounded up), so its extra points do not add chances to flip by luck.",
     "FLIP-CORRECTNESS": "4. FLIP (correctness fix) — RED first: the gate(s) the campaign names as proving the fix "
-                        "({fix_gates}) FAIL on the baseline and PASS on the candidate, and every other correctness "
-                        "gate passes on the candidate.",
+                        "({fix_gates}) FAIL on the baseline and PASS on the candidate (a battery whose every "
+                        "divergence near_tie ratifies counts as passing), and every other correctness gate passes "
+                        "on the candidate.",
     "REJECT-PERFORMANCE": "5. REJECT (performance) — a LOSS on a primary axis and no WIN: recorded as refuted so "
                           "it is not retried. A grid of more than 4 concurrencies needs LOSSes at one concurrency "
                           "per 4 of its points (rounded up).",
@@ -240,8 +241,13 @@ def facts(ev: Evidence, cand: Arm, p: PolicyConfig) -> Facts:
     for name in sorted(f.fix):
         b, c = ev.gate(name, base), ev.gate(name, cand.name)
         if b is not None and not b.skipped and not b.passed:
-            f.notes.append(f"{name}: RED on {base} ({_counts(b)})"
-                           + (f" → GREEN on {cand.name} ({_counts(c)})" if c is not None and c.passed else ""))
+            if c is not None and c.passed:
+                after = f" → GREEN on {cand.name} ({_counts(c)})"
+            elif c is not None and name == "battery" and f.near_ok:
+                after = f" → near-ties only on {cand.name} ({_counts(c)}), all ratified by near_tie"
+            else:
+                after = ""
+            f.notes.append(f"{name}: RED on {base} ({_counts(b)}){after}")
     return f
 
 

@@ -328,7 +328,17 @@ def test_correctness_fix_is_red_first():
     assert d.verdict == "FLIP" and d.rule.startswith("4. FLIP (correctness fix)") and d.new_default is True
     assert "battery, near_tie" in d.rule
     assert any(r.startswith("battery: RED on off (prompts 16, strict 9) → GREEN on on") for r in d.reasons)
+    # bf16 on the H200: the fixed battery still has near-ties, every one ratified; it counts as passing, and says so
+    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "counts": {"divergent": 16}},
+                                   "near_tie@off": {"passed": False, "counts": {"divergences": 16}},
+                                   "battery@on": {"passed": False, "counts": {"near_tie": 13, "strict": 3}}})
+    d = make_evidence({}, gate_results=g, policy_cfg=fix).decision
+    assert d.verdict == "FLIP" and "(a battery whose every divergence near_tie ratifies counts as passing)" in d.rule
+    assert any(r == "battery: RED on off (divergent 16) → near-ties only on on (near_tie 13, strict 3), all ratified "
+               "by near_tie" for r in d.reasons), d.reasons
     # Without the campaign's say-so the same evidence is INVALID (the baseline fails a gate).
+    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "counts": {"prompts": 16, "strict": 9}},
+                                   "near_tie@off": {"passed": False, "counts": {"divergences": 7}}})
     assert verdict(make_evidence({}, gate_results=g)) == "INVALID"
     # A baseline that passes the fix gates cannot prove the fix: INVALID, saying so.
     ev = make_evidence({}, gate_results=gates(byte_exact=False), policy_cfg=fix)
