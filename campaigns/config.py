@@ -158,8 +158,18 @@ class AppConfig:
     device: str = "auto"                 # auto | cuda | cpu; composed configs carry the resolved device
 
 
+# Each group's schema, as Hydra's structured-config examples register them: a group file names its schema first in
+# its defaults list (``defaults: [grid_schema, _self_]``), so Hydra type-checks the file on its own, and the error
+# names the file and key, before the primary schema types the merged tree. Model presets are the engine's files
+# (vtengine/models/presets.py reads them without Hydra) and stay a free mapping.
+GROUP_SCHEMAS = {"campaign": CampaignConfig, "grid": GridConfig, "gate": GateConfig, "tracking": TrackingConfig}
+
+
 def register_schemas() -> None:
-    ConfigStore.instance().store(name="vtcampaign_schema", node=AppConfig)
+    cs = ConfigStore.instance()
+    cs.store(name="vtcampaign_schema", node=AppConfig)
+    for group, node in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=node)
 
 
 register_schemas()

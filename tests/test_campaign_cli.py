@@ -45,6 +45,30 @@ def test_every_campaign_composes_on_both_host_kinds():
         assert gpu.tracking.uri == "sqlite:///mlflow.db"
 
 
+def test_each_group_file_is_typed_by_its_own_schema(tmp_path):
+    """Every campaign, grid, gate and tracking file names its group's schema first (Hydra's structured-config
+    pattern), so a project's own group file is checked key by key, and the error names the key and the value."""
+    import shutil
+    from pathlib import Path
+    from hydra.core.config_store import ConfigStore
+    from campaigns.config import GROUP_SCHEMAS
+    from vtengine import confdirs
+    repo = ConfigStore.instance().repo
+    for group in GROUP_SCHEMAS:
+        assert f"{group}_schema.yaml" in repo[group], group
+        for name in options(group):
+            text = confdirs.group_files(group)[name].read_text()
+            assert f"defaults:\n  - {group}_schema\n  - _self_\n" in text, f"conf/{group}/{name}.yaml"
+    conf = tmp_path / "conf"
+    shutil.copytree(Path(confdirs.merged()), conf)
+    (conf / "grid" / "mine.yaml").write_text("defaults:\n  - grid_schema\n  - _self_\nname: mine\nreps: many\n")
+    with pytest.raises(CampaignConfigError, match="bad value for grid.reps: Value 'many'"):
+        compose(["campaign=gqa_swap", "grid=mine"], conf_dir=conf, cuda=True)
+    (conf / "grid" / "mine.yaml").write_text("defaults:\n  - grid_schema\n  - _self_\nname: mine\nconcurency: [1]\n")
+    with pytest.raises(CampaignConfigError, match="unknown key 'grid.concurency'; accepted keys of grid: name, "):
+        compose(["campaign=gqa_swap", "grid=mine"], conf_dir=conf, cuda=True)
+
+
 def test_arms_resolve_from_the_lever_file_default():
     from vtengine.levers import get
     cfg = compose(["campaign=nsplits_cap"], cuda=False)
