@@ -1,4 +1,4 @@
-"""`vtengine [--conf-dir DIR]`: levers | generate | serve | bench {kernels,decode,serve}.
+"""`vtengine [--conf-dir DIR]`: levers | generate | serve | bench {kernels,decode,prefill,serve}.
 
 ``--conf-dir`` (or VTENGINE_CONF_DIR) names a project's own conf/ over the packaged one (vtengine/confdirs.py).
 User errors (bad model, quant, lever value, request) print one line naming the bad value and exit 2.
@@ -67,6 +67,9 @@ def cmd_bench(args, rest: list[str]) -> int:
         from campaigns import loadgen
         return loadgen.main(rest) or 0
     out_dir = args.out
+    if args.what == "prefill":
+        from vtengine.bench import prefill
+        return prefill.main(out_dir, rest) or 0
     if args.what == "kernels":
         from vtengine.bench import attention, w4a16
         w4a16.main(out_dir)
@@ -101,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="OpenAI-compatible server (vtengine serve --help)", add_help=False)
 
-    p = sub.add_parser("bench", help="benchmarks: kernels | decode | serve (load generator)")
-    p.add_argument("what", choices=["kernels", "decode", "serve"])
-    p.add_argument("--out", default="bench/results", help="where kernels/decode write JSON + markdown")
+    p = sub.add_parser("bench", help="benchmarks: kernels | decode | prefill | serve (load generator)")
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "serve"])
+    p.add_argument("--out", default="bench/results", help="where kernels/decode/prefill write JSON + markdown")
     return ap
 
 

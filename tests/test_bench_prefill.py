@@ -1,0 +1,61 @@
+"""`vtengine bench prefill` on CPU (tiny model, torch backend): one step of N new tokens over a cached prefix of P
+tokens is timed and profiled for every (P, N), written as JSON and markdown; a step that does not fit is recorded as
+an error and the others still run; bad flags name the flag."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vtengine import cli
+from vtengine.bench import prefill
+
+
+def test_steps_over_a_cached_prefix_are_timed_profiled_and_written(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    argv = ["--model", "tiny", "--device", "cpu", "--backend", "torch", "--prefixes", "0,96", "--chunks", "16,48",
+            "--reps", "2", "--profile"]
+    assert cli.main(["bench", "prefill", "--out", str(tmp_path)] + argv) == 0
+    [path] = tmp_path.glob("prefill-*.json")
+    res = json.loads(path.read_text())
+    assert [(r["prefix"], r["chunk"]) for r in res["rows"]] == [(0, 16), (0, 48), (96, 16), (96, 48)]
+    for r in res["rows"]:
+        assert "error" not in r, r
+        assert len(r["ms_all"]) == 2 and r["ms"] > 0 and r["us_per_token"] == pytest.approx(1e3 * r["ms"] / r["chunk"])
+        assert r["kernels"] and all(k["us"] >= 0 for k in r["kernels"])        # CPU ops by self time
+    md = path.with_suffix(".md").read_text()
+    assert "| 96 | 48 |" in md and "top kernels" in md
+
+
+def test_the_step_reads_the_cached_prefix(tmp_path):
+    """The chunk's last logits equal those of one prefill over prefix + chunk: the step attends to the cache."""
+    from vtengine.engine.llm import LLM
+    from vtengine.engine.sampling_params import SamplingParams
+    from vtengine.engine.sequence import Sequence
+    llm = LLM(model="tiny", backend="torch", num_kv_blocks=64, max_num_seqs=1)
+    eng = llm.engine
+    tokens = torch.randint(3, 500, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = eng.score(tokens, [5])[0]           # one prefill of all 80 (and a token after): the next-token row
+    seq = Sequence("s", tokens, SamplingParams(max_tokens=1), eng.config.block_size)
+    eng.block_manager.allocate(seq)
+    prefill._step(eng.runner, seq, 0, 64)
+    seq.num_cached_tokens, seq.num_new_tokens, seq.in_prefill = 64, 16, True
+    with torch.inference_mode():
+        chunked = torch.log_softmax(eng.runner._logits([seq], True)[0].double(), -1)
+    eng.block_manager.free(seq)
+    assert torch.allclose(chunked, whole, atol=1e-4), (chunked - whole).abs().max()
+
+
+def test_a_step_that_does_not_fit_is_an_error_row_and_bad_flags_are_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    with pytest.raises(ValueError, match="--chunks expects comma-separated integers >= 1, got '0'"):
+        prefill.main(str(tmp_path), ["--chunks", "0"])
+    with pytest.raises(ValueError, match="--prefixes expects"):
+        prefill.main(str(tmp_path), ["--prefixes", "many"])
+    # tiny's model maximum is 2048 tokens: 2040 + 16 does not fit, 0 + 16 does
+    assert prefill.main(str(tmp_path), ["--model", "tiny", "--device", "cpu", "--backend", "torch",
+                                        "--prefixes", "0,2040", "--chunks", "16", "--reps", "1"]) == 0
+    [path] = tmp_path.glob("prefill-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert "ms" in rows[0] and "do not fit this engine" in rows[1]["error"], rows
