@@ -178,3 +178,20 @@ def test_max_num_seqs_is_sized_from_the_kv_pool_and_an_explicit_value_is_honoure
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ConfigError, match=f"max_num_seqs must be a positive integer .*got {bad!r}"):
             EngineConfig(model="tiny", max_num_seqs=bad)
+
+
+def test_block_tables_are_as_wide_as_the_longest_table_rounded():
+    from vtengine.engine import model_runner as mr
+    runner = LLM(model="tiny", backend="torch", max_model_len=2048).engine.runner     # 128 columns at full width
+    seqs = [Sequence(str(i), [5] * 3, SamplingParams(max_tokens=1), 16) for i in range(3)]
+    for s, n in zip(seqs, (1, 70, 5)):
+        s.block_table = list(range(100, 100 + n))
+    bt = runner._block_tables(seqs)
+    assert bt.dtype == torch.int32 and tuple(bt.shape) == (3, mr.BLOCK_TABLE_ALIGN * 2)    # 70 -> 128 columns
+    for row, s in zip(bt.tolist(), seqs):
+        n = len(s.block_table)
+        assert row[:n] == s.block_table and set(row[n:]) == {-1}
+    seqs[1].block_table = seqs[1].block_table[:10]
+    assert runner._block_tables(seqs).shape[1] == mr.BLOCK_TABLE_ALIGN                    # narrower when it can be
+    seqs[0].block_table = list(range(120))                          # rounded up, but never past the full width
+    assert runner._block_tables(seqs).shape[1] == runner.max_blocks_per_seq == 128
