@@ -97,3 +97,21 @@ def test_max_model_len_defaults_to_the_model_and_then_to_the_pool():
     # the step budget no longer grows with the bound: a 2048-token bound keeps the 8192 default, a 64 budget stays
     eng = LLM(model="tiny", backend="torch", max_num_batched_tokens=64).engine
     assert eng.max_num_batched_tokens == 64 and eng.scheduler.max_num_batched_tokens == 64
+
+
+@pytest.mark.parametrize("levers", [SYNC, ASYNC, {**SYNC, "chunked_prefill": 256}, {**ASYNC, "chunked_prefill": 256}],
+                         ids=["sync", "async", "sync-lever", "async-lever"])
+def test_chunks_preemption_and_recompute_keep_every_token(levers):
+    """A 30-block pool (480 tokens) for six sequences that grow to 160-300 tokens: sequences are preempted and
+    re-prefilled (prompt and generated tokens, past the 64-token budget: in chunks), a 200-token prompt is chunked,
+    and every token equals the unconstrained synchronous engine's; the pool is empty at the end."""
+    prompts = [long_prompt(n, seed=i) for i, n in enumerate([60, 60, 200, 60, 60, 60])]
+    params = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(max_tokens=90, temperature=0.8, seed=i, ignore_eos=True) for i in range(6)]
+    want = tokens(LLM(model="tiny", backend="torch", levers=SYNC, max_num_batched_tokens=4096).generate(prompts,
+                                                                                                        params))
+    llm = LLM(model="tiny", backend="torch", levers=levers, max_num_batched_tokens=64, num_kv_blocks=30,
+              max_num_seqs=6)
+    assert tokens(llm.generate(prompts, params)) == want
+    st = llm.engine.stats()
+    assert st["num_preemptions"] >= 3 and st["kv_blocks_free"] == st["kv_blocks_total"]
