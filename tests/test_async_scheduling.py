@@ -166,3 +166,19 @@ def test_served_requests_equal_the_synchronous_engine(sync_run):
     forks = first_divergences(many, together, logprobs, threshold_mnats=500.0)
     assert all(f["near_tie"] for f in forks), forks
     assert snap["async_steps"]["launched_ahead"]["launches"] > 0
+
+
+def test_step_times_do_not_overlap_under_async():
+    """With a step in flight, a step's time runs from its launch or the previous read, whichever is later, to its
+    read: the steps' intervals are disjoint, so their sum stays within the generate's wall time (launch-to-read
+    would count the step before each one again)."""
+    import time
+    llm = LLM(model="tiny", levers=ASYNC)
+    llm.generate(PROMPTS[:2], _params()[:2])                      # warm-up
+    before = dict(llm.engine.stats())
+    t0 = time.perf_counter()
+    llm.generate(PROMPTS, _params())
+    wall = time.perf_counter() - t0
+    st = llm.engine.stats()
+    assert st["steps_total"] - before["steps_total"] >= 10
+    assert 0 < st["step_time_s_sum"] - before["step_time_s_sum"] <= wall

@@ -136,6 +136,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.fault = None                   # a deliberate fault of a gate's self-check (vtengine/faults.py)
         self._in_flight = None              # async scheduling: the step launched last, not read yet
+        self._last_collect: float | None = None   # async scheduling: when the previous step's ids were read
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._stats = dict(tokens_generated_total=0, prompt_tokens_total=0, requests_finished_total=0,
                            step_time_s_last=0.0, step_time_s_sum=0.0, steps_total=0, decode_steps_total=0,
@@ -263,7 +264,12 @@ class LLMEngine:
         self._in_flight = launched
         tokens = self.runner.collect(step)
         t1 = time.perf_counter()
-        self._count_step(step.is_prefill, t1 - step.started)
+        # A step's time is from its launch, or from the previous read if that came later, to its read: with one
+        # step in flight, launch-to-read spans the step before it too (up to two device steps), so the steps'
+        # times summed over a generation would exceed its wall time; this way they add up to it.
+        start = step.started if self._last_collect is None else max(step.started, self._last_collect)
+        self._last_collect = t1
+        self._count_step(step.is_prefill, t1 - start)
         live = [(s, tok) for s, tok in zip(step.seqs, tokens) if not s.is_finished]     # aborted since: dropped
         return self._outputs([s for s, _ in live], [tok for _, tok in live], step.started, t1)
 
