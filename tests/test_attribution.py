@@ -59,10 +59,11 @@ def test_table_splits_the_measured_delta_and_says_what_is_left():
 
 @pytest.fixture(scope="module")
 def slowed():
-    """gqa_swap's arms on `tiny` under the interpreter; the candidate's rms_norm runs twice per call."""
+    """gqa_swap's arms on `tiny` under the interpreter; the candidate's rms_norm runs 6 times per call (twice was
+    within the noise of a loaded 2-core CI host: once 1.196x, once lost in it)."""
     arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
     ctx = GateContext(lever="gqa_swap", arms=arms, model="tiny", quant="bf16", device="cpu", near_tie_max_mnats=500.0,
-                      gate_cfg=OmegaConf.create({"self_check": True}), slowed={"on": "rms_norm"})
+                      gate_cfg=OmegaConf.create({"self_check": True}), slowed={"on": "rms_norm"}, slow_runs=6)
     yield ctx
     ctx.release_engines()
 
@@ -72,11 +73,11 @@ def test_a_kernel_slowed_in_one_arm_is_the_one_the_attribution_names(slowed):
     assert base.passed and cand.passed
     for c in ("1", "2"):
         rows, _ = attribution.table(base.details["windows"][c], cand.details["windows"][c], None, None)
-        grew = max(rows, key=lambda r: r.delta_us)
-        assert grew.kernel == "rms_norm", [(r.kernel, r.delta_us) for r in rows]
-        # twice the calls: warm caches make it less than 2x, and a loaded 2-core CI host has measured 1.196x, so
-        # the bar is that the doubling shows, not how much; that it is the largest delta is asserted above
-        assert grew.cand_us > 1.05 * grew.base_us and grew.delta_us > 0
+        # the kernel that grew most for its size: a ratio, since the arms' decode attention differs by route (it
+        # moved by 110 ms between them once under the interpreter, 100x rms_norm's whole time)
+        grew = max((r for r in rows if r.base_us > 0), key=lambda r: r.cand_us / r.base_us)
+        assert grew.kernel == "rms_norm", [(r.kernel, r.base_us, r.cand_us) for r in rows]
+        assert grew.cand_us > 2 * grew.base_us                   # six runs per call: well clear of the noise
 
 
 def test_the_profile_gates_self_check_names_its_planted_slowdown(slowed):

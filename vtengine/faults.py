@@ -21,7 +21,7 @@ KINDS = {
     "oob": "decode attention reads through block-table entries far past the end of the KV cache",
     "stale_input": "each decode step embeds a sequence's previous token instead of its newest one (the async race)",
     "drop_token": "the serving path drops the second token of every request's stream",
-    "slow": "the kernel runs twice per call (its result unchanged, its time doubled)",
+    "slow": "the kernel runs twice per call, or 1 + size times (its result unchanged, its time multiplied)",
 }
 OOB_GAP_BYTES = 1 << 30         # an "oob" read lands this far above the highest tensor the engine holds
 INT32_MAX = 2**31 - 1           # the decode kernel's block offset (block x stride) is a 32-bit product
@@ -35,7 +35,7 @@ class FaultError(ValueError):
 class Fault:
     kind: str
     kernel: str | None = None       # perturb: the kernel whose output is perturbed (a name of KERNEL_OPS)
-    size: float = 0.0               # perturb: relative size; -2.0 negates the output
+    size: float = 0.0               # perturb: relative size; -2.0 negates the output. slow: extra runs (0: one)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -52,8 +52,14 @@ class Fault:
             factor = 1 + self.size
             what = f"{self.kernel} output scaled by {factor:g}" + (" (negated)" if factor == -1 else "")
         elif self.kind == "slow":
-            what = f"{self.kernel} run twice per call"
+            runs = self.runs
+            what = f"{self.kernel} run {'twice' if runs == 2 else f'{runs} times'} per call"
         return what
+
+    @property
+    def runs(self) -> int:
+        """slow: how many times the kernel runs per call (twice unless size asks for more extra runs)."""
+        return 1 + max(1, int(self.size))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,14 +101,15 @@ def _perturbed(op: Callable, fault: Fault, quantized: bool | None) -> Callable:
     return wrapped
 
 
-def _twice(op: Callable, quantized: bool | None) -> Callable:
+def _repeated(op: Callable, quantized: bool | None, runs: int) -> Callable:
     def wrapped(*args, **kwargs):
         if quantized is not None:
             from vtengine.quant import QuantizedWeight
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if isinstance(weight, QuantizedWeight) != quantized:
                 return op(*args, **kwargs)
-        op(*args, **kwargs)
+        for _ in range(runs - 1):
+            op(*args, **kwargs)
         return op(*args, **kwargs)
     return wrapped
 
@@ -158,7 +165,7 @@ def install(backend, fault: Fault | None, ceiling: int = 0) -> None:
     if fault.kind == "perturb":
         wrap = {op: _perturbed(getattr(backend, op), fault, quantized) for op in KERNEL_OPS[fault.kernel]}
     elif fault.kind == "slow":
-        wrap = {op: _twice(getattr(backend, op), quantized) for op in KERNEL_OPS[fault.kernel]}
+        wrap = {op: _repeated(getattr(backend, op), quantized, fault.runs) for op in KERNEL_OPS[fault.kernel]}
     else:
         wrap = {"decode_attention": _oob(backend.decode_attention, ceiling)}
     for op, fn in wrap.items():

@@ -76,7 +76,8 @@ class GateContext:
     server_model: str = ""
     inert_arm: str | None = None       # fault injection for tests: this arm runs with the lever forced to baseline
     broken_arm: str | None = None      # fault injection for tests: this arm's engines run the perturb fault throughout
-    slowed: dict[str, str] = field(default_factory=dict)   # tests: arm -> a kernel its engine runs twice per call
+    slowed: dict[str, str] = field(default_factory=dict)   # tests: arm -> a kernel its engine runs slow_runs times
+    slow_runs: int = 2                                        # per call (twice by default)
     with_levers: dict[str, Any] = field(default_factory=dict)      # other levers pinned for both arms
     cpu_max_model_len: int = 512
     _engines: dict[str, Any] = field(default_factory=dict)
@@ -132,7 +133,7 @@ class GateContext:
         if arm.name == self.broken_arm:
             return self.perturb_fault()
         if arm.name in self.slowed:
-            return Fault("slow", self.slowed[arm.name])
+            return Fault("slow", self.slowed[arm.name], size=float(self.slow_runs - 1))
         return None
 
     def perturb_fault(self, size: float = -2.0):
