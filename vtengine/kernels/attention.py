@@ -30,9 +30,9 @@ Three levers shape it:
 Slices are per sequence, and the split rule (the lever ``split_rule``, vtengine/kernels/splits.py) fixes them:
 sequence b's slice length is max(cdiv(cdiv(ctx_b, S), BLOCK_N) * BLOCK_N, MIN_SPLIT) tokens for S partial slots,
 where "off" (the count rule) takes S from the split heuristic over the context bound and MIN_SPLIT =
-MIN_SPLIT_TILES tiles, and "len<L>" takes S = cdiv(bound, L) and MIN_SPLIT = L (every slice L tokens). Sequence b has n_live = cdiv(ctx_b,
-slice length) live slices; each is its own online softmax written to its own slot, and the merge reads the live
-ones only. The grid's third dimension holds G <= S programs per (sequence, grid head), program s walking slices
+MIN_SPLIT_TILES tiles, and "len<L>" takes S = cdiv(bound, L) and MIN_SPLIT = L (every slice L tokens).
+Sequence b has n_live = cdiv(ctx_b, slice length) live slices; each is its own online softmax written to its own
+slot, and the merge reads the live ones only. The grid's third dimension holds G <= S programs per (sequence, grid head), program s walking slices
 s, s + G, ...: G follows the batch (about one wave of programs), and changes no bit, since a slice's arithmetic is
 the same whichever program runs it. The result depends only on (S, MIN_SPLIT, ctx_b), never on the batch: decode
 is batch-invariant, eager and CUDA-graphed decode agree bitwise, and under "len<L>" the bound does not matter

@@ -108,8 +108,8 @@ def decode_num_splits(programs: int, num_n_blocks: int, nsplits_cap="off", num_s
 # -- the split rule (the ``split_rule`` lever) ------------------------------------------------------------------
 # "off" (or "count"): the slot count S comes from the heuristic above over the context bound (max_model_len in the
 #     engine), and sequence b's slice length is its context over S in whole tiles (at least two tiles).
-#     Batch-invariant, but the slices depend on the bound: a 40k bound cuts a 1k context into 128-token slices, and a grid of S programs per
-#     (sequence, head) mostly finds empty slices.
+#     Batch-invariant, but the slices depend on the bound: a 40k bound cuts a 1k context into 128-token slices,
+#     and most of the S programs per (sequence, head) find no live slice (they exit at once).
 # "len<L>": every slice is L tokens (L rounded up to whole tiles): a context of n tokens has cdiv(n, L) live slices,
 #     whatever the batch and whatever the bound, so the result depends on the sequence alone. The bound only sizes
 #     the partials workspace (cdiv(bound, L) slots); the grid has G programs per (sequence, head), each walking
