@@ -191,3 +191,21 @@ def test_memcheck_is_clean_and_catches_an_out_of_bounds_read_in_the_engine_run()
     res = run_gate("memcheck", ctx, ctx.arms[1])
     assert res.passed and res.counts["errors"] == 0
     assert res.self_check is True and res.details["self_check_counts"]["errors"] > 0
+
+
+def test_prefill_gqa_pack_op_and_mechanism_gates_pass_and_self_check():
+    """The packed prefill kernel under the op gate (against the reference, both planted faults caught) and the
+    mechanism gate (the engine's prefill launches take the packed route only in the ON arm; an inert candidate and
+    a stuck baseline are caught)."""
+    ctx = context(lever="prefill_gqa_pack")
+    base, cand = ctx.arms
+    res = run_gate("op", ctx, cand)
+    assert res.passed and res.self_check is True, res.details
+    assert [c["case"].split()[0] for c in res.details["cases"]] == ["prefill_attention"]
+    assert res.counts["max_rel_l2"] < 1e-6
+    for arm in (base, cand):
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    assert ctx.cache["mechanism:on#False"][0]["routes"] == ["paged_causal"]
+    assert ctx.cache["mechanism:off#True"][0]["routes"] == ["gqa_pack"]
+    ctx.release_engines()

@@ -199,9 +199,13 @@ def test_store_kv_matches_reference_bitwise():
 
 # -- prefill -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fast_math", [False, True])
-def test_prefill_ragged_with_cached_prefix(fast_math):
+@pytest.mark.parametrize("gqa_pack,hq", [(False, 4), (True, 4), (True, 6)],
+                         ids=["per_q_head", "gqa_pack", "gqa_pack-group3"])
+def test_prefill_ragged_with_cached_prefix(fast_math, gqa_pack, hq):
+    """Both routes against the fp64 reference; gqa_pack with a group of 3 pads each group to 4 rows (masked), and
+    the 24-token prefix puts whole tiles in its unmasked key loop."""
     gen, seed = fresh_generator()
-    hq, hkv, d, page = 4, 2, 16, 8
+    hkv, d, page = 2, 16, 8
     # (new tokens, context): a 1-token prompt, a fresh 13-token prompt, 5 new tokens after a 24-token cached
     # prefix, and a 1-token step after 16 cached tokens; none but the first is a multiple of the block size
     q_lens, ctx_lens = [1, 13, 5, 1], [1, 13, 29, 17]
@@ -211,12 +215,18 @@ def test_prefill_ragged_with_cached_prefix(fast_math):
     scale = d ** -0.5
     ref = ref_prefill(q, kc, vc, cu, ctx, bt, scale)
     counters.reset()
-    out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q))
+    out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q),
+                                 gqa_pack=gqa_pack)
     err = rel_l2(out, ref)
     assert err < BOUND[torch.float32], f"rel L2 {err:.3e}, seed {seed}"
-    st = counters.snapshot()["prefill_attention"]["paged_causal"]
-    blk_m = attn.PREFILL_TILES.block_m
-    assert st["grids"] == {f"{-(-sum(q_lens) // blk_m) + len(q_lens)}x{hq}": 1}
+    if gqa_pack:    # rows = tokens x the group padded to a power of two: 16 rows hold 8 tokens (group 2) or 4 (3)
+        st = counters.snapshot()["prefill_attention"]["gqa_pack"]
+        tokens_per_tile = max(attn.PREFILL_PACKED_TILES.block_m, 16) // (2 if hq // hkv == 2 else 4)
+        assert st["grids"] == {f"{-(-sum(q_lens) // tokens_per_tile) + len(q_lens)}x{hkv}": 1}
+    else:
+        st = counters.snapshot()["prefill_attention"]["paged_causal"]
+        blk_m = attn.PREFILL_TILES.block_m
+        assert st["grids"] == {f"{-(-sum(q_lens) // blk_m) + len(q_lens)}x{hq}": 1}
     assert st["variants"] == {"fast_math" if fast_math else "precise": 1}
 
 
@@ -608,10 +618,13 @@ def test_gpu_prefill_real_shapes():
     scale = REAL["d"] ** -0.5
     ref = ref_prefill(q, kc, vc, cu, ctx, bt, scale)
     for fast_math in (False, True):
-        out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q))
-        torch.cuda.synchronize()
-        err = rel_l2(out, ref)
-        assert err < BOUND[torch.bfloat16], f"fast_math={fast_math}: rel L2 {err:.3e}, seed {seed}"
+        for gqa_pack in (False, True):
+            out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q),
+                                         gqa_pack=gqa_pack)
+            torch.cuda.synchronize()
+            err = rel_l2(out, ref)
+            assert err < BOUND[torch.bfloat16], \
+                f"fast_math={fast_math} gqa_pack={gqa_pack}: rel L2 {err:.3e}, seed {seed}"
 
 
 @gpu

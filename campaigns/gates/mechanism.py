@@ -62,6 +62,8 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
     if lever == "split_rule":
         return {"rules": _routes(snap, "decode_split_rule"), "floors": _variants(snap, "decode_split_rule"),
                 "grids": _grids(snap, "decode_attention")}
+    if lever == "prefill_gqa_pack":
+        return {"routes": _routes(snap, "prefill_attention"), "grids": _grids(snap, "prefill_attention")[:8]}
     if lever == "chunked_prefill":
         return {"prefill_steps": _routes(snap, "prefill_step"), "tokens": _grids(snap, "prefill_step")[:8]}
     if lever == "fast_math":
@@ -91,6 +93,9 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "split_rule":
         want = [str(value)]
         return pr["rules"] == want, f"decode split rules {pr['rules']} (slice floors {pr['floors']}), expected {want}"
+    if lever == "prefill_gqa_pack":
+        want = ["gqa_pack"] if value else ["paged_causal"]
+        return pr["routes"] == want, f"prefill_attention routes {pr['routes']}, expected {want}"
     if lever == "chunked_prefill":
         want = ["prefill_first"] if value in ("off", False, None) else [f"chunk={value}"]
         return pr["prefill_steps"] == want, f"prefill steps shaped by {pr['prefill_steps']}, expected {want}"

@@ -122,7 +122,8 @@ def prefill_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
         tables = torch.where(bt >= 0, bt + 1, bt) if fault else bt
         out = _poisoned_like(q.shape, q.dtype, q.device)
         return attention.prefill_attention(q, k_cache, v_cache, cu, cl, tables, scale, out=out,
-                                           fast_math=setting.get("fast_math", False))
+                                           fast_math=setting.get("fast_math", False),
+                                           gqa_pack=setting.get("gqa_pack", False))
 
     def ref():
         return TorchBackend().prefill_attention(q.float(), k_cache.float(), v_cache.float(), cu, cl, bt, scale)
@@ -252,6 +253,8 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
     if kernel == "decode_attention":
         return {"gqa_swap": on("gqa_swap"), "nsplits_cap": values.get("nsplits_cap", "off") or "off",
                 "fast_math": on("fast_math"), "pdl": on("pdl")}
+    if kernel == "prefill_attention":
+        return {"gqa_pack": on("prefill_gqa_pack"), "fast_math": on("fast_math")}
     if kernel == "w4a16_gemm":
         return {"dense": on("marlin_dense"), "pdl": on("pdl")}
     if kernel == "dense_linear":

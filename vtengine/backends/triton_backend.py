@@ -68,7 +68,8 @@ class TritonBackend(TorchBackend):
 
     def prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
         return attention.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                                           fast_math=self.levers.on("fast_math"))
+                                           fast_math=self.levers.on("fast_math"),
+                                           gqa_pack=self.levers.on("prefill_gqa_pack"))
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None):
         return attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,

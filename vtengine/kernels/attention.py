@@ -250,6 +250,101 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, context_len
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+# grid (cdiv(T, BLOCK_T) + B, kv_heads): the gqa_pack route. One program holds BLOCK_T tokens x the GROUP q heads
+# of one kv head as the M rows of its tiles (token-major: row r is token r // GROUP_P2, q head r % GROUP_P2, heads
+# padded to a power of two and masked), so each K/V tile is loaded once per group instead of once per q head, and
+# the MMA's M is BLOCK_T x GROUP_P2 (128 by default) rather than 64. The key loop runs in two parts: keys every row
+# sees (below the tile's first position, whole BLOCK_N tiles) with no mask at all, then the diagonal tiles with the
+# causal mask; with a long cached prefix nearly every tile is in the first part. Same arithmetic per row as the
+# per-q-head kernel (online softmax over keys in the same BLOCK_N order), so the two agree to rounding.
+@triton.jit
+def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
+                           out_ptr, qk_scale, num_seqs,
+                           stride_qt, stride_qh,
+                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                           stride_bt, stride_ot, stride_oh,
+                           GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                           FAST_MATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P2
+    tile_id = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    offs_b = tl.arange(0, BLOCK_B)
+    b_mask = offs_b < num_seqs
+    lo = tl.load(cu_seqlens_ptr + offs_b, mask=b_mask, other=0)
+    hi = tl.load(cu_seqlens_ptr + offs_b + 1, mask=b_mask, other=0)
+    n_tiles = (hi - lo + BLOCK_T - 1) // BLOCK_T
+    tiles_end = tl.cumsum(n_tiles, 0)
+    seq = tl.sum((tiles_end <= tile_id).to(tl.int32), 0)
+    if seq >= num_seqs:
+        return
+    tile = tile_id - tl.sum(tl.where(offs_b == seq, tiles_end - n_tiles, 0), 0)
+
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    ctx = tl.load(context_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    offs_t = tile * BLOCK_T + rows // GROUP_P2          # the row's token within the sequence's new tokens
+    g = rows % GROUP_P2                                  # the row's q head within the group
+    row_mask = (offs_t < q_len) & (g < GROUP)
+    pos = ctx - q_len + offs_t
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_off = (q_start + offs_t).to(tl.int64) * stride_qt + (kvh * GROUP + g) * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :],
+                other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    first_pos = ctx - q_len + tile * BLOCK_T                         # the tile's first query position
+    kv_end = tl.minimum(ctx, first_pos + BLOCK_T)                    # one past the tile's last causal key
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N                  # keys [0, full_end): seen by every row
+    bt_row = block_tables_ptr + seq * stride_bt
+    k_base = k_cache_ptr + kvh * stride_kh
+    v_base = v_cache_ptr + kvh * stride_vh
+    for start_n in range(0, full_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :],
+                    mask=d_mask[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
+        p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :],
+                    mask=d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
+        m_i = m_new
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
+        # key 0 is visible to every row, so each row's running max is finite after the first tile
+        qk = tl.where((offs_n[None, :] <= pos[:, None]) & n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
+        p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
+        m_i = m_new
+
+    o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
+    o_off = (q_start + offs_t).to(tl.int64) * stride_ot + (kvh * GROUP + g) * stride_oh
+    tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
 @dataclass(frozen=True)
 class Tiles:
     """Launch meta-parameters of one kernel: BLOCK_M rows (prefill), BLOCK_N KV tokens per step, warps, stages.
@@ -266,10 +361,14 @@ class Tiles:
 
 if INTERPRET:   # the interpreter runs every program in numpy: few, large-ish tiles keep it fast
     PREFILL_TILES = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    PREFILL_PACKED_TILES = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
     DECODE_TILES = {"per_q_head": Tiles(block_n=16, num_warps=1, num_stages=1),
                     "gqa_swap": Tiles(block_n=16, num_warps=1, num_stages=1)}
 else:
     PREFILL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    # gqa_pack: block_m counts rows (tokens x padded group), 128 = 32 tokens x 4 q heads for Qwen3-8B; the tile sweep
+    # of ``vtengine bench prefill-attention`` picks it (bench/results/prefill-attention-*.json).
+    PREFILL_PACKED_TILES = Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
     # Decode, measured on an H200 (bench/results/attention-explore-2026-11-30-h200.json: 6 tile configs x 7 forced
     # split counts x 6 shapes per route): BLOCK_N 64 / 4 warps / 2 stages is within a few % of the best config at
     # every shape for both routes, and the fastest split counts put ~512 programs in flight (about 4 per SM:
@@ -281,10 +380,12 @@ else:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       fast_math: bool = False, tiles: Tiles | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, gqa_pack: bool = False) -> torch.Tensor:
     """Causal varlen attention of the new tokens q [T, Hq, D] over the paged cache (which already holds them).
     Sequence b's new tokens are q[cu[b]:cu[b+1]]; its query i sits at position context_lens[b] - q_len_b + i.
-    ``out`` [T, Hq, D] (q's dtype), if given, is written in place and returned."""
+    ``out`` [T, Hq, D] (q's dtype), if given, is written in place and returned. ``gqa_pack`` (the lever
+    ``prefill_gqa_pack``): one program per (token tile, kv head) with the group's q heads packed into its rows,
+    K/V loaded once per group; off: one program per (token tile, q head)."""
     t, hq, d = q.shape
     b = cu_seqlens_q.shape[0] - 1
     hkv = _check_cache(k_cache, v_cache, None, d)
@@ -296,9 +397,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = _output(out, q, "prefill_attention")
     if t == 0 or b == 0:
         return out
-    meta = tiles or PREFILL_TILES
     fast_math = bool(fast_math)
     ddt = dot_dtype(q)
+    if gqa_pack:
+        return _prefill_packed(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, fast_math,
+                               tiles or PREFILL_PACKED_TILES, out, hkv, ddt)
+    meta = tiles or PREFILL_TILES
     grid = (triton.cdiv(t, meta.block_m) + b, hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out,
@@ -312,6 +416,30 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         PAGE_SIZE=k_cache.shape[1], FAST_MATH=fast_math, DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
         num_warps=meta.num_warps, num_stages=meta.num_stages)
     counters.record("prefill_attention", "paged_causal", grid=grid, variant=_variant(fast_math))
+    return out
+
+
+def _prefill_packed(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, fast_math, meta, out,
+                    hkv, ddt) -> torch.Tensor:
+    t, hq, d = q.shape
+    b = cu_seqlens_q.shape[0] - 1
+    group = hq // hkv
+    group_p2 = triton.next_power_of_2(group)
+    rows = max(meta.block_m, group_p2, 16)          # tl.dot needs 16 rows at least
+    block_t = rows // group_p2
+    grid = (triton.cdiv(t, block_t) + b, hkv)
+    _prefill_packed_kernel[grid](
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out,
+        scale * LOG2E if fast_math else scale, b,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_T=block_t, BLOCK_N=meta.block_n, BLOCK_B=max(2, triton.next_power_of_2(b)),
+        PAGE_SIZE=k_cache.shape[1], FAST_MATH=fast_math, DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
+        num_warps=meta.num_warps, num_stages=meta.num_stages)
+    counters.record("prefill_attention", "gqa_pack", grid=grid, variant=_variant(fast_math))
     return out
 
 

@@ -1,0 +1,174 @@
+"""Prefill attention benchmark: both routes of vtengine/kernels/attention.py's prefill (per q head; ``gqa_pack``,
+with a tile sweep) against ``F.scaled_dot_product_attention`` on contiguous K/V, as TFLOP/s and as a fraction of a
+bf16 matmul's rate measured in the same run.
+
+Question it answers: a prefill chunk over a long cached prefix is bound by attention FLOPs (a 2,048-token chunk at a
+30k context holds ~1 TFLOP of attention per layer of Qwen3-8B); how close to the GPU's matmul rate does each route
+run, and which tiles does the packed route want?
+
+Shapes: 32 q / 8 kv heads, head_dim 128, bf16, block_size 16, one sequence of ``q_len`` new tokens after a cached
+prefix of ``prefix`` tokens (block table shuffled, pages scattered as in a running engine).
+
+Definitions:
+- FLOPs = 4 x head_dim x q_heads x (keys each query row sees, summed over rows): the two matmuls of every visible
+  (query, key) pair, causal masking counted as skipped work (FlashAttention's convention).
+- matmul rate = a bf16 8192 x 8192 x 8192 ``torch.mm`` (cuBLAS), do_bench median, measured in the same run: the
+  ceiling the tensor cores reach on this device and these clocks (the physical limit's measured stand-in).
+- time = ``triton.testing.do_bench`` median. SDPA runs on the same K/V laid out contiguously ([1, Hkv, ctx, D],
+  ``enable_gqa``), with a lower-right causal mask when a prefix is cached (torch's CausalBias); if a backend
+  refuses the call the error is recorded instead of a time.
+- rel_l2 = vtengine.testing.rel_l2 of each route against SDPA's output (both bf16 out, fp32 accumulation).
+
+``python -m vtengine.bench.prefill_attention [OUT_DIR]`` or ``vtengine bench prefill-attention``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vtengine.bench import common
+from vtengine.kernels import attention as attn  # noqa: F401  (sets the interpreter switch before triton)
+from vtengine.kernels.splits import sm_count
+from vtengine.testing import rel_l2
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DEVICE = "cuda"
+SHAPES = [(512, 0), (2048, 0), (8192, 0), (512, 30000), (2048, 30000), (8192, 24000)]    # (q_len, prefix)
+PACKED_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
+    (128, 64, 8, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2),
+    (64, 64, 4, 3), (256, 64, 8, 2))]
+
+
+def causal_flops(q_len: int, prefix: int) -> float:
+    keys = q_len * prefix + q_len * (q_len + 1) / 2          # row i sees prefix + i + 1 keys
+    return 4.0 * D * HQ * keys
+
+
+def make_case(q_len: int, prefix: int, gen: torch.Generator):
+    ctx = prefix + q_len
+    nbps = triton.cdiv(ctx, PAGE)
+    k = torch.randn(1, HKV, nbps * PAGE, D, device=DEVICE, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, HKV, nbps * PAGE, D, device=DEVICE, generator=gen).to(torch.bfloat16)
+    bt = torch.randperm(nbps, device=DEVICE, generator=gen).to(torch.int32).view(1, nbps)
+    k_cache = torch.empty(nbps, PAGE, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[bt[0].long()] = k[0].view(HKV, nbps, PAGE, D).permute(1, 2, 0, 3)
+    v_cache[bt[0].long()] = v[0].view(HKV, nbps, PAGE, D).permute(1, 2, 0, 3)
+    q = torch.randn(q_len, HQ, D, device=DEVICE, generator=gen).to(torch.bfloat16)
+    cu = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
+    cl = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
+    return q, k[:, :, :ctx].contiguous(), v[:, :, :ctx].contiguous(), k_cache, v_cache, bt, cu, cl
+
+
+def sdpa_call(q, k, v, prefix: int):
+    """SDPA over contiguous K/V: q [T, Hq, D] -> [T, Hq, D]."""
+    qb = q.transpose(0, 1).unsqueeze(0)
+    if prefix == 0:
+        def run():
+            return F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(q.shape[0], k.shape[2])
+
+        def run():
+            return F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+    return run
+
+
+def time_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.mm(a, b))
+    return 2 * 8192 ** 3 / ms / 1e9
+
+
+def main(out_dir: str = "bench/results") -> dict:
+    if not torch.cuda.is_available():
+        print("prefill attention bench: needs a CUDA GPU; nothing measured")
+        return {"skipped": "needs a CUDA GPU"}
+    props = torch.cuda.get_device_properties(0)
+    peak = matmul_tflops()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = {
+        "bench": "prefill_attention", "device": props.name, "sm_count": sm_count(),
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "matmul_tflops": round(peak, 1),
+        "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": PAGE, "dtype": "bfloat16"},
+        "definitions": __doc__.split("Definitions:")[1].split("``python -m")[0].strip(),
+        "rows": [],
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"prefill-attention-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}"
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    scale = D ** -0.5
+    for q_len, prefix in SHAPES:
+        q, k, v, kc, vc, bt, cu, cl = make_case(q_len, prefix, gen)
+        flops = causal_flops(q_len, prefix)
+        row = {"q_len": q_len, "prefix": prefix, "gflop": round(flops / 1e9, 1), "arms": {}}
+        try:
+            sd = sdpa_call(q, k, v, prefix)
+            ref = sd()
+            ms = time_ms(sd)
+            row["arms"]["sdpa"] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+        except Exception as e:                       # a backend refusing the mask/shape: say so, keep going
+            ref = None
+            row["arms"]["sdpa"] = {"error": common.error_text(e)}
+        arms = [("per_q_head", False, attn.PREFILL_TILES)] + [
+            (f"gqa_pack/m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}", True, t) for t in PACKED_SWEEP]
+        for name, pack, tiles in arms:
+            try:
+                buf = torch.full_like(q, float("nan"))
+
+                def fn(pack=pack, tiles=tiles, buf=buf):
+                    return attn.prefill_attention(q, kc, vc, cu, cl, bt, scale, tiles=tiles, out=buf, gqa_pack=pack)
+                ms = time_ms(fn)
+                entry = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
+                         "fraction_of_matmul": round(flops / ms / 1e9 / peak, 3)}
+                if ref is not None:
+                    entry["rel_l2_vs_sdpa"] = float(f"{rel_l2(fn(), ref):.3e}")
+                row["arms"][name] = entry
+            except Exception as e:
+                row["arms"][name] = {"error": common.error_text(e)}
+        packed = {n: a for n, a in row["arms"].items() if n.startswith("gqa_pack") and "ms" in a}
+        if packed and "ms" in row["arms"]["per_q_head"]:
+            best = min(packed, key=lambda n: packed[n]["ms"])
+            row["best_packed"] = best
+            row["best_packed_speedup_vs_per_q_head"] = round(row["arms"]["per_q_head"]["ms"] / packed[best]["ms"], 3)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")     # a cut-short run keeps rows
+        del q, k, v, kc, vc
+        common.free_memory()
+    stem.with_suffix(".md").write_text(markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    names = list(result["rows"][0]["arms"]) if result["rows"] else []
+    lines = [f"# Prefill attention, {result['device']}, {result['date_utc']}",
+             f"torch {result['torch']}, triton {result['triton']}; bf16 matmul rate {result['matmul_tflops']} TFLOP/s "
+             "(measured in this run). Cells: ms / TFLOP/s.", "",
+             "| q_len | prefix | GFLOP | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
+    for r in result["rows"]:
+        cells = [f"{a['ms']} / {a['tflops']}" if "ms" in a else "error" for a in r["arms"].values()]
+        lines.append(f"| {r['q_len']} | {r['prefix']} | {r['gflop']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main(*(sys.argv[1:2] or []))
