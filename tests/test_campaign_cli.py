@@ -11,7 +11,7 @@ from campaigns.evidence import save_evidence
 from helpers import TPUT_WIN, make_evidence
 
 CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunked_prefill", "fast_math", "gqa_swap", "marlin_dense",
-             "nsplits_cap", "pdl", "prefill_gqa_pack", "split_rule", "triton_gemv"]
+             "mixed_steps", "nsplits_cap", "pdl", "prefill_gqa_pack", "split_rule", "triton_gemv"]
 
 
 def _error_line(capsys) -> str:

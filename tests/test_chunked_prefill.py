@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vtengine import counters
 from vtengine.engine.llm import LLM
 from vtengine.engine.sampling_params import SamplingParams
 
@@ -88,6 +89,30 @@ def test_with_the_lever_a_decoding_sequence_keeps_its_tokens_coming_while_a_long
     assert done_off["a"] == alone_a and done_off["b"] == alone_b
 
 
+@pytest.mark.parametrize("levers,budget", [({**SYNC, "chunked_prefill": 256}, 8192),
+                                           ({**ASYNC, "chunked_prefill": 256}, 8192),
+                                           (SYNC, 257)], ids=["sync-chunk256", "async-chunk256", "sync-budget257"])
+def test_mixed_steps_carry_the_decode_token_in_every_prefill_step(levers, budget):
+    """mixed_steps: while b's 1200 tokens prefill in 256-token chunks (the chunk lever, or a 257-token budget less
+    a's one decode token), every step also carries a's decode token: no step without a token for "a", no decode step
+    of its own between chunks (b's first token comes in the fifth step after it arrives), and both requests get
+    the tokens they get alone."""
+    long = long_prompt(1200, seed=2)
+    alone_a = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+        [[11, 12, 13]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))[0]
+    alone_b = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+        [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
+    llm = LLM(model="tiny", backend="torch", levers={**levers, "mixed_steps": True}, max_num_batched_tokens=budget)
+    counters.reset()
+    steps, done = _timeline(llm, long)
+    # steps 1-4: a's token and a chunk of b; step 5 brings b's first (async: outputs come one step later)
+    lag = 1 if levers.get("async_scheduling") else 0
+    assert steps == ["a"] * (4 + lag) + ["ab"], steps
+    assert done["a"] == alone_a and done["b"] == alone_b
+    mixed = counters.snapshot()["mixed_step"]
+    assert mixed["decode_rows"]["grids"] == {"1x256": 4, "1x176": 1}      # 1200 = 4 x 256 + 176, a's row in each
+
+
 def test_max_model_len_defaults_to_the_model_and_then_to_the_pool():
     assert LLM(model="tiny", backend="torch").engine.max_model_len == 2048     # tiny's max_position_embeddings
     small = LLM(model="tiny", backend="torch", num_kv_blocks=40).engine           # 40 blocks of 16: 640 tokens
@@ -99,8 +124,9 @@ def test_max_model_len_defaults_to_the_model_and_then_to_the_pool():
     assert eng.max_num_batched_tokens == 64 and eng.scheduler.max_num_batched_tokens == 64
 
 
-@pytest.mark.parametrize("levers", [SYNC, ASYNC, {**SYNC, "chunked_prefill": 256}, {**ASYNC, "chunked_prefill": 256}],
-                         ids=["sync", "async", "sync-lever", "async-lever"])
+@pytest.mark.parametrize("levers", [SYNC, ASYNC, {**SYNC, "chunked_prefill": 256}, {**ASYNC, "chunked_prefill": 256},
+                                    {**SYNC, "mixed_steps": True}, {**ASYNC, "mixed_steps": True}],
+                         ids=["sync", "async", "sync-lever", "async-lever", "sync-mixed", "async-mixed"])
 def test_chunks_preemption_and_recompute_keep_every_token(levers):
     """A 30-block pool (480 tokens) for six sequences that grow to 160-300 tokens: sequences are preempted and
     re-prefilled (prompt and generated tokens, past the 64-token budget: in chunks), a 200-token prompt is chunked,
@@ -115,3 +141,20 @@ def test_chunks_preemption_and_recompute_keep_every_token(levers):
     assert tokens(llm.generate(prompts, params)) == want
     st = llm.engine.stats()
     assert st["num_preemptions"] >= 3 and st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_mixed_steps_through_the_triton_kernels():
+    """The mixed step's two attention launches on sliced rows (the packed prefill route and split-KV decode) under
+    the interpreter: the decoding request and the chunked prompt get the tokens they get alone."""
+    long = long_prompt(300, seed=2)
+    p_a = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone_a = tokens(LLM(model="tiny", backend="triton", levers=SYNC).generate([[11, 12, 13]], p_a))[0]
+    alone_b = tokens(LLM(model="tiny", backend="triton", levers=SYNC).generate(
+        [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
+    llm = LLM(model="tiny", backend="triton", max_num_batched_tokens=100,
+              levers={**SYNC, "chunked_prefill": 256, "mixed_steps": True, "prefill_gqa_pack": True})
+    counters.reset()
+    steps, done = _timeline(llm, long)
+    assert steps == ["a", "ab"], steps
+    assert done["a"][:6] == alone_a and done["b"] == alone_b
+    assert counters.snapshot()["prefill_attention"]["gqa_pack"]["launches"] > 0

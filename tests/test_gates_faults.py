@@ -209,3 +209,16 @@ def test_prefill_gqa_pack_op_and_mechanism_gates_pass_and_self_check():
     assert ctx.cache["mechanism:on#False"][0]["routes"] == ["paged_causal"]
     assert ctx.cache["mechanism:off#True"][0]["routes"] == ["gqa_pack"]
     ctx.release_engines()
+
+
+def test_mixed_steps_mechanism_gate_sees_decode_rows_ride_in_prefill_steps():
+    """The probe's staggered workload (one prompt decodes while the others prefill): only the ON arm's steps carry
+    decode rows beside a prefill chunk; the inert candidate and the stuck baseline are caught."""
+    ctx = context(lever="mixed_steps")
+    for arm in ctx.arms:
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    assert ctx.cache["mechanism:on"][0]["mixed_steps"] > 0
+    assert ctx.cache["mechanism:off"][0]["mixed_steps"] == 0
+    ctx.release_engines()
+

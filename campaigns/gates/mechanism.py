@@ -64,6 +64,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
                 "grids": _grids(snap, "decode_attention")}
     if lever == "prefill_gqa_pack":
         return {"routes": _routes(snap, "prefill_attention"), "grids": _grids(snap, "prefill_attention")[:8]}
+    if lever == "mixed_steps":
+        return {"mixed_steps": sum(st["launches"] for st in snap.get("mixed_step", {}).values()),
+                "prefill_steps": _routes(snap, "prefill_step")}
     if lever == "chunked_prefill":
         return {"prefill_steps": _routes(snap, "prefill_step"), "tokens": _grids(snap, "prefill_step")[:8]}
     if lever == "fast_math":
@@ -96,6 +99,11 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "prefill_gqa_pack":
         want = ["gqa_pack"] if value else ["paged_causal"]
         return pr["routes"] == want, f"prefill_attention routes {pr['routes']}, expected {want}"
+    if lever == "mixed_steps":
+        n = pr["mixed_steps"]
+        if value:
+            return n > 0, f"{n} steps carried decode rows beside a prefill chunk, expected some"
+        return n == 0, f"{n} steps carried decode rows beside a prefill chunk, expected none"
     if lever == "chunked_prefill":
         want = ["prefill_first"] if value in ("off", False, None) else [f"chunk={value}"]
         return pr["prefill_steps"] == want, f"prefill steps shaped by {pr['prefill_steps']}, expected {want}"
@@ -136,6 +144,20 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     raise ValueError(lever)
 
 
+STAGGERED = ("mixed_steps",)    # levers whose mechanism needs a prompt arriving while another one decodes
+
+
+def _staggered(eng, prompts: list[list[int]], params: SamplingParams) -> None:
+    """The first prompt alone for two steps, then the others: they prefill while it decodes."""
+    eng.add_request("probe-0", prompts[0], params)
+    for _ in range(2):
+        eng.step()
+    for i, p in enumerate(prompts[1:], 1):
+        eng.add_request(f"probe-{i}", p, params)
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
 def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str, Any], dict]:
     """The probe of the arm's engine, with the lever resolved to ``value`` instead of the arm's own when given (the
     faults: an inert or a stuck lever)."""
@@ -146,7 +168,10 @@ def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str,
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         with ctx.lever_set_to(arm, ctx.lever_values(arm)[ctx.lever] if value is None else value) as llm:
             counters.reset()
-            llm.generate(prompts, params)
+            if ctx.lever in STAGGERED:
+                _staggered(llm.engine, prompts, params)
+            else:
+                llm.generate(prompts, params)
             snap = counters.snapshot()
         ctx.cache[key] = (probe(ctx.lever, snap), snap)
     return ctx.cache[key]

@@ -123,13 +123,12 @@ class LLMEngine:
         # a prefill step never exceeds the budget: longer prompts are prefilled in chunks (vtengine/engine/scheduler.py)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_seq_tokens = min(self.max_model_len, num_blocks * config.block_size)
-        chunk = self.levers.chunked_prefill
-        self.prefill_chunk = None if chunk in ("off", False, None) else int(chunk)
         # an explicit max_num_seqs is honoured as given; otherwise the pool sizes it
         self.max_num_seqs = config.max_num_seqs or auto_max_num_seqs(num_blocks, config.block_size,
                                                                      self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_seq_tokens, prefill_chunk=self.prefill_chunk)
+                                   self.max_seq_tokens)
+        self.set_step_levers(self.levers)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len,
                                   self.max_num_seqs, config.cuda_graphs)
         self.blocks_per_seq = blocks_per_seq
@@ -212,6 +211,14 @@ class LLMEngine:
         if seq.num_completion_tokens - pending >= p.max_tokens or len(seq) - pending >= self.max_seq_tokens:
             return "length"
         return None
+
+    def set_step_levers(self, resolved) -> None:
+        """Apply the levers that shape steps (chunked_prefill, mixed_steps) from resolved lever values; the
+        backends read their levers per call, the scheduler holds these two (a gate that re-resolves the levers of
+        a built engine calls this too, so an inert or stuck lever really is one)."""
+        chunk = resolved.chunked_prefill
+        self.scheduler.prefill_chunk = None if chunk in ("off", False, None) else int(chunk)
+        self.scheduler.mixed_steps = resolved.on("mixed_steps")
 
     # -- one step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

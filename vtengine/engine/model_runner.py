@@ -85,7 +85,16 @@ class ModelRunner:
 
     def prepare_prefill(self, seqs: list[Sequence]):
         """Each sequence's next ``num_new_tokens`` tokens (its whole uncached rest when unset: scoring), attending to
-        everything before them in the cache; logits rows only for the sequences whose chunk ends their prefill."""
+        everything before them in the cache; logits rows only for the sequences whose chunk ends their prefill.
+
+        A mixed step (the lever mixed_steps): the sequences still prefilling come first, the decoding ones after
+        them; the decoding rows go last in the batch (their inputs as a decode step builds them, the device token
+        mirror included) and attend through ``ctx.decode``, and every one of them has a logits row."""
+        n_pre = sum(s.in_prefill for s in seqs)
+        if any(not s.in_prefill for s in seqs[:n_pre]):
+            raise ValueError("a mixed step lists its prefilling sequences first, then its decoding ones")
+        decoding = seqs[n_pre:]
+        seqs = seqs[:n_pre]
         ids, pos, slots, cu, last, ends = [], [], [], [0], [], []
         for s in seqs:
             start = s.num_cached_tokens
@@ -98,6 +107,12 @@ class ModelRunner:
             if end == len(s):
                 last.append(cu[-1] - 1)
         dev = self.device
+        dec = None
+        if decoding:
+            last.extend(range(cu[-1], cu[-1] + len(decoding)))
+            pos.extend(len(s) - 1 for s in decoding)
+            slots.extend(self._slot(s, len(s) - 1) for s in decoding)
+            d_ids, _, dec = self.prepare_decode(decoding, positions=False)
         ctx = AttnContext(
             is_prefill=True,
             slot_mapping=to_device(slots, torch.int64, dev),
@@ -106,16 +121,24 @@ class ModelRunner:
             cu_seqlens_q=to_device(cu, torch.int32, dev),
             last_token_idx=to_device(last, torch.int64, dev),
             max_context_len=max(len(s) for s in seqs),
+            decode=dec,
         )
-        return to_device(ids, torch.int64, dev), to_device(pos, torch.int64, dev), ctx
+        ids = to_device(ids, torch.int64, dev)
+        if decoding:
+            ids = torch.cat([ids, d_ids])
+            counters.record("mixed_step", "runner", grid=(len(decoding), cu[-1]))
+        return ids, to_device(pos, torch.int64, dev), ctx
 
-    def prepare_decode(self, seqs: list[Sequence]):
+    def prepare_decode(self, seqs: list[Sequence], positions: bool = True):
+        """A decode step's inputs (``positions=False``: the decoding part of a mixed step, whose positions and
+        slots the prefill context carries)."""
         dev = self.device
         ids = self._decode_ids(seqs)
-        pos = to_device([len(s) - 1 for s in seqs], torch.int64, dev)
+        pos = to_device([len(s) - 1 for s in seqs], torch.int64, dev) if positions else None
         ctx = AttnContext(
             is_prefill=False,
-            slot_mapping=to_device([self._slot(s, len(s) - 1) for s in seqs], torch.int64, dev),
+            slot_mapping=(to_device([self._slot(s, len(s) - 1) for s in seqs], torch.int64, dev) if positions
+                          else None),
             context_lens=to_device([len(s) for s in seqs], torch.int32, dev),
             block_tables=self._block_tables(seqs),
             # split count from max_model_len in eager and graphed decode alike, so the two are bitwise equal
@@ -209,8 +232,11 @@ class ModelRunner:
             hidden = self.model.forward(ids, pos, ctx, self.kv_caches)
             logits = self.model.logits(hidden) if ctx.last_token_idx.numel() else None
             for s in seqs:
-                s.num_cached_tokens = min(len(s), s.num_cached_tokens + (s.num_new_tokens or len(s)))
-                s.in_prefill = s.num_cached_tokens < len(s)
+                if s.in_prefill:
+                    s.num_cached_tokens = min(len(s), s.num_cached_tokens + (s.num_new_tokens or len(s)))
+                    s.in_prefill = s.num_cached_tokens < len(s)
+                else:                           # a decoding sequence of a mixed step
+                    s.num_cached_tokens = len(s)
             return logits
         else:
             ids, pos, ctx = self.prepare_decode(seqs)

@@ -11,8 +11,15 @@ RECOMPUTE mode).
 The lever chunked_prefill (N tokens) changes the priority: a prefill step carries at most N tokens (the last
 sequence it admits may take a partial chunk), and while sequences are decoding, a decode step runs between every
 two prefill steps. A long prompt then costs each decoding sequence at most one N-token chunk per token, instead of
-its whole prefill (vLLM fuses the two into one step; here each step keeps its own kernels, so a decode step is the
-same graphed step, bit for bit, whether or not a prefill is under way).
+its whole prefill (here each step keeps its own kernels, so a decode step is the same graphed step, bit for bit,
+whether or not a prefill is under way).
+
+The lever mixed_steps fuses the two, as vLLM's unified token budget does: every running sequence's decode token and
+the prefill tokens ride in one step (one read of every weight), decode tokens first, then prefill chunks up to the
+chunk size (chunked_prefill N) or, without it, up to max_num_batched_tokens less the decode tokens. The step's
+sequences are ordered prefill first, decode after (the model runner lays the batch out that way). A step with no
+prefill work left is a plain decode step (graphed). Decode rows then share GEMMs with prefill rows, so their
+arithmetic (and a near tie's token) may differ from a decode step's.
 """
 from __future__ import annotations
 
@@ -25,12 +32,13 @@ from vtengine.engine.sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_seq_tokens: int | None = None, prefill_chunk: int | None = None):
+                 max_seq_tokens: int | None = None, prefill_chunk: int | None = None, mixed_steps: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_seq_tokens = max_seq_tokens
         self.prefill_chunk = prefill_chunk          # the lever chunked_prefill (None: off)
+        self.mixed_steps = mixed_steps              # the lever mixed_steps
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -44,7 +52,10 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Return (sequences to run this step, is_prefill). Each scheduled sequence's ``num_new_tokens`` says how
-        many of its tokens the step computes (a prefill chunk, or 1 when decoding)."""
+        many of its tokens the step computes (a prefill chunk, or 1 when decoding). A mixed step (mixed_steps) is
+        returned as a prefill step whose sequences are its prefill chunks first, then its decoding sequences."""
+        if self.mixed_steps:
+            return self._schedule_mixed()
         decoding = any(not s.in_prefill for s in self.running)
         if self.prefill_chunk and decoding and self._last_was_prefill:
             scheduled = self._schedule_decode()         # chunked_prefill: a decode step between two prefill steps
@@ -57,8 +68,21 @@ class Scheduler:
             return scheduled, True
         return self._schedule_decode(), False
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        budget = self.prefill_chunk or self.max_num_batched_tokens
+    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
+        preemptions = self.num_preemptions
+        decode = self._schedule_decode()
+        budget = self.prefill_chunk or max(0, self.max_num_batched_tokens - len(decode))
+        # a preemption just now means the pool is full: no admission in this step (the preempted sequence would be
+        # re-admitted at once); prompts already under way still take their chunks
+        prefill = self._schedule_prefill(budget, admit=self.num_preemptions == preemptions)
+        if not prefill:
+            return decode, False
+        if decode:
+            counters.record("mixed_step", "decode_rows", grid=(len(decode), sum(s.num_new_tokens for s in prefill)))
+        return prefill + decode, True
+
+    def _schedule_prefill(self, budget: int | None = None, admit: bool = True) -> list[Sequence]:
+        budget = budget if budget is not None else (self.prefill_chunk or self.max_num_batched_tokens)
         scheduled: list[Sequence] = []
         for seq in self.running:                    # chunks of prompts already under way come first, oldest first
             if seq.in_prefill and budget > 0:
@@ -66,7 +90,7 @@ class Scheduler:
                 budget -= seq.num_new_tokens
                 scheduled.append(seq)
         admitted: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) + len(admitted) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) + len(admitted) < self.max_num_seqs:
             seq = self.waiting[0]
             need = len(seq)
             # Without the lever a prompt is admitted whole when it fits what is left of the budget; one longer

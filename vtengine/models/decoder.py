@@ -26,6 +26,7 @@ class AttnContext:
     cu_seqlens_q: torch.Tensor | None = None   # [B+1] int32 (prefill)
     last_token_idx: torch.Tensor | None = None  # [B] index of each sequence's last token in the flat batch
     max_context_len: int = 0            # host-side bound on context_lens: sizes split-KV without a device sync
+    decode: "AttnContext | None" = None  # a mixed step's decoding rows (the batch's last rows): their own context
 
     def sliced(self, b: int) -> "AttnContext":
         """The first b sequences of a decode context (views: CUDA-graph buffers stay shared)."""
@@ -113,7 +114,14 @@ class DecoderModel:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
             q = be.qkv_epilogue(be.linear(x, layer.qkv), hq, hkv, positions, self.cos_sin, k_cache, v_cache,
                                 ctx.slot_mapping, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
-            if ctx.is_prefill:
+            if ctx.is_prefill and ctx.decode is not None:      # a mixed step: prefill rows, then decoding rows
+                tp = t - ctx.decode.context_lens.shape[0]
+                attn = torch.cat([
+                    be.prefill_attention(q[:tp], k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens,
+                                         ctx.block_tables, self.scale),
+                    be.decode_attention(q[tp:], k_cache, v_cache, ctx.decode.block_tables, ctx.decode.context_lens,
+                                        self.scale, max_context_len=ctx.decode.max_context_len)])
+            elif ctx.is_prefill:
                 attn = be.prefill_attention(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens,
                                             ctx.block_tables, self.scale)
             else:
