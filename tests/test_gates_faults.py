@@ -222,3 +222,14 @@ def test_mixed_steps_mechanism_gate_sees_decode_rows_ride_in_prefill_steps():
     assert ctx.cache["mechanism:off"][0]["mixed_steps"] == 0
     ctx.release_engines()
 
+
+def test_chunked_prefill_mechanism_gate_self_check_reaches_the_scheduler():
+    """The scheduler holds chunked_prefill (not the backend): the gate's inert and stuck faults must reach it, or a
+    baseline would pass its self-check with the lever never moved."""
+    ctx = context(lever="chunked_prefill", values=("off", 256))
+    for arm in ctx.arms:
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    assert ctx.cache["mechanism:off#256"][0]["prefill_steps"] == ["chunk=256"]      # the stuck baseline's
+    assert ctx.cache["mechanism:256#off"][0]["prefill_steps"] == ["prefill_first"]  # the inert candidate's
+    ctx.release_engines()

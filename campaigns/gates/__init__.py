@@ -202,10 +202,12 @@ class GateContext:
         be, runner = llm.engine.backend, llm.engine.runner
         saved, use_graphs = be.levers, runner.use_graphs
         be.levers, runner.use_graphs = levers.resolve({**self.lever_values(arm), self.lever: value}), False
+        llm.engine.set_step_levers(be.levers)       # the scheduler's levers too (chunked_prefill, mixed_steps)
         try:
             yield llm
         finally:
             be.levers, runner.use_graphs = saved, use_graphs
+            llm.engine.set_step_levers(saved)
 
     def oracle(self):
         """The torch reference path on the same weights, synchronous (a reference has no step in flight): the
