@@ -103,14 +103,20 @@ def kernels_ran(snapshot_or_counts: dict[str, Any]) -> set[str]:
 
 
 def live_levers(levers: dict, ran: set[str]) -> list[str]:
-    """Levers at least one of whose kernels ran."""
-    return sorted(name for name, lv in levers.items() if set(lv.affects) & ran)
+    """Levers at least one of whose kernels ran, and every engine-loop lever (no kernels of its own, ``affects:
+    []``: async scheduling, chunked prefill... shape every step whatever their value, so they are always live)."""
+    return sorted(name for name, lv in levers.items() if not lv.affects or set(lv.affects) & ran)
 
 
 def context_of(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Context:
-    """The campaign's context: recorded (schema 2), else reconstructed from git at its commit."""
+    """The campaign's context: recorded (schema 2), else reconstructed from git at its commit. Recorded liveness
+    gains the engine-loop levers the arm had a value for (evidence written before they counted as live listed them
+    inert, so a flip of async scheduling staled nothing)."""
     if ev.context:
-        return Context(values=ev.context, live=ev.live_levers, digests=ev.lever_digests, source="recorded")
+        loop = {name for name, lv in levers_now.items() if not lv.affects}
+        live = {arm: sorted(set(names) | (loop & set(ev.context.get(arm, {}))))
+                for arm, names in ev.live_levers.items()}
+        return Context(values=ev.context, live=live, digests=ev.lever_digests, source="recorded")
     return _reconstructed(ev, repo_root, levers_now)
 
 

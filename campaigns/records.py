@@ -210,7 +210,8 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
     fp = ev.fingerprint
     d = ev.decision
     p = policy_params(ev)
-    lever = lever_registry.registry().get(ev.lever)
+    registry = lever_registry.registry()
+    lever = registry.get(ev.lever)
     env_name = lever.env if lever else "VT_?"
     cand_names = [a.name for a in ev.candidates]
     arm_order = [a.name for a in ev.arms]
@@ -281,7 +282,8 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
     context_rows = []
     for arm in ev.arms:
         vals = ev.context.get(arm.name, {})
-        live = set(ev.live_levers.get(arm.name, []))
+        # engine-loop levers (no kernels) are live whatever their counters say (campaigns/context.py)
+        live = set(ev.live_levers.get(arm.name, [])) | {n for n, lv in registry.items() if not lv.affects}
         if vals:
             context_rows.append({"arm": arm_label(ev, arm.name),
                                  "levers": ", ".join(f"{k}={fmt_lever_value(v)}{'' if k in live else ' (inert)'}"

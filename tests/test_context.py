@@ -76,6 +76,18 @@ def test_an_inert_lever_changing_its_default_leaves_the_verdict_fresh(repo):
     assert lever_context.freshness(ev, repo, *now(repo)).fresh
 
 
+def test_an_engine_loop_lever_is_live_whatever_the_counters_listed(repo):
+    """async_scheduling has no kernels (affects: []); evidence that listed it inert (no counter can show it ran)
+    still goes STALE when its default changes: every step of the measured engine ran through it."""
+    ev = recorded(repo)
+    assert "async_scheduling" not in ev.live_levers["on"]
+    set_default(repo, "async_scheduling", not ev.context["on"]["async_scheduling"])
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert not f.fresh and f.reasons[0].startswith("async_scheduling's default is now"), f.reasons
+    reg = levers.registry(repo / "conf" / "lever")
+    assert {"async_scheduling", "chunked_prefill", "mixed_steps"} <= set(lever_context.live_levers(reg, set()))
+
+
 def test_the_levers_own_source_change_stales_it(repo):
     ev = recorded(repo)
     (repo / "vtengine" / "kernels" / "attention.py").write_text("# a new decode kernel\n")
