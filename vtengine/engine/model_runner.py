@@ -126,7 +126,8 @@ class ModelRunner:
         ids = to_device(ids, torch.int64, dev)
         if decoding:
             ids = torch.cat([ids, d_ids])
-            counters.record("mixed_step", "runner", grid=(len(decoding), cu[-1]))
+            # the mechanism gate's proof of mixed_steps: (decode rows, prefill rows) of each mixed step that ran
+            counters.record("mixed_step", "decode_rows", grid=(len(decoding), cu[-1]))
         return ids, to_device(pos, torch.int64, dev), ctx
 
     def prepare_decode(self, seqs: list[Sequence], positions: bool = True):

@@ -77,8 +77,6 @@ class Scheduler:
         prefill = self._schedule_prefill(budget, admit=self.num_preemptions == preemptions)
         if not prefill:
             return decode, False
-        if decode:
-            counters.record("mixed_step", "decode_rows", grid=(len(decode), sum(s.num_new_tokens for s in prefill)))
         return prefill + decode, True
 
     def _schedule_prefill(self, budget: int | None = None, admit: bool = True) -> list[Sequence]:
