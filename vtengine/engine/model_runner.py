@@ -90,8 +90,9 @@ class ModelRunner:
         A mixed step (the lever mixed_steps): the sequences still prefilling come first, the decoding ones after
         them; the decoding rows go last in the batch (their inputs as a decode step builds them, the device token
         mirror included) and attend through ``ctx.decode``, and every one of them has a logits row."""
-        n_pre = sum(s.in_prefill for s in seqs)
-        if any(not s.in_prefill for s in seqs[:n_pre]):
+        # a decoding row: scheduled for one token after its prompt (a scored sequence is neither: it prefills whole)
+        n_pre = sum(s.in_prefill or s.num_new_tokens != 1 for s in seqs)
+        if any(not s.in_prefill and s.num_new_tokens == 1 for s in seqs[:n_pre]):
             raise ValueError("a mixed step lists its prefilling sequences first, then its decoding ones")
         decoding = seqs[n_pre:]
         seqs = seqs[:n_pre]
@@ -233,11 +234,11 @@ class ModelRunner:
             hidden = self.model.forward(ids, pos, ctx, self.kv_caches)
             logits = self.model.logits(hidden) if ctx.last_token_idx.numel() else None
             for s in seqs:
-                if s.in_prefill:
+                if not s.in_prefill and s.num_new_tokens == 1:     # a decoding sequence of a mixed step
+                    s.num_cached_tokens = len(s)
+                else:
                     s.num_cached_tokens = min(len(s), s.num_cached_tokens + (s.num_new_tokens or len(s)))
                     s.in_prefill = s.num_cached_tokens < len(s)
-                else:                           # a decoding sequence of a mixed step
-                    s.num_cached_tokens = len(s)
             return logits
         else:
             ids, pos, ctx = self.prepare_decode(seqs)
