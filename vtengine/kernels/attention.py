@@ -361,20 +361,27 @@ class Tiles:
 
 if INTERPRET:   # the interpreter runs every program in numpy: few, large-ish tiles keep it fast
     PREFILL_TILES = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    PREFILL_PACKED_TILES = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    PREFILL_PACKED_TILES = PREFILL_PACKED_TILES_SHORT = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
     DECODE_TILES = {"per_q_head": Tiles(block_n=16, num_warps=1, num_stages=1),
                     "gqa_swap": Tiles(block_n=16, num_warps=1, num_stages=1)}
 else:
     PREFILL_TILES = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
-    # gqa_pack: block_m counts rows (tokens x padded group), 128 = 32 tokens x 4 q heads for Qwen3-8B; the tile sweep
-    # of ``vtengine bench prefill-attention`` picks it (bench/results/prefill-attention-*.json).
-    PREFILL_PACKED_TILES = Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    # gqa_pack: block_m counts rows (tokens x padded group), 128 = 32 tokens x 4 q heads for Qwen3-8B. From the tile
+    # sweep of ``vtengine bench prefill-attention`` on the H200 (bench/results/prefill-attention-2026-12-01-h200.md):
+    # 128 rows x 128 keys, 8 warps, 2 stages is the fastest wherever the step is long (2048 new tokens at a 30k
+    # prefix: 3.32 ms, 314 TFLOP/s, against 4.84 ms for the per-q-head kernel and 2.94 ms for SDPA), but 2.3x slower
+    # than 64 x 64 / 4 warps / 3 stages on a short step (512 tokens, no prefix: 0.064 against 0.028 ms), which is
+    # within 4-10% of the best elsewhere: steps of at most PACKED_SHORT_TOKENS new tokens take the short tiles.
+    PREFILL_PACKED_TILES = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=2)
+    PREFILL_PACKED_TILES_SHORT = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3)
     # Decode, measured on an H200 (bench/results/attention-explore-2026-11-30-h200.json: 6 tile configs x 7 forced
     # split counts x 6 shapes per route): BLOCK_N 64 / 4 warps / 2 stages is within a few % of the best config at
     # every shape for both routes, and the fastest split counts put ~512 programs in flight (about 4 per SM:
     # one program alone keeps too few K/V bytes in flight to stream HBM), hence programs_per_sm = 4.
     DECODE_TILES = {"per_q_head": Tiles(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4),
                     "gqa_swap": Tiles(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)}
+
+PACKED_SHORT_TOKENS = 1024      # gqa_pack: steps of at most this many new tokens take PREFILL_PACKED_TILES_SHORT
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -400,8 +407,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     fast_math = bool(fast_math)
     ddt = dot_dtype(q)
     if gqa_pack:
+        meta = tiles or (PREFILL_PACKED_TILES_SHORT if t <= PACKED_SHORT_TOKENS else PREFILL_PACKED_TILES)
         return _prefill_packed(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, fast_math,
-                               tiles or PREFILL_PACKED_TILES, out, hkv, ddt)
+                               meta, out, hkv, ddt)
     meta = tiles or PREFILL_TILES
     grid = (triton.cdiv(t, meta.block_m) + b, hq)
     _prefill_kernel[grid](
