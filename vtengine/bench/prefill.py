@@ -88,41 +88,76 @@ def measure(llm, prefix: int, chunk: int, reps: int, profile: bool) -> dict:
         ms = 1e3 * statistics.median(times)
         row = {"prefix": prefix, "chunk": chunk, "reps": reps, "ms": ms, "ms_all": [1e3 * t for t in times],
                "us_per_token": 1e3 * ms / chunk}
+        row["phases_ms"] = _phases(eng, seq, prefix, chunk)
         if profile:
-            row["kernels"] = _profile(eng, seq, prefix, chunk)
+            row["kernels"], row["host_ops"], row["profiled_ms"] = _profile(eng, seq, prefix, chunk)
         return row
     finally:
         eng.block_manager.free(seq)
 
 
-def _profile(eng, seq, prefix: int, chunk: int) -> list[dict]:
+def _phases(eng, seq, prefix: int, chunk: int) -> dict[str, float]:
+    """One step cut where the host hands over: inputs built (prepare), every kernel queued (launch: the forward
+    and the logits, host time while the device runs behind), then the wait for the device (wait)."""
+    runner = eng.runner
+    seq.num_cached_tokens, seq.num_new_tokens, seq.in_prefill = prefix, chunk, True
+    synchronize(eng.device)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        ids, pos, ctx = runner.prepare_prefill([seq])
+        t1 = time.perf_counter()
+        hidden = runner.model.forward(ids, pos, ctx, runner.kv_caches)
+        if ctx.last_token_idx.numel():
+            runner.model.logits(hidden)
+        t2 = time.perf_counter()
+        synchronize(eng.device)
+        t3 = time.perf_counter()
+    return {"prepare": round(1e3 * (t1 - t0), 3), "launch": round(1e3 * (t2 - t1), 3),
+            "wait": round(1e3 * (t3 - t2), 3)}
+
+
+def _profile(eng, seq, prefix: int, chunk: int) -> tuple[list[dict], list[dict], float]:
+    """(top device kernels, top host operations by self time, the profiled step's wall ms): a step much longer than
+    its kernels spends the difference on the host, and the host table says where."""
     from torch.profiler import ProfilerActivity, profile
     on_device = eng.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         _step(eng.runner, seq, prefix, chunk)
         synchronize(eng.device)
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_KERNELS]
+    host_ops = [{"op": e.key, "self_us": round(e.self_cpu_time_total, 1), "calls": e.count} for e in host]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "trace.json")
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     rows = kernel_table(events, 1, on_device)
-    return [{"kernel": r.kernel, "us": r.us_per_step, "launches": r.launches_per_step} for r in rows[:TOP_KERNELS]]
+    kernels = [{"kernel": r.kernel, "us": r.us_per_step, "launches": r.launches_per_step} for r in rows[:TOP_KERNELS]]
+    return kernels, host_ops, round(wall_ms, 2)
 
 
 def markdown(result: dict) -> str:
     lines = [f"# prefill steps over a cached prefix — {result['device']}, torch {result['torch']}, {result['date']}",
              "", f"{result['model']} ({result['quant']}), levers {result['levers']}; one step of N new tokens over a "
-             f"cached prefix of P tokens, median of {result['reps']} synchronised runs.", "",
-             "| prefix P | chunk N | ms | µs per new token |", "|---|---|---|---|"]
+             f"cached prefix of P tokens, median of {result['reps']} synchronised runs; one more run cut into "
+             "host phases (prepare inputs / queue every kernel / wait for the device).", "",
+             "| prefix P | chunk N | ms | µs per new token | prepare ms | launch ms | wait ms |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['prefix']} | {r['chunk']} | " + (f"{r['ms']:.2f} | {r['us_per_token']:.1f} |"
-                                                             if "ms" in r else f"error: {r['error']} | |"))
+        ph = r.get("phases_ms", {})
+        lines.append(f"| {r['prefix']} | {r['chunk']} | " + (
+            f"{r['ms']:.2f} | {r['us_per_token']:.1f} | {ph.get('prepare', '')} | {ph.get('launch', '')} | "
+            f"{ph.get('wait', '')} |" if "ms" in r else f"error: {r['error']} | | | | |"))
     for r in result["rows"]:
         if r.get("kernels"):
             lines += ["", f"## P = {r['prefix']}, N = {r['chunk']}: top kernels (one profiled run)", "",
                       "| kernel | µs | launches |", "|---|---|---|"]
             lines += [f"| `{k['kernel']}` | {k['us']:.1f} | {k['launches']:.0f} |" for k in r["kernels"]]
+            lines += ["", f"Host operations by self time (the profiled step took {r['profiled_ms']:.1f} ms):", "",
+                      "| operation | self µs | calls |", "|---|---|---|"]
+            lines += [f"| `{h['op']}` | {h['self_us']:.1f} | {h['calls']} |" for h in r["host_ops"]]
     return "\n".join(lines) + "\n"
 
 
