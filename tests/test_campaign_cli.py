@@ -11,7 +11,8 @@ from campaigns.evidence import save_evidence
 from helpers import TPUT_WIN, make_evidence
 
 CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunked_prefill", "fast_math", "gqa_swap", "marlin_dense",
-             "mixed_steps", "nsplits_cap", "pdl", "prefill_gqa_pack", "split_rule", "triton_gemv"]
+             "mixed_steps", "nsplits_cap", "pdl", "prefill_gqa_pack", "split_rule", "triton_gemv",
+             "w4a16_rot"]
 
 
 def _error_line(capsys) -> str:
@@ -31,9 +32,10 @@ def test_every_campaign_composes_on_both_host_kinds():
         gpu, cpu = compose([f"campaign={name}"], cuda=True), compose([f"campaign={name}"], cuda=False)
         assert (gpu.device, gpu.grid.name, gpu.model.name) == ("cuda", "online", "qwen3-8b")
         assert (cpu.device, cpu.grid.name, cpu.model.name) == ("cpu", "rehearsal", "tiny")
-        # marlin_dense routes W4A16 only; pdl is measured where every kernel of the layer is ours (MXFP4), and
-        # rehearses in bf16 on CPU, where it is inert anyway
-        want = {"marlin_dense": ("mxfp4", "mxfp4"), "pdl": ("mxfp4", "bf16")}.get(name, ("bf16", "bf16"))
+        # marlin_dense and w4a16_rot act on W4A16 only; pdl is measured where every kernel of the layer is ours
+        # (MXFP4), and rehearses in bf16 on CPU, where it is inert anyway
+        want = {"marlin_dense": ("mxfp4", "mxfp4"), "w4a16_rot": ("mxfp4", "mxfp4"),
+                "pdl": ("mxfp4", "bf16")}.get(name, ("bf16", "bf16"))
         assert (gpu.model.quant, cpu.model.quant) == want
         assert list(gpu.grid.concurrency) == [1, 2, 4, 8] and list(gpu.grid.prompts_per_leg) == [6, 6, 12, 24]
         assert gpu.grid.reps == 5 and (gpu.grid.input_len, gpu.grid.output_len) == (1024, 128)

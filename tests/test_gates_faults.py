@@ -136,6 +136,22 @@ def test_chunked_prefill_expectation_can_fail(value, steps, ok):
     assert mechanism.expected("chunked_prefill", value, {"prefill_steps": steps, "tokens": []})[0] is ok
 
 
+@pytest.mark.parametrize("value,decodes,ok", [
+    (True, ["bf16_rot"], True),
+    (True, ["bf16_asm"], False),                       # inert: the launcher ignored the lever
+    (True, ["wide"], False),                           # the interpreter, or scales past 2**1: no PTX decode ran
+    (False, ["bf16_asm"], True),
+    (False, ["bf16_asm", "bf16_rot"], False),          # stuck on somewhere
+])
+def test_w4a16_rot_expectation_can_fail(value, decodes, ok):
+    assert mechanism.expected("w4a16_rot", value, {"decodes": decodes})[0] is ok
+    snap = {"w4a16_gemm": {"dense": {"launches": 2, "grids": {}, "splits": {},
+                                     "variants": {str(("mxfp4", 8, 32, 256, 1, "swap_ab", d, 2, 3)): 1
+                                                  for d in decodes}}}}
+    assert mechanism.probe("w4a16_rot", snap) == {"decodes": sorted(decodes)}
+
+
+
 def test_faults_name_what_is_accepted():
     with pytest.raises(FaultError, match="accepted: perturb, oob"):
         Fault("melt")

@@ -1,4 +1,4 @@
-"""`vtengine [--conf-dir DIR]`: levers | generate | serve | bench {kernels,decode,prefill,prefill-attention,serve}.
+"""`vtengine [--conf-dir DIR]`: levers | generate | serve | bench {kernels,decode,prefill,prefill-attention,w4a16-sass,serve}.
 
 ``--conf-dir`` (or VTENGINE_CONF_DIR) names a project's own conf/ over the packaged one (vtengine/confdirs.py).
 User errors (bad model, quant, lever value, request) print one line naming the bad value and exit 2.
@@ -70,6 +70,9 @@ def cmd_bench(args, rest: list[str]) -> int:
     if args.what == "prefill":
         from vtengine.bench import prefill
         return prefill.main(out_dir, rest) or 0
+    if args.what == "w4a16-sass":
+        from vtengine.bench import w4a16_sass
+        return w4a16_sass.run(out_dir)
     if args.what == "prefill-attention":
         from vtengine.bench import prefill_attention
         prefill_attention.main(out_dir)
@@ -109,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="OpenAI-compatible server (vtengine serve --help)", add_help=False)
 
     p = sub.add_parser("bench",
-                       help="benchmarks: kernels | decode | prefill | prefill-attention | serve (load generator)")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "prefill-attention", "serve"])
+                       help="benchmarks: kernels | decode | prefill | prefill-attention | w4a16-sass | serve")
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "prefill-attention", "w4a16-sass", "serve"])
     p.add_argument("--out", default="bench/results", help="where kernels/decode/prefill write JSON + markdown")
     return ap
 

@@ -55,6 +55,10 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"routes": _routes(snap, "decode_attention"), "grids": _grids(snap, "decode_attention")}
     if lever == "marlin_dense":
         return {"routes": _routes(snap, "w4a16_gemm"), "grids": _grids(snap, "w4a16_gemm")[:8]}
+    if lever == "w4a16_rot":     # the decode name inside each launch's compiled-variant tuple
+        from vtengine.kernels.w4a16 import DECODE_NAMES
+        return {"decodes": sorted({d for v in _variants(snap, "w4a16_gemm") for d in DECODE_NAMES.values()
+                                   if f"'{d}'" in v})}
     if lever == "nsplits_cap":
         return {"splits": _splits(snap, "decode_attention"), "caps": _routes(snap, "decode_splits"),
                 "split_vs_uncapped": [f"{s}/{u}" for s, u in _split_pairs(snap)],
@@ -93,6 +97,10 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "marlin_dense":
         want = ["dense"] if value else ["grouped"]
         return pr["routes"] == want, f"w4a16_gemm routes {pr['routes']}, expected {want}"
+    if lever == "w4a16_rot":
+        want = ["bf16_rot"] if value else ["bf16_asm"]
+        return pr["decodes"] == want, (f"w4a16_gemm decodes {pr['decodes']}, expected {want} (the PTX decodes run on "
+                                       "a GPU only: the interpreter and MXFP4 scales above 2**1 take 'wide')")
     if lever == "split_rule":
         want = [str(value)]
         return pr["rules"] == want, f"decode split rules {pr['rules']} (slice floors {pr['floors']}), expected {want}"

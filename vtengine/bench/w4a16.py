@@ -47,7 +47,7 @@ def sweep_variants(n: int, k: int, fmt: str) -> list:
     from vtengine.kernels import w4a16
     base = w4a16.dense_config(1, n, k, fmt)
     out = []
-    for decode in (w4a16.DECODE_ASM,):
+    for decode in (w4a16.DECODE_ASM, w4a16.DECODE_ROT):
         for stages in (2, 3, 4):
             for split in sorted({max(1, base["SPLIT_K"] // 2), base["SPLIT_K"], base["SPLIT_K"] * 2}):
                 if k % (base["BLOCK_K"] * split) == 0 and k // (base["BLOCK_K"] * split) >= 2:
@@ -146,6 +146,12 @@ def check_routes(k: int, n: int, fmt: str, gen, w4a16, quant) -> dict:
             for decode, name in ((w4a16.DECODE_BF16, "bf16"), (w4a16.DECODE_WIDE, "wide")):
                 one(f"M{m}_dense_{name}", x, ref, dense=True,
                     config=dict(w4a16.dense_config(m, n, k, fmt), DECODE=decode))
+            one(f"M{m}_dense_rot", x, ref, dense=True, rot=True)
+            try:                                    # the rotation layout must give the nibble layout's bits
+                out[f"M{m}_dense_rot_bitwise"] = bool(torch.equal(w4a16.w4a16_linear(x, q, dense=True, rot=True),
+                                                                  w4a16.w4a16_linear(x, q, dense=True)))
+            except Exception as exc:               # noqa: BLE001
+                out[f"M{m}_dense_rot_bitwise"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return out
 
 
@@ -233,11 +239,13 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool, bf16
         for q in sets:                             # one-time work per weight stays out of graph capture
             w4a16.decode_path(q)
             w4a16.repacked_words(q)
+            w4a16.rot_words(q)
         wbytes = w4a16_bytes(probe, 0)
 
-        def timed(m, dense, cfg=None):
+        def timed(m, dense, cfg=None, rot=False):
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            t = time_us(rotating([lambda q=q: w4a16.w4a16_linear(x, q, dense=dense, config=cfg) for q in sets]))
+            t = time_us(rotating([lambda q=q: w4a16.w4a16_linear(x, q, dense=dense, config=cfg, rot=rot)
+                                  for q in sets]))
             gbs = (wbytes + m * k * 2 + m * n * 2) / (t * 1e-6) / 1e9
             return t, gbs / copy_gbs
 
@@ -248,6 +256,11 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool, bf16
                 if r:
                     res["rows"].append(dict(method=f"{fmt}_{'dense' if dense else 'grouped'}", M=m, us=r[0],
                                             gbs=r[1] * copy_gbs, frac_copy=r[1], config=cfg))
+            cfg = w4a16.dense_config(m, n, k, fmt)          # the lever w4a16_rot: the rotation layout's decode
+            r = _try(errs, f"{fmt} dense rot M={m}", lambda: timed(m, True, rot=True))
+            if r:
+                res["rows"].append(dict(method=f"{fmt}_dense_rot", M=m, us=r[0], gbs=r[1] * copy_gbs,
+                                        frac_copy=r[1], config=cfg))
         if sweep:
             variants = sweep_variants(n, k, fmt)
             timed_m1 = []
@@ -322,7 +335,7 @@ def precompile(shapes, sweep: bool, workers: int = 15) -> list:
             for m in (64,):
                 jobs.add((fmt, k, True, json.dumps(w4a16.dense_config(m, n, k, fmt), sort_keys=True)))
                 jobs.add((fmt, k, False, json.dumps(w4a16.grouped_config(m, n, k, fmt), sort_keys=True)))
-            for decode in (w4a16.DECODE_BF16, w4a16.DECODE_WIDE):
+            for decode in (w4a16.DECODE_BF16, w4a16.DECODE_WIDE, w4a16.DECODE_ROT):
                 for m in (1, 16):
                     jobs.add((fmt, k, True, json.dumps(dict(w4a16.dense_config(m, n, k, fmt), DECODE=decode),
                                                        sort_keys=True)))
@@ -345,7 +358,8 @@ def precompile(shapes, sweep: bool, workers: int = 15) -> list:
 
 
 # -- report ----------------------------------------------------------------------------------------------------
-METHODS = ["mxfp4_dense", "mxfp4_grouped", "nvfp4_dense", "nvfp4_grouped", "mxfp4_dense_tuned", "nvfp4_dense_tuned",
+METHODS = ["mxfp4_dense", "mxfp4_dense_rot", "mxfp4_grouped", "nvfp4_dense", "nvfp4_dense_rot", "nvfp4_grouped",
+           "mxfp4_dense_tuned", "nvfp4_dense_tuned",
            "cublas_bf16", "triton_gemv_bf16",
            f"tinygemm_int4_g{TINYGEMM_GROUP}"]
 

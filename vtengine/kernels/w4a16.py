@@ -87,6 +87,104 @@ mov.b32 {$3, $7}, o;
 """)
 
 
+# The rotation layout (DECODE_ROT, lever ``w4a16_rot``). A word's bf16x2 pair j is (e_2j, e_2j+1) with its
+# bits where the pair needs them: sign at 15 / 31, e1 e0 m at 8..6 / 24..22 (ROT_MASK), built as
+#   pair 0 = w & ROT_MASK,  pair 1 = rotl(w, 12) & ROT_MASK,
+#   pair 2 = (rotl(w, 2) ^ rotl(w, 6)) & ROT_MASK,  pair 3 = (rotl(w, 2) ^ rotl(w, 8)) & ROT_MASK:
+# four rotations (one SHF each) and four LOP3s per 8 weights, against 15 integer ops for the nibble layout. Each
+# stored bit reaches the pairs through GF(2)-linear maps; these rotations make the 32 x 32 map invertible, so the
+# packer solves for the stored word (rot_words). No shift-only layout exists: each source (w or one rotation)
+# carries 8 of a word's 32 bits into the masked positions, four disjoint copies of the mask pattern would have to
+# tile the word, and none does (checked exhaustively), so five sources and XOR are the fewest.
+ROT_MASK = 0x81C081C0
+ROT_PAIRS = ((0,), (12,), (2, 6), (2, 8))       # pair j = XOR over d of rotl(w, d), masked
+_ROT_POS = [q for q in range(32) if ROT_MASK >> q & 1]          # the 8 bit positions of a pair
+
+
+def _rot_system() -> list[int]:
+    """Row i: which of the 32 target bits (pair j, position _ROT_POS[p] -> bit 8j + p) XOR to stored bit i."""
+    rows = []                                   # target bit -> the stored bits it XORs
+    for pair in ROT_PAIRS:
+        for q in _ROT_POS:
+            rows.append(sum(1 << ((q - d) % 32) for d in pair))
+    # invert over GF(2): augment each row with its target bit, eliminate
+    aug = [(r, 1 << i) for i, r in enumerate(rows)]
+    for col in range(32):
+        piv = next(i for i in range(col, 32) if aug[i][0] >> col & 1)
+        aug[col], aug[piv] = aug[piv], aug[col]
+        for i in range(32):
+            if i != col and aug[i][0] >> col & 1:
+                aug[i] = (aug[i][0] ^ aug[col][0], aug[i][1] ^ aug[col][1])
+    return [aug[i][1] for i in range(32)]        # aug[i][0] is now 1 << i
+
+
+_ROT_INVERSE = _rot_system()
+
+_DECODE_ROT_ASM = tl.constexpr("""
+{
+.reg .b32 s2, z, o, r2, r6, r8, r12;
+mov.b32 s2, {$9, $9};
+mov.b32 z, 0x80008000;
+and.b32 o, $8, 0x81C081C0;
+fma.rn.bf16x2 o, o, s2, z;
+mov.b32 {$0, $4}, o;
+shf.l.wrap.b32 r12, $8, $8, 12;
+and.b32 o, r12, 0x81C081C0;
+fma.rn.bf16x2 o, o, s2, z;
+mov.b32 {$1, $5}, o;
+shf.l.wrap.b32 r2, $8, $8, 2;
+shf.l.wrap.b32 r6, $8, $8, 6;
+xor.b32 o, r2, r6;
+and.b32 o, o, 0x81C081C0;
+fma.rn.bf16x2 o, o, s2, z;
+mov.b32 {$2, $6}, o;
+shf.l.wrap.b32 r8, $8, $8, 8;
+xor.b32 o, r2, r8;
+and.b32 o, o, 0x81C081C0;
+fma.rn.bf16x2 o, o, s2, z;
+mov.b32 {$3, $7}, o;
+}
+""")
+
+
+def _parity(x: torch.Tensor) -> torch.Tensor:
+    for s in (16, 8, 4, 2, 1):
+        x = x ^ (x >> s)
+    return x & 1
+
+
+def rot_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., 8] (e2m1 nibbles, K order) -> the rotation layout's words [...] int32 (see ROT_PAIRS)."""
+    c = codes.to(torch.int64)
+    t = torch.zeros(c.shape[:-1], dtype=torch.int64, device=c.device)
+    for j in range(4):                           # pair j's 8 target bits, in _ROT_POS order, at bits 8j..8j+7
+        lo, hi = c[..., 2 * j], c[..., 2 * j + 1]
+        bits = ((lo & 7) | ((lo >> 3) << 3) | ((hi & 7) << 4) | ((hi >> 3) << 7))    # 6,7,8,15 then 22,23,24,31
+        # _ROT_POS = 6 7 8 15 22 23 24 31: lo's m,e0,e1 at 6,7,8 and sign at 15; hi's at 22,23,24 and 31
+        t |= bits << (8 * j)
+    w = torch.zeros_like(t)
+    for i, row in enumerate(_ROT_INVERSE):
+        w |= _parity(t & row) << i
+    return (w - ((w >> 31) << 32)).to(torch.int32)      # as a signed 32-bit value
+
+
+def rot_decode_bits(words: torch.Tensor) -> torch.Tensor:
+    """The PTX of the rotation decode, emulated on integers: words [...] -> bf16 bit patterns [..., 8] (value *
+    2**-126, K order) before the scale. The CPU tests check it against quant's own decode."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+
+    def rotl(x, d):
+        return ((x << d) | (x >> (32 - d))) & 0xFFFFFFFF if d else x
+    out = []
+    for pair in ROT_PAIRS:
+        o = torch.zeros_like(w)
+        for d in pair:
+            o ^= rotl(w, d)
+        o &= ROT_MASK
+        out += [o & 0xFFFF, o >> 16]
+    return torch.stack(out, dim=-1)
+
+
 @triton.jit
 def _interleave8(e0, e1, e2, e3, e4, e5, e6, e7):
     """Eight [R, C] tensors (the code in nibble slot k of each word) -> [R, C*8] with position 2j + h taken from
@@ -118,7 +216,9 @@ def _dequant_tile(words, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE
 
     DECODE 0 (wide): codes as fp16 (value * 2**-14, exact through the fp16->fp32 conversion) times fp32 scales;
     any scale, and the only path the interpreter runs. DECODE 1: bf16 (value * 2**-126) per element times the
-    bf16-folded scale. DECODE 2: the same bits built per 32-bit word in PTX (_DECODE_WORD_ASM); GPU only."""
+    bf16-folded scale. DECODE 2: the same bits built per 32-bit word in PTX (_DECODE_WORD_ASM); GPU only.
+    DECODE 3: the same bits from words in the rotation layout (_DECODE_ROT_ASM, rot_words); GPU only. 2 and 3
+    produce bit-identical tiles."""
     NSB: tl.constexpr = BLOCK_K // SCALE_BLOCK
     WPB: tl.constexpr = SCALE_BLOCK // 8
     if DECODE == 0:
@@ -159,10 +259,16 @@ def _dequant_tile(words, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE
             w = tl.reshape(_interleave8(e0, e1, e2, e3, e4, e5, e6, e7), [BLOCK_N, NSB, SCALE_BLOCK])
             w = w * s[:, :, None]
             return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(OUT_DTYPE)
-        else:
+        elif DECODE == 2:
             s_w = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, NSB, WPB]), [BLOCK_N, BLOCK_K // 8])
             e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
                 _DECODE_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, s_w],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+            return _interleave8(e0, e1, e2, e3, e4, e5, e6, e7).to(OUT_DTYPE)
+        else:
+            s_w = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, NSB, WPB]), [BLOCK_N, BLOCK_K // 8])
+            e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+                _DECODE_ROT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, s_w],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
             return _interleave8(e0, e1, e2, e3, e4, e5, e6, e7).to(OUT_DTYPE)
 
@@ -373,15 +479,16 @@ def _refuse_during_capture(q: QuantizedWeight, what: str) -> None:
                            "CUDA-graph capture (it would be captured, not run); call the layer once before capturing")
 
 
-DECODE_WIDE, DECODE_BF16, DECODE_ASM = 0, 1, 2
-DECODE_NAMES = {DECODE_WIDE: "wide", DECODE_BF16: "bf16", DECODE_ASM: "bf16_asm"}
+DECODE_WIDE, DECODE_BF16, DECODE_ASM, DECODE_ROT = 0, 1, 2, 3
+DECODE_NAMES = {DECODE_WIDE: "wide", DECODE_BF16: "bf16", DECODE_ASM: "bf16_asm", DECODE_ROT: "bf16_rot"}
 
 
-def decode_path(q: QuantizedWeight) -> int:
+def decode_path(q: QuantizedWeight, rot: bool = False) -> int:
     """The e2m1 decode a weight takes (see _dequant_tile). Wide under the interpreter, whose bf16 arithmetic works
     on raw bit patterns like its tl.dot (triton issue #11584), and for MXFP4 exponent bytes above 128, which
     overflow the bf16-folded scale; that check costs one device sync at a weight's first use (warm up before
-    CUDA-graph capture) and is cached on the object. Otherwise the PTX word decode."""
+    CUDA-graph capture) and is cached on the object. Otherwise the PTX word decode: over the rotation layout with
+    ``rot`` (the lever w4a16_rot), else over the nibble layout."""
     if vtengine.kernels.INTERPRET:
         return DECODE_WIDE
     wide = getattr(q, "_w4a16_wide", None)
@@ -389,7 +496,9 @@ def decode_path(q: QuantizedWeight) -> int:
         _refuse_during_capture(q, "the one-time scale check")
         wide = bool(q.fmt == "mxfp4" and q.scales.numel() and int(q.scales.max()) > 128)
         q._w4a16_wide = wide
-    return DECODE_WIDE if wide else DECODE_ASM
+    if wide:
+        return DECODE_WIDE
+    return DECODE_ROT if rot else DECODE_ASM
 
 
 def repacked_words(q: QuantizedWeight) -> torch.Tensor:
@@ -409,6 +518,21 @@ def repacked_words(q: QuantizedWeight) -> torch.Tensor:
                        (p0 >> 4) | (p1 & 0xF0), (p2 >> 4) | (p3 & 0xF0)), dim=-1)
     words = new.reshape(n, k // 2).contiguous().view(torch.int32)
     q._w4a16_pairs = words
+    return words
+
+
+def rot_words(q: QuantizedWeight) -> torch.Tensor:
+    """The rotation layout's copy of the codes (DECODE_ROT), int32 words [N, K/8], each the solution of its 8 codes'
+    GF(2) system (rot_pack). Built once per weight and cached on the object, like repacked_words."""
+    cached = getattr(q, "_w4a16_rot", None)
+    if cached is not None and cached.device == q.packed.device:
+        return cached
+    _refuse_during_capture(q, "the rotation-layout copy of the weight")
+    n, k = q.shape
+    p = q.packed.reshape(n, k // 8, 4)
+    codes = torch.stack([p & 15, p >> 4], dim=-1).reshape(n, k // 8, 8)     # nibble 2b low, 2b + 1 high
+    words = rot_pack(codes).contiguous()
+    q._w4a16_rot = words
     return words
 
 
@@ -439,13 +563,14 @@ def _split_k_locks(device, tiles: int) -> torch.Tensor:
 
 
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
-                 out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, pdl: bool = False, rot: bool = False) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
     ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
     the tile choice (benchmarks and tests); keys as returned by dense_config(), plus DECODE (0 wide, 1 bf16,
     2 PTX word decode). ``out`` [M, N] (x's dtype) receives y when given (tests poison it; graphs reuse it).
-    ``pdl``: the lever pdl (programmatic dependent launch, sm_90+; ignored elsewhere)."""
+    ``pdl``: the lever pdl (programmatic dependent launch, sm_90+; ignored elsewhere). ``rot``: the lever w4a16_rot
+    (the rotation layout and its decode, DECODE 3, where the PTX decode runs; bit-identical output)."""
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
     if x.dim() != 2:
@@ -460,7 +585,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     x = x if x.stride(1) == 1 else x.contiguous()
     m = x.shape[0]
     block = BLOCK[qweight.fmt]
-    decode = decode_path(qweight)
+    decode = decode_path(qweight, rot)
     route = "dense" if dense else "grouped"
     if config is None:
         pick = dense_config if dense else grouped_config
@@ -477,8 +602,11 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if decode != DECODE_WIDE and qweight.fmt == "mxfp4" and decode_path(qweight) == DECODE_WIDE:
         raise ValueError("w4a16_linear: this MXFP4 weight has scales above 2**1 (or runs in the interpreter); "
                          "only the wide decode (DECODE=0) handles it")
-    repacked = bool(cfg.get("REPACKED", True))
-    words = repacked_words(qweight) if repacked else packed_words(qweight)
+    repacked = bool(cfg.get("REPACKED", True)) or decode == DECODE_ROT      # rotation words are in K order
+    if decode == DECODE_ROT:
+        words = rot_words(qweight)
+    else:
+        words = repacked_words(qweight) if repacked else packed_words(qweight)
     if out is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
