@@ -325,15 +325,19 @@ def _w4a16_gemm_kernel(
     offs_n_ld = tl.where(n_mask, offs_n, 0)
 
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per_split
+    # a split's first K is a whole number of K steps: saying so lets the compiler keep W, scale and A loads wide
+    # (statically 474 -> 470 instructions per K step of the word decode, 362 -> 358 of the rotation decode)
+    k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_hi = tl.minimum(K, k_lo + k_per_split)
 
     offs_b = tl.arange(0, BLOCK_K // 8)
     offs_s = tl.arange(0, BLOCK_K // SCALE_BLOCK)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo // 8 + offs_b)[None, :]
-    s_ptrs = s_ptr + offs_n_ld[:, None].to(tl.int64) * stride_sn + (k_lo // SCALE_BLOCK + offs_s)[None, :]
-    x_ptrs = x_ptr + rows_ld[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
+    w_ptrs = (w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn
+              + tl.multiple_of(k_lo // 8, BLOCK_K // 8) + offs_b[None, :])
+    s_ptrs = (s_ptr + offs_n_ld[:, None].to(tl.int64) * stride_sn
+              + tl.multiple_of(k_lo // SCALE_BLOCK, BLOCK_K // SCALE_BLOCK) + offs_s[None, :])
+    x_ptrs = x_ptr + rows_ld[:, None].to(tl.int64) * stride_xm + k_lo + offs_k[None, :]
 
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
