@@ -55,6 +55,10 @@ def sweep_variants(n: int, k: int, fmt: str) -> list:
     out.append(dict(base, BLOCK_M=16))
     out.append(dict(base, DECODE=w4a16.DECODE_BF16))
     out.append(dict(base, BLOCK_N=64, BLOCK_K=128, num_stages=4))
+    # statically the fewest instructions per weight of the rotation decode (vtengine bench w4a16-sass, 2026-12-01:
+    # 2.59 against 2.80 at the default 32 x 256 / 2 warps; 105 registers, no spills): time it
+    out.append(dict(base, DECODE=w4a16.DECODE_ROT, BLOCK_N=64, BLOCK_K=256, num_warps=2, num_stages=3))
+    out.append(dict(base, DECODE=w4a16.DECODE_ROT, BLOCK_K=512, num_stages=2))
     out.append(dict(base, SWAP_AB=False, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3))
     return out
 
