@@ -81,7 +81,7 @@ def arm_label(ev: Evidence, name: str) -> str:
     return f"{arm.role} ({arm.name})"
 
 
-def _gate_result(ev: Evidence | None, g: GateResult) -> str:
+def gate_result(ev: Evidence | None, g: GateResult) -> str:
     if g.skipped:
         return "SKIP"
     if g.passed:
@@ -96,7 +96,7 @@ def _gate_result(ev: Evidence | None, g: GateResult) -> str:
 def _gate_cell(g: GateResult, ev: Evidence | None = None) -> dict[str, str]:
     return {
         "gate": g.gate, "arm": g.arm, "arm_label": arm_label(ev, g.arm) if ev is not None else g.arm,
-        "result": _gate_result(ev, g),
+        "result": gate_result(ev, g),
         "counts": ", ".join(f"{k} {_num(v)}" for k, v in sorted(g.counts.items())) or "—",
         "self_check": {True: "caught", False: "NOT caught", None: "—"}[g.self_check],
         "byte_exact": {True: "yes", False: "no", None: "—"}[g.byte_exact],

@@ -298,6 +298,8 @@ def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], sel
             ev.gates.append(res)
             _save(ev, cdir)
             mark = "skip" if res.skipped else ("pass" if res.passed else "FAIL")
+            if gate == "battery" and not res.passed and not res.skipped and res.counts.get("divergent") == 0:
+                mark = "near-ties (near_tie rules)"     # only near-tie divergences: RATIFIED or FAIL after it
             sc = "" if res.self_check is None else (" self-check ok" if res.self_check else " SELF-CHECK PASSED (gate broken)")
             prog.console.print(f"  {gate:<13} {arm.name:<6} {mark}{sc}  {res.counts if not res.skipped else res.reason}")
             prog.advance(task)
@@ -425,12 +427,12 @@ def _summary(ev: Evidence, cdir: Path, elapsed_s: float) -> None:
     t = Table(title=f"{ev.campaign_id}: {ev.decision.verdict}")
     t.add_column("gate")
     for a in ev.arms:
-        t.add_column(a.name)
+        t.add_column(records.arm_label(ev, a.name))
     for gname in dict.fromkeys(g.gate for g in ev.gates):
         row = [gname]
         for a in ev.arms:
             g = ev.gate(gname, a.name)
-            row.append("-" if g is None else ("skip" if g.skipped else ("pass" if g.passed else "FAIL")))
+            row.append("-" if g is None else records.gate_result(ev, g))     # what record.md says (RATIFIED...)
         t.add_row(*row)
     console.print(t)
     console.print(f"[bold]{ev.decision.verdict}[/]: {ev.decision.rule}")

@@ -233,3 +233,21 @@ def test_in_progress_evidence_renders_without_a_decision(tmp_path):
     # In-progress campaigns do not enter the lever's status row.
     assert _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")[5] == "—"
     shutil.rmtree(out)
+
+
+def test_the_console_summary_reads_as_the_record(tmp_path, monkeypatch):
+    """The terminal's gate table titles arms by role and value and shows a battery whose divergences near_tie
+    ratified as RATIFIED, as record.md does (it printed FAIL under columns 'on' / 'off')."""
+    from rich.console import Console
+    from campaigns import policy, runner
+    ev = make_evidence(TPUT_WIN, gate_results=gates(**{
+        "battery@on": {"passed": False, "counts": {"prompts": 16, "strict": 3, "near_tie": 13, "divergent": 0}},
+        "near_tie@on": {"counts": {"divergences": 13, "ratified": 13, "max_gap_mnats": 375.0}}}))
+    ev.decision = policy.decide(ev)
+    with open(tmp_path / "out.txt", "w") as f:
+        monkeypatch.setattr(runner, "console", Console(file=f, width=200))
+        runner._summary(ev, tmp_path, 1.0)
+    text = (tmp_path / "out.txt").read_text()
+    assert "baseline (off)" in text and "candidate (on)" in text
+    battery = next(line for line in text.splitlines() if "battery" in line)
+    assert "RATIFIED" in battery and "FAIL" not in battery, battery
