@@ -144,6 +144,19 @@ def test_chunked_prefill_expectation_can_fail(value, steps, ok):
     (False, ["bf16_asm", "bf16_rot"], False),          # stuck on somewhere
 ])
 def test_w4a16_rot_expectation_can_fail(value, decodes, ok):
+    _check_rot(value, decodes, ok)
+
+
+@pytest.mark.parametrize("value,routes,ok", [
+    (True, ["prefetch"], True), (True, ["wait_first"], False), (True, [], False),     # inert, or no PDL at all
+    (False, ["wait_first"], True), (False, ["prefetch", "wait_first"], False)])
+def test_pdl_prefetch_expectation_can_fail(value, routes, ok):
+    snap = {"pdl_prefetch": {r: {"launches": 3, "grids": {}, "splits": {}, "variants": {"w4a16_gemm": 3}}
+                             for r in routes}}
+    assert mechanism.expected("pdl_prefetch", value, mechanism.probe("pdl_prefetch", snap))[0] is ok
+
+
+def _check_rot(value, decodes, ok):
     assert mechanism.expected("w4a16_rot", value, {"decodes": decodes})[0] is ok
     snap = {"w4a16_gemm": {"dense": {"launches": 2, "grids": {}, "splits": {},
                                      "variants": {str(("mxfp4", 8, 32, 256, 1, "swap_ab", d, 2, 3)): 1

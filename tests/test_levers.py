@@ -17,12 +17,13 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     # row/<lever>-flip); the rest are off
     reg = levers.registry()
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunked_prefill", "fast_math", "gqa_swap",
-                           "marlin_dense", "mixed_steps", "nsplits_cap", "pdl", "prefill_gqa_pack", "split_rule",
+                           "marlin_dense", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack", "split_rule",
                            "triton_gemv", "w4a16_rot"]
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunked_prefill": "off",
                         "fast_math": False,
                         "gqa_swap": True, "marlin_dense": True, "mixed_steps": False, "nsplits_cap": "off", "pdl": False,
+                        "pdl_prefetch": False,
                         "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": False, "w4a16_rot": False}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}

@@ -77,6 +77,8 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"variants": _variants(snap, "decode_attention") + _variants(snap, "prefill_attention")}
     if lever == "triton_gemv":
         return {"routes": _routes(snap, "dense_linear"), "grids": _grids(snap, "dense_linear")[:8]}
+    if lever == "pdl_prefetch":
+        return {"w4a16_launches": _routes(snap, "pdl_prefetch")}
     if lever == "pdl":
         return {"launches": _routes(snap, "launch"), "kernels": _variants(snap, "launch")}
     if lever == "async_scheduling":
@@ -123,6 +125,10 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         # prefill (M > 16) takes cuBLAS in both arms; decode takes the GEMV only in the ON arm
         ok = ("triton_gemv" in pr["routes"]) if value else pr["routes"] == ["cublas"]
         return ok, f"dense_linear routes {pr['routes']}, expected {'triton_gemv among them' if value else ['cublas']}"
+    if lever == "pdl_prefetch":
+        want = ["prefetch"] if value else ["wait_first"]
+        return pr["w4a16_launches"] == want, (f"PDL launches of the W4A16 GEMM {pr['w4a16_launches']}, expected {want}"
+                                              " (needs pdl on, on sm_90+: the interpreter has no PDL)")
     if lever == "pdl":
         want = ["pdl"] if value else ["plain"]
         return pr["launches"] == want, f"kernel launches {pr['launches']} (kernels {pr['kernels']}), expected {want}"

@@ -256,7 +256,8 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
     if kernel == "prefill_attention":
         return {"gqa_pack": on("prefill_gqa_pack"), "fast_math": on("fast_math")}
     if kernel == "w4a16_gemm":
-        return {"dense": on("marlin_dense"), "pdl": on("pdl"), "rot": on("w4a16_rot")}
+        return {"dense": on("marlin_dense"), "pdl": on("pdl") or lever == "pdl_prefetch", "rot": on("w4a16_rot"),
+                "prefetch": on("pdl_prefetch")}
     if kernel == "dense_linear":
         # the pdl lever acts on the Triton GEMV only (cuBLAS ignores it): test it there
         return {"triton_gemv": on("triton_gemv") or lever == "pdl", "pdl": on("pdl")}

@@ -83,7 +83,7 @@ class TritonBackend(TorchBackend):
     def linear(self, x, weight):
         if isinstance(weight, QuantizedWeight):
             return w4a16.w4a16_linear(x, weight, dense=self.levers.on("marlin_dense"), pdl=self.levers.on("pdl"),
-                                      rot=self.levers.on("w4a16_rot"))
+                                      rot=self.levers.on("w4a16_rot"), prefetch=self.levers.on("pdl_prefetch"))
         return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), pdl=self.levers.on("pdl"))
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

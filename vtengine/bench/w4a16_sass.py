@@ -28,7 +28,7 @@ CONFIG = dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=3)   #
 _INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def compile_dense(decode: int, nvfp4: bool = False, split: bool = True):
+def compile_dense(decode: int, nvfp4: bool = False, split: bool = True, pdl: bool = False, prefetch: bool = False):
     """The dense swap-AB kernel compiled for sm_90 (no GPU needed): Triton's CompiledKernel."""
     import triton
     import triton.language as tl
@@ -41,7 +41,7 @@ def compile_dense(decode: int, nvfp4: bool = False, split: bool = True):
            "stride_ym": "i32", "SPLIT_K": "i32"}
     const = dict(NVFP4=nvfp4, DECODE=decode, GATHER=False, SWAP_AB=True, BLOCK_M=CONFIG["BLOCK_M"],
                  BLOCK_N=CONFIG["BLOCK_N"], BLOCK_K=CONFIG["BLOCK_K"], SPLIT=split, EVEN_K=True,
-                 DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32", REPACKED=True, USE_PDL=False)
+                 DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32", REPACKED=True, USE_PDL=pdl, PREFETCH=prefetch)
     sig.update({k: "constexpr" for k in const})
     # what the JIT's specialisation tells a launch at Qwen3-8B shapes: 16-byte aligned pointers and N, K and the
     # strides divisible by 16 (M is never specialised)
@@ -83,6 +83,15 @@ def count(decode: int, nvfp4: bool = False) -> dict:
             "per_weight": round(len(body) / weights, 3), "by_opcode": dict(ops.most_common())}
 
 
+def before_wait(sass: list[str]) -> dict[str, int]:
+    """Instructions issued before the PDL wait (griddepcontrol.wait = ACQBULK): L2 prefetches (CCTL.E.PF2) and
+    global loads (LDG / LDGSTS). Under pdl_prefetch the weights' prefetches must sit there, and no load may."""
+    ops = [m.group(1) for line in sass if (m := _INSTR.match(line))]
+    head = ops[:ops.index("ACQBULK")] if "ACQBULK" in ops else []
+    return {"waits": ops.count("ACQBULK"), "prefetches": sum(op.startswith("CCTL.E.PF2") for op in head),
+            "loads": sum(op.startswith(("LDG", "LDGSTS")) for op in head)}
+
+
 def main(out_dir: str = "bench/results") -> dict:
     import triton
     from vtengine.kernels import w4a16
@@ -95,16 +104,25 @@ def main(out_dir: str = "bench/results") -> dict:
             row = {"fmt": fmt, "decode": name, **count(d, nvfp4=fmt == "nvfp4")}
             result["rows"].append(row)
             print(json.dumps({k: row[k] for k in ("fmt", "decode", "instructions", "per_weight")}), flush=True)
+    # the lever pdl_prefetch (with pdl): what runs before the wait
+    result["pdl"] = {name: before_wait(disassemble(compile_dense(w4a16.DECODE_ROT, pdl=True, prefetch=pf)
+                                                   .asm["cubin"]))
+                     for name, pf in (("pdl", False), ("pdl_prefetch", True))}
+    print(json.dumps(result["pdl"]), flush=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"w4a16-sass-{now.strftime('%Y-%m-%d')}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"# W4A16 dense GEMV K loop, static SASS counts — sm_90, triton {result['triton']}, {result['date_utc']}",
+    lines = [f"# W4A16 dense GEMV K loop, static SASS counts — sm_90, triton {result['triton']}, "
+             f"{result['date_utc']}",
              "", f"Config {CONFIG}; {result['rows'][0]['weights_per_thread']} weights per thread per iteration.", "",
              "| fmt | decode | instructions | per weight | top opcodes |", "|---|---|---|---|---|"]
     for r in result["rows"]:
         top = ", ".join(f"{k} {v}" for k, v in list(r["by_opcode"].items())[:8])
         lines.append(f"| {r['fmt']} | {r['decode']} | {r['instructions']} | {r['per_weight']} | {top} |")
+    lines += ["", "Before the PDL wait (rotation decode, MXFP4): " + "; ".join(
+        f"{name}: {v['prefetches']} L2 prefetches, {v['loads']} global loads, {v['waits']} wait(s)"
+        for name, v in result["pdl"].items())]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return result
 

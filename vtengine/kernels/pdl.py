@@ -47,6 +47,14 @@ def pdl_launch_dependents(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (no register result, no wait): what a PDL kernel does with its
+    weights before pdl_wait, since weights never depend on the kernel before it (lever ``pdl_prefetch``)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
 def use_pdl(pdl: bool, kernel: str, device) -> bool:
     """Whether this launch really uses PDL (the lever asked and the device can), recorded as the ``launch``
     counter so the mechanism gate sees an inert lever as inert."""

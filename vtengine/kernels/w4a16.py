@@ -39,7 +39,7 @@ import triton.language as tl
 
 from vtengine import counters
 from vtengine.kernels import H200_SMS, dot_dtype, sm_count
-from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
+from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
 from vtengine.quant import BLOCK, QuantizedWeight
 
 # --------------------------------------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def _w4a16_gemm_kernel(
     NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, REPACKED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
@@ -302,9 +302,13 @@ def _w4a16_gemm_kernel(
     counters concurrently (one stream).
 
     USE_PDL (lever ``pdl``): the program waits for the previous kernel before its first read and lets the next
-    kernel launch once its K loop is done."""
+    kernel launch once its K loop is done. PREFETCH (lever ``pdl_prefetch``, with USE_PDL, dense route): before
+    that wait the program asks L2 for its whole W slice (one prefetch per 128-byte line), so the weights stream in
+    while the previous kernel drains; activations and the grouped route's sorted ids still wait."""
     SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
-    pdl_wait(USE_PDL)
+    EARLY: tl.constexpr = PREFETCH and USE_PDL and not GATHER
+    if not EARLY:
+        pdl_wait(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -338,6 +342,14 @@ def _w4a16_gemm_kernel(
     s_ptrs = (s_ptr + offs_n_ld[:, None].to(tl.int64) * stride_sn
               + tl.multiple_of(k_lo // SCALE_BLOCK, BLOCK_K // SCALE_BLOCK) + offs_s[None, :])
     x_ptrs = x_ptr + rows_ld[:, None].to(tl.int64) * stride_xm + k_lo + offs_k[None, :]
+    if EARLY:
+        # a row's W words of one K step are BLOCK_K / 2 bytes: LINES lines of 128 bytes (32 words) each
+        LINES: tl.constexpr = (BLOCK_K // 2 + 127) // 128
+        lines = tl.arange(0, LINES) * 32
+        row_base = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + lines[None, :]
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            prefetch_l2(row_base + k0 // 8)
+        pdl_wait(USE_PDL)
 
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -567,14 +579,16 @@ def _split_k_locks(device, tiles: int) -> torch.Tensor:
 
 
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
-                 out: torch.Tensor | None = None, pdl: bool = False, rot: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, pdl: bool = False, rot: bool = False,
+                 prefetch: bool = False) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
     ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
     the tile choice (benchmarks and tests); keys as returned by dense_config(), plus DECODE (0 wide, 1 bf16,
     2 PTX word decode). ``out`` [M, N] (x's dtype) receives y when given (tests poison it; graphs reuse it).
     ``pdl``: the lever pdl (programmatic dependent launch, sm_90+; ignored elsewhere). ``rot``: the lever w4a16_rot
-    (the rotation layout and its decode, DECODE 3, where the PTX decode runs; bit-identical output)."""
+    (the rotation layout and its decode, DECODE 3, where the PTX decode runs; bit-identical output). ``prefetch``:
+    the lever pdl_prefetch (with PDL on the dense route, the W slice is prefetched to L2 before the wait)."""
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
     if x.dim() != 2:
@@ -635,13 +649,17 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         ws, locks = y, y                                # unused pointers
     even_k = k % (bk * split) == 0
     on = use_pdl(pdl, "w4a16_gemm", x.device)
+    early = bool(prefetch) and on and dense
+    if on:
+        counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="w4a16_gemm")
     _w4a16_gemm_kernel[grid](
         x, words, qweight.scales, qweight.global_scale, y, sorted_ids, num_post, ws, locks,
         m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), y.stride(0), split,
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=even_k, DOT_DTYPE=dd,
         DOT_PREC="ieee" if dd == tl.float32 else "tf32", REPACKED=repacked,
-        USE_PDL=on, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **launch_options(on),
+        USE_PDL=on, PREFETCH=early, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        **launch_options(on),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
                     variant=(qweight.fmt, bm, bn, bk, split, "swap_ab" if cfg["SWAP_AB"] else "tile",
