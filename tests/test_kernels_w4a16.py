@@ -176,6 +176,9 @@ def test_gpu_real_shapes_all_routes(k, n, fmt):
             y_rot = run(x, q, True, rot=True)
             assert torch.equal(y_rot, run(x, q, True)), f"seed {seed} {fmt} M={m}: rot differs from the word decode"
             assert rel_l2(y_rot, ref) < BOUND[torch.bfloat16]
+            # the lever pdl_prefetch only moves the weights' first touch before the PDL wait: same bits
+            y_pf = run(x, q, True, rot=True, pdl=True, prefetch=True)
+            assert torch.equal(y_pf, y_rot), f"seed {seed} {fmt} M={m}: pdl_prefetch changed the output"
 
 
 @gpu
