@@ -262,3 +262,21 @@ def test_chunked_prefill_mechanism_gate_self_check_reaches_the_scheduler():
     assert ctx.cache["mechanism:off#256"][0]["prefill_steps"] == ["chunk=256"]      # the stuck baseline's
     assert ctx.cache["mechanism:256#off"][0]["prefill_steps"] == ["prefill_first"]  # the inert candidate's
     ctx.release_engines()
+
+
+def test_fuse_silu_op_and_mechanism_gates_on_an_mxfp4_model():
+    """fuse_silu on tiny MXFP4 under the interpreter: the op gate compares the fused epilogue (ON) and the GEMM then
+    silu_mul (OFF) against silu_mul(linear) of the reference, both faults caught; the mechanism gate sees the
+    fused launches in the ON arm only (an inert candidate and a stuck baseline caught)."""
+    arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
+    ctx = GateContext(lever="fuse_silu", arms=arms, model="tiny", quant="mxfp4", device="cpu",
+                      gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
+    for arm in arms:
+        res = run_gate("op", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+        assert any(c["case"].startswith("gate_up+silu_mul") for c in res.details["cases"])
+    for arm in arms:
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    assert ctx.cache["mechanism:on"][0]["fused_gemms"] > 0 and ctx.cache["mechanism:off"][0]["fused_gemms"] == 0
+    ctx.release_engines()

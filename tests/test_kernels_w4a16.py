@@ -179,6 +179,12 @@ def test_gpu_real_shapes_all_routes(k, n, fmt):
             # the lever pdl_prefetch only moves the weights' first touch before the PDL wait: same bits
             y_pf = run(x, q, True, rot=True, pdl=True, prefetch=True)
             assert torch.equal(y_pf, y_rot), f"seed {seed} {fmt} M={m}: pdl_prefetch changed the output"
+            # the lever fuse_silu: SiLU-mul in the epilogue, against the reference's silu over the fp64 GEMM
+            half = n // 2
+            y_silu = w4a16.w4a16_linear(x, q, dense=True, silu_mul=True)
+            ref_silu = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
+            err = rel_l2(y_silu, ref_silu)
+            assert err < 2 * BOUND[torch.bfloat16], f"seed {seed} {fmt} M={m} silu_mul: {err:.3e}"
 
 
 @gpu
@@ -193,6 +199,30 @@ def test_gpu_mxfp4_large_scales_take_the_wide_decode():
     ref = x.double() @ dequantize(q, torch.float64).t()
     for dense in (True, False):
         assert rel_l2(run(x, q, dense), ref) < BOUND[torch.bfloat16], f"seed {seed}"
+
+
+
+# -- the lever fuse_silu: SiLU-mul in the dense swap-AB epilogue -------------------------------------------------
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gate_up_with_silu_mul_in_the_epilogue(fmt, m):
+    """gate_up [2I, K] with I = 40 (a partial last tile of 16 gate rows), split-K 1 and 2: y = silu(g) * u of the
+    fp32 sums against the reference's silu over its fp64 GEMM."""
+    gen, seed = fresh_generator()
+    i, k = 40, 128
+    x, q = make_case(m, 2 * i, k, fmt, gen)
+    h = x.double() @ dequantize(q, torch.float64).t()
+    ref = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+    base = w4a16.dense_config(m, 2 * i, k, fmt)
+    if INTERPRET:
+        base = w4a16._interpreter_config(base, k, 32 if fmt == "mxfp4" else 16)
+    for split in (1, 2):
+        out = torch.full((m, i), float("nan"), dtype=x.dtype, device=x.device)
+        y = w4a16.w4a16_linear(x, q, dense=True, config=dict(base, SPLIT_K=split), out=out, silu_mul=True)
+        err = rel_l2(y, ref)
+        assert err < BOUND[ACT], f"seed {seed} {fmt} M={m} split={split}: {err:.3e}"
+    with pytest.raises(ValueError, match="silu_mul fuses into the dense swap-AB tiles"):
+        w4a16.w4a16_linear(x, q, dense=False, silu_mul=True)
 
 
 # -- the rotation layout (lever w4a16_rot): its PTX decode runs on a GPU only; here the layout is checked through

@@ -79,6 +79,11 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"routes": _routes(snap, "dense_linear"), "grids": _grids(snap, "dense_linear")[:8]}
     if lever == "pdl_prefetch":
         return {"w4a16_launches": _routes(snap, "pdl_prefetch")}
+    if lever == "fuse_silu":        # fused launches of the W4A16 GEMM, and the separate silu_mul kernel's
+        fused = sum(n for st in snap.get("w4a16_gemm", {}).values() for v, n in st["variants"].items()
+                    if "'silu_mul'" in v)
+        return {"fused_gemms": fused, "silu_mul_launches": sum(st["launches"] for st in
+                                                               snap.get("silu_mul", {}).values())}
     if lever == "pdl":
         return {"launches": _routes(snap, "launch"), "kernels": _variants(snap, "launch")}
     if lever == "async_scheduling":
@@ -125,6 +130,11 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         # prefill (M > 16) takes cuBLAS in both arms; decode takes the GEMV only in the ON arm
         ok = ("triton_gemv" in pr["routes"]) if value else pr["routes"] == ["cublas"]
         return ok, f"dense_linear routes {pr['routes']}, expected {'triton_gemv among them' if value else ['cublas']}"
+    if lever == "fuse_silu":
+        n = pr["fused_gemms"]
+        if value:
+            return n > 0, f"{n} gate_up GEMMs applied SiLU-mul in their epilogue, expected some (decode steps)"
+        return n == 0, f"{n} gate_up GEMMs applied SiLU-mul in their epilogue, expected none"
     if lever == "pdl_prefetch":
         want = ["prefetch"] if value else ["wait_first"]
         return pr["w4a16_launches"] == want, (f"PDL launches of the W4A16 GEMM {pr['w4a16_launches']}, expected {want}"

@@ -183,6 +183,37 @@ def silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     return [(f"silu_mul T=9 I={inter}", run, ref)]
 
 
+def gate_up_silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
+    """The MLP's first half at decode sizes (M <= 16), W4A16 gate_up [2I, K]: fused into the GEMM's epilogue in a
+    fuse_silu arm, the GEMM then the silu_mul kernel otherwise; against silu_mul(linear) of the reference."""
+    from vtengine.kernels import fused, w4a16
+    cases = []
+    for fmt in ("mxfp4", "nvfp4"):
+        for m, k, n in sh["gemm"]:
+            if m > 16 or n % 32:
+                continue
+            w = torch.randn(n, k, generator=gen).to(dev)
+            qw = quantize(w, fmt)
+            x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
+            shifted = QuantizedWeight(qw.fmt, qw.packed, torch.roll(qw.scales, 1, dims=1).contiguous(),
+                                      qw.global_scale, qw.shape)
+
+            def run(setting, fault, x=x, qw=qw, shifted=shifted):
+                wt = shifted if fault else qw
+                junk = _poisoned_like((x.shape[0], qw.shape[0]), x.dtype, x.device)
+                del junk
+                kw = dict(dense=True, pdl=setting.get("pdl", False))
+                if setting.get("fused"):
+                    return w4a16.w4a16_linear(x, wt, silu_mul=True, **kw)
+                return fused.silu_mul(w4a16.w4a16_linear(x, wt, **kw), pdl=kw["pdl"])
+
+            def ref(x=x, qw=qw):
+                be = TorchBackend()
+                return be.silu_mul(be.linear(x.float(), qw))
+            cases.append((f"gate_up+silu_mul {fmt} M={m} K={k} 2I={n}", run, ref))
+    return cases
+
+
 def qkv_epilogue_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     """Returns q and the touched cache slots of k and v, flattened into one tensor (one L2 over all three)."""
     from vtengine.backends.torch_backend import rope_cos_sin
@@ -255,6 +286,8 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
                 "fast_math": on("fast_math"), "pdl": on("pdl")}
     if kernel == "prefill_attention":
         return {"gqa_pack": on("prefill_gqa_pack"), "fast_math": on("fast_math")}
+    if kernel == "silu_mul":
+        return {"pdl": on("pdl"), "fused": on("fuse_silu")}
     if kernel == "w4a16_gemm":
         return {"dense": on("marlin_dense"), "pdl": on("pdl") or lever == "pdl_prefetch", "rot": on("w4a16_rot"),
                 "prefetch": on("pdl_prefetch")}
@@ -286,6 +319,8 @@ def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callabl
             cs = norm_cases(gen, dev, sh)
         elif kernel == "dense_linear":
             cs = dense_linear_cases(gen, dev, sh)
+        elif kernel == "silu_mul" and ctx.lever == "fuse_silu":
+            cs = gate_up_silu_cases(gen, dev, sh)
         elif kernel == "silu_mul":
             cs = silu_cases(gen, dev, sh)
         elif kernel == "qkv_epilogue":

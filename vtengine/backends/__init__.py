@@ -8,7 +8,8 @@ BACKENDS = ("torch", "triton")
 KERNEL_OPS = {
     "rms_norm": ("rms_norm", "add_rms_norm"), "silu_mul": ("silu_mul",), "rope": ("rope",),
     "store_kv": ("store_kv",), "prefill_attention": ("prefill_attention",),
-    "decode_attention": ("decode_attention",), "w4a16_gemm": ("linear",), "dense_linear": ("linear",),
+    "decode_attention": ("decode_attention",), "w4a16_gemm": ("linear", "gate_up_silu"),
+    "dense_linear": ("linear",),
     "argmax": ("greedy",), "qkv_epilogue": ("qkv_epilogue",),
 }
 

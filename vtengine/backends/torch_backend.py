@@ -56,6 +56,10 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
 
+    def gate_up_silu(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """The MLP's first half: silu_mul(linear(x, gate_up weight)), [T, I] (a backend may fuse the two)."""
+        return self.silu_mul(self.linear(x, weight))
+
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
         """Neox-style rotary embedding (rotate halves), as Llama/Qwen3 in HF.
 

@@ -86,5 +86,14 @@ class TritonBackend(TorchBackend):
                                       rot=self.levers.on("w4a16_rot"), prefetch=self.levers.on("pdl_prefetch"))
         return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), pdl=self.levers.on("pdl"))
 
+    def gate_up_silu(self, x, weight):
+        dense = self.levers.on("marlin_dense")
+        if (self.levers.on("fuse_silu") and isinstance(weight, QuantizedWeight)
+                and w4a16.fused_silu_supported(x.shape[0], dense)):
+            return w4a16.w4a16_linear(x, weight, dense=dense, pdl=self.levers.on("pdl"),
+                                      rot=self.levers.on("w4a16_rot"), prefetch=self.levers.on("pdl_prefetch"),
+                                      silu_mul=True)
+        return super().gate_up_silu(x, weight)
+
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         return fused.argmax(logits, pdl=self.levers.on("pdl"))

@@ -285,7 +285,7 @@ def _w4a16_gemm_kernel(
     NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, REPACKED: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
@@ -304,7 +304,12 @@ def _w4a16_gemm_kernel(
     USE_PDL (lever ``pdl``): the program waits for the previous kernel before its first read and lets the next
     kernel launch once its K loop is done. PREFETCH (lever ``pdl_prefetch``, with USE_PDL, dense route): before
     that wait the program asks L2 for its whole W slice (one prefetch per 128-byte line), so the weights stream in
-    while the previous kernel drains; activations and the grouped route's sorted ids still wait."""
+    while the previous kernel drains; activations and the grouped route's sorted ids still wait.
+
+    SILU_MUL (lever ``fuse_silu``, dense SWAP_AB only): W is gate_up [N = 2I, K] and y is silu(gate) * up [M, I].
+    A program's tile holds BLOCK_N / 2 gate rows and the matching up rows (row j of the tile is gate row
+    c + j for j < BLOCK_N / 2, up row I + c + j - BLOCK_N / 2 after), so its epilogue (the split-K reducer's, when
+    split) has both halves of every output it writes; the SiLU runs on the fp32 sums, not on bf16 roundings."""
     SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
     EARLY: tl.constexpr = PREFETCH and USE_PDL and not GATHER
     if not EARLY:
@@ -323,8 +328,16 @@ def _w4a16_gemm_kernel(
         rows = offs_m
         row_mask = offs_m < M
     rows_ld = tl.where(row_mask, rows, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if SILU_MUL:
+        HALF: tl.constexpr = BLOCK_N // 2
+        half_n = N // 2
+        tile_j = tl.arange(0, BLOCK_N)
+        col = pid_n * HALF + tile_j % HALF                     # the output column (gate row) of tile row j
+        offs_n = tl.where(tile_j < HALF, col, half_n + col)
+        n_mask = col < half_n
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     # out-of-range W rows read row 0 instead of being masked: the loads stay unpredicated, the store is masked
     offs_n_ld = tl.where(n_mask, offs_n, 0)
 
@@ -382,14 +395,18 @@ def _w4a16_gemm_kernel(
             acc = acc * tl.load(gs_ptr)
         else:
             acc = acc * (tl.load(gs_ptr) * 512.0)   # the 2**9 left over from the 2**117 folded into the scales
-    if SWAP_AB:
+    if SILU_MUL:
+        out_n = pid_n * HALF + tl.arange(0, HALF)
+        y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + out_n[:, None]
+        y_mask = (out_n < half_n)[:, None] & row_mask[None, :]
+    elif SWAP_AB:
         y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         y_mask = n_mask[:, None] & row_mask[None, :]
     else:
         y_ptrs = y_ptr + rows_ld[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         y_mask = row_mask[:, None] & n_mask[None, :]
     if not SPLIT:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        tl.store(y_ptrs, _epilogue(acc, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         ACC0: tl.constexpr = BLOCK_N if SWAP_AB else BLOCK_M
         ACC1: tl.constexpr = BLOCK_M if SWAP_AB else BLOCK_N
@@ -403,8 +420,20 @@ def _w4a16_gemm_kernel(
             total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
             for s in range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (ACC0 * ACC1) + offs_acc, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(y_ptrs, _epilogue(total, SILU_MUL, ACC0, ACC1).to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _epilogue(acc, SILU_MUL: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """The output tile from the fp32 accumulator [R, C]: itself, or (SILU_MUL) silu(gate) * up of its two row
+    halves, [R / 2, C]."""
+    if SILU_MUL:
+        halves = tl.permute(tl.reshape(acc, [2, R // 2, C]), (1, 2, 0))      # [R / 2, C, 2]: (gate, up)
+        gate, up = tl.split(halves)
+        return gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        return acc
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -537,6 +566,11 @@ def repacked_words(q: QuantizedWeight) -> torch.Tensor:
     return words
 
 
+def fused_silu_supported(m: int, dense: bool) -> bool:
+    """Whether w4a16_linear(..., silu_mul=True) applies: the dense route's swap-AB tiles, M <= 16 (decode)."""
+    return dense and 1 <= m <= 16
+
+
 def rot_words(q: QuantizedWeight) -> torch.Tensor:
     """The rotation layout's copy of the codes (DECODE_ROT), int32 words [N, K/8], each the solution of its 8 codes'
     GF(2) system (rot_pack). Built once per weight and cached on the object, like repacked_words."""
@@ -580,7 +614,7 @@ def _split_k_locks(device, tiles: int) -> torch.Tensor:
 
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
                  out: torch.Tensor | None = None, pdl: bool = False, rot: bool = False,
-                 prefetch: bool = False) -> torch.Tensor:
+                 prefetch: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
     ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
@@ -588,7 +622,9 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     2 PTX word decode). ``out`` [M, N] (x's dtype) receives y when given (tests poison it; graphs reuse it).
     ``pdl``: the lever pdl (programmatic dependent launch, sm_90+; ignored elsewhere). ``rot``: the lever w4a16_rot
     (the rotation layout and its decode, DECODE 3, where the PTX decode runs; bit-identical output). ``prefetch``:
-    the lever pdl_prefetch (with PDL on the dense route, the W slice is prefetched to L2 before the wait)."""
+    the lever pdl_prefetch (with PDL on the dense route, the W slice is prefetched to L2 before the wait).
+    ``silu_mul`` (the lever fuse_silu): W is a gate_up weight [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I],
+    in the GEMM's epilogue; the dense route at M <= 16 only (fused_silu_supported says when)."""
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
     if x.dim() != 2:
@@ -612,6 +648,10 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
             config = _interpreter_config(config, k, block)
     cfg = dict(config)
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("SPLIT_K", 1)
+    if silu_mul and not (dense and cfg["SWAP_AB"] and n % 2 == 0 and bn % 2 == 0):
+        raise ValueError(f"w4a16_linear: silu_mul fuses into the dense swap-AB tiles (M <= 16) of a [2I, K] weight; "
+                         f"got dense={dense}, M={m}, N={n}, SWAP_AB={cfg['SWAP_AB']}, BLOCK_N={bn}")
+    n_out = n // 2 if silu_mul else n
     if bk % block or bk < 2 * block:
         raise ValueError(f"w4a16_linear: BLOCK_K={bk} must be a multiple of 2 x the {qweight.fmt} block ({block})")
     if not dense and split != 1:
@@ -626,10 +666,10 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     else:
         words = repacked_words(qweight) if repacked else packed_words(qweight)
     if out is None:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     else:
-        if out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-            raise ValueError(f"w4a16_linear: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
+        if out.shape != (m, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
+            raise ValueError(f"w4a16_linear: out must be [{m}, {n_out}] {x.dtype} with unit column stride, got "
                              f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
         y = out
     if m == 0:
@@ -640,7 +680,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         sorted_ids, _expert_ids, num_post = moe_align_e1(m, bm, x.device, pdl=pdl)
         rows = sorted_ids.numel()
     dd = dot_dtype(x)
-    grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn), split)
+    grid = (triton.cdiv(rows, bm), triton.cdiv(n_out, bn // 2) if silu_mul else triton.cdiv(n, bn), split)
     if split > 1:
         tiles = grid[0] * grid[1]
         ws = torch.empty((tiles, split, bm * bn), dtype=torch.float32, device=x.device)
@@ -658,10 +698,11 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=even_k, DOT_DTYPE=dd,
         DOT_PREC="ieee" if dd == tl.float32 else "tf32", REPACKED=repacked,
-        USE_PDL=on, PREFETCH=early, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        USE_PDL=on, PREFETCH=early, SILU_MUL=bool(silu_mul), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         **launch_options(on),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
                     variant=(qweight.fmt, bm, bn, bk, split, "swap_ab" if cfg["SWAP_AB"] else "tile",
-                             DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3)))
+                             DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
+                    + (("silu_mul",) if silu_mul else ()))
     return y

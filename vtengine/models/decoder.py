@@ -129,7 +129,7 @@ class DecoderModel:
                                            max_context_len=ctx.max_context_len)
             h = be.linear(attn.reshape(t, hq * d), layer.o)
             x, residual = be.add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
-            h = be.linear(be.silu_mul(be.linear(x, layer.gate_up)), layer.down)
+            h = be.linear(be.gate_up_silu(x, layer.gate_up), layer.down)
         if ctx.last_token_idx is not None:
             h, residual = h[ctx.last_token_idx], residual[ctx.last_token_idx]
         x, _ = be.add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
