@@ -96,6 +96,13 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
     raise ValueError(f"no mechanism probe for lever {lever!r}")
 
 
+def _some_or_none(n: int, value: Any, what: str) -> tuple[bool, str]:
+    """An ON arm must count some of ``what``, an OFF arm none."""
+    if value:
+        return n > 0, f"{n} {what}, expected some"
+    return n == 0, f"{n} {what}, expected none"
+
+
 def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     """Does the probe show the route that ``value`` selects?"""
     if lever == "gqa_swap":
@@ -115,10 +122,7 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         want = ["gqa_pack"] if value else ["paged_causal"]
         return pr["routes"] == want, f"prefill_attention routes {pr['routes']}, expected {want}"
     if lever == "mixed_steps":
-        n = pr["mixed_steps"]
-        if value:
-            return n > 0, f"{n} steps carried decode rows beside a prefill chunk, expected some"
-        return n == 0, f"{n} steps carried decode rows beside a prefill chunk, expected none"
+        return _some_or_none(pr["mixed_steps"], value, "steps carried decode rows beside a prefill chunk")
     if lever == "chunked_prefill":
         want = ["prefill_first"] if value in ("off", False, None) else [f"chunk={value}"]
         return pr["prefill_steps"] == want, f"prefill steps shaped by {pr['prefill_steps']}, expected {want}"
@@ -131,10 +135,7 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         ok = ("triton_gemv" in pr["routes"]) if value else pr["routes"] == ["cublas"]
         return ok, f"dense_linear routes {pr['routes']}, expected {'triton_gemv among them' if value else ['cublas']}"
     if lever == "fuse_silu":
-        n = pr["fused_gemms"]
-        if value:
-            return n > 0, f"{n} gate_up GEMMs applied SiLU-mul in their epilogue, expected some (decode steps)"
-        return n == 0, f"{n} gate_up GEMMs applied SiLU-mul in their epilogue, expected none"
+        return _some_or_none(pr["fused_gemms"], value, "gate_up GEMMs applied SiLU-mul in their epilogue")
     if lever == "pdl_prefetch":
         want = ["prefetch"] if value else ["wait_first"]
         return pr["w4a16_launches"] == want, (f"PDL launches of the W4A16 GEMM {pr['w4a16_launches']}, expected {want}"

@@ -130,15 +130,22 @@ def prefill_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     return [(f"prefill_attention q_lens={q_lens} ctx={ctx_lens}", run, ref)]
 
 
+def _w4a16_inputs(gen, dev, sh, m: int, k: int, n: int, fmt: str):
+    """x [m, k], a quantized [n, k] weight, and the same weight with its K-block scales shifted by one (the wrong-
+    index fault the gate must catch)."""
+    w = torch.randn(n, k, generator=gen).to(dev)
+    qw = quantize(w, fmt)
+    x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
+    shifted = QuantizedWeight(qw.fmt, qw.packed, torch.roll(qw.scales, 1, dims=1).contiguous(),
+                              qw.global_scale, qw.shape)
+    return x, qw, shifted
+
+
 def gemm_cases(gen, dev, sh, fmt: str) -> list[tuple[str, Callable, Callable]]:
     from vtengine.kernels import w4a16
     cases = []
     for m, k, n in sh["gemm"]:
-        w = torch.randn(n, k, generator=gen).to(dev)
-        qw = quantize(w, fmt)
-        x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
-        shifted = QuantizedWeight(qw.fmt, qw.packed, torch.roll(qw.scales, 1, dims=1).contiguous(),
-                                  qw.global_scale, qw.shape)
+        x, qw, shifted = _w4a16_inputs(gen, dev, sh, m, k, n, fmt)
 
         def run(setting, fault, x=x, qw=qw, shifted=shifted):
             # poison: free a NaN buffer of the output's size right before the launch (the allocator reuses it)
@@ -192,11 +199,7 @@ def gate_up_silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
         for m, k, n in sh["gemm"]:
             if m > 16 or n % 32:
                 continue
-            w = torch.randn(n, k, generator=gen).to(dev)
-            qw = quantize(w, fmt)
-            x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
-            shifted = QuantizedWeight(qw.fmt, qw.packed, torch.roll(qw.scales, 1, dims=1).contiguous(),
-                                      qw.global_scale, qw.shape)
+            x, qw, shifted = _w4a16_inputs(gen, dev, sh, m, k, n, fmt)
 
             def run(setting, fault, x=x, qw=qw, shifted=shifted):
                 wt = shifted if fault else qw

@@ -185,6 +185,34 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # tile's last causal position (a cached prefix included). Bound: FLOPs for long prompts (4 x q_len x ctx x D per
 # head, halved by causality), K/V re-read once per Q tile.
 @triton.jit
+def _varlen_tile(cu_seqlens_ptr, num_seqs, tile_id, TILE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(sequence, tile within it) of program ``tile_id`` when every sequence's new tokens are cut into TILE-token
+    tiles numbered sequence by sequence; sequence == num_seqs for a surplus program (the caller returns)."""
+    offs_b = tl.arange(0, BLOCK_B)
+    b_mask = offs_b < num_seqs
+    lo = tl.load(cu_seqlens_ptr + offs_b, mask=b_mask, other=0)
+    hi = tl.load(cu_seqlens_ptr + offs_b + 1, mask=b_mask, other=0)
+    n_tiles = (hi - lo + TILE - 1) // TILE
+    tiles_end = tl.cumsum(n_tiles, 0)
+    seq = tl.sum((tiles_end <= tile_id).to(tl.int32), 0)
+    tile = tile_id - tl.sum(tl.where(offs_b == seq, tiles_end - n_tiles, 0), 0)
+    return seq, tile
+
+
+@triton.jit
+def _softmax_update(qk, v, m_i, l_i, acc, FAST_MATH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    DOT_IEEE: tl.constexpr):
+    """One key tile of the online softmax: scores qk [M, N] (scaled, masked) and values v [N, D] folded into the
+    running max m_i, sum l_i and unnormalised output acc."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = _softmax_exp(m_i - m_new, FAST_MATH)
+    p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr, out_ptr,
                     qk_scale, num_seqs,
                     stride_qt, stride_qh,
@@ -193,21 +221,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, context_len
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     FAST_MATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
-    tile_id = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
-
-    # which (sequence, tile) this program is: tiles are numbered sequence by sequence
-    offs_b = tl.arange(0, BLOCK_B)
-    b_mask = offs_b < num_seqs
-    lo = tl.load(cu_seqlens_ptr + offs_b, mask=b_mask, other=0)
-    hi = tl.load(cu_seqlens_ptr + offs_b + 1, mask=b_mask, other=0)
-    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    tiles_end = tl.cumsum(n_tiles, 0)
-    seq = tl.sum((tiles_end <= tile_id).to(tl.int32), 0)
+    seq, tile = _varlen_tile(cu_seqlens_ptr, num_seqs, tl.program_id(0), BLOCK_M, BLOCK_B)
     if seq >= num_seqs:
         return
-    tile = tile_id - tl.sum(tl.where(offs_b == seq, tiles_end - n_tiles, 0), 0)
 
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
@@ -236,14 +254,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, context_len
         qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
         # key 0 is visible to every row, so each row's running max is finite after the first tile
         qk = tl.where((offs_n[None, :] <= pos[:, None]) & n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
-        p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None]
                     + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(qk, v, m_i, l_i, acc, FAST_MATH, DOT_DTYPE, DOT_IEEE)
 
     o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -268,19 +281,10 @@ def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, cont
                            BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
                            FAST_MATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P2
-    tile_id = tl.program_id(0)
     kvh = tl.program_id(1)
-
-    offs_b = tl.arange(0, BLOCK_B)
-    b_mask = offs_b < num_seqs
-    lo = tl.load(cu_seqlens_ptr + offs_b, mask=b_mask, other=0)
-    hi = tl.load(cu_seqlens_ptr + offs_b + 1, mask=b_mask, other=0)
-    n_tiles = (hi - lo + BLOCK_T - 1) // BLOCK_T
-    tiles_end = tl.cumsum(n_tiles, 0)
-    seq = tl.sum((tiles_end <= tile_id).to(tl.int32), 0)
+    seq, tile = _varlen_tile(cu_seqlens_ptr, num_seqs, tl.program_id(0), BLOCK_T, BLOCK_B)
     if seq >= num_seqs:
         return
-    tile = tile_id - tl.sum(tl.where(offs_b == seq, tiles_end - n_tiles, 0), 0)
 
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
@@ -312,14 +316,9 @@ def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, cont
         k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :],
                     mask=d_mask[None, :], other=0.0)
         qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
-        p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :],
                     mask=d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(qk, v, m_i, l_i, acc, FAST_MATH, DOT_DTYPE, DOT_IEEE)
     for start_n in range(full_end, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
@@ -330,14 +329,9 @@ def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, cont
         qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
         # key 0 is visible to every row, so each row's running max is finite after the first tile
         qk = tl.where((offs_n[None, :] <= pos[:, None]) & n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
-        p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(qk, v, m_i, l_i, acc, FAST_MATH, DOT_DTYPE, DOT_IEEE)
 
     o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
     o_off = (q_start + offs_t).to(tl.int64) * stride_ot + (kvh * GROUP + g) * stride_oh

@@ -552,17 +552,24 @@ def repacked_words(q: QuantizedWeight) -> torch.Tensor:
     what an MMA operand register holds, so neither the W tile nor the A tile needs a permutation. Built once per
     weight (a few elementwise ops; one more packed-size buffer) and cached on the object: the first call must not
     be inside CUDA-graph capture. quant's packed format stays the oracle."""
-    cached = getattr(q, "_w4a16_pairs", None)
+    def build():
+        n, k = q.shape
+        p = q.packed.reshape(n, k // 8, 4)
+        p0, p1, p2, p3 = p.unbind(-1)
+        new = torch.stack(((p0 & 15) | ((p1 & 15) << 4), (p2 & 15) | ((p3 & 15) << 4),
+                           (p0 >> 4) | (p1 & 0xF0), (p2 >> 4) | (p3 & 0xF0)), dim=-1)
+        return new.reshape(n, k // 2).contiguous().view(torch.int32)
+    return _cached_copy(q, "_w4a16_pairs", "the repacked copy of the weight", build)
+
+
+def _cached_copy(q: QuantizedWeight, attr: str, what: str, build) -> torch.Tensor:
+    """A kernel-side copy of a weight's codes, built once (outside CUDA-graph capture) and kept on the object."""
+    cached = getattr(q, attr, None)
     if cached is not None and cached.device == q.packed.device:
         return cached
-    _refuse_during_capture(q, "the repacked copy of the weight")
-    n, k = q.shape
-    p = q.packed.reshape(n, k // 8, 4)
-    p0, p1, p2, p3 = p.unbind(-1)
-    new = torch.stack(((p0 & 15) | ((p1 & 15) << 4), (p2 & 15) | ((p3 & 15) << 4),
-                       (p0 >> 4) | (p1 & 0xF0), (p2 >> 4) | (p3 & 0xF0)), dim=-1)
-    words = new.reshape(n, k // 2).contiguous().view(torch.int32)
-    q._w4a16_pairs = words
+    _refuse_during_capture(q, what)
+    words = build()
+    setattr(q, attr, words)
     return words
 
 
@@ -574,16 +581,12 @@ def fused_silu_supported(m: int, dense: bool) -> bool:
 def rot_words(q: QuantizedWeight) -> torch.Tensor:
     """The rotation layout's copy of the codes (DECODE_ROT), int32 words [N, K/8], each the solution of its 8 codes'
     GF(2) system (rot_pack). Built once per weight and cached on the object, like repacked_words."""
-    cached = getattr(q, "_w4a16_rot", None)
-    if cached is not None and cached.device == q.packed.device:
-        return cached
-    _refuse_during_capture(q, "the rotation-layout copy of the weight")
-    n, k = q.shape
-    p = q.packed.reshape(n, k // 8, 4)
-    codes = torch.stack([p & 15, p >> 4], dim=-1).reshape(n, k // 8, 8)     # nibble 2b low, 2b + 1 high
-    words = rot_pack(codes).contiguous()
-    q._w4a16_rot = words
-    return words
+    def build():
+        n, k = q.shape
+        p = q.packed.reshape(n, k // 8, 4)
+        codes = torch.stack([p & 15, p >> 4], dim=-1).reshape(n, k // 8, 8)     # nibble 2b low, 2b + 1 high
+        return rot_pack(codes).contiguous()
+    return _cached_copy(q, "_w4a16_rot", "the rotation-layout copy of the weight", build)
 
 
 def packed_words(q: QuantizedWeight) -> torch.Tensor:
