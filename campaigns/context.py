@@ -7,7 +7,10 @@ source files (``paths:`` in its lever file). A verdict is STALE, with the reason
 - another lever that was live in its context has a default now that differs from its value there (the engine the
   verdict measured is not the engine users run any more), or
 - the lever's own source files changed since the campaign (the code the verdict measured is gone), or
-- a lever added since the campaign defaults to on (a lever added at its off default is the engine as it was).
+- a lever added since the campaign defaults to on (a lever added at its off default is the engine as it was), or
+- the campaign ran on code before an engine epoch: a commit declared in conf/epochs.yaml as moving the whole
+  engine's performance (a fix outside every lever's own files, e.g. the per-launch lever lookup that cost every
+  eager step ~0.2 s). Lever files and sources cannot see such a change; its author declares it, with the reason.
 
 Evidence written before context was recorded (schema 1) gets its context from the lever files at its commit
 (git): every lever at that commit's default, except the campaign's own; liveness from its mechanism gate's kernel
@@ -173,6 +176,57 @@ def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Con
     return Context(values=values, live=live, digests=digests, source=source, notes=notes)
 
 
+EPOCHS_FILE = Path("conf") / "epochs.yaml"
+
+
+@dataclass(frozen=True)
+class Epoch:
+    commit: str
+    date: str
+    why: str
+
+
+def load_epochs(repo_root: Path | str) -> list[Epoch]:
+    """The engine epochs declared under ``repo_root`` (conf/epochs.yaml: a list of {commit, date, why}); none when
+    the file is absent. A malformed file is an error naming the entry and what is accepted."""
+    import yaml
+    path = Path(repo_root) / EPOCHS_FILE
+    if not path.is_file():
+        return []
+    data = yaml.safe_load(path.read_text()) or []
+    if not isinstance(data, list):
+        raise ValueError(f"{EPOCHS_FILE}: expected a list of {{commit, date, why}} entries, got {type(data).__name__}")
+    out = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict) or set(item) != {"commit", "date", "why"} or not str(item["why"]).strip():
+            raise ValueError(f"{EPOCHS_FILE} entry {i}: {item!r}; each entry needs exactly commit, date and a "
+                             "non-empty why")
+        out.append(Epoch(str(item["commit"]), str(item["date"]), " ".join(str(item["why"]).split())))
+    return out
+
+
+def _epoch_reasons(ev: Evidence, repo_root: Path) -> list[str]:
+    """STALE reasons from the engine epochs: the campaign's commit does not contain an epoch's commit."""
+    epochs = load_epochs(repo_root)
+    if not epochs:
+        return []
+    from campaigns.gitops import GitOpsError, open_repo
+    try:
+        repo = open_repo(repo_root)
+    except GitOpsError:
+        return [f"{len(epochs)} engine epoch(s) declared, but {repo_root} is not a git repository to check them"]
+    sha = ev.fingerprint.git_sha
+    if not _commit_known(repo, sha):
+        return [f"its commit {sha} is not in this repository: whether it predates the engine epochs is unknown"]
+    reasons = []
+    for e in epochs:
+        if not _commit_known(repo, e.commit):
+            reasons.append(f"engine epoch {e.commit} ({e.why}) is not a commit of this repository")
+        elif not repo.is_ancestor(e.commit, sha):
+            reasons.append(f"measured before the engine epoch {e.commit} ({e.date}): {e.why}")
+    return reasons
+
+
 def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = None,
               digests_now: dict[str, str] | None = None) -> Freshness:
     """FRESH or STALE (with the reasons) for ``ev``'s verdict against the lever files and sources under
@@ -198,8 +252,9 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
             continue
         changed = sorted({_text(v) for v in was.values() if v != lever.default})
         if changed and name in live_anywhere:
+            how = f"{name}'s kernels ran there" if lever.affects else f"{name} shapes every step"
             reasons.append(f"{name}'s default is now {_text(lever.default)}; the campaign ran with "
-                           f"{', '.join(changed)} and {name}'s kernels ran there")
+                           f"{', '.join(changed)} and {how}")
     own = levers_now.get(ev.lever)
     if own is not None:
         then, now = ctx.digests.get(ev.lever, ""), digests_now.get(ev.lever, "")
@@ -210,6 +265,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
                            f"{ev.fingerprint.git_short_sha}")
     if ctx.source == "unknown" and not reasons:
         reasons.append("its context cannot be reconstructed")
+    reasons += _epoch_reasons(ev, root)
     return Freshness(fresh=not reasons, reasons=reasons)
 
 

@@ -150,7 +150,32 @@ def test_a_stale_flip_is_refused(tmp_path):
     r = subprocess.run([sys.executable, "-m", "campaigns.cli", "flip", ev.campaign_id, "--out-dir", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "is STALE" in r.stderr and "vtcampaign recheck" in r.stderr
-    # the same FLIP in today's context is fresh and flippable
+    # the same FLIP in today's context, at today's commit (after every engine epoch), is fresh and flippable
     for arm in ev.arms:
         ev.context[arm.name]["pdl"] = False
+    ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
     check_flippable(ev)
+
+
+def test_an_engine_epoch_stales_what_was_measured_before_it(repo):
+    """A fix outside every lever's files (here: a stand-in for the lever-lookup fix) is declared an engine epoch in
+    conf/epochs.yaml; verdicts measured at a commit without it go STALE with its reason, later ones do not, and a
+    malformed file is an error naming the entry."""
+    before = git.Repo(repo).head.commit.hexsha
+    (repo / "vtengine" / "levers.py").parent.mkdir(parents=True, exist_ok=True)
+    (repo / "vtengine" / "levers.py").write_text("# on() is a dict lookup now\n")
+    epoch = commit_all(repo, "the fix")
+    (repo / "conf" / "epochs.yaml").write_text(
+        f"- commit: {epoch[:7]}\n  date: 2026-12-01\n  why: lever lookups no longer scan files\n")
+    after = commit_all(repo, "declare it")
+    old, new = recorded(repo), recorded(repo)
+    old.fingerprint.git_sha, new.fingerprint.git_sha = before[:7], after[:7]
+    f = lever_context.freshness(old, repo, *now(repo))
+    assert not f.fresh and f.reasons == [f"measured before the engine epoch {epoch[:7]} (2026-12-01): lever lookups "
+                                         "no longer scan files"]
+    assert lever_context.freshness(new, repo, *now(repo)).fresh
+    new.fingerprint.git_sha = "e" * 40                           # a commit this repository does not have
+    assert "is not in this repository" in lever_context.freshness(new, repo, *now(repo)).reasons[0]
+    (repo / "conf" / "epochs.yaml").write_text("- commit: abc\n  why: no date\n")
+    with pytest.raises(ValueError, match="entry 0.*needs exactly commit, date and a non-empty why"):
+        lever_context.freshness(old, repo, *now(repo))
