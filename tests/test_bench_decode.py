@@ -402,3 +402,38 @@ def test_variants_parse_and_run_beside_the_base(tmp_path, cpu_stand_ins):
         ("fast_math=on", {"async_scheduling": False, "gqa_swap": "on", "fast_math": "on"})]
     md = path.with_suffix(".md").read_text()
     assert "| tiny | bf16 | fast_math=on | 1 |" in md and "variant `fast_math=on`" in md
+
+
+def test_each_kind_of_bytes_against_its_own_floor():
+    """Kernel names map to the bytes they stream (W4A16 before the generic GEMM patterns, norms to none); a tiny
+    MXFP4 engine's step bytes split into its quantized projections, its bf16 LM head and K/V; the floors and
+    fractions follow from a profile's kernel times, and the markdown tables them."""
+    from vtengine.bench.decode.results import KernelProfile, KernelRow
+    assert kernel_profile.byte_kind("_w4a16_gemm_kernel") == "w4a16_gemm"
+    assert kernel_profile.byte_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "dense_gemm"
+    assert kernel_profile.byte_kind("_gemv_kernel") == "dense_gemm"
+    assert kernel_profile.byte_kind("_decode_kernel") == "decode_attention"
+    assert kernel_profile.byte_kind("_add_rms_norm_kernel") is None
+    llm = engine_timing.build_llm("tiny", "mxfp4", max_num_seqs=4, levers={}, device="cpu", backend="torch",
+                                  num_kv_blocks=64, max_model_len=256)
+    eng = llm.engine
+    need = kernel_profile.step_bytes(eng, batch=2, context=100)
+    cfg = eng.model.cfg
+    qbytes = sum(w.nbytes() for L in eng.model.layers for w in (L.qkv, L.o, L.gate_up, L.down))
+    assert need["w4a16_gemm"] == qbytes
+    assert need["dense_gemm"] == eng.model.lm_head.numel() * eng.model.lm_head.element_size()
+    assert need["decode_attention"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 200
+    rows = [KernelRow(kernel=n, name_full=n, us_per_step=us, launches_per_step=1.0)
+            for n, us in (("_w4a16_gemm_kernel", 10.0), ("_decode_kernel", 2.0), ("_rms_norm_kernel", 1.0))]
+    p = KernelProfile(model="tiny", quant="mxfp4", batch=2, context_len=96, steps=8, kernels=rows,
+                      step_us_measured=20.0, kernel_us_per_step=13.0, gap_us_per_step=7.0, num_kernel_names=3)
+    floors = {f.kind: f for f in kernel_profile.byte_floors(p, eng, copy_gbs=1.0)}
+    assert sorted(floors) == ["decode_attention", "w4a16_gemm"]           # no dense GEMM kernel in the profile
+    w = floors["w4a16_gemm"]
+    assert w.kernels == ["_w4a16_gemm_kernel"] and w.floor_us == pytest.approx(1e6 * qbytes / 1e9)
+    assert w.frac_of_floor == pytest.approx(w.floor_us / 10.0)
+    for row in rows:
+        row.share_of_step = row.us_per_step / 20.0
+    p.byte_floors = list(floors.values())
+    md = report.render_markdown(DecodeResult.from_dict({"engine": [], "profiles": [p.to_dict()]}))
+    assert "| w4a16_gemm | `_w4a16_gemm_kernel` | 10.0 |" in md and "% of floor |" in md

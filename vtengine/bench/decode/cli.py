@@ -172,6 +172,7 @@ def profile_phase(cfg: DecodeArgs, run: Run, llm, model: str, quant: str, varian
     for b in cfg.batches:
         try:
             p = kernel_profile.profile_engine_decode(llm, b, cfg.prompt_len, steps=cfg.profile_steps)
+            p.byte_floors = kernel_profile.byte_floors(p, llm.engine, run.result.copy_bandwidth_gbs)
             if timed.get((model, quant, variant, b)):
                 p.step_us_timed = 1e3 * timed[(model, quant, variant, b)]
             run.log(f"profile {model} {quant} [{variant}] c{b}: kernels {p.kernel_us_per_step:.0f} us/step of "

@@ -14,9 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from vtengine.bench.common import synchronize
 from vtengine.bench.decode.engine_timing import random_prompts
-from vtengine.bench.decode.results import KernelProfile, KernelRow, KernelsOther
+from vtengine.bench.decode.results import ByteFloor, KernelProfile, KernelRow, KernelsOther
 
 STEP_MARK = "vtengine_decode_step"          # record_function range around each profiled engine step
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")   # Kineto trace categories of device activity
@@ -206,3 +208,54 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
     if warnings:
         out.warning = "; ".join(warnings)
     return out
+
+
+# which bytes a kernel streams, by its name: W4A16 first (its name holds "gemm" too)
+BYTE_KINDS = (("w4a16_gemm", re.compile(r"w4a16", re.I)),
+              ("decode_attention", re.compile(r"_decode_kernel|_decode_merge|decode_attention", re.I)),
+              ("dense_gemm", re.compile(r"nvjet|gemv|gemm|cutlass|xmma|cublas|sm90_", re.I)))
+
+
+def byte_kind(kernel_name: str) -> str | None:
+    """The kind of bytes a kernel streams (BYTE_KINDS), or None for kernels bound by something else (norms,
+    activations, rope, argmax...)."""
+    return next((kind for kind, pattern in BYTE_KINDS if pattern.search(kernel_name)), None)
+
+
+def step_bytes(eng, batch: int, context: float) -> dict[str, float]:
+    """Bytes a decode step must read at least once, by kind: the W4A16 projections (codes + scales), the bf16
+    weights read by GEMMs (the projections of a bf16 model and the LM head), K and V at ``context`` tokens for
+    ``batch`` sequences."""
+    from vtengine.quant import QuantizedWeight
+    model, cfg = eng.model, eng.model.cfg
+    out = {"w4a16_gemm": 0.0, "dense_gemm": 0.0}
+    for layer in model.layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if isinstance(w, QuantizedWeight):
+                out["w4a16_gemm"] += w.nbytes()
+            else:
+                out["dense_gemm"] += w.numel() * w.element_size()
+    out["dense_gemm"] += model.lm_head.numel() * model.lm_head.element_size()
+    kv_elem = torch.finfo(eng.dtype).bits // 8
+    out["decode_attention"] = 2.0 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem \
+        * context * batch
+    return out
+
+
+def byte_floors(p: KernelProfile, eng, copy_gbs: float | None) -> list[ByteFloor]:
+    """Each byte kind's kernels in profile ``p`` against their floor (results.ByteFloor). Kinds with no kernel in the
+    profile's named kernels are left out; the context is the profile's middle step."""
+    context = (p.context_len or 0) + (p.steps or 0) / 2
+    need = step_bytes(eng, p.batch, context)
+    out = []
+    for kind, _ in BYTE_KINDS:
+        rows = [k for k in p.kernels or [] if byte_kind(k.name_full) == kind]
+        if not rows or need.get(kind, 0) <= 0:
+            continue
+        us = sum(k.us_per_step for k in rows)
+        floor_us = 1e6 * need[kind] / (copy_gbs * 1e9) if copy_gbs else None
+        out.append(ByteFloor(kind=kind, kernels=[k.kernel for k in rows], us_per_step=us,
+                             bytes_per_step=need[kind], floor_us=floor_us,
+                             frac_of_floor=floor_us / us if floor_us and us > 0 else None))
+    return out
+

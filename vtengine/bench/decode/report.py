@@ -96,6 +96,15 @@ def _profile_section(p) -> list[str]:
         lines.append(f"| ({p.num_kernel_names - MD_TOP_KERNELS} others) | {other_us:.1f} | | "
                      f"{100 * other_us / p.step_us_measured:.1f}% |")
     lines.append("")
+    if p.byte_floors:
+        lines += ["Each kind of bytes against its own floor (bytes / copy bandwidth):", "",
+                  "| bytes | kernels | us/step | MB/step | floor us | % of floor |", "|---|---|---|---|---|---|"]
+        for f in p.byte_floors:
+            lines.append(f"| {f.kind} | {', '.join(f'`{k}`' for k in f.kernels[:4])}"
+                         f"{' ...' if len(f.kernels) > 4 else ''} | {f.us_per_step:.1f} | "
+                         f"{f.bytes_per_step / 1e6:.1f} | {_f(f.floor_us, '.1f')} | "
+                         f"{_f(None if f.frac_of_floor is None else 100 * f.frac_of_floor, '.1f')}% |")
+        lines.append("")
     return lines
 
 

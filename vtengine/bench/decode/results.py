@@ -153,6 +153,25 @@ class KernelsOther(Record):
 
 
 @dataclass
+class ByteFloor(Record):
+    """The kernels of a profile that stream one kind of bytes, against those bytes' floor (``byte_floors``).
+
+    - kind: ``w4a16_gemm`` (the W4A16 projections' codes and scales), ``dense_gemm`` (bf16 weights: the
+      projections of a bf16 model and the LM head, through cuBLAS or the Triton GEMV), ``decode_attention`` (K and V
+      of every layer at the profile's context, for every sequence).
+    - kernels: the profile's kernel names of that kind; us_per_step: their time summed.
+    - bytes_per_step: what they must read at least once per step; floor_us = bytes / copy bandwidth;
+      frac_of_floor = floor_us / us_per_step (1.0 = those kernels stream their bytes at copy speed).
+    """
+    kind: str
+    kernels: list[str]
+    us_per_step: float
+    bytes_per_step: float
+    floor_us: float | None = None
+    frac_of_floor: float | None = None
+
+
+@dataclass
 class KernelProfile(Record):
     """``steps`` decode steps of one engine configuration under torch.profiler, key ``profiles``: figures or
     ``error``.
@@ -165,7 +184,8 @@ class KernelProfile(Record):
     - context_len: the context at the first recorded step (prompt + warm steps + the profiler's 2 warm-up steps).
     - steps_asked vs steps: the recorded steps asked for and found in the trace; warning: why the figures may be off.
     """
-    nested: ClassVar[dict[str, type[Record]]] = {"kernels": KernelRow, "kernels_other": KernelsOther}
+    nested: ClassVar[dict[str, type[Record]]] = {"kernels": KernelRow, "kernels_other": KernelsOther,
+                                                  "byte_floors": ByteFloor}
     model: str
     quant: str
     batch: int
@@ -184,6 +204,7 @@ class KernelProfile(Record):
     step_us_timed: float | None = None
     error: str | None = None
     variant: str | None = None
+    byte_floors: list[ByteFloor] | None = None
 
 
 @dataclass
