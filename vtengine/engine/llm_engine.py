@@ -234,7 +234,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         sampling = self._scheduled(seqs, t0)
-        tokens = self.runner.run(seqs, is_prefill)
+        tokens = self.runner.run(seqs, is_prefill, sampling)
         if not sampling and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)     # a chunk that samples nothing: its time is still the step's
         t1 = time.perf_counter()        # .tolist() in the sampler synchronized the device
@@ -256,7 +256,7 @@ class LLMEngine:
         launched = None
         if seqs:
             sampling = self._scheduled(seqs, t0)
-            launched = self.runner.launch(seqs, is_prefill, started=t0)
+            launched = self.runner.launch(seqs, is_prefill, started=t0, sampling=sampling)
             for s in sampling:
                 s.add_pending()         # its position exists from now on; its token arrives with the collection
         if self._in_flight is None:

@@ -252,15 +252,16 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def run(self, seqs: list[Sequence], is_prefill: bool, sampling: list[Sequence] | None = None) -> list[int]:
         """One synchronous step: the sampled ids on the host (the sampler's read waits for the device), one per
-        sequence that samples in it."""
-        sampling = [s for s in seqs if s.samples_this_step]
+        sequence that samples in it (``sampling``: those sequences, when the caller has listed them already)."""
+        sampling = [s for s in seqs if s.samples_this_step] if sampling is None else sampling
         logits = self._logits(seqs, is_prefill)
         return self.sampler(logits, sampling, self.generators) if sampling else []
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool, started: float = 0.0) -> InFlight:
+    def launch(self, seqs: list[Sequence], is_prefill: bool, started: float = 0.0,
+               sampling: list[Sequence] | None = None) -> InFlight:
         """One step of async scheduling: everything queued on the device, nothing waited for. Its sampled ids stay
         on the device (the next step's decode inputs gather from them) and are copied to the host behind an event;
         ``collect`` reads them."""
@@ -268,7 +269,7 @@ class ModelRunner:
             counters.record("async_steps", "launched_ahead", grid=(len(seqs),))   # the overlap, made visible
         else:
             counters.record("async_steps", "launched_after_read", grid=(len(seqs),))
-        sampling = [s for s in seqs if s.samples_this_step]
+        sampling = [s for s in seqs if s.samples_this_step] if sampling is None else sampling
         logits = self._logits(seqs, is_prefill)
         ids = (self.sampler.sample(logits, sampling, self.generators) if sampling
                else torch.empty(0, dtype=torch.int64, device=self.device))
