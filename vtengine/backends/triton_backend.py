@@ -80,19 +80,21 @@ class TritonBackend(TorchBackend):
                                           split_rule=self.levers.split_rule,
                                           fast_math=self.levers.on("fast_math"), pdl=self.levers.on("pdl"))
 
+    def _w4a16_levers(self) -> dict:
+        """The W4A16 GEMM's lever arguments (route, PDL, decode layout, prefetch)."""
+        on = self.levers.on
+        return dict(dense=on("marlin_dense"), pdl=on("pdl"), rot=on("w4a16_rot"), prefetch=on("pdl_prefetch"))
+
     def linear(self, x, weight):
         if isinstance(weight, QuantizedWeight):
-            return w4a16.w4a16_linear(x, weight, dense=self.levers.on("marlin_dense"), pdl=self.levers.on("pdl"),
-                                      rot=self.levers.on("w4a16_rot"), prefetch=self.levers.on("pdl_prefetch"))
+            return w4a16.w4a16_linear(x, weight, **self._w4a16_levers())
         return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), pdl=self.levers.on("pdl"))
 
     def gate_up_silu(self, x, weight):
-        dense = self.levers.on("marlin_dense")
-        if (self.levers.on("fuse_silu") and isinstance(weight, QuantizedWeight)
-                and w4a16.fused_silu_supported(x.shape[0], dense)):
-            return w4a16.w4a16_linear(x, weight, dense=dense, pdl=self.levers.on("pdl"),
-                                      rot=self.levers.on("w4a16_rot"), prefetch=self.levers.on("pdl_prefetch"),
-                                      silu_mul=True)
+        if isinstance(weight, QuantizedWeight) and self.levers.on("fuse_silu"):
+            kw = self._w4a16_levers()
+            if w4a16.fused_silu_supported(x.shape[0], kw["dense"]):
+                return w4a16.w4a16_linear(x, weight, silu_mul=True, **kw)
         return super().gate_up_silu(x, weight)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

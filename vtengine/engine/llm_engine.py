@@ -216,8 +216,7 @@ class LLMEngine:
         """Apply the levers that shape steps (chunked_prefill, mixed_steps) from resolved lever values; the
         backends read their levers per call, the scheduler holds these two (a gate that re-resolves the levers of
         a built engine calls this too, so an inert or stuck lever really is one)."""
-        chunk = resolved.chunked_prefill
-        self.scheduler.prefill_chunk = None if chunk in ("off", False, None) else int(chunk)
+        self.scheduler.prefill_chunk = int(resolved.chunked_prefill) if resolved.on("chunked_prefill") else None
         self.scheduler.mixed_steps = resolved.on("mixed_steps")
 
     # -- one step ----------------------------------------------------------------------------------------------
