@@ -5,6 +5,8 @@ every PDL kernel calls. One place for both, imported by every kernel module.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -19,8 +21,12 @@ def pdl_supported(device=None) -> bool:
     if INTERPRET or not torch.cuda.is_available():
         return False
     index = None if device is None else torch.device(device).index
-    if index is None:
-        index = torch.cuda.current_device()
+    return _sm90_or_newer(torch.cuda.current_device() if index is None else index)
+
+
+@lru_cache(maxsize=None)
+def _sm90_or_newer(index: int) -> bool:
+    """Asked at every launch (use_pdl): the device's capability, looked up once."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
