@@ -18,6 +18,13 @@ def random_prompts(batch: int, prompt_len: int, vocab_size: int) -> list[list[in
     return [torch.randint(PROMPT_TOKEN_RANGE[0], hi, (prompt_len,), generator=g).tolist() for _ in range(batch)]
 
 
+def kv_bytes_per_step(eng, context: float, batch: int) -> float:
+    """K and V of every layer a decode step reads for ``batch`` sequences at ``context`` tokens each."""
+    cfg = eng.model_config
+    kv_elem = torch.finfo(eng.dtype).bits // 8
+    return 2.0 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem * context * batch
+
+
 def build_llm(model: str, quant: str, max_num_seqs: int, levers: dict, device: str = "cuda", **engine_kwargs):
     """One engine for every concurrency of a (model, quant): graphs are captured up to ``max_num_seqs``.
 
@@ -46,9 +53,7 @@ def engine_decode_ms(llm, batch: int, prompt_len: int, gen_len: int) -> EngineTi
     dec_s = st["decode_time_s_sum"] - st0["decode_time_s_sum"]
     if steps < 1 or dec_s <= 0:
         raise RuntimeError(f"no decode steps were timed ({steps} steps, {dec_s} s)")
-    ctx_mean = prompt_len + gen_len / 2
-    kv_elem = torch.finfo(eng.dtype).bits // 8
-    kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem) * ctx_mean * batch
+    kv_bytes = kv_bytes_per_step(eng, prompt_len + gen_len / 2, batch)
     peak = torch.cuda.max_memory_allocated() / 2**30 if eng.device.type == "cuda" else 0.0
     return EngineTiming(model=eng.config.model, quant=eng.config.quant, batch=batch, levers=dict(eng.config.levers),
                         decode_steps=steps, ms_per_step=1e3 * dec_s / steps, wall_s=wall,

@@ -14,10 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from vtengine.bench.common import synchronize
-from vtengine.bench.decode.engine_timing import random_prompts
+from vtengine.bench.decode.engine_timing import kv_bytes_per_step, random_prompts
 from vtengine.bench.decode.results import ByteFloor, KernelProfile, KernelRow, KernelsOther
 
 STEP_MARK = "vtengine_decode_step"          # record_function range around each profiled engine step
@@ -227,7 +225,7 @@ def step_bytes(eng, batch: int, context: float) -> dict[str, float]:
     weights read by GEMMs (the projections of a bf16 model and the LM head), K and V at ``context`` tokens for
     ``batch`` sequences."""
     from vtengine.quant import QuantizedWeight
-    model, cfg = eng.model, eng.model.cfg
+    model = eng.model
     out = {"w4a16_gemm": 0.0, "dense_gemm": 0.0}
     for layer in model.layers:
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -236,9 +234,7 @@ def step_bytes(eng, batch: int, context: float) -> dict[str, float]:
             else:
                 out["dense_gemm"] += w.numel() * w.element_size()
     out["dense_gemm"] += model.lm_head.numel() * model.lm_head.element_size()
-    kv_elem = torch.finfo(eng.dtype).bits // 8
-    out["decode_attention"] = 2.0 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem \
-        * context * batch
+    out["decode_attention"] = kv_bytes_per_step(eng, context, batch)
     return out
 
 
