@@ -124,7 +124,8 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "mixed_steps":
         return _some_or_none(pr["mixed_steps"], value, "steps carried decode rows beside a prefill chunk")
     if lever == "chunked_prefill":
-        want = ["prefill_first"] if value in ("off", False, None) else [f"chunk={value}"]
+        from vtengine.levers import OFF_VALUES
+        want = ["prefill_first"] if value in OFF_VALUES else [f"chunk={value}"]
         return pr["prefill_steps"] == want, f"prefill steps shaped by {pr['prefill_steps']}, expected {want}"
     if lever == "fast_math":
         want = ["fast_math"] if value else ["precise"]

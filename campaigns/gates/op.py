@@ -29,6 +29,7 @@ import yaml
 from campaigns.gates import GateContext, result
 from campaigns.evidence import Arm, GateResult
 from vtengine.backends.torch_backend import TorchBackend
+from vtengine.levers import OFF_VALUES
 from vtengine.quant import QuantizedWeight, quantize
 from vtengine.testing import rel_l2
 
@@ -283,7 +284,7 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
     (the arm's whole context; levers it does not name are off)."""
     def on(name):
         v = values.get(name, False)
-        return v not in (False, "off", None)
+        return v not in OFF_VALUES
     if kernel == "decode_attention":
         return {"gqa_swap": on("gqa_swap"), "nsplits_cap": values.get("nsplits_cap", "off") or "off",
                 "fast_math": on("fast_math"), "pdl": on("pdl")}
