@@ -13,8 +13,8 @@ from vtengine.levers import LeverError
 
 
 def test_the_defaults_are_the_files_and_the_flips_that_landed():
-    # gqa_swap, marlin_dense and the two async levers were flipped on by their FLIP campaigns (merges of
-    # row/<lever>-flip); the rest are off
+    # gqa_swap, marlin_dense, w4a16_rot and the two async levers were flipped on by their FLIP campaigns (merges
+    # of row/<lever>-flip); the rest are off
     reg = levers.registry()
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunked_prefill", "fast_math", "fuse_silu",
                            "gqa_swap",
@@ -25,11 +25,11 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                         "fast_math": False, "fuse_silu": False,
                         "gqa_swap": True, "marlin_dense": True, "mixed_steps": False, "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False,
-                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": False, "w4a16_rot": False}
+                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": False, "w4a16_rot": True}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
     assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "gqa_swap",
-                                                  "marlin_dense"]
+                                                  "marlin_dense", "w4a16_rot"]
 
 
 def test_resolution_order_config_over_env_over_default():
