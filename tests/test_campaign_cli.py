@@ -10,7 +10,7 @@ from campaigns.config import CampaignConfigError, compose, options
 from campaigns.evidence import save_evidence
 from helpers import TPUT_WIN, make_evidence
 
-CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunked_prefill", "fast_math", "fuse_silu", "gqa_swap",
+CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "fast_math", "fuse_silu", "gqa_swap",
              "marlin_dense",
              "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack", "split_rule", "triton_gemv",
              "w4a16_rot"]
@@ -105,7 +105,7 @@ def test_user_choices_override_the_host_defaults():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["campaign=nope"], "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, chunked_prefill"),
+    (["campaign=nope"], "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, chunk_graphs, chunked_prefill"),
     ([], "no campaign chosen; add campaign=<name>, accepted: async_device_mirror, async_scheduling"),
     (["campaign=gqa_swap", "grid.reps=abc"], "bad value for grid.reps ('grid.reps=abc')"),
     (["campaign=gqa_swap", "grid.repz=3"], "unknown key 'grid.repz' in override 'grid.repz=3'; accepted keys of "

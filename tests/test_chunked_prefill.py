@@ -191,3 +191,66 @@ def test_mixed_steps_under_staggered_arrivals_and_preemption_keep_every_token(le
     st = eng.stats()
     assert st["num_preemptions"] >= 1 and st["kv_blocks_free"] == st["kv_blocks_total"]
     assert counters.snapshot()["mixed_step"]["decode_rows"]["launches"] > 10
+
+
+@pytest.mark.parametrize("levers", [{**SYNC, "mixed_steps": True}, {**ASYNC, "mixed_steps": True}, SYNC],
+                         ids=["sync-mixed", "async-mixed", "sync-alternating"])
+def test_chunk_graphs_run_full_chunks_from_static_buffers_and_keep_every_token(levers):
+    """chunk_graphs (on the CPU: the captured steps' static buffers, run eagerly): requests arriving two every three
+    steps, prompts of 5 to 700 tokens in 256-token chunks, a 50-block pool (preemption) and 8 slots: every full chunk,
+    with 0 to 7 decode rows padded to a captured batch, goes through the buffers, the partial chunks and multi-prompt
+    steps do not, and every request gets the tokens the unconstrained synchronous engine gives it."""
+    import random
+    rng = random.Random(1)
+    prompts = [long_prompt(rng.randint(5, 700), seed=i) for i in range(18)]
+    params = [SamplingParams(max_tokens=rng.randint(5, 40), temperature=0.0 if i % 3 else 0.8, seed=i,
+                             ignore_eos=True) for i in range(18)]
+    want = tokens(LLM(model="tiny", backend="torch", levers=SYNC, max_num_batched_tokens=4096).generate(prompts,
+                                                                                                        params))
+    levers = {**levers, "chunked_prefill": 256, "chunk_graphs": True}
+    eng = LLM(model="tiny", backend="torch", levers=levers, num_kv_blocks=50, max_num_seqs=8).engine
+    cg = eng.runner.chunk_graphs
+    assert cg.chunk == 256 and sorted(cg.steps) == [0, 1, 2, 4, 7]       # 0, the sizes up to 7, and 7 itself
+    counters.reset()
+    got, pending, steps = {}, list(range(18)), 0
+    while pending or eng.has_unfinished_requests():
+        if pending and steps % 3 == 0:
+            for i in pending[:2]:
+                eng.add_request(f"r{i}", prompts[i], params[i])
+            pending = pending[2:]
+        for o in eng.step():
+            if o.finished:
+                got[int(o.request_id[1:])] = list(o.outputs[0].token_ids)
+        steps += 1
+    assert [got[i] for i in range(18)] == want
+    snap = counters.snapshot()
+    grids = snap["chunk_step"]["static_eager"]["grids"]
+    assert sum(grids.values()) >= 10, grids
+    if levers.get("mixed_steps"):
+        assert any(g != "256x0" for g in grids), grids          # chunks with decode rows beside them
+    assert eng.stats()["num_preemptions"] >= 1
+
+
+def test_chunk_graphs_follow_the_levers_of_a_built_engine():
+    """Built with the lever on, the engine re-resolved to chunk_graphs off (a gate's inert-lever fault) runs every
+    step eagerly; re-resolved to another chunk size, it captures that size's graphs and runs its full chunks there;
+    built with the lever off and re-resolved on (a stuck lever), it captures them too."""
+    from vtengine import levers as lever_registry
+    long = long_prompt(700, seed=3)
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = LLM(model="tiny", backend="torch", levers={**SYNC, "chunked_prefill": 256, "chunk_graphs": True})
+    counters.reset()
+    want = tokens(llm.generate([long], p))
+    assert counters.snapshot()["chunk_step"]["static_eager"]["grids"] == {"256x0": 2}   # 700 = 2 x 256 + 188
+    off = LLM(model="tiny", backend="torch", levers={**SYNC, "chunked_prefill": 256})
+    assert off.engine.runner.chunk_graphs is None
+    for eng, values, grids in ((llm.engine, {"chunked_prefill": 256, "chunk_graphs": False}, None),
+                               (llm.engine, {"chunked_prefill": 512, "chunk_graphs": True}, {"512x0": 1}),
+                               (off.engine, {"chunked_prefill": 256, "chunk_graphs": True}, {"256x0": 2})):
+        resolved = lever_registry.resolve({**SYNC, **values})
+        eng.backend.levers = resolved
+        eng.set_step_levers(resolved)
+        counters.reset()
+        assert tokens((llm if eng is llm.engine else off).generate([long], p)) == want
+        got = counters.snapshot().get("chunk_step", {}).get("static_eager", {}).get("grids")
+        assert got == grids, (values, got)

@@ -280,3 +280,19 @@ def test_fuse_silu_op_and_mechanism_gates_on_an_mxfp4_model():
         assert res.passed and res.self_check is True, res.details
     assert ctx.cache["mechanism:on"][0]["fused_gemms"] > 0 and ctx.cache["mechanism:off"][0]["fused_gemms"] == 0
     ctx.release_engines()
+
+
+def test_chunk_graphs_mechanism_gate_sees_full_chunks_replayed():
+    """The probe's prompts of two and one full chunks (256 tokens: the lever's smallest chunk) arriving while
+    another decodes: only the ON arm's full chunks run from the captured steps (the CPU's static buffers); the
+    inert candidate and the stuck baseline (captured on demand) are caught."""
+    ctx = context(lever="chunk_graphs")
+    ctx.with_levers = {"chunked_prefill": 256, "mixed_steps": True}
+    for arm in ctx.arms:
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    # 2N + 9 tokens then N + 9: two full chunks, then the 9 and the next prompt's N - 9 share a step (eager)
+    assert ctx.cache["mechanism:on"][0]["chunk_steps"] == 2
+    assert ctx.cache["mechanism:off"][0]["chunk_steps"] == 0
+    assert ctx.cache["mechanism:off#True"][0]["chunk_steps"] == 2       # the stuck baseline really replays
+    ctx.release_engines()

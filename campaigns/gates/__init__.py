@@ -60,6 +60,9 @@ SERVER_GATES = tuple(n for n, g in GATES.items() if g.runs == "server")
 
 BATTERY = "battery/default.yaml"        # the fixed prompts, under conf/ (a project's own conf/ may replace them)
 GATE_KV_BLOCKS = 1024                 # in-process gate engines: a small KV pool (16k tokens) is plenty
+# levers whose mechanism needs prompts of full chunks of the pinned chunked_prefill N: the probe sends 2N + 9 tokens
+# and the CPU bound grows to hold them (these levers route no kernel, so the CPU runs the torch references)
+LONG_PROMPT_LEVERS = ("chunk_graphs",)
 
 
 @dataclass
@@ -103,7 +106,12 @@ class GateContext:
     def max_model_len(self) -> int | None:
         # decode splits follow max_model_len: keep it small on CPU, where the interpreter walks every program;
         # the runner gives the grid's servers the same value, so served and in-process decode split alike
-        return None if self.device == "cuda" else self.cpu_max_model_len
+        if self.device == "cuda":
+            return None
+        chunk = self.with_levers.get("chunked_prefill")
+        if self.lever in LONG_PROMPT_LEVERS and isinstance(chunk, int):
+            return max(self.cpu_max_model_len, 2 * chunk + 64)
+        return self.cpu_max_model_len
 
     def lever_values(self, arm: Arm, inert: bool = False) -> dict[str, Any]:
         value = self.baseline.value if (inert or arm.name == self.inert_arm) else arm.value

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from campaigns.gates import GateContext, result
+from campaigns.gates import LONG_PROMPT_LEVERS, GateContext, result
 from campaigns.evidence import Arm, GateResult
 from vtengine import counters
 from vtengine.engine.sampling_params import SamplingParams
@@ -73,6 +73,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
                 "prefill_steps": _routes(snap, "prefill_step")}
     if lever == "chunked_prefill":
         return {"prefill_steps": _routes(snap, "prefill_step"), "tokens": _grids(snap, "prefill_step")[:8]}
+    if lever == "chunk_graphs":     # full chunks replayed from graphs (on the CPU: their static buffers run eagerly)
+        return {"chunk_steps": sum(st["launches"] for st in snap.get("chunk_step", {}).values()),
+                "shapes": _grids(snap, "chunk_step")[:8]}
     if lever == "fast_math":
         return {"variants": _variants(snap, "decode_attention") + _variants(snap, "prefill_attention")}
     if lever == "triton_gemv":
@@ -123,6 +126,8 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         return pr["routes"] == want, f"prefill_attention routes {pr['routes']}, expected {want}"
     if lever == "mixed_steps":
         return _some_or_none(pr["mixed_steps"], value, "steps carried decode rows beside a prefill chunk")
+    if lever == "chunk_graphs":
+        return _some_or_none(pr["chunk_steps"], value, "full prefill chunks replayed from captured graphs")
     if lever == "chunked_prefill":
         from vtengine.levers import OFF_VALUES
         want = ["prefill_first"] if value in OFF_VALUES else [f"chunk={value}"]
@@ -170,7 +175,7 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     raise ValueError(lever)
 
 
-STAGGERED = ("mixed_steps",)    # levers whose mechanism needs a prompt arriving while another one decodes
+STAGGERED = ("mixed_steps", "chunk_graphs")    # levers whose mechanism needs a prompt arriving while another decodes
 
 
 def _staggered(eng, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -193,6 +198,9 @@ def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str,
         prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 23, 40, 64)]
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         with ctx.lever_set_to(arm, ctx.lever_values(arm)[ctx.lever] if value is None else value) as llm:
+            chunk = llm.engine.scheduler.prefill_chunk
+            if ctx.lever in LONG_PROMPT_LEVERS and chunk:       # two prompts of full chunks: 2N + 9 and N + 9
+                prompts[1:3] = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (2 * chunk + 9, chunk + 9)]
             counters.reset()
             if ctx.lever in STAGGERED:
                 _staggered(llm.engine, prompts, params)

@@ -52,16 +52,19 @@ def _compare(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"requests": len(a), "equal": len(a) - len(mism), "mismatched": len(mism)}, mism
 
 
-def _graph_replays() -> int:
+def _graph_replays(chunks_only: bool = False) -> int:
+    """Replays of captured graphs so far: decode steps' and (the lever chunk_graphs) full prefill chunks'."""
     from vtengine import counters
-    return counters.launches("decode_step", "cuda_graph")
+    chunk = counters.launches("chunk_step", "cuda_graph")
+    return chunk if chunks_only else counters.launches("decode_step", "cuda_graph") + chunk
 
 
-def _graphed_tokens(llm, prompts, params) -> tuple[list[list[int]], int]:
-    """Tokens of a graphed generation and the number of graph replays it made (the counters prove replay)."""
-    before = _graph_replays()
+def _graphed_tokens(llm, prompts, params) -> tuple[list[list[int]], int, int]:
+    """Tokens of a graphed generation, the graph replays it made and how many of them were chunk graphs (the
+    counters prove replay)."""
+    before, chunks_before = _graph_replays(), _graph_replays(chunks_only=True)
     toks = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-    return toks, _graph_replays() - before
+    return toks, _graph_replays() - before, _graph_replays(chunks_only=True) - chunks_before
 
 
 def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
@@ -74,6 +77,10 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
     llm = ctx.engine(arm)
     runner = llm.engine.runner
     prompts = parity_prompts(ctx, int(cfg.prompts))
+    chunks = runner.chunk_graphs if llm.engine.levers.on("chunk_graphs") else None
+    if chunks is not None:      # the lever chunk_graphs: a prompt of two full chunks and a partial one goes through
+        g = torch.Generator().manual_seed(11)       # its graphs (replayed while the others decode), and eagerly
+        prompts = [torch.randint(3, 250, (2 * chunks.chunk + 37,), generator=g).tolist()] + prompts
     # staggered lengths: the decode batch shrinks one sequence at a time (4, 3, 2, 1 ...), so replays also run
     # batch sizes that were not captured, i.e. padded graph rows (slot -1, context 1, block 0)
     params = [SamplingParams(max_tokens=max(2, int(cfg.max_tokens) - 3 * i), temperature=0.0, ignore_eos=True)
@@ -94,14 +101,18 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
     if fault:
         fault_obj = ctx.perturb_fault()
         with ctx.graphs_captured_with(arm, fault_obj, len(prompts)) as faulted:
-            graphed, replays = _graphed_tokens(faulted, prompts, params)
+            graphed, replays, chunk_replays = _graphed_tokens(faulted, prompts, params)
         note = f"graphs captured over a broken kernel ({fault_obj.describe()}), replayed against clean eager steps"
     else:
-        graphed, replays = ctx.cache[key]
+        graphed, replays, chunk_replays = ctx.cache[key]
     counts, mism = _compare(graphed, eager)
     counts.update(graph_batch_sizes=len(runner.graphs), graph_replays=replays, eager_graph_replays=eager_replays)
-    passed = not mism and replays > 0 and eager_replays == 0
+    if chunks is not None:
+        counts["chunk_graph_replays"] = chunk_replays
+    passed = not mism and replays > 0 and eager_replays == 0 and (chunks is None or chunk_replays > 0)
     why = "" if replays > 0 else "the graphed run replayed no graph (counters): graphed and eager were not compared"
+    if chunks is not None and not chunk_replays:
+        why = "chunk_graphs is on but no full chunk replayed its graph: the chunk graphs were not compared"
     return result("graph_parity", arm, passed, t0, counts=counts,
                   details={"fault": note, "mismatched": mism, "why": why})
 

@@ -5,7 +5,15 @@ CUDA graphs: decode steps are captured once per batch size in ``graph_batch_size
 a step of B sequences replays the smallest captured size >= B with the extra rows padded (slot -1: nothing is
 written; context length 1 over block 0: read and discarded). Split-KV decode attention must not read the step's
 context lengths on the host, so every decode step (graphed or eager, hence bitwise equal) takes its split count
-from ``max_model_len``; each sequence divides its own context over those splits. Prefill always runs eagerly.
+from ``max_model_len``; each sequence divides its own context over those splits.
+
+Prefill runs eagerly, except under the lever chunk_graphs: a step whose prefill part is one sequence's full chunk
+of chunked_prefill's N tokens (with or without mixed_steps' decode rows after it) replays a graph captured for N
+prefill rows plus a decode batch size, padded like a decode step. Its kernels read every length from device
+buffers (the prefill sequence's context length and block table, the decode rows' own), so one graph serves every
+chunk of every prompt; the host then spends a replay instead of queueing ~330 launches (14-31 ms per Qwen3-8B step
+on the H200, more than the device needs for a 512-token chunk at a short context). Where CUDA graphs do not exist
+(the CPU), the same static buffers run the forward eagerly, so the buffer handling is tested there.
 """
 from __future__ import annotations
 
@@ -41,9 +49,30 @@ class InFlight:
     host_pending: bool = True               # the host has not read ``host`` yet
 
 
+@dataclass
+class ChunkGraphs:
+    """Static inputs and captured steps of the lever chunk_graphs: ``chunk`` prefill rows (one sequence), then up to
+    ``max_decode`` decode rows; ``steps[bs]`` runs the forward and logits over the first ``chunk + bs`` rows and
+    leaves ``out[bs]``: row 0 the chunk's last token, rows 1..bs the decode rows."""
+    chunk: int
+    ids: torch.Tensor                   # [chunk + max_decode] int64
+    pos: torch.Tensor                   # [chunk + max_decode] int64
+    slots: torch.Tensor                 # [chunk + max_decode] int64, -1 on padded rows (nothing written)
+    context_len: torch.Tensor           # [1] int32: the chunk's end in its sequence
+    block_table: torch.Tensor           # [1, max_blocks] int32
+    decode_lens: torch.Tensor           # [max_decode] int32, 1 on padded rows
+    decode_tables: torch.Tensor         # [max_decode, max_blocks] int32, 0 on padded rows
+    steps: dict = field(default_factory=dict)      # bs -> torch.cuda.CUDAGraph, or a callable on the CPU
+    out: dict = field(default_factory=dict)        # bs -> logits [1 + bs, vocab]
+
+    @property
+    def max_decode(self) -> int:
+        return self.decode_lens.shape[0]
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, cuda_graphs: bool):
+                 max_num_seqs: int, cuda_graphs: bool, chunk_graph_tokens: int | None = None):
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
         self.device, self.dtype = model.device, model.dtype
         cfg = model.cfg
@@ -55,6 +84,8 @@ class ModelRunner:
         self.sampler = Sampler(model.backend)
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None              # the memory pool every captured graph shares
+        self.chunk_graphs: ChunkGraphs | None = None
         self.fault = None                   # a deliberate fault of a gate's self-check (vtengine/faults.py)
         self.mirror: InFlight | None = None   # async scheduling: the last launched step (its ids stay on the device)
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
@@ -66,6 +97,11 @@ class ModelRunner:
             self.use_graphs = False
         if self.use_graphs:
             self.capture_graphs(max_num_seqs)
+        # chunk graphs are captured where decode graphs could be (whatever use_graphs is switched to later), and on
+        # the CPU as static buffers run eagerly
+        self.can_capture = self.use_graphs or self.device.type != "cuda"
+        self.max_num_seqs = max_num_seqs
+        self.set_chunk_graphs(chunk_graph_tokens)
 
     # -- inputs -----------------------------------------------------------------------------------------------
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -207,7 +243,115 @@ class ModelRunner:
                     self.model.forward(self.g_ids[:bs], self.g_pos[:bs], ctx, self.kv_caches))
             pool = graph.pool()
             self.graphs[bs] = graph
+        self.graph_pool = pool
         torch.cuda.synchronize()
+
+    def set_chunk_graphs(self, chunk: int | None) -> None:
+        """The lever chunk_graphs at chunk size ``chunk`` (None: off). Captures the graphs when none exist for this
+        chunk, so a lever re-resolved on a built engine (a gate's stuck-lever fault, another chunk size) takes
+        effect; with the lever off the captured graphs stay, unused."""
+        if chunk and self.can_capture and (self.chunk_graphs is None or self.chunk_graphs.chunk != chunk):
+            self.capture_chunk_graphs(chunk, self.max_num_seqs - 1)
+
+    @torch.inference_mode()
+    def capture_chunk_graphs(self, chunk: int, max_decode: int) -> None:
+        """The lever chunk_graphs: one graph per decode batch size (0, then GRAPH_BATCH_SIZES up to ``max_decode``)
+        over ``chunk`` prefill rows. Captured over a harmless step (prefill rows write no slot and read block 0, as
+        padded decode rows do), in the decode graphs' memory pool. On the CPU each "graph" is the same forward run
+        eagerly over the static buffers."""
+        if chunk < 1:
+            raise ValueError(f"chunk_graphs needs a chunk of at least 1 token, got {chunk}")
+        max_decode = max(0, max_decode)
+        sizes = [0] + [b for b in GRAPH_BATCH_SIZES if b <= max_decode]
+        if sizes[-1] < max_decode <= GRAPH_BATCH_SIZES[-1]:
+            sizes.append(max_decode)
+        n, dev, width = chunk + sizes[-1], self.device, self.max_blocks_per_seq
+        cg = self.chunk_graphs = ChunkGraphs(
+            chunk=chunk,
+            ids=torch.zeros(n, dtype=torch.int64, device=dev),
+            pos=torch.zeros(n, dtype=torch.int64, device=dev),
+            slots=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            context_len=torch.full((1,), chunk, dtype=torch.int32, device=dev),
+            block_table=torch.zeros(1, width, dtype=torch.int32, device=dev),
+            decode_lens=torch.ones(sizes[-1], dtype=torch.int32, device=dev),
+            decode_tables=torch.zeros(sizes[-1], width, dtype=torch.int32, device=dev),
+        )
+        cu = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
+        pool = self.graph_pool
+        for bs in sorted(sizes, reverse=True):
+            ctx = AttnContext(
+                is_prefill=True, slot_mapping=cg.slots[:chunk + bs], context_lens=cg.context_len,
+                block_tables=cg.block_table, cu_seqlens_q=cu,
+                last_token_idx=torch.arange(chunk - 1, chunk + bs, dtype=torch.int64, device=dev),
+                max_context_len=self.max_model_len,
+                decode=AttnContext(False, None, cg.decode_lens[:bs], cg.decode_tables[:bs],
+                                   max_context_len=self.max_model_len) if bs else None)
+
+            def step(bs=bs, ctx=ctx):
+                cg.out[bs] = self.model.logits(
+                    self.model.forward(cg.ids[:chunk + bs], cg.pos[:chunk + bs], ctx, self.kv_caches))
+            if dev.type != "cuda":
+                cg.steps[bs] = step
+                continue
+            for _ in range(2):                       # warm-up: compile kernels, allocate workspaces
+                step()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                step()
+            pool = graph.pool()
+            cg.steps[bs] = graph
+        self.graph_pool = pool
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        log.info("chunk_graphs: %d-token chunks with %s decode rows captured", chunk, sorted(sizes))
+
+    def _chunk_graph_fits(self, seqs: list[Sequence]) -> tuple[bool, int, bool]:
+        """(whether this prefill step can replay a chunk graph, its decode rows, whether its chunk ends the prompt):
+        exactly one prefilling sequence computing exactly the captured chunk, and at most max_decode decode rows."""
+        cg = self.chunk_graphs
+        if cg is None or not self.model.backend.levers.on("chunk_graphs"):
+            return False, 0, False
+        if self.device.type == "cuda" and not self.use_graphs:     # graphs switched off (graph_parity's eager run)
+            return False, 0, False
+        pre = [s for s in seqs if s.in_prefill or s.num_new_tokens != 1]
+        if len(pre) != 1 or not pre[0].num_new_tokens:
+            return False, 0, False
+        s = pre[0]
+        end = min(len(s), s.num_cached_tokens + s.num_new_tokens)
+        n_dec = len(seqs) - 1
+        return end - s.num_cached_tokens == cg.chunk and n_dec <= cg.max_decode, n_dec, end == len(s)
+
+    def _chunk_replay(self, ids, pos, ctx: AttnContext, n_dec: int, ends: bool) -> torch.Tensor | None:
+        """Copy a fitting step's inputs into the static buffers, replay the graph of the smallest captured decode
+        batch >= n_dec, and return the rows of the sequences that sample (the chunk's last token only when the chunk
+        ends its prompt, then the decode rows), as prepare_prefill's eager step would."""
+        cg = self.chunk_graphs
+        bs = min(b for b in cg.steps if b >= n_dec)
+        t = cg.chunk + n_dec
+        cg.ids[:t].copy_(ids)
+        cg.pos[:t].copy_(pos)
+        cg.slots.fill_(-1)
+        cg.slots[:t].copy_(ctx.slot_mapping)
+        cg.context_len.copy_(ctx.context_lens)
+        cg.block_table.zero_()
+        cg.block_table[:, :ctx.block_tables.shape[1]].copy_(ctx.block_tables.clamp(min=0))
+        if n_dec:
+            cg.decode_lens.fill_(1)
+            cg.decode_lens[:n_dec].copy_(ctx.decode.context_lens)
+            cg.decode_tables.zero_()
+            dt = ctx.decode.block_tables
+            cg.decode_tables[:n_dec, :dt.shape[1]].copy_(dt.clamp(min=0))
+        step = cg.steps[bs]
+        if isinstance(step, torch.cuda.CUDAGraph):
+            step.replay()
+            counters.record("chunk_step", "cuda_graph", grid=(cg.chunk, bs))
+        else:
+            step()
+            counters.record("chunk_step", "static_eager", grid=(cg.chunk, bs))
+        if not ends and not n_dec:
+            return None
+        return cg.out[bs][(0 if ends else 1):1 + n_dec]
 
     def _replay(self, ids, pos, ctx: AttnContext) -> torch.Tensor:
         b = ids.shape[0]
@@ -230,9 +374,13 @@ class ModelRunner:
         """The step's logits, one row per sequence that samples (``Sequence.samples_this_step``, read before the
         call); None when none does (every chunk of the step stops short of its prompt's end)."""
         if is_prefill:
+            fits, n_dec, ends = self._chunk_graph_fits(seqs)
             ids, pos, ctx = self.prepare_prefill(seqs)
-            hidden = self.model.forward(ids, pos, ctx, self.kv_caches)
-            logits = self.model.logits(hidden) if ctx.last_token_idx.numel() else None
+            if fits:
+                logits = self._chunk_replay(ids, pos, ctx, n_dec, ends)
+            else:
+                hidden = self.model.forward(ids, pos, ctx, self.kv_caches)
+                logits = self.model.logits(hidden) if ctx.last_token_idx.numel() else None
             for s in seqs:
                 if not s.in_prefill and s.num_new_tokens == 1:     # a decoding sequence of a mixed step
                     s.num_cached_tokens = len(s)
