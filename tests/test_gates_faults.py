@@ -296,3 +296,17 @@ def test_chunk_graphs_mechanism_gate_sees_full_chunks_replayed():
     assert ctx.cache["mechanism:off"][0]["chunk_steps"] == 0
     assert ctx.cache["mechanism:off#True"][0]["chunk_steps"] == 2       # the stuck baseline really replays
     ctx.release_engines()
+
+
+def test_w4a16_mid_m_mechanism_gate_sees_decode_tiles_past_16_tokens():
+    """24 prompts decode together: only the ON arm's W4A16 launches of 17-24 tokens take the swap-AB decode tiles
+    (the interpreter runs them at tiny shapes); the inert candidate and the stuck baseline are caught."""
+    ctx = GateContext(lever="w4a16_mid_m", arms=[Arm("off", False, "baseline"), Arm("on", True, "candidate")],
+                      model="tiny", quant="mxfp4", device="cpu", gate_cfg=OmegaConf.create(GATE_CFG),
+                      near_tie_max_mnats=500.0)
+    for arm in ctx.arms:
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    assert ctx.cache["mechanism:on"][0]["mid_tiles"] > 0
+    assert ctx.cache["mechanism:off"][0]["mid_tiles"] == 0
+    ctx.release_engines()

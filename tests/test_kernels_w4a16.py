@@ -86,6 +86,39 @@ def test_split_k_and_explicit_tiles():
     assert rel_l2(run(x, q, True, config=cfg), ref) < BOUND[x.dtype], f"seed {seed}"
 
 
+@pytest.mark.parametrize("m", [17, 33, 64, 100])
+def test_mid_m_decode_tiles_match_the_reference(m):
+    """The lever w4a16_mid_m: 16 < M <= 128 takes swap-AB tiles with the tokens padded to 32, 64 or 128, split-K
+    over the W rows' programs, instead of the prefill tiles (poisoned output, against the fp64 reference)."""
+    gen, seed = fresh_generator()
+    x, q = make_case(m, 48, 192, "mxfp4", gen)
+    cfg = w4a16.dense_config(m, 4096, 4096, "mxfp4", mid=True)
+    assert cfg["SWAP_AB"] and cfg["BLOCK_M"] == max(32, 1 << (m - 1).bit_length()) >= m, cfg
+    assert cfg["SPLIT_K"] > 1                  # N = 4,096: 128 programs of 32 rows, split for ~3.5 per SM
+    assert not w4a16.dense_config(m, 4096, 4096, "mxfp4")["SWAP_AB"]        # lever off: the prefill tiles
+    assert not w4a16.dense_config(129, 4096, 4096, "mxfp4", mid=True)["SWAP_AB"]
+    counters.reset()
+    err = rel_l2(run(x, q, True, mid=True), reference(x, q))
+    assert err < BOUND[x.dtype], f"seed {seed} M={m}: rel L2 {err:.3e}"
+    (variant,) = counters.snapshot()["w4a16_gemm"]["dense"]["variants"]
+    assert variant.startswith(f"('mxfp4', {cfg['BLOCK_M']},") and "swap_ab" in variant
+
+
+def test_every_mid_m_sweep_variant_computes_the_product():
+    """The tiles `python -m vtengine.bench.w4a16 OUT --mid --sweep` times are legal and correct (split-K dividing K,
+    swap-AB and prefill-style), at M = 64 on a K that every variant's K step divides."""
+    from vtengine.bench.w4a16 import mid_variants
+    gen, seed = fresh_generator()
+    x, q = make_case(64, 64, 1024, "mxfp4", gen)
+    ref = reference(x, q)
+    variants = mid_variants(64, 4096, 4096, "mxfp4")
+    assert len(variants) >= 20 and {v["SWAP_AB"] for v in variants} == {True, False}
+    for cfg in variants:
+        cfg = dict(cfg, SPLIT_K=min(cfg["SPLIT_K"], 1024 // cfg["BLOCK_K"] // 2 or 1))
+        err = rel_l2(run(x, q, True, config=cfg), ref)
+        assert err < BOUND[x.dtype], f"seed {seed} {cfg}: rel L2 {err:.3e}"
+
+
 # -- the comparison catches a broken weight layout ------------------------------------------------------------
 @pytest.mark.parametrize("fault", ["swapped_nibbles", "shifted_scales"])
 @pytest.mark.parametrize("dense", [True, False])
@@ -167,6 +200,9 @@ def test_gpu_real_shapes_all_routes(k, n, fmt):
             y = run(x, q, dense)
             err = rel_l2(y, ref)
             assert err < BOUND[torch.bfloat16], f"seed {seed} {fmt} M={m} dense={dense}: {err:.3e}"
+        if m > 16:          # the lever w4a16_mid_m: swap-AB decode tiles past 16 tokens
+            err = rel_l2(run(x, q, True, mid=True, rot=True), ref)
+            assert err < BOUND[torch.bfloat16], f"seed {seed} {fmt} M={m} mid: {err:.3e}"
         if m <= 16:
             for decode in (w4a16.DECODE_WIDE, w4a16.DECODE_BF16):
                 cfg = dict(w4a16.dense_config(m, n, k, fmt), DECODE=decode)

@@ -19,14 +19,15 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "fast_math", "fuse_silu",
                            "gqa_swap",
                            "marlin_dense", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack", "split_rule",
-                           "triton_gemv", "w4a16_rot"]
+                           "triton_gemv", "w4a16_mid_m", "w4a16_rot"]
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_graphs": False,
                         "chunked_prefill": "off",
                         "fast_math": False, "fuse_silu": False,
                         "gqa_swap": True, "marlin_dense": True, "mixed_steps": False, "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False,
-                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": False, "w4a16_rot": True}
+                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": False, "w4a16_mid_m": False,
+                        "w4a16_rot": True}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
     assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "gqa_swap",

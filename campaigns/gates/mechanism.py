@@ -59,6 +59,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         from vtengine.kernels.w4a16 import DECODE_NAMES
         return {"decodes": sorted({d for v in _variants(snap, "w4a16_gemm") for d in DECODE_NAMES.values()
                                    if f"'{d}'" in v})}
+    if lever == "w4a16_mid_m":      # swap-AB launches whose token tile is past 16 (the variant's BLOCK_M)
+        return {"mid_tiles": sum(n for st in snap.get("w4a16_gemm", {}).values() for v, n in st["variants"].items()
+                                 if "'swap_ab'" in v and int(v.split(",")[1]) > 16)}
     if lever == "nsplits_cap":
         return {"splits": _splits(snap, "decode_attention"), "caps": _routes(snap, "decode_splits"),
                 "split_vs_uncapped": [f"{s}/{u}" for s, u in _split_pairs(snap)],
@@ -128,6 +131,8 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         return _some_or_none(pr["mixed_steps"], value, "steps carried decode rows beside a prefill chunk")
     if lever == "chunk_graphs":
         return _some_or_none(pr["chunk_steps"], value, "full prefill chunks replayed from captured graphs")
+    if lever == "w4a16_mid_m":
+        return _some_or_none(pr["mid_tiles"], value, "W4A16 launches of 17-128 tokens took the swap-AB decode tiles")
     if lever == "chunked_prefill":
         from vtengine.levers import OFF_VALUES
         want = ["prefill_first"] if value in OFF_VALUES else [f"chunk={value}"]
@@ -175,6 +180,7 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     raise ValueError(lever)
 
 
+WIDE_BATCH_LEVERS = ("w4a16_mid_m",)     # levers whose mechanism needs decode steps of more than 16 sequences
 STAGGERED = ("mixed_steps", "chunk_graphs")    # levers whose mechanism needs a prompt arriving while another decodes
 
 
@@ -196,6 +202,8 @@ def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str,
     if key not in ctx.cache:
         g = torch.Generator().manual_seed(7)
         prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 23, 40, 64)]
+        if ctx.lever in WIDE_BATCH_LEVERS:      # 24 prompts: decode steps of 17-24 sequences
+            prompts = [torch.randint(3, 250, (5 + i,), generator=g).tolist() for i in range(24)]
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         with ctx.lever_set_to(arm, ctx.lever_values(arm)[ctx.lever] if value is None else value) as llm:
             chunk = llm.engine.scheduler.prefill_chunk

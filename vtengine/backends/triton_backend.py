@@ -81,9 +81,10 @@ class TritonBackend(TorchBackend):
                                           fast_math=self.levers.on("fast_math"), pdl=self.levers.on("pdl"))
 
     def _w4a16_levers(self) -> dict:
-        """The W4A16 GEMM's lever arguments (route, PDL, decode layout, prefetch)."""
+        """The W4A16 GEMM's lever arguments (route, PDL, decode layout, prefetch, decode tiles past 16 tokens)."""
         on = self.levers.on
-        return dict(dense=on("marlin_dense"), pdl=on("pdl"), rot=on("w4a16_rot"), prefetch=on("pdl_prefetch"))
+        return dict(dense=on("marlin_dense"), pdl=on("pdl"), rot=on("w4a16_rot"), prefetch=on("pdl_prefetch"),
+                    mid=on("w4a16_mid_m"))
 
     def linear(self, x, weight):
         if isinstance(weight, QuantizedWeight):

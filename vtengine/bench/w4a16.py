@@ -13,7 +13,9 @@ inside a CUDA graph measured only 2.7 TB/s on H200, so the ceiling is taken eage
 checked at the real shape against quant.dequantize + an fp64 matmul (vtengine.testing.rel_l2, bf16 output).
 ``--sweep`` also times a grid of dense-route tiles and split counts, to pick the launcher's table.
 The bf16 weights also run through the lever triton_gemv's split-K GEMV (vtengine/kernels/gemv.py) beside cuBLAS,
-with a small tile sweep at M = 1; ``--bf16-only`` runs just that comparison (a short run).
+with a small tile sweep at M = 1; ``--bf16-only`` runs just that comparison (a short run). ``--mid`` times decode
+batches of 24-128 tokens instead (the lever w4a16_mid_m's tiles against the prefill tiles, the grouped route and
+cuBLAS; with ``--sweep`` the tiles around the lever's).
 
 Writes OUT_DIR/w4a16-<device>-<date>.json and .md; returns the JSON dict.
 """
@@ -361,6 +363,115 @@ def precompile(shapes, sweep: bool, workers: int = 15) -> list:
     return errors
 
 
+MID_MS = (24, 32, 64, 128)      # decode batches past 16 (the lever w4a16_mid_m)
+SWEEP_MID_M = 64                # --mid --sweep: the tiles around the lever's at this M, MXFP4 (~26 per shape)
+
+
+def mid_variants(m: int, n: int, k: int, fmt: str) -> list:
+    """Around the lever w4a16_mid_m's tile at M tokens: W rows per program, K step, warps, stages, split; and
+    the prefill-style tile (A @ W^T) with split-K, the other way to fill the SMs."""
+    from vtengine.kernels import w4a16
+    base = w4a16.dense_config(m, n, k, fmt, mid=True)
+    out = [dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,
+                SPLIT_K=w4a16._swap_split(n, k, bn, bk, w4a16.H200_SMS))
+           for bn in (32, 64) for bk in (128, 256) for nw in (2, 4, 8) for st in (2, 3)
+           if bn * bk * base["BLOCK_M"] <= 64 * 256 * 128 and not (bn == 64 and nw == 2)]
+    for bm in sorted({32, min(64, base["BLOCK_M"])}):
+        for split in (1, 2, 4):
+            if k % (128 * split) == 0:
+                out.append(dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SWAP_AB=False, num_warps=4,
+                                num_stages=3))
+    return out
+
+
+def bench_mid(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> dict:
+    """MXFP4 and NVFP4 at decode batches of 24-128 tokens: the dense route's prefill tiles (the lever w4a16_mid_m
+    off), its decode tiles (on), the grouped route and cuBLAS bf16; with ``sweep``, the tiles around the lever's
+    (mid_variants) for MXFP4 at SWEEP_MID_M. The rotation layout (default on) in every W4A16 row."""
+    from vtengine import quant
+    from vtengine.kernels import w4a16
+    res = {"K": k, "N": n, "name": SHAPE_NAMES.get((k, n), ""), "checks": {}, "rows": [], "sweep": [], "errors": []}
+    errs = res["errors"]
+    for fmt in FORMATS:
+        probe = random_weight(fmt, n, k, gen)
+        sets = [probe] + [random_weight(fmt, n, k, gen) for _ in range(n_sets(w4a16_bytes(probe, 0), l2) - 1)]
+        for q in sets:
+            w4a16.decode_path(q)
+            w4a16.rot_words(q)
+        wbytes = w4a16_bytes(probe, 0)
+        wd = quant.dequantize(probe, torch.float64)
+        for m in MID_MS:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = x.double() @ wd.t()
+
+            def timed(cfg=None, dense=True, mid=False):
+                fns = [lambda q=q: w4a16.w4a16_linear(x, q, dense=dense, config=cfg, rot=True, mid=mid)
+                       for q in sets]
+                fns[0]()
+                t = time_us(rotating(fns))
+                return t, (wbytes + m * k * 2 + m * n * 2) / (t * 1e-6) / 1e9 / copy_gbs
+
+            for label, kw in (("dense", {}), ("dense_mid", {"mid": True}), ("grouped", {"dense": False})):
+                err = _try(errs, f"check {fmt} {label} M={m}", lambda: rel_l2(
+                    w4a16.w4a16_linear(x, probe, rot=True, **{"dense": True, **kw}), ref))
+                res["checks"][f"{fmt}_{label}_M{m}"] = err
+                r = _try(errs, f"{fmt} {label} M={m}", lambda: timed(**kw))
+                if r:
+                    res["rows"].append(dict(method=f"{fmt}_{label}", M=m, us=r[0], frac_copy=r[1]))
+            if sweep and fmt == "mxfp4" and m == SWEEP_MID_M:
+                for cfg in mid_variants(m, n, k, fmt):
+                    r = _try(errs, f"sweep {fmt} M={m} {cfg}", lambda: timed(cfg))
+                    if r:
+                        res["sweep"].append(dict(fmt=fmt, M=m, us=r[0], frac_copy=r[1], config=cfg))
+        del sets, wd
+    wb = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    bsets = [wb] + [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+                    for _ in range(n_sets(wb.numel() * 2, l2) - 1)]
+    for m in MID_MS:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        t = _try(errs, f"cublas M={m}", lambda: time_us(rotating([lambda w=w: x @ w.t() for w in bsets])))
+        if t:
+            b = n * k * 2 + m * k * 2 + m * n * 2
+            res["rows"].append(dict(method="cublas_bf16", M=m, us=t, frac_copy=b / (t * 1e-6) / 1e9 / copy_gbs))
+    del bsets
+    torch.cuda.empty_cache()
+    return res
+
+
+def mid_markdown(result: dict) -> str:
+    env = result["env"]
+    methods = [f"{f}_{r}" for f in FORMATS for r in ("dense", "dense_mid", "grouped")] + ["cublas_bf16"]
+    lines = [f"# W4A16 at decode batches of 24-128 tokens — {env['device']} ({env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}; copy bandwidth {result['copy_gbs']:.0f} GB/s. `dense`: "
+             "the dense route's tiles with the lever w4a16_mid_m off (prefill tiles), `dense_mid`: on (swap-AB "
+             "decode tiles, split-K); rotation layout on. Cells: median µs per call (CUDA graph over rotating weight "
+             "sets) and bytes moved as % of copy bandwidth.", ""]
+    for shp in result["shapes"]:
+        lines += [f"## {shp['name']}: K={shp['K']} -> N={shp['N']}", "", "| M | " + " | ".join(methods) + " |",
+                  "|---|" + "---|" * len(methods)]
+        for m in MID_MS:
+            cells = []
+            for meth in methods:
+                row = next((r for r in shp["rows"] if r["method"] == meth and r["M"] == m), None)
+                cells.append(f"{row['us']:.1f} µs ({100 * row['frac_copy']:.0f}%)" if row else "—")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        worst = max((v for v in shp["checks"].values() if isinstance(v, float)), default=float("nan"))
+        lines += ["", f"Max rel L2 against dequantize + fp64 over every row: {worst:.2e}", ""]
+        for fmt in FORMATS:
+            for m in MID_MS:
+                rows = sorted((r for r in shp["sweep"] if r["fmt"] == fmt and r["M"] == m), key=lambda r: r["us"])
+                for r in rows[:3]:
+                    c = r["config"]
+                    lines.append(f"- {fmt} M={m}: {r['us']:.1f} µs ({100 * r['frac_copy']:.0f}%) BLOCK_M="
+                                 f"{c['BLOCK_M']} BLOCK_N={c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} warps="
+                                 f"{c['num_warps']} stages={c['num_stages']} split={c['SPLIT_K']} "
+                                 f"{'swap_ab' if c['SWAP_AB'] else 'tile'}")
+        if shp["errors"]:
+            lines += ["", "Errors:", ""] + [f"- {e}" for e in shp["errors"]]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 # -- report ----------------------------------------------------------------------------------------------------
 METHODS = ["mxfp4_dense", "mxfp4_dense_rot", "mxfp4_grouped", "nvfp4_dense", "nvfp4_dense_rot", "nvfp4_grouped",
            "mxfp4_dense_tuned", "nvfp4_dense_tuned",
@@ -418,7 +529,7 @@ def markdown(result: dict) -> str:
 
 
 def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: int = 15,
-         bf16_only: bool = False) -> dict:
+         bf16_only: bool = False, mid: bool = False) -> dict:
     import triton
     if not torch.cuda.is_available():
         raise SystemExit("vtengine.bench.w4a16 needs a CUDA GPU")
@@ -430,31 +541,38 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                python=platform.python_version(), date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat())
     t0 = time.time()
-    compile_errors = precompile(shapes, sweep, precompile_workers) if precompile_workers and not bf16_only else []
+    compile_errors = (precompile(shapes, sweep, precompile_workers) if precompile_workers and not (bf16_only or mid)
+                      else [])
     copy_gbs = common.copy_bandwidth_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
     _log(f"copy bandwidth {copy_gbs:.0f} GB/s ({common.COPY_BANDWIDTH_DEFINITION})")
     result = dict(env=env, copy_gbs=copy_gbs, copy_bw_method=common.COPY_BANDWIDTH_DEFINITION,
                   protocol=__doc__.split("\n\n")[2].strip(),
                   shapes=[], compile_errors=compile_errors)
-    stem = f"{'gemv-bf16' if bf16_only else 'w4a16'}-{props.name.replace(' ', '_')}-{env['date']}"
+    kind = "gemv-bf16" if bf16_only else "w4a16-mid" if mid else "w4a16"
+    stem = f"{kind}-{props.name.replace(' ', '_')}-{env['date']}"
+    report = mid_markdown if mid else markdown
     for k, n in shapes:
-        result["shapes"].append(bench_shape(k, n, copy_gbs, props.L2_cache_size, gen, sweep, bf16_only))
+        if mid:
+            result["shapes"].append(bench_mid(k, n, copy_gbs, props.L2_cache_size, gen, sweep))
+        else:
+            result["shapes"].append(bench_shape(k, n, copy_gbs, props.L2_cache_size, gen, sweep, bf16_only))
         shp = result["shapes"][-1]
         for r in shp["rows"]:
-            if r["M"] in (1, 8):
+            if r["M"] in (1, 8, 64):
                 _log(f"K={k} N={n} M={r['M']} {r['method']}: {r['us']:.1f} us {100 * r['frac_copy']:.0f}%")
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-        (out / f"{stem}.md").write_text(markdown(result))
+        (out / f"{stem}.md").write_text(report(result))
     result["wall_s"] = time.time() - t0
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / f"{stem}.md").write_text(markdown(result))
+    (out / f"{stem}.md").write_text(report(result))
     return result
 
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if len(args) != 1:
-        raise SystemExit("usage: python -m vtengine.bench.w4a16 OUT_DIR [--sweep] [--bf16-only]")
-    res = main(args[0], sweep="--sweep" in sys.argv, bf16_only="--bf16-only" in sys.argv)
-    print(markdown(res))
+        raise SystemExit("usage: python -m vtengine.bench.w4a16 OUT_DIR [--sweep] [--bf16-only | --mid]")
+    mid = "--mid" in sys.argv
+    res = main(args[0], sweep="--sweep" in sys.argv, bf16_only="--bf16-only" in sys.argv, mid=mid)
+    print((mid_markdown if mid else markdown)(res))

@@ -476,21 +476,38 @@ def moe_align_e1(m: int, block_m: int, device, pdl: bool = False) -> tuple[torch
 # tile choice
 # --------------------------------------------------------------------------------------------------------------
 
-def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = H200_SMS) -> dict:
+MID_M = 128     # the lever w4a16_mid_m: decode tiles up to this many tokens (a decode step of up to 128 sequences)
+
+
+def _swap_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Split-K for swap-AB tiles: the first count (dividing the K steps evenly, >= 2 steps each) that gives about
+    3.5 programs per SM, else the largest such count."""
+    programs = triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    splits = [d for d in range(1, 9) if k_steps % d == 0 and k_steps // d >= 2] or [1]
+    return next((d for d in splits if programs * d >= 3.5 * num_sms), splits[-1])
+
+
+def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = H200_SMS, mid: bool = False) -> dict:
     """Tiles of the dense route (lever ON), from the H200 sweeps in bench/results/w4a16-*.md.
 
     M <= 16: swap-AB GEMV tiles: 32 rows of W per 2-warp program (mma.sync; 64-row wgmma tiles measured 2-3x
     slower: their register-A operand serializes), the tokens padded to 8 or 16 (the MMA's N side: padding costs
     MMA and A-tile work, not W bytes), split-K until there are about 3.5 programs per SM, with split counts that
-    divide the K steps evenly. M > 16: prefill tiles."""
+    divide the K steps evenly. M > 16: prefill tiles, or with ``mid`` (the lever w4a16_mid_m) and M <= MID_M the
+    same swap-AB tiles with the tokens padded to 32, 64 or 128 (4 warps past 32; K steps of 128 past 32 tokens so
+    the A tiles of 3 stages stay within shared memory). Without it a decode step of 17-128 sequences takes the
+    prefill tiles: at N = 4,096 that is 32-64 programs for 132 SMs, no split, each walking the whole K."""
     if m <= 16:
         block_n, block_k = 32, 256
-        programs = triton.cdiv(n, block_n)
-        k_steps = triton.cdiv(k, block_k)
-        splits = [d for d in range(1, 9) if k_steps % d == 0 and k_steps // d >= 2] or [1]
-        split = next((d for d in splits if programs * d >= 3.5 * num_sms), splits[-1])
-        return dict(BLOCK_M=8 if m <= 8 else 16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SWAP_AB=True,
-                    num_warps=2, num_stages=3)
+        return dict(BLOCK_M=8 if m <= 8 else 16, BLOCK_N=block_n, BLOCK_K=block_k,
+                    SPLIT_K=_swap_split(n, k, block_n, block_k, num_sms), SWAP_AB=True, num_warps=2, num_stages=3)
+    if mid and m <= MID_M:
+        block_m = max(32, triton.next_power_of_2(m))
+        block_n, block_k = 32, 256 if block_m == 32 else 128
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                    SPLIT_K=_swap_split(n, k, block_n, block_k, num_sms), SWAP_AB=True,
+                    num_warps=2 if block_m == 32 else 4, num_stages=3)
     block_m = 64 if m <= 64 else 128
     return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False,
                 num_warps=4 if block_m == 64 else 8, num_stages=3)
@@ -617,7 +634,7 @@ def _split_k_locks(device, tiles: int) -> torch.Tensor:
 
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
                  out: torch.Tensor | None = None, pdl: bool = False, rot: bool = False,
-                 prefetch: bool = False, silu_mul: bool = False) -> torch.Tensor:
+                 prefetch: bool = False, silu_mul: bool = False, mid: bool = False) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
     ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
@@ -627,7 +644,8 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     (the rotation layout and its decode, DECODE 3, where the PTX decode runs; bit-identical output). ``prefetch``:
     the lever pdl_prefetch (with PDL on the dense route, the W slice is prefetched to L2 before the wait).
     ``silu_mul`` (the lever fuse_silu): W is a gate_up weight [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I],
-    in the GEMM's epilogue; the dense route at M <= 16 only (fused_silu_supported says when)."""
+    in the GEMM's epilogue; the dense route at M <= 16 only (fused_silu_supported says when). ``mid``: the lever
+    w4a16_mid_m (the dense route's decode tiles for 16 < M <= MID_M, see dense_config)."""
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
     if x.dim() != 2:
@@ -645,8 +663,11 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     decode = decode_path(qweight, rot)
     route = "dense" if dense else "grouped"
     if config is None:
-        pick = dense_config if dense else grouped_config
-        config = pick(m, n, k, qweight.fmt, sm_count(x.device))
+        sms = sm_count(x.device)
+        if dense:
+            config = dense_config(m, n, k, qweight.fmt, sms, mid=mid)
+        else:
+            config = grouped_config(m, n, k, qweight.fmt, sms)
         if vtengine.kernels.INTERPRET:
             config = _interpreter_config(config, k, block)
     cfg = dict(config)
