@@ -6,7 +6,9 @@ source files (``paths:`` in its lever file). A verdict is STALE, with the reason
 
 - another lever that was live in its context has a default now that differs from its value there (the engine the
   verdict measured is not the engine users run any more), or
-- the lever's own source files changed since the campaign (the code the verdict measured is gone), or
+- the lever's own source files changed since the campaign (the code the verdict measured is gone; a change to
+  comments, docstrings or formatting alone is not one: Python sources are compared as parsed, see ``normalized``),
+  or
 - a lever added since the campaign defaults to on (a lever added at its off default is the engine as it was), or
 - the campaign ran on code before an engine epoch: a commit declared in conf/epochs.yaml as moving the whole
   engine's performance (a fix outside every lever's own files, e.g. the per-launch lever lookup that cost every
@@ -19,6 +21,7 @@ commit is not in this repository), the answer is STALE: the safe one.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +65,42 @@ def digest(files: dict[str, bytes | None]) -> str:
         data = files[path]
         h.update(path.encode() + b"\0" + (b"<missing>" if data is None else data) + b"\0")
     return h.hexdigest()
+
+
+def normalized(path: str, data: bytes | None) -> bytes | None:
+    """A source file as far as its behaviour goes: Python parsed (comments and formatting gone) with its module,
+    class and function docstrings dropped, as ``ast.dump``; any other file, or Python that does not parse, as is."""
+    if data is None or not path.endswith(".py"):
+        return data
+    try:
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError):
+        return data
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                  str):
+                node.body = node.body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False).encode()
+
+
+def same_code(repo_root: Path | str, sha: str, paths: list[str]) -> bool:
+    """Whether ``paths`` hold the same code in the working tree as at commit ``sha`` (``normalized``: a change to
+    comments, docstrings or formatting is not a change); False where the commit is not in the repository."""
+    from campaigns.gitops import GitOpsError, open_repo
+    root = Path(repo_root)
+    try:
+        repo = open_repo(root)
+    except GitOpsError:
+        return False
+    if not _commit_known(repo, sha):
+        return False
+    for p in paths:
+        here = (root / p).read_bytes() if (root / p).is_file() else None
+        if normalized(p, here) != normalized(p, _git_file(repo, sha, p)):
+            return False
+    return True
 
 
 def tree_digests(levers: dict, root: Path | str) -> dict[str, str]:
@@ -260,7 +299,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
         then, now = ctx.digests.get(ev.lever, ""), digests_now.get(ev.lever, "")
         if not then:
             reasons.append(f"{ev.lever}'s source files at the campaign are not known")
-        elif then != now:
+        elif then != now and not same_code(root, ev.fingerprint.git_sha, own.paths):
             reasons.append(f"{ev.lever}'s source files ({', '.join(own.paths)}) changed since "
                            f"{ev.fingerprint.git_short_sha}")
     if ctx.source == "unknown" and not reasons:

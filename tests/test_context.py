@@ -90,13 +90,40 @@ def test_an_engine_loop_lever_is_live_whatever_the_counters_listed(repo):
 
 def test_the_levers_own_source_change_stales_it(repo):
     ev = recorded(repo)
-    (repo / "vtengine" / "kernels" / "attention.py").write_text("# a new decode kernel\n")
+    (repo / "vtengine" / "kernels" / "attention.py").write_text("SPLITS = 8\n")
     f = lever_context.freshness(ev, repo, *now(repo))
     assert not f.fresh and "gqa_swap's source files (vtengine/kernels/attention.py) changed" in f.reasons[0]
     # another lever's file changing is not this verdict's business
     ev = recorded(repo)
     (repo / "vtengine" / "kernels" / "gemv.py").write_text("# another GEMV\n")
     assert lever_context.freshness(ev, repo, *now(repo)).fresh
+
+
+def test_comments_docstrings_and_formatting_do_not_stale_but_code_does(repo):
+    """Python sources are compared as parsed at the campaign's commit: a new comment, docstring or line break keeps
+    the verdict FRESH; a changed constant, an added argument or a non-Python source's bytes stale it. A commit the
+    repository does not have cannot be compared: STALE."""
+    src = repo / "vtengine" / "kernels" / "attention.py"
+    src.write_text('"""Decode attention."""\nBLOCK = 64\n\n\ndef launch(q, k):\n    """Launch it."""\n'
+                   '    return q + k  # fused\n')
+    sha = commit_all(repo, "a kernel")
+    ev = recorded(repo)
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
+    src.write_text('"""Decode attention, split-KV.\n\nMore words."""\n# tiles\nBLOCK = (64)\n\n\n'
+                   'def launch(q,\n           k):\n    """Launch the kernel."""\n    return q + k\n')
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert f.fresh, f.reasons
+    for code in ("BLOCK = 128\n\n\ndef launch(q, k):\n    return q + k\n",
+                 "BLOCK = 64\n\n\ndef launch(q, k, split=1):\n    return q + k\n"):
+        src.write_text(code)
+        f = lever_context.freshness(ev, repo, *now(repo))
+        assert not f.fresh and "gqa_swap's source files (vtengine/kernels/attention.py) changed" in f.reasons[0]
+    assert lever_context.normalized("conf/x.yaml", b"a: 1\n") != lever_context.normalized("conf/x.yaml",
+                                                                                            b"a: 1  # c\n")
+    src.write_text('"""Other words."""\nBLOCK = 64\n\n\ndef launch(q, k):\n    return q + k\n')
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh
+    ev.fingerprint.git_sha = "f" * 40
+    assert not lever_context.freshness(ev, repo, *now(repo)).fresh
 
 
 def test_a_lever_added_since_stales_only_at_an_on_default(repo):
