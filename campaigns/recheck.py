@@ -8,6 +8,10 @@ defaults and the default grid; its candidates are the stale campaign's candidate
 
 The plan and progress live in ``<out_dir>/.recheck.json``: a recheck interrupted (Ctrl-C, or a GPU command's time
 limit) continues where it stopped, resuming the campaign in flight with ``resume=<id>``; ``--restart`` plans anew.
+A saved plan is checked against the verdicts each time it is loaded: a pending entry whose lever is FRESH again
+(a campaign run outside the plan measured it) is done, one still STALE takes its latest verdict's reasons and arms,
+and a lever gone STALE since (a flip merged meanwhile, a changed source file) joins the plan at the end, so a plan
+never re-runs what no longer needs it.
 A FLIP found here changes no default until it is committed (``vtcampaign flip <id>``) and merged; after a merge,
 recheck again: the flip stales the verdicts it is live in.
 """
@@ -96,27 +100,42 @@ def save_state(out_dir: Path | str, state: dict) -> None:
     write_atomic(Path(out_dir) / STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
-def plan(out_dir: Path | str, restart: bool = False) -> dict:
-    """The recheck state: the saved one while it has unfinished entries (unless ``restart``), else a new plan."""
+def _entry(ev: Evidence, f: lever_context.Freshness, registry: dict) -> dict:
+    return {"lever": ev.lever, "stale": ev.campaign_id, "why": f.reasons, "overrides": overrides_for(ev, registry),
+            "new": None, "status": "pending"}
+
+
+def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = None) -> dict:
+    """The recheck state: the saved one while it has unfinished entries (unless ``restart``), brought up to date
+    with today's verdicts (see the module docstring), else a new plan. ``root``: the repository the verdicts'
+    freshness is judged against (the installed project's by default)."""
     from vtengine import levers
+    registry = levers.registry()
+    current = order(stale_verdicts(out_dir, root), out_dir, root)
     state = {} if restart else load_state(out_dir)
     if state.get("entries") and any(e["status"] != "done" for e in state["entries"]):
-        return state
-    registry = levers.registry()
-    entries = [{"lever": ev.lever, "stale": ev.campaign_id, "why": f.reasons, "overrides": overrides_for(ev, registry),
-                "new": None, "status": "pending"}
-               for ev, f in order(stale_verdicts(out_dir), out_dir)]
-    state = {"entries": entries}
+        stale_now = {ev.lever: (ev, f) for ev, f in current}
+        for e in state["entries"]:
+            if e["status"] != "pending":
+                continue
+            if e["lever"] not in stale_now:
+                e["status"], e["verdict"] = "done", "FRESH without it (measured outside this plan)"
+            else:                               # still stale, maybe from a later campaign: its reasons and arms
+                e.update(_entry(*stale_now[e["lever"]], registry))
+        open_levers = {e["lever"] for e in state["entries"] if e["status"] != "done"}
+        state["entries"] += [_entry(ev, f, registry) for ev, f in current if ev.lever not in open_levers]
+    else:
+        state = {"entries": [_entry(ev, f, registry) for ev, f in current]}
     save_state(out_dir, state)
     return state
 
 
 def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Callable[[str], None]], Evidence],
-        restart: bool = False, echo: Callable[[str], None] = print) -> dict:
+        restart: bool = False, echo: Callable[[str], None] = print, root: Path | str | None = None) -> dict:
     """Work through the plan: ``run_one(overrides, on_start)`` runs one campaign (on_start gets its id as soon as
     its evidence exists, so an interruption can resume it)."""
     out_dir = Path(out_dir)
-    state = plan(out_dir, restart)
+    state = plan(out_dir, restart, root)
     if not state["entries"]:
         echo("recheck: no stale binding verdict")
         return state

@@ -1,0 +1,117 @@
+"""`vtcampaign recheck` on a temporary repository: the plan lists the stale binding verdicts only (each with the
+overrides that re-run its campaign on today's defaults), a saved plan is brought up to date with the verdicts when
+it is loaded (a lever measured FRESH outside the plan is done, one gone STALE since joins), and a run works through
+the plan, resuming a campaign it was interrupted in."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import git
+import pytest
+
+from campaigns import context as lever_context
+from campaigns import recheck
+from campaigns.evidence import save_evidence
+from helpers import TPUT_WIN, make_evidence
+from vtengine import levers
+
+ROOT = Path(__file__).resolve().parents[1]
+LIVE = ("fast_math", "gqa_swap", "nsplits_cap", "pdl", "triton_gemv")
+
+
+@pytest.fixture
+def proj(tmp_path):
+    """A repository with the project's lever files, stand-ins for their sources, and an empty records dir."""
+    root = tmp_path / "proj"
+    shutil.copytree(ROOT / "conf" / "lever", root / "conf" / "lever")
+    for lv in levers.registry().values():
+        for p in lv.paths:
+            (root / p).parent.mkdir(parents=True, exist_ok=True)
+            (root / p).write_text(f"X = {len(p)}\n")
+    r = git.Repo.init(root)
+    r.git.add(A=True)
+    r.index.commit("project", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    (root / "records").mkdir()
+    return root
+
+
+def verdict(root: Path, lever: str, created: str, **context) -> str:
+    """A binding FLIP of ``lever`` measured at HEAD with today's defaults except ``context`` (lever -> value, in
+    both arms), the bf16 levers live; saved under records/. Returns its campaign id."""
+    reg = levers.registry()
+    ev = make_evidence(TPUT_WIN, lever=lever, created=created)
+    sha = git.Repo(root).head.commit.hexsha
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
+    for arm in ev.arms:
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, **context, lever: arm.value}
+        ev.live_levers[arm.name] = sorted(set(LIVE) | {lever})
+    ev.lever_digests = lever_context.tree_digests(reg, root)
+    save_evidence(ev, root / "records" / ev.campaign_id)
+    return ev.campaign_id
+
+
+def test_the_plan_lists_the_stale_verdicts_with_their_overrides(proj):
+    stale = verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)      # pdl is off now, and it was live
+    verdict(proj, "fast_math", "2026-11-30T11:00:00Z")
+    state = recheck.plan(proj / "records", root=proj)
+    (entry,) = state["entries"]
+    assert (entry["lever"], entry["stale"], entry["status"]) == ("gqa_swap", stale, "pending")
+    assert entry["why"] == ["pdl's default is now off; the campaign ran with on and pdl's kernels ran there"]
+    # its candidate (on) is today's default: none left, so the campaign file's own arms (the flip of today's)
+    assert entry["overrides"] == ["campaign=gqa_swap", "model=qwen3-8b", "model.quant=bf16"]
+    assert recheck.load_state(proj / "records") == state
+
+
+def test_a_saved_plan_drops_what_is_fresh_now_and_adds_what_went_stale(proj):
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    verdict(proj, "fast_math", "2026-11-30T11:00:00Z", pdl=True)
+    first = recheck.plan(out, root=proj)
+    assert sorted(e["lever"] for e in first["entries"]) == ["fast_math", "gqa_swap"]
+    # outside the plan: gqa_swap measured again on today's defaults (FRESH), triton_gemv's verdict goes stale
+    # fast_math measured again, still with pdl on: still stale, from its latest campaign
+    verdict(proj, "gqa_swap", "2026-12-01T10:00:00Z")
+    verdict(proj, "triton_gemv", "2026-12-01T11:00:00Z", pdl=True)
+    later = verdict(proj, "fast_math", "2026-12-01T12:00:00Z", pdl=True, nsplits_cap=8)
+    state = recheck.plan(out, root=proj)
+    by = {e["lever"]: e for e in state["entries"]}
+    assert by["gqa_swap"]["status"] == "done" and "FRESH" in by["gqa_swap"]["verdict"]
+    assert by["fast_math"]["status"] == "pending" and by["triton_gemv"]["status"] == "pending"
+    assert by["fast_math"]["stale"] == later and len(by["fast_math"]["why"]) == 2        # pdl and nsplits_cap
+    assert [e["lever"] for e in state["entries"]][-1] == "triton_gemv"          # joined at the end
+    # --restart plans anew: only what is stale now
+    assert sorted(e["lever"] for e in recheck.plan(out, restart=True, root=proj)["entries"]) == ["fast_math",
+                                                                                                  "triton_gemv"]
+
+
+def test_a_run_works_through_the_plan_and_resumes_the_campaign_it_was_stopped_in(proj):
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    verdict(proj, "fast_math", "2026-11-30T11:00:00Z", pdl=True)
+    calls = []
+
+    def interrupted(overrides, started):
+        cid = "2026-12-01-" + overrides[0].split("=")[1] + "-new"
+        ev = make_evidence(TPUT_WIN, lever=overrides[0].split("=")[1], campaign_id=cid)
+        ev.status = "in-progress"
+        save_evidence(ev, out / cid)
+        started(cid)
+        calls.append(overrides)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        recheck.run(out, ["tracking=off"], interrupted, root=proj, echo=lambda s: None)
+    first = calls[0][0].split("=")[1]
+    running = [e for e in recheck.load_state(out)["entries"] if e["status"] == "running"]
+    assert [e["lever"] for e in running] == [first]
+
+    def finishing(overrides, started):
+        lever = overrides[0].split("=")[1]
+        calls.append(overrides)
+        return make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-01-{lever}-new")
+
+    state = recheck.run(out, ["tracking=off"], finishing, root=proj, echo=lambda s: None)
+    assert calls[1][-2:] == ["tracking=off", f"resume=2026-12-01-{first}-new"]     # the interrupted one resumed
+    assert all(e["status"] == "done" and e["verdict"] == "FLIP" for e in state["entries"])
+    assert len(calls) == 3
