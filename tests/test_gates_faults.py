@@ -212,6 +212,22 @@ def test_a_broken_kernel_broken_alike_in_graphs_and_eager_passes_graph_parity_bu
 
 
 @pytest.mark.gpu
+def test_chunk_graphs_gates_replay_chunk_graphs_on_the_gpu():
+    """On CUDA: the mechanism probe replays chunk graphs in the ON arm only (the inert and stuck faults caught,
+    the stuck baseline capturing on demand), and graph_parity compares a two-chunk prompt through them."""
+    ctx = context(device="cuda", lever="chunk_graphs")
+    ctx.with_levers = {"chunked_prefill": 256, "mixed_steps": True}
+    for arm in ctx.arms:
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+        par = run_gate("graph_parity", ctx, arm, self_check=False)
+        assert par.passed, par.details
+    assert ctx.cache["mechanism:on"][0]["chunk_steps"] == 2 and ctx.cache["mechanism:off"][0]["chunk_steps"] == 0
+    assert par.counts["chunk_graph_replays"] >= 2
+    ctx.release_engines()
+
+
+@pytest.mark.gpu
 def test_memcheck_is_clean_and_catches_an_out_of_bounds_read_in_the_engine_run():
     from campaigns.gates.memcheck import sanitizer
     if sanitizer() is None:

@@ -180,6 +180,7 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     raise ValueError(lever)
 
 
+GRAPH_LEVERS = ("chunk_graphs",)         # levers that are CUDA graphs: their probe runs with graphs on
 WIDE_BATCH_LEVERS = ("w4a16_mid_m",)     # levers whose mechanism needs decode steps of more than 16 sequences
 STAGGERED = ("mixed_steps", "chunk_graphs")    # levers whose mechanism needs a prompt arriving while another decodes
 
@@ -206,6 +207,10 @@ def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str,
             prompts = [torch.randint(3, 250, (5 + i,), generator=g).tolist() for i in range(24)]
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         with ctx.lever_set_to(arm, ctx.lever_values(arm)[ctx.lever] if value is None else value) as llm:
+            if ctx.lever in GRAPH_LEVERS:
+                # lever_set_to decodes eagerly (graphs captured under the arm's own value would hide the fault);
+                # this lever is graphs itself: replay where the engine has them (CUDA), captured at this value
+                llm.engine.runner.use_graphs = bool(llm.engine.runner.graphs)
             chunk = llm.engine.scheduler.prefill_chunk
             if ctx.lever in LONG_PROMPT_LEVERS and chunk:       # two prompts of full chunks: 2N + 9 and N + 9
                 prompts[1:3] = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (2 * chunk + 9, chunk + 9)]
