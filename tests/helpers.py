@@ -107,3 +107,22 @@ def temp_repo(tmp_path: Path, name: str = "repo") -> Path:
     r.index.add(["README.md"])
     r.index.commit("sandbox", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
     return repo
+
+
+def lever_repo(tmp_path: Path) -> Path:
+    """A git repository (one commit) with the project's lever files and a one-line Python stand-in for each of
+    their source files: staleness and recheck run against it."""
+    import shutil
+
+    import git
+    from vtengine import levers
+    root = tmp_path / "proj"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "conf" / "lever", root / "conf" / "lever")
+    for lv in levers.registry().values():
+        for p in lv.paths:
+            (root / p).parent.mkdir(parents=True, exist_ok=True)
+            (root / p).write_text(f"SOURCE = {p!r}\n")
+    r = git.Repo.init(root)
+    r.git.add(A=True)
+    r.index.commit("project", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    return root

@@ -160,24 +160,19 @@ def test_mixed_steps_through_the_triton_kernels():
     assert counters.snapshot()["prefill_attention"]["gqa_pack"]["launches"] > 0
 
 
-@pytest.mark.parametrize("levers", [{**ASYNC, "mixed_steps": True, "chunked_prefill": 256},
-                                    {**SYNC, "mixed_steps": True}, {**ASYNC, "mixed_steps": True}],
-                         ids=["async-mixed-chunk256", "sync-mixed-budget", "async-mixed-budget"])
-def test_mixed_steps_under_staggered_arrivals_and_preemption_keep_every_token(levers):
-    """24 requests (5 to 400 prompt tokens, greedy and seeded sampling, 5 to 60 new tokens) arriving two every three
-    steps into a 60-block pool with a 128-token budget and 8 sequence slots: mixed steps, chunks, preemption and
-    recompute all happen, and every request gets the tokens the unconstrained synchronous engine gives it."""
+def _staggered(eng, n: int, longest: int, max_tokens: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``n`` requests (5 to ``longest`` prompt tokens, greedy and seeded sampling, 5 to ``max_tokens`` new tokens)
+    arriving two every three steps into ``eng`` (counters reset first): (its tokens per request, the unconstrained
+    synchronous engine's)."""
     import random
-    rng = random.Random(0)
-    prompts = [long_prompt(rng.randint(5, 400), seed=i) for i in range(24)]
-    params = [SamplingParams(max_tokens=rng.randint(5, 60), temperature=0.0 if i % 3 else 0.8, seed=i,
-                             ignore_eos=True) for i in range(24)]
+    rng = random.Random(seed)
+    prompts = [long_prompt(rng.randint(5, longest), seed=i) for i in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(5, max_tokens), temperature=0.0 if i % 3 else 0.8, seed=i,
+                             ignore_eos=True) for i in range(n)]
     want = tokens(LLM(model="tiny", backend="torch", levers=SYNC, max_num_batched_tokens=4096).generate(prompts,
                                                                                                         params))
-    eng = LLM(model="tiny", backend="torch", levers=levers, max_num_batched_tokens=128, num_kv_blocks=60,
-              max_num_seqs=8).engine
     counters.reset()
-    got, pending, steps = {}, list(range(24)), 0
+    got, pending, steps = {}, list(range(n)), 0
     while pending or eng.has_unfinished_requests():
         if pending and steps % 3 == 0:
             for i in pending[:2]:
@@ -187,7 +182,20 @@ def test_mixed_steps_under_staggered_arrivals_and_preemption_keep_every_token(le
             if o.finished:
                 got[int(o.request_id[1:])] = list(o.outputs[0].token_ids)
         steps += 1
-    assert [got[i] for i in range(24)] == want
+    return [got[i] for i in range(n)], want
+
+
+@pytest.mark.parametrize("levers", [{**ASYNC, "mixed_steps": True, "chunked_prefill": 256},
+                                    {**SYNC, "mixed_steps": True}, {**ASYNC, "mixed_steps": True}],
+                         ids=["async-mixed-chunk256", "sync-mixed-budget", "async-mixed-budget"])
+def test_mixed_steps_under_staggered_arrivals_and_preemption_keep_every_token(levers):
+    """24 requests (5 to 400 prompt tokens, greedy and seeded sampling, 5 to 60 new tokens) arriving two every three
+    steps into a 60-block pool with a 128-token budget and 8 sequence slots: mixed steps, chunks, preemption and
+    recompute all happen, and every request gets the tokens the unconstrained synchronous engine gives it."""
+    eng = LLM(model="tiny", backend="torch", levers=levers, max_num_batched_tokens=128, num_kv_blocks=60,
+              max_num_seqs=8).engine
+    got, want = _staggered(eng, n=24, longest=400, max_tokens=60, seed=0)
+    assert got == want
     st = eng.stats()
     assert st["num_preemptions"] >= 1 and st["kv_blocks_free"] == st["kv_blocks_total"]
     assert counters.snapshot()["mixed_step"]["decode_rows"]["launches"] > 10
@@ -200,29 +208,12 @@ def test_chunk_graphs_run_full_chunks_from_static_buffers_and_keep_every_token(l
     steps, prompts of 5 to 700 tokens in 256-token chunks, a 50-block pool (preemption) and 8 slots: every full chunk,
     with 0 to 7 decode rows padded to a captured batch, goes through the buffers, the partial chunks and multi-prompt
     steps do not, and every request gets the tokens the unconstrained synchronous engine gives it."""
-    import random
-    rng = random.Random(1)
-    prompts = [long_prompt(rng.randint(5, 700), seed=i) for i in range(18)]
-    params = [SamplingParams(max_tokens=rng.randint(5, 40), temperature=0.0 if i % 3 else 0.8, seed=i,
-                             ignore_eos=True) for i in range(18)]
-    want = tokens(LLM(model="tiny", backend="torch", levers=SYNC, max_num_batched_tokens=4096).generate(prompts,
-                                                                                                        params))
     levers = {**levers, "chunked_prefill": 256, "chunk_graphs": True}
     eng = LLM(model="tiny", backend="torch", levers=levers, num_kv_blocks=50, max_num_seqs=8).engine
     cg = eng.runner.chunk_graphs
     assert cg.chunk == 256 and sorted(cg.steps) == [0, 1, 2, 4, 7]       # 0, the sizes up to 7, and 7 itself
-    counters.reset()
-    got, pending, steps = {}, list(range(18)), 0
-    while pending or eng.has_unfinished_requests():
-        if pending and steps % 3 == 0:
-            for i in pending[:2]:
-                eng.add_request(f"r{i}", prompts[i], params[i])
-            pending = pending[2:]
-        for o in eng.step():
-            if o.finished:
-                got[int(o.request_id[1:])] = list(o.outputs[0].token_ids)
-        steps += 1
-    assert [got[i] for i in range(18)] == want
+    got, want = _staggered(eng, n=18, longest=700, max_tokens=40, seed=1)
+    assert got == want
     snap = counters.snapshot()
     grids = snap["chunk_step"]["static_eager"]["grids"]
     assert sum(grids.values()) >= 10, grids

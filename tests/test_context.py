@@ -3,7 +3,6 @@ changes its default or its own sources change, FRESH otherwise; evidence from be
 reconstructed from git; a stale FLIP is never committed."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 
 from campaigns import context as lever_context
 from campaigns.evidence import save_evidence
-from helpers import TPUT_WIN, make_evidence
+from helpers import TPUT_WIN, lever_repo, make_evidence
 from vtengine import levers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,16 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def repo(tmp_path):
     """A repository with the project's lever files and stand-ins for their source files."""
-    root = tmp_path / "proj"
-    shutil.copytree(ROOT / "conf" / "lever", root / "conf" / "lever")
-    for lv in levers.registry().values():
-        for p in lv.paths:
-            (root / p).parent.mkdir(parents=True, exist_ok=True)
-            (root / p).write_text(f"# {p}\n")
-    r = git.Repo.init(root)
-    r.index.add([str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".git" not in p.parts])
-    r.index.commit("project", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
-    return root
+    return lever_repo(tmp_path)
 
 
 def now(root: Path):

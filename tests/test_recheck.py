@@ -4,7 +4,6 @@ it is loaded (a lever measured FRESH outside the plan is done, one gone STALE si
 the plan, resuming a campaign it was interrupted in."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import git
@@ -13,25 +12,16 @@ import pytest
 from campaigns import context as lever_context
 from campaigns import recheck
 from campaigns.evidence import save_evidence
-from helpers import TPUT_WIN, make_evidence
+from helpers import TPUT_WIN, lever_repo, make_evidence
 from vtengine import levers
 
-ROOT = Path(__file__).resolve().parents[1]
 LIVE = ("fast_math", "gqa_swap", "nsplits_cap", "pdl", "triton_gemv")
 
 
 @pytest.fixture
 def proj(tmp_path):
     """A repository with the project's lever files, stand-ins for their sources, and an empty records dir."""
-    root = tmp_path / "proj"
-    shutil.copytree(ROOT / "conf" / "lever", root / "conf" / "lever")
-    for lv in levers.registry().values():
-        for p in lv.paths:
-            (root / p).parent.mkdir(parents=True, exist_ok=True)
-            (root / p).write_text(f"X = {len(p)}\n")
-    r = git.Repo.init(root)
-    r.git.add(A=True)
-    r.index.commit("project", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    root = lever_repo(tmp_path)
     (root / "records").mkdir()
     return root
 

@@ -447,14 +447,7 @@ def mid_markdown(result: dict) -> str:
              "decode tiles, split-K); rotation layout on. Cells: median µs per call (CUDA graph over rotating weight "
              "sets) and bytes moved as % of copy bandwidth.", ""]
     for shp in result["shapes"]:
-        lines += [f"## {shp['name']}: K={shp['K']} -> N={shp['N']}", "", "| M | " + " | ".join(methods) + " |",
-                  "|---|" + "---|" * len(methods)]
-        for m in MID_MS:
-            cells = []
-            for meth in methods:
-                row = next((r for r in shp["rows"] if r["method"] == meth and r["M"] == m), None)
-                cells.append(f"{row['us']:.1f} µs ({100 * row['frac_copy']:.0f}%)" if row else "—")
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines += _shape_table(shp, methods, MID_MS)
         worst = max((v for v in shp["checks"].values() if isinstance(v, float)), default=float("nan"))
         lines += ["", f"Max rel L2 against dequantize + fp64 over every row: {worst:.2e}", ""]
         for fmt in FORMATS:
@@ -479,6 +472,19 @@ METHODS = ["mxfp4_dense", "mxfp4_dense_rot", "mxfp4_grouped", "nvfp4_dense", "nv
            f"tinygemm_int4_g{TINYGEMM_GROUP}"]
 
 
+def _shape_table(shp: dict, methods: list[str], ms) -> list[str]:
+    """A shape's heading and its table: one row per M, one cell per method (µs and % of copy bandwidth)."""
+    lines = [f"## {shp['name']}: K={shp['K']} -> N={shp['N']}", "", "| M | " + " | ".join(methods) + " |",
+             "|---|" + "---|" * len(methods)]
+    for m in ms:
+        cells = []
+        for meth in methods:
+            row = next((r for r in shp["rows"] if r["method"] == meth and r["M"] == m), None)
+            cells.append(f"{row['us']:.1f} µs ({100 * row['frac_copy']:.0f}%)" if row else "—")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"# W4A16 GEMV benchmark — {env['device']} ({env['date']})", "",
@@ -489,14 +495,7 @@ def markdown(result: dict) -> str:
              "bandwidth as % of copy bandwidth (bytes = weights incl. scales + activations + output; cuBLAS counts "
              "bf16 weight bytes, tinygemm int4 + bf16 scales/zeros).", ""]
     for shp in result["shapes"]:
-        lines += [f"## {shp['name']}: K={shp['K']} -> N={shp['N']}", "",
-                  "| M | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
-        for m in MS:
-            cells = []
-            for meth in METHODS:
-                row = next((r for r in shp["rows"] if r["method"] == meth and r["M"] == m), None)
-                cells.append(f"{row['us']:.1f} µs ({100 * row['frac_copy']:.0f}%)" if row else "—")
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines += _shape_table(shp, METHODS, MS)
         checks = shp["checks"]
         worst = {fmt: max((v if isinstance(v, float) else float("inf") for v in checks.get(fmt, {}).values()),
                           default=float("nan")) for fmt in FORMATS}
