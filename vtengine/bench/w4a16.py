@@ -452,13 +452,7 @@ def mid_markdown(result: dict) -> str:
         lines += ["", f"Max rel L2 against dequantize + fp64 over every row: {worst:.2e}", ""]
         for fmt in FORMATS:
             for m in MID_MS:
-                rows = sorted((r for r in shp["sweep"] if r["fmt"] == fmt and r["M"] == m), key=lambda r: r["us"])
-                for r in rows[:3]:
-                    c = r["config"]
-                    lines.append(f"- {fmt} M={m}: {r['us']:.1f} µs ({100 * r['frac_copy']:.0f}%) BLOCK_M="
-                                 f"{c['BLOCK_M']} BLOCK_N={c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} warps="
-                                 f"{c['num_warps']} stages={c['num_stages']} split={c['SPLIT_K']} "
-                                 f"{'swap_ab' if c['SWAP_AB'] else 'tile'}")
+                lines += _sweep_lines(shp, fmt, m, 3)
         if shp["errors"]:
             lines += ["", "Errors:", ""] + [f"- {e}" for e in shp["errors"]]
         lines.append("")
@@ -483,6 +477,19 @@ def _shape_table(shp: dict, methods: list[str], ms) -> list[str]:
             cells.append(f"{row['us']:.1f} µs ({100 * row['frac_copy']:.0f}%)" if row else "—")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _sweep_lines(shp: dict, fmt: str, m: int, top: int) -> list[str]:
+    """The ``top`` fastest sweep rows of a format at M tokens, one line each with its tile."""
+    rows = sorted((r for r in shp["sweep"] if r["fmt"] == fmt and r["M"] == m), key=lambda r: r["us"])
+    out = []
+    for r in rows[:top]:
+        c = r["config"]
+        out.append(f"- {fmt} M={m}: {r['us']:.1f} µs ({100 * r['frac_copy']:.0f}%) BLOCK_M={c['BLOCK_M']} "
+                   f"BLOCK_N={c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} warps={c['num_warps']} stages={c['num_stages']} "
+                   f"split={c['SPLIT_K']} decode={c.get('DECODE', 'default')} {'swap_ab' if c['SWAP_AB'] else 'tile'}"
+                   f"{'' if c.get('REPACKED', True) else ' natural-words'}")
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -513,14 +520,7 @@ def markdown(result: dict) -> str:
                              f"stages={c['num_stages']} split={c['SPLIT_K']}")
             for fmt in FORMATS:
                 for m in (1, 16):
-                    rows = sorted((r for r in shp["sweep"] if r["fmt"] == fmt and r["M"] == m), key=lambda r: r["us"])
-                    for r in rows[:5]:
-                        c = r["config"]
-                        lines.append(f"- {fmt} M={m}: {r['us']:.1f} µs ({100 * r['frac_copy']:.0f}%) BLOCK_N="
-                                     f"{c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} warps={c['num_warps']} "
-                                     f"stages={c['num_stages']} split={c['SPLIT_K']} decode={c.get('DECODE', 2)} "
-                                     f"{'swap_ab' if c['SWAP_AB'] else 'tile'}"
-                                     f"{'' if c.get('REPACKED', True) else ' natural-words'}")
+                    lines += _sweep_lines(shp, fmt, m, 5)
             lines.append("")
         if shp.get("errors"):
             lines += ["Errors:", ""] + [f"- {e}" for e in shp["errors"]] + [""]
