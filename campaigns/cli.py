@@ -273,8 +273,15 @@ def cmd_recheck(args) -> int:
         if not state["entries"]:
             print("recheck: no stale binding verdict")
         for e in state["entries"]:
-            print(f"{e['status']:<8} {e['lever']:<13} {e['stale']}  ->  vtcampaign run {' '.join(e['overrides'])}"
-                  f"{' ' + ' '.join(args.overrides) if args.overrides else ''}  ({'; '.join(e['why'])})")
+            took = f"~{e['took_s'] / 60:.1f} min" if e.get("took_s") else "time unknown"
+            print(f"{e['status']:<8} {e['lever']:<13} {e['stale']} ({took} last time)  ->  vtcampaign run "
+                  f"{' '.join(e['overrides'])}{' ' + ' '.join(args.overrides) if args.overrides else ''}  "
+                  f"({'; '.join(e['why'])})")
+        todo = [e for e in state["entries"] if e["status"] != "done"]
+        if todo:
+            known = [e["took_s"] for e in todo if e.get("took_s")]
+            print(f"{len(todo)} to run: ~{sum(known) / 60:.0f} min at their last durations"
+                  + (f" ({len(todo) - len(known)} unknown)" if len(known) < len(todo) else ""))
         return 0
 
     def run_one(overrides, on_start):

@@ -100,9 +100,20 @@ def save_state(out_dir: Path | str, state: dict) -> None:
     write_atomic(Path(out_dir) / STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
+def took_s(ev: Evidence) -> float | None:
+    """How long a campaign ran, from its start to its last leg's end (gates, servers and grid): what re-running it
+    should cost. None without timed legs."""
+    from datetime import datetime
+    ends = [leg.ended for leg in ev.legs if leg.ended]
+    if not ends or not ev.created:
+        return None
+    start, end = (datetime.fromisoformat(t.replace("Z", "+00:00")) for t in (ev.created, max(ends)))
+    return max(0.0, (end - start).total_seconds())
+
+
 def _entry(ev: Evidence, f: lever_context.Freshness, registry: dict) -> dict:
     return {"lever": ev.lever, "stale": ev.campaign_id, "why": f.reasons, "overrides": overrides_for(ev, registry),
-            "new": None, "status": "pending"}
+            "new": None, "status": "pending", "took_s": took_s(ev)}
 
 
 def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = None) -> dict:

@@ -51,6 +51,7 @@ def test_the_plan_lists_the_stale_verdicts_with_their_overrides(proj):
     # its candidate (on) is today's default: none left, so the campaign file's own arms (the flip of today's)
     assert entry["overrides"] == ["campaign=gqa_swap", "model=qwen3-8b", "model.quant=bf16"]
     assert recheck.load_state(proj / "records") == state
+    assert entry["took_s"] == 5.0               # created 10:00:00, its last leg ended 10:00:05
 
 
 def test_a_saved_plan_drops_what_is_fresh_now_and_adds_what_went_stale(proj):
