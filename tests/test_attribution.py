@@ -40,6 +40,27 @@ def test_cpu_trace_takes_wall_time_inside_each_kernels_range_less_nested_ranges(
                                                                "rms_norm": 30.0}
 
 
+def test_cpu_step_medians_keep_one_stall_out_of_the_kernel_that_grew():
+    """Three CPU steps: a planted slowdown doubles rms_norm in each; one 66 ms stall lands in rope once. The mean
+    per step names rope as what grew most, the per-step median names rms_norm."""
+    def trace(rms_us, stall_us):
+        events = []
+        for i in range(3):
+            t = 1000.0 * i * 100
+            events.append({"ph": "X", "cat": "user_annotation", "name": "vtengine_decode_step", "ts": t, "dur": 90000})
+            events.append({"ph": "X", "cat": "user_annotation", "name": "vt::rms_norm", "ts": t + 10, "dur": rms_us})
+            rope = 100.0 + (stall_us if i == 1 else 0.0)
+            events.append({"ph": "X", "cat": "user_annotation", "name": "vt::rope", "ts": t + 1000, "dur": rope})
+        return events
+    clean, faulted = trace(200.0, 0.0), trace(400.0, 66000.0)
+    marks = [e for e in faulted if e["name"] == "vtengine_decode_step"]
+    mean_growth = {k: attribution.group(faulted, 3, False)[k] - attribution.group(clean, 3, False)[k]
+                   for k in ("rms_norm", "rope")}
+    assert max(mean_growth, key=mean_growth.get) == "rope"
+    med_c, med_f = attribution.step_medians(clean, marks), attribution.step_medians(faulted, marks)
+    assert med_f == {"rms_norm": 400.0, "rope": 100.0} and med_c == {"rms_norm": 200.0, "rope": 100.0}
+
+
 def test_table_splits_the_measured_delta_and_says_what_is_left():
     base = {"batch": 8, "step_us": 1000.0, "kernels": {"decode_attention": 400.0, "dense_linear": 500.0},
             "unattributed_us": 100.0}
