@@ -325,4 +325,12 @@ def test_w4a16_mid_m_mechanism_gate_sees_decode_tiles_past_16_tokens():
         assert res.passed and res.self_check is True, res.details
     assert ctx.cache["mechanism:on"][0]["mid_tiles"] > 0
     assert ctx.cache["mechanism:off"][0]["mid_tiles"] == 0
+    # the op gate runs the ON arm's GEMM cases through the lever too: its M = 17 case takes the decode tiles
+    from vtengine import counters
+    assert op.setting_for("w4a16_gemm", "w4a16_mid_m", {"w4a16_mid_m": True})["mid"] is True
+    counters.reset()
+    res = run_gate("op", ctx, ctx.arms[1])
+    assert res.passed and res.self_check is True, res.details
+    mid = mechanism.probe("w4a16_mid_m", counters.snapshot())["mid_tiles"]
+    assert mid > 0, counters.snapshot().get("w4a16_gemm")
     ctx.release_engines()

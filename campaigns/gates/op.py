@@ -294,7 +294,7 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         return {"pdl": on("pdl"), "fused": on("fuse_silu")}
     if kernel == "w4a16_gemm":
         return {"dense": on("marlin_dense"), "pdl": on("pdl") or lever == "pdl_prefetch", "rot": on("w4a16_rot"),
-                "prefetch": on("pdl_prefetch")}
+                "prefetch": on("pdl_prefetch"), "mid": on("w4a16_mid_m")}
     if kernel == "dense_linear":
         # the pdl lever acts on the Triton GEMV only (cuBLAS ignores it): test it there
         return {"triton_gemv": on("triton_gemv") or lever == "pdl", "pdl": on("pdl")}
