@@ -29,11 +29,12 @@ from pathlib import Path
 from campaigns.config import CampaignConfigError, compose, options, settings
 from campaigns.evidence import EvidenceError, find_evidence, load_evidence
 from campaigns.gitops import GitOpsError
+from campaigns.recheck import RecheckError
 
 from vtengine.confdirs import ConfDirError
 from vtengine.levers import LeverError
 
-USER_ERRORS = (CampaignConfigError, EvidenceError, GitOpsError, ConfDirError, LeverError)
+USER_ERRORS = (CampaignConfigError, EvidenceError, GitOpsError, ConfDirError, LeverError, RecheckError)
 DEFAULT_OUT_DIR = "records/campaigns"
 DEFAULT_URI = "sqlite:///mlflow.db"
 
@@ -71,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     rc.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
     rc.add_argument("--restart", action="store_true", help="drop a saved plan and plan anew")
+    rc.add_argument("--frozen", action="store_true",
+                    help="work through the saved plan as it is (a copy without the repository's history, e.g. a "
+                         "GPU host, cannot judge freshness: plan where the history is, carry the plan there)")
     rd = sub.add_parser("render", help="rebuild records from evidence files")
     rd.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     rd.add_argument("--no-plots", action="store_true", help="skip grid.png")
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             flags = [x for x in extra if x.startswith("-")]
             if flags:
                 raise UsageError(f"unknown option(s) {flags} for {args.cmd}; accepted: --dry-run"
-                                 + (", --restart, --out-dir" if args.cmd == "recheck" else "")
+                                 + (", --restart, --frozen, --out-dir" if args.cmd == "recheck" else "")
                                  + ", and Hydra overrides key=value")
             if args.cmd == "run":
                 return cmd_run(list(args.overrides) + extra, args.dry_run)
@@ -269,7 +273,7 @@ def cmd_recheck(args) -> int:
     from campaigns import recheck
     from campaigns.runner import CampaignError, run_campaign
     if args.dry_run:
-        state = recheck.plan(args.out_dir, restart=args.restart)
+        state = recheck.plan(args.out_dir, restart=args.restart, frozen=args.frozen)
         if not state["entries"]:
             print("recheck: no stale binding verdict")
         for e in state["entries"]:
@@ -291,7 +295,7 @@ def cmd_recheck(args) -> int:
         except CampaignError as e:
             raise UsageError(str(e)) from None
     try:
-        recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart)
+        recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart, frozen=args.frozen)
     except KeyboardInterrupt:
         print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)
         return 130

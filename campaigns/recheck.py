@@ -11,7 +11,8 @@ limit) continues where it stopped, resuming the campaign in flight with ``resume
 A saved plan is checked against the verdicts each time it is loaded: a pending entry whose lever is FRESH again
 (a campaign run outside the plan measured it) is done, one still STALE takes its latest verdict's reasons and arms,
 and a lever gone STALE since (a flip merged meanwhile, a changed source file) joins the plan at the end, so a plan
-never re-runs what no longer needs it.
+never re-runs what no longer needs it. Freshness needs the repository's history (the campaigns' commits, the engine
+epochs): on a copy without it (a GPU host) run the plan made here with ``--frozen``.
 A FLIP found here changes no default until it is committed (``vtcampaign flip <id>``) and merged; after a merge,
 recheck again: the flip stales the verdicts it is live in.
 """
@@ -26,6 +27,10 @@ from campaigns.evidence import Evidence, find_evidence, load_evidence, write_ato
 from vtengine import confdirs
 
 STATE_FILE = ".recheck.json"
+
+
+class RecheckError(ValueError):
+    """A recheck that cannot start as asked (the message says why and what to do)."""
 
 
 def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
@@ -116,10 +121,21 @@ def _entry(ev: Evidence, f: lever_context.Freshness, registry: dict) -> dict:
             "new": None, "status": "pending", "took_s": took_s(ev)}
 
 
-def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = None) -> dict:
+def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = None, frozen: bool = False) -> dict:
     """The recheck state: the saved one while it has unfinished entries (unless ``restart``), brought up to date
     with today's verdicts (see the module docstring), else a new plan. ``root``: the repository the verdicts'
-    freshness is judged against (the installed project's by default)."""
+    freshness is judged against (the installed project's by default). ``frozen``: the saved plan as it is, for a
+    copy of the project without its git history (a GPU host), where every verdict's commit is unknown and so every
+    verdict would read STALE; it is an error when no saved plan has work left."""
+    if frozen:
+        if restart:
+            raise RecheckError("recheck: --frozen works through the saved plan; it cannot be combined with --restart")
+        state = load_state(out_dir)
+        if not any(e["status"] != "done" for e in state.get("entries", [])):
+            raise RecheckError(f"recheck --frozen: no saved plan with work left in {Path(out_dir) / STATE_FILE}; "
+                             "plan where the repository's history is (vtcampaign recheck --dry-run) and bring the "
+                             "file along")
+        return state
     from vtengine import levers
     registry = levers.registry()
     current = order(stale_verdicts(out_dir, root), out_dir, root)
@@ -142,11 +158,12 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
 
 
 def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Callable[[str], None]], Evidence],
-        restart: bool = False, echo: Callable[[str], None] = print, root: Path | str | None = None) -> dict:
+        restart: bool = False, echo: Callable[[str], None] = print, root: Path | str | None = None,
+        frozen: bool = False) -> dict:
     """Work through the plan: ``run_one(overrides, on_start)`` runs one campaign (on_start gets its id as soon as
     its evidence exists, so an interruption can resume it)."""
     out_dir = Path(out_dir)
-    state = plan(out_dir, restart, root)
+    state = plan(out_dir, restart, root, frozen)
     if not state["entries"]:
         echo("recheck: no stale binding verdict")
         return state

@@ -106,3 +106,20 @@ def test_a_run_works_through_the_plan_and_resumes_the_campaign_it_was_stopped_in
     assert calls[1][-2:] == ["tracking=off", f"resume=2026-12-01-{first}-new"]     # the interrupted one resumed
     assert all(e["status"] == "done" and e["verdict"] == "FLIP" for e in state["entries"])
     assert len(calls) == 3
+
+
+def test_frozen_works_through_the_saved_plan_as_it_is(proj, capsys):
+    """--frozen (a GPU host's copy has no git history, so every verdict there would read STALE): the saved plan
+    runs as it is, even a lever FRESH now; with no plan left it is a one-line error that says what to do."""
+    from campaigns.cli import main
+    out = proj / "records"
+    with pytest.raises(recheck.RecheckError, match="no saved plan with work left"):
+        recheck.plan(out, frozen=True)
+    assert main(["recheck", "--frozen", "--out-dir", str(out)]) == 2
+    assert "no saved plan with work left" in capsys.readouterr().err
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    saved = recheck.plan(out, root=proj)
+    verdict(proj, "gqa_swap", "2026-12-01T10:00:00Z")                # FRESH now: an up-to-date plan drops it
+    assert recheck.plan(out, frozen=True) == saved
+    with pytest.raises(recheck.RecheckError, match="cannot be combined with --restart"):
+        recheck.plan(out, restart=True, frozen=True)
