@@ -128,12 +128,9 @@ class LLMEngine:
                                                                      self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_seq_tokens)
-        self.set_step_levers(self.levers)
-        # the lever chunk_graphs: graphs for full chunks of chunked_prefill's N (captured at build, so the lever
-        # and N are read here; a step re-resolved to chunk_graphs off, or to another N, runs eagerly)
-        chunk_graph_tokens = self.scheduler.prefill_chunk if self.levers.on("chunk_graphs") else None
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len,
-                                  self.max_num_seqs, config.cuda_graphs, chunk_graph_tokens)
+                                  self.max_num_seqs, config.cuda_graphs)
+        self.set_step_levers(self.levers)       # after the runner: chunk_graphs captures its graphs there
         self.blocks_per_seq = blocks_per_seq
         self.seqs: dict[str, Sequence] = {}
         self.fault = None                   # a deliberate fault of a gate's self-check (vtengine/faults.py)
@@ -216,13 +213,13 @@ class LLMEngine:
         return None
 
     def set_step_levers(self, resolved) -> None:
-        """Apply the levers that shape steps (chunked_prefill, mixed_steps, chunk_graphs) from resolved lever values; the
-        backends read their levers per call, the scheduler holds these two (a gate that re-resolves the levers of
-        a built engine calls this too, so an inert or stuck lever really is one)."""
+        """Apply the levers that shape steps from resolved lever values: the backends read their levers per call, the
+        scheduler holds chunked_prefill and mixed_steps, the runner chunk_graphs (captured for chunked_prefill's N
+        when new). A gate that re-resolves the levers of a built engine calls this too, so an inert or stuck lever
+        really is one."""
         self.scheduler.prefill_chunk = int(resolved.chunked_prefill) if resolved.on("chunked_prefill") else None
         self.scheduler.mixed_steps = resolved.on("mixed_steps")
-        if getattr(self, "runner", None) is not None:     # built: chunk graphs follow the levers (captured if new)
-            self.runner.set_chunk_graphs(self.scheduler.prefill_chunk if resolved.on("chunk_graphs") else None)
+        self.runner.set_chunk_graphs(self.scheduler.prefill_chunk if resolved.on("chunk_graphs") else None)
 
     # -- one step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -72,7 +72,7 @@ class ChunkGraphs:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, cuda_graphs: bool, chunk_graph_tokens: int | None = None):
+                 max_num_seqs: int, cuda_graphs: bool):
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
         self.device, self.dtype = model.device, model.dtype
         cfg = model.cfg
@@ -101,7 +101,6 @@ class ModelRunner:
         # the CPU as static buffers run eagerly
         self.can_capture = self.use_graphs or self.device.type != "cuda"
         self.max_num_seqs = max_num_seqs
-        self.set_chunk_graphs(chunk_graph_tokens)
 
     # -- inputs -----------------------------------------------------------------------------------------------
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
