@@ -64,6 +64,9 @@ class ChunkGraphs:
     decode_tables: torch.Tensor         # [max_decode, max_blocks] int32, 0 on padded rows
     steps: dict = field(default_factory=dict)      # bs -> torch.cuda.CUDAGraph, or a callable on the CPU
     out: dict = field(default_factory=dict)        # bs -> logits [1 + bs, vocab]
+    # bs -> the AttnContext captured into steps[bs]: it owns tensors made for it (cu_seqlens_q, last_token_idx) that
+    # a graph reads by address, so it lives as long as the graph (freed, their memory is reused under the replay)
+    ctxs: dict = field(default_factory=dict)
 
     @property
     def max_decode(self) -> int:
@@ -278,7 +281,7 @@ class ModelRunner:
         cu = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
         pool = self.graph_pool
         for bs in sorted(sizes, reverse=True):
-            ctx = AttnContext(
+            ctx = cg.ctxs[bs] = AttnContext(
                 is_prefill=True, slot_mapping=cg.slots[:chunk + bs], context_lens=cg.context_len,
                 block_tables=cg.block_table, cu_seqlens_q=cu,
                 last_token_idx=torch.arange(chunk - 1, chunk + bs, dtype=torch.int64, device=dev),
