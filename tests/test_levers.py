@@ -13,7 +13,7 @@ from vtengine.levers import LeverError
 
 
 def test_the_defaults_are_the_files_and_the_flips_that_landed():
-    # gqa_swap, marlin_dense, w4a16_rot and the two async levers were flipped on by their FLIP campaigns (merges
+    # gqa_swap, marlin_dense, w4a16_rot, triton_gemv and the two async levers were flipped on by their FLIP campaigns (merges
     # of row/<lever>-flip); the rest are off
     reg = levers.registry()
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "fast_math", "fuse_silu",
@@ -26,12 +26,12 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                         "fast_math": False, "fuse_silu": False,
                         "gqa_swap": True, "marlin_dense": True, "mixed_steps": False, "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False,
-                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": False, "w4a16_mid_m": False,
+                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": False,
                         "w4a16_rot": True}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
     assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "gqa_swap",
-                                                  "marlin_dense", "w4a16_rot"]
+                                                  "marlin_dense", "triton_gemv", "w4a16_rot"]
 
 
 def test_resolution_order_config_over_env_over_default():
