@@ -315,8 +315,8 @@ def test_chunk_graphs_mechanism_gate_sees_full_chunks_replayed():
 
 
 def test_w4a16_mid_m_mechanism_gate_sees_decode_tiles_past_16_tokens():
-    """24 prompts decode together: only the ON arm's W4A16 launches of 17-24 tokens take the swap-AB decode tiles
-    (the interpreter runs them at tiny shapes); the inert candidate and the stuck baseline are caught."""
+    """24 prompts decode together: only the ON arm's W4A16 launches of 17-24 tokens take the mid-M tiles (the
+    interpreter runs them at tiny shapes); the inert candidate and the stuck baseline are caught."""
     ctx = GateContext(lever="w4a16_mid_m", arms=[Arm("off", False, "baseline"), Arm("on", True, "candidate")],
                       model="tiny", quant="mxfp4", device="cpu", gate_cfg=OmegaConf.create(GATE_CFG),
                       near_tie_max_mnats=500.0)
@@ -325,7 +325,7 @@ def test_w4a16_mid_m_mechanism_gate_sees_decode_tiles_past_16_tokens():
         assert res.passed and res.self_check is True, res.details
     assert ctx.cache["mechanism:on"][0]["mid_tiles"] > 0
     assert ctx.cache["mechanism:off"][0]["mid_tiles"] == 0
-    # the op gate runs the ON arm's GEMM cases through the lever too: its M = 17 case takes the decode tiles
+    # the op gate runs the ON arm's GEMM cases through the lever too: its M = 17 case takes the mid-M tiles
     from vtengine import counters
     assert op.setting_for("w4a16_gemm", "w4a16_mid_m", {"w4a16_mid_m": True})["mid"] is True
     counters.reset()

@@ -88,20 +88,25 @@ def test_split_k_and_explicit_tiles():
 
 @pytest.mark.parametrize("m", [17, 33, 64, 100])
 def test_mid_m_decode_tiles_match_the_reference(m):
-    """The lever w4a16_mid_m: 16 < M <= 128 takes swap-AB tiles with the tokens padded to 32, 64 or 128, split-K
-    over the W rows' programs, instead of the prefill tiles (poisoned output, against the fp64 reference)."""
+    """The lever w4a16_mid_m: 16 < M <= 128 leaves the prefill tiles for tiles that fill the SMs (swap-AB tiles
+    padded to 32 or 128 tokens, or 64-token plain tiles with split-K), and computes the product (poisoned output,
+    against the fp64 reference)."""
     gen, seed = fresh_generator()
     x, q = make_case(m, 48, 192, "mxfp4", gen)
     cfg = w4a16.dense_config(m, 4096, 4096, "mxfp4", mid=True)
-    assert cfg["SWAP_AB"] and cfg["BLOCK_M"] == max(32, 1 << (m - 1).bit_length()) >= m, cfg
-    assert cfg["SPLIT_K"] > 1                  # N = 4,096: 128 programs of 32 rows, split for ~3.5 per SM
-    assert not w4a16.dense_config(m, 4096, 4096, "mxfp4")["SWAP_AB"]        # lever off: the prefill tiles
-    assert not w4a16.dense_config(129, 4096, 4096, "mxfp4", mid=True)["SWAP_AB"]
+    want = {17: (32, True), 33: (64, False), 64: (64, False), 100: (128, True)}[m]
+    assert (cfg["BLOCK_M"], cfg["SWAP_AB"]) == want and cfg["BLOCK_M"] >= min(m, 64), cfg
+    assert cfg["SPLIT_K"] > 1                  # N = 4,096: too few programs to fill 132 SMs without a split
+    prefill = w4a16.dense_config(m, 4096, 4096, "mxfp4")                     # lever off: the prefill tiles
+    assert not prefill["SWAP_AB"] and prefill["SPLIT_K"] == 1 and prefill["BLOCK_N"] == 128
+    assert w4a16.dense_config(129, 4096, 4096, "mxfp4", mid=True) == w4a16.dense_config(129, 4096, 4096, "mxfp4")
+    # where the prefill tiles already fill the SMs past 64 tokens (gate_up's N = 24,576), the lever keeps them
+    assert w4a16.dense_config(100, 24576, 4096, "mxfp4", mid=True) == w4a16.dense_config(100, 24576, 4096, "mxfp4")
     counters.reset()
     err = rel_l2(run(x, q, True, mid=True), reference(x, q))
     assert err < BOUND[x.dtype], f"seed {seed} M={m}: rel L2 {err:.3e}"
     (variant,) = counters.snapshot()["w4a16_gemm"]["dense"]["variants"]
-    assert variant.startswith(f"('mxfp4', {cfg['BLOCK_M']},") and "swap_ab" in variant
+    assert variant.startswith(f"('mxfp4', {cfg['BLOCK_M']},") and ("swap_ab" in variant) == cfg["SWAP_AB"]
 
 
 def test_every_mid_m_sweep_variant_computes_the_product():
@@ -113,6 +118,8 @@ def test_every_mid_m_sweep_variant_computes_the_product():
     ref = reference(x, q)
     variants = mid_variants(64, 4096, 4096, "mxfp4")
     assert len(variants) >= 20 and {v["SWAP_AB"] for v in variants} == {True, False}
+    own = w4a16.dense_config(64, 4096, 4096, "mxfp4", mid=True)
+    assert {k: v for k, v in own.items() if k != "TILES"} in variants              # the lever's own tile
     for cfg in variants:
         cfg = dict(cfg, SPLIT_K=min(cfg["SPLIT_K"], 1024 // cfg["BLOCK_K"] // 2 or 1))
         err = rel_l2(run(x, q, True, config=cfg), ref)

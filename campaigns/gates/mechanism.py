@@ -59,9 +59,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         from vtengine.kernels.w4a16 import DECODE_NAMES
         return {"decodes": sorted({d for v in _variants(snap, "w4a16_gemm") for d in DECODE_NAMES.values()
                                    if f"'{d}'" in v})}
-    if lever == "w4a16_mid_m":      # swap-AB launches whose token tile is past 16 (the variant's BLOCK_M)
+    if lever == "w4a16_mid_m":      # launches that took the mid-M tiles (the variant's tile family, dense_config)
         return {"mid_tiles": sum(n for st in snap.get("w4a16_gemm", {}).values() for v, n in st["variants"].items()
-                                 if "'swap_ab'" in v and int(v.split(",")[1]) > 16)}
+                                 if "'mid'" in v)}
     if lever == "nsplits_cap":
         return {"splits": _splits(snap, "decode_attention"), "caps": _routes(snap, "decode_splits"),
                 "split_vs_uncapped": [f"{s}/{u}" for s, u in _split_pairs(snap)],
@@ -132,7 +132,7 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "chunk_graphs":
         return _some_or_none(pr["chunk_steps"], value, "full prefill chunks replayed from captured graphs")
     if lever == "w4a16_mid_m":
-        return _some_or_none(pr["mid_tiles"], value, "W4A16 launches of 17-128 tokens took the swap-AB decode tiles")
+        return _some_or_none(pr["mid_tiles"], value, "W4A16 launches of 17-128 tokens took the mid-M tiles")
     if lever == "chunked_prefill":
         from vtengine.levers import OFF_VALUES
         want = ["prefill_first"] if value in OFF_VALUES else [f"chunk={value}"]

@@ -364,22 +364,23 @@ def precompile(shapes, sweep: bool, workers: int = 15) -> list:
 
 
 MID_MS = (24, 32, 64, 128)      # decode batches past 16 (the lever w4a16_mid_m)
-SWEEP_MID_M = 64                # --mid --sweep: the tiles around the lever's at this M, MXFP4 (~26 per shape)
+SWEEP_MID_MS = (64, 128)        # --mid --sweep: the tiles around the lever's at these M, MXFP4 (~30 per shape and M)
 
 
 def mid_variants(m: int, n: int, k: int, fmt: str) -> list:
-    """Around the lever w4a16_mid_m's tile at M tokens: W rows per program, K step, warps, stages, split; and
-    the prefill-style tile (A @ W^T) with split-K, the other way to fill the SMs."""
+    """Tiles for M tokens past 16: swap-AB tiles with the tokens padded to a power of two (W rows per program, K
+    step, warps, stages; split for ~3.5 programs per SM), and plain tiles (A @ W^T) of 32 or 64 tokens with split-K
+    1, 2 or 4, the other way to fill the SMs. The lever w4a16_mid_m's own tile is among them."""
     from vtengine.kernels import w4a16
-    base = w4a16.dense_config(m, n, k, fmt, mid=True)
-    out = [dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st,
+    bm = max(32, 1 << (m - 1).bit_length())
+    out = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st, SWAP_AB=True,
                 SPLIT_K=w4a16._swap_split(n, k, bn, bk, w4a16.H200_SMS))
            for bn in (32, 64) for bk in (128, 256) for nw in (2, 4, 8) for st in (2, 3)
-           if bn * bk * base["BLOCK_M"] <= 64 * 256 * 128 and not (bn == 64 and nw == 2)]
-    for bm in sorted({32, min(64, base["BLOCK_M"])}):
+           if bn * bk * bm <= 64 * 256 * 128 and not (bn == 64 and nw == 2)]
+    for tm in (32, 64):
         for split in (1, 2, 4):
             if k % (128 * split) == 0:
-                out.append(dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SWAP_AB=False, num_warps=4,
+                out.append(dict(BLOCK_M=tm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, SWAP_AB=False, num_warps=4,
                                 num_stages=3))
     return out
 
@@ -387,7 +388,7 @@ def mid_variants(m: int, n: int, k: int, fmt: str) -> list:
 def bench_mid(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> dict:
     """MXFP4 and NVFP4 at decode batches of 24-128 tokens: the dense route's prefill tiles (the lever w4a16_mid_m
     off), its decode tiles (on), the grouped route and cuBLAS bf16; with ``sweep``, the tiles around the lever's
-    (mid_variants) for MXFP4 at SWEEP_MID_M. The rotation layout (default on) in every W4A16 row."""
+    (mid_variants) for MXFP4 at SWEEP_MID_MS. The rotation layout (default on) in every W4A16 row."""
     from vtengine import quant
     from vtengine.kernels import w4a16
     res = {"K": k, "N": n, "name": SHAPE_NAMES.get((k, n), ""), "checks": {}, "rows": [], "sweep": [], "errors": []}
@@ -418,7 +419,7 @@ def bench_mid(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> dic
                 r = _try(errs, f"{fmt} {label} M={m}", lambda: timed(**kw))
                 if r:
                     res["rows"].append(dict(method=f"{fmt}_{label}", M=m, us=r[0], frac_copy=r[1]))
-            if sweep and fmt == "mxfp4" and m == SWEEP_MID_M:
+            if sweep and fmt == "mxfp4" and m in SWEEP_MID_MS:
                 for cfg in mid_variants(m, n, k, fmt):
                     r = _try(errs, f"sweep {fmt} M={m} {cfg}", lambda: timed(cfg))
                     if r:
@@ -443,8 +444,8 @@ def mid_markdown(result: dict) -> str:
     methods = [f"{f}_{r}" for f in FORMATS for r in ("dense", "dense_mid", "grouped")] + ["cublas_bf16"]
     lines = [f"# W4A16 at decode batches of 24-128 tokens — {env['device']} ({env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}; copy bandwidth {result['copy_gbs']:.0f} GB/s. `dense`: "
-             "the dense route's tiles with the lever w4a16_mid_m off (prefill tiles), `dense_mid`: on (swap-AB "
-             "decode tiles, split-K); rotation layout on. Cells: median µs per call (CUDA graph over rotating weight "
+             "the dense route's tiles with the lever w4a16_mid_m off (prefill tiles), `dense_mid`: on (its mid-M "
+             "tiles, split-K: see dense_config); rotation layout on. Cells: median µs per call (CUDA graph over rotating weight "
              "sets) and bytes moved as % of copy bandwidth.", ""]
     for shp in result["shapes"]:
         lines += _shape_table(shp, methods, MID_MS)

@@ -488,38 +488,59 @@ def _swap_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
     return next((d for d in splits if programs * d >= 3.5 * num_sms), splits[-1])
 
 
+def _tile_split(programs: int, k: int, block_k: int, num_sms: int) -> int:
+    """Split-K for the mid-M plain tiles: the largest count up to 4 (dividing the K steps evenly, >= 2 steps each)
+    that keeps the grid within about 3 programs per SM."""
+    k_steps = triton.cdiv(k, block_k)
+    splits = [d for d in (1, 2, 4) if k_steps % d == 0 and k_steps // d >= 2] or [1]
+    return max([d for d in splits if programs * d <= 3 * num_sms] or [1])
+
+
 def dense_config(m: int, n: int, k: int, fmt: str, num_sms: int = H200_SMS, mid: bool = False) -> dict:
     """Tiles of the dense route (lever ON), from the H200 sweeps in bench/results/w4a16-*.md.
 
     M <= 16: swap-AB GEMV tiles: 32 rows of W per 2-warp program (mma.sync; 64-row wgmma tiles measured 2-3x
     slower: their register-A operand serializes), the tokens padded to 8 or 16 (the MMA's N side: padding costs
     MMA and A-tile work, not W bytes), split-K until there are about 3.5 programs per SM, with split counts that
-    divide the K steps evenly. M > 16: prefill tiles, or with ``mid`` (the lever w4a16_mid_m) and M <= MID_M the
-    same swap-AB tiles with the tokens padded to 32, 64 or 128 (4 warps past 32; K steps of 128 past 32 tokens so
-    the A tiles of 3 stages stay within shared memory). Without it a decode step of 17-128 sequences takes the
-    prefill tiles: at N = 4,096 that is 32-64 programs for 132 SMs, no split, each walking the whole K."""
+    divide the K steps evenly. M > 16: the prefill tiles (128 W rows per program, no split: at N = 4,096 that is
+    32-64 programs for 132 SMs, each walking the whole K), unless ``mid`` (the lever w4a16_mid_m) and M <= MID_M,
+    as measured at Qwen3-8B's four projections (w4a16-mid-NVIDIA_H200-2026-12-02): up to 32 tokens the swap-AB
+    tiles with the tokens padded to 32 (2.1-5.3x the prefill tiles); up to 64 a plain 64 x 64 tile with split-K up
+    to ~3 programs per SM (20-37% faster than swap-AB tiles padded to 64, and than the prefill tiles on gate_up,
+    whose N already fills the SMs); past 64 the swap-AB tiles padded to 128 where the prefill tiles would leave SMs
+    idle (qkv, o, down: 1.2-2.1x), else the prefill tiles (gate_up: swap-AB tiles were 1.7x slower)."""
     if m <= 16:
         block_n, block_k = 32, 256
         return dict(BLOCK_M=8 if m <= 8 else 16, BLOCK_N=block_n, BLOCK_K=block_k,
-                    SPLIT_K=_swap_split(n, k, block_n, block_k, num_sms), SWAP_AB=True, num_warps=2, num_stages=3)
-    if mid and m <= MID_M:
-        block_m = max(32, triton.next_power_of_2(m))
-        block_n, block_k = 32, 256 if block_m == 32 else 128
-        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                    SPLIT_K=_swap_split(n, k, block_n, block_k, num_sms), SWAP_AB=True,
-                    num_warps=2 if block_m == 32 else 4, num_stages=3)
+                    SPLIT_K=_swap_split(n, k, block_n, block_k, num_sms), SWAP_AB=True, num_warps=2, num_stages=3,
+                    TILES="decode")
     block_m = 64 if m <= 64 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False,
-                num_warps=4 if block_m == 64 else 8, num_stages=3)
+    prefill = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False,
+                   num_warps=4 if block_m == 64 else 8, num_stages=3, TILES="prefill")
+    if not mid or m > MID_M:
+        return prefill
+    if 32 < m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=_tile_split(triton.cdiv(n, 64), k, 128, num_sms),
+                    SWAP_AB=False, num_warps=4, num_stages=3, TILES="mid")
+    if m > 64 and triton.cdiv(n, 128) >= num_sms:          # the prefill tiles fill the SMs already
+        return prefill
+    block_m = 32 if m <= 32 else 128
+    block_n, block_k = 32, 256 if block_m == 32 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                SPLIT_K=_swap_split(n, k, block_n, block_k, num_sms), SWAP_AB=True,
+                num_warps=2 if block_m == 32 else 4, num_stages=3, TILES="mid")
 
 
 def grouped_config(m: int, n: int, k: int, fmt: str, num_sms: int = H200_SMS) -> dict:
     """Tiles of the grouped route (lever OFF), as a tuned fused-MoE kernel picks them for one expert."""
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4,
+                    TILES="grouped")
     if m <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=4,
+                    TILES="grouped")
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=3,
+                TILES="grouped")
 
 
 def _interpreter_config(cfg: dict, k: int, block: int) -> dict:
@@ -727,6 +748,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
                     variant=(qweight.fmt, bm, bn, bk, split, "swap_ab" if cfg["SWAP_AB"] else "tile",
-                             DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3))
+                             DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3),
+                             cfg.get("TILES", "custom"))
                     + (("silu_mul",) if silu_mul else ()))
     return y
