@@ -10,7 +10,8 @@ from campaigns.config import CampaignConfigError, compose, options
 from campaigns.evidence import save_evidence
 from helpers import TPUT_WIN, make_evidence
 
-CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "fast_math", "fuse_silu", "gqa_swap",
+CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "decode_wave_grid",
+             "fast_math", "fuse_silu", "gqa_swap",
              "marlin_dense",
              "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack", "split_rule", "triton_gemv",
              "w4a16_mid_m", "w4a16_rot"]

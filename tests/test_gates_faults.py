@@ -314,6 +314,26 @@ def test_chunk_graphs_mechanism_gate_sees_full_chunks_replayed():
     ctx.release_engines()
 
 
+def test_decode_wave_grid_mechanism_gate_sees_fewer_programs_than_slots(monkeypatch):
+    """On a virtual 16-SM machine the count rule splits tiny's decode: only the ON arm launches fewer programs than
+    slots, and the inert candidate and the stuck baseline are caught. On the default 2-SM interpreter nothing
+    splits, so the lever is inert there and the gate says so (a CPU rehearsal of it is INVALID, honestly)."""
+    from vtengine.backends import triton_backend
+    monkeypatch.setattr(triton_backend, "INTERPRETER_SMS", 16)
+    ctx = context(lever="decode_wave_grid")
+    for arm in ctx.arms:
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    assert ctx.cache["mechanism:on"][0]["fewer_than_slots"] > 0
+    assert ctx.cache["mechanism:off"][0]["fewer_than_slots"] == 0
+    ctx.release_engines()
+    monkeypatch.setattr(triton_backend, "INTERPRETER_SMS", 2)
+    ctx = context(lever="decode_wave_grid")
+    res = run_gate("mechanism", ctx, ctx.arms[1])
+    assert not res.passed and "fewer programs than slots" in res.details["why"], res.details
+    ctx.release_engines()
+
+
 def test_w4a16_mid_m_mechanism_gate_sees_decode_tiles_past_16_tokens():
     """24 prompts decode together: only the ON arm's W4A16 launches of 17-24 tokens take the mid-M tiles (the
     interpreter runs them at tiny shapes); the inert candidate and the stuck baseline are caught."""

@@ -407,6 +407,34 @@ def test_decode_count_rule_skips_empty_slices(poisoned_partials):
     assert err < BOUND[torch.float32], f"rel L2 {err:.3e}, seed {seed}"
 
 
+@pytest.mark.parametrize("gqa_swap", [False, True], ids=["per_q_head", "gqa_swap"])
+def test_decode_wave_grid_launches_fewer_programs_for_the_same_bits(gqa_swap, poisoned_partials):
+    """The lever decode_wave_grid: under the count rule a batch of 4 gets about one wave of programs per (sequence,
+    head), fewer than the slots, each walking several slices; the output is bitwise the slot-per-program one and
+    matches the reference. The counters say how many programs ran against how many slots."""
+    gen, seed = fresh_generator()
+    s = DECODE_SHAPE
+    lens = [1, 21, 38, 70]
+    kc, vc, bt, ctx = make_paged(lens, s["hkv"], s["d"], s["page"], torch.float32, gen)
+    q = make_q(len(lens), s["hq"], s["d"], torch.float32, gen)
+    heads = s["hkv"] if gqa_swap else s["hq"]
+
+    def run(wave_grid):
+        counters.reset()
+        out = attn.decode_attention(q, kc, vc, bt, ctx, 0.25, gqa_swap=gqa_swap, max_context_len=400, num_sms=16,
+                                    tiles=TINY_TILES, out=poisoned(q), wave_grid=wave_grid)
+        return out, counters.snapshot()["decode_grid"]
+    slots_out, slots_grid = run(False)
+    wave_out, wave_grid = run(True)
+    (slots_variant,), (wave_variant,) = slots_grid["slots"]["variants"], wave_grid["wave"]["variants"]
+    programs, slots = map(int, wave_variant.split("/"))
+    assert slots_variant == f"{slots}/{slots}" and slots > 1, slots_grid
+    assert programs == splits.wave_programs(len(lens), heads, 16 * TINY_TILES.programs_per_sm) < slots, wave_grid
+    assert torch.equal(wave_out, slots_out), f"the wave grid changed bits, seed {seed}"
+    err = rel_l2(wave_out, ref_decode(q, kc, vc, bt, ctx, 0.25))
+    assert err < BOUND[torch.float32], f"rel L2 {err:.3e}, seed {seed}"
+
+
 def test_decode_split_rule_counters_and_errors():
     gen, _ = fresh_generator()
     s = DECODE_SHAPE

@@ -66,6 +66,10 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"splits": _splits(snap, "decode_attention"), "caps": _routes(snap, "decode_splits"),
                 "split_vs_uncapped": [f"{s}/{u}" for s, u in _split_pairs(snap)],
                 "grids": _grids(snap, "decode_attention")}
+    if lever == "decode_wave_grid":     # launches whose grid held fewer programs than slots ("programs/slots")
+        fewer = sum(n for st in snap.get("decode_grid", {}).values() for v, n in st["variants"].items()
+                    if int(v.split("/")[0]) < int(v.split("/")[1]))
+        return {"grids": _routes(snap, "decode_grid"), "fewer_than_slots": fewer}
     if lever == "split_rule":
         return {"rules": _routes(snap, "decode_split_rule"), "floors": _variants(snap, "decode_split_rule"),
                 "grids": _grids(snap, "decode_attention")}
@@ -121,6 +125,11 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         want = ["bf16_rot"] if value else ["bf16_asm"]
         return pr["decodes"] == want, (f"w4a16_gemm decodes {pr['decodes']}, expected {want} (the PTX decodes run on "
                                        "a GPU only: the interpreter and MXFP4 scales above 2**1 take 'wide')")
+    if lever == "decode_wave_grid":
+        want = ["wave"] if value else ["slots"]
+        ok, why = _some_or_none(pr["fewer_than_slots"], value, "decode attention launches with fewer programs "
+                                                                   "than slots (the count rule split nothing here?)")
+        return ok and pr["grids"] == want, f"decode attention grids {pr['grids']}, expected {want}; {why}"
     if lever == "split_rule":
         want = [str(value)]
         return pr["rules"] == want, f"decode split rules {pr['rules']} (slice floors {pr['floors']}), expected {want}"

@@ -287,7 +287,7 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         return v not in OFF_VALUES
     if kernel == "decode_attention":
         return {"gqa_swap": on("gqa_swap"), "nsplits_cap": values.get("nsplits_cap", "off") or "off",
-                "fast_math": on("fast_math"), "pdl": on("pdl")}
+                "fast_math": on("fast_math"), "pdl": on("pdl"), "wave_grid": on("decode_wave_grid")}
     if kernel == "prefill_attention":
         return {"gqa_pack": on("prefill_gqa_pack"), "fast_math": on("fast_math")}
     if kernel == "silu_mul":

@@ -78,6 +78,7 @@ class TritonBackend(TorchBackend):
                                           gqa_swap=self.levers.on("gqa_swap"),
                                           nsplits_cap=self.levers.nsplits_cap,
                                           split_rule=self.levers.split_rule,
+                                          wave_grid=self.levers.on("decode_wave_grid"),
                                           fast_math=self.levers.on("fast_math"), pdl=self.levers.on("pdl"))
 
     def _w4a16_levers(self) -> dict:

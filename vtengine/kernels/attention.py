@@ -52,7 +52,7 @@ import torch
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.splits import parse_cap, parse_split_rule, sm_count, split_plan
+from vtengine.kernels.splits import parse_cap, parse_split_rule, sm_count, split_plan, wave_programs
 
 import triton  # noqa: E402  (after vtengine.kernels: it sets TRITON_INTERPRET on CPU hosts)
 import triton.language as tl  # noqa: E402
@@ -702,7 +702,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_sms: int | None = None,
                      tiles: Tiles | None = None, out: torch.Tensor | None = None,
                      fused_merge: bool = True, pdl: bool = False, split_rule: str = "off",
-                     grid_splits: int | None = None) -> torch.Tensor:
+                     grid_splits: int | None = None, wave_grid: bool = False) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, D] attends to its whole cached context; returns [B, Hq, D].
 
     gqa_swap:        route, see the module docstring.
@@ -713,6 +713,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits:      force the slot count under "count" (tests, benches); None = the heuristic under nsplits_cap.
     grid_splits:     force the programs per (sequence, grid head) (tests, benches); it never changes the result,
                      only which program computes which slice. None = the split rule's choice.
+    wave_grid:       the lever decode_wave_grid: under the "count" rule, about one wave of programs per launch
+                     (splits.wave_programs) instead of one per slot; "len<L>" sizes its grid so already.
     num_sms:         the SM count the split heuristic assumes (None: the device's); the engine passes a small
                      virtual count under the CPU interpreter, which walks every program one by one.
     max_context_len: host-side upper bound on context_lens that sizes the heuristic; None = the block table's
@@ -758,6 +760,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         variant=f"{programs}/{plan.uncapped}")
         counters.record("decode_split_rule", "off" if rule == "count" else f"len{_length}", splits=num_splits,
                         variant=f"min_split={min_split}")
+        if wave_grid and rule == "count":
+            programs = min(programs, wave_programs(bsz, grid_heads, wave))
+        # the mechanism gate's proof of decode_wave_grid: programs per (sequence, grid head) launched / slots
+        counters.record("decode_grid", "wave" if wave_grid else "slots", splits=programs,
+                        variant=f"{programs}/{num_splits}")
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"decode_attention: num_splits {num_splits!r} must be a positive integer (or None)")
     elif rule == "length":

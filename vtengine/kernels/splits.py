@@ -144,6 +144,12 @@ class SplitPlan(tuple):
     uncapped = property(lambda self: self[3])
 
 
+def wave_programs(batch: int, grid_heads: int, wave: int) -> int:
+    """Programs per (sequence, grid head) that fill about one wave: cdiv(wave, batch x heads), at least 1. Which
+    program walks which slice changes no bit, so this may follow the batch."""
+    return max(1, _ceil_div(wave, max(1, batch * grid_heads)))
+
+
 @lru_cache(maxsize=4096)
 def split_plan(split_rule, nsplits_cap, grid_heads: int, batch: int, bound: int, block_n: int, wave: int) -> SplitPlan:
     """The split decode of one launch. ``grid_heads``: programs per sequence without splits (q heads, or kv heads
@@ -159,7 +165,7 @@ def split_plan(split_rule, nsplits_cap, grid_heads: int, batch: int, bound: int,
         return SplitPlan(slots, min_split, slots, decode_num_splits(grid_heads, slices, "off", num_sms=wave))
     min_split = _ceil_div(length, block_n) * block_n
     slots = _ceil_div(bound, min_split)
-    uncapped = min(slots, max(1, _ceil_div(wave, max(1, batch * grid_heads))))
+    uncapped = min(slots, wave_programs(batch, grid_heads, wave))
     cap = parse_cap(nsplits_cap)
     if cap == "off":
         programs = uncapped
