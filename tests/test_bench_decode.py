@@ -404,6 +404,32 @@ def test_variants_parse_and_run_beside_the_base(tmp_path, cpu_stand_ins):
     assert "| tiny | bf16 | fast_math=on | 1 |" in md and "variant `fast_math=on`" in md
 
 
+def test_rounds_alternate_the_variants_on_fresh_engines(tmp_path, cpu_stand_ins):
+    """--rounds 3: base, variant, then variant, base, then base, variant again, each on an engine built for it; every
+    timing keeps its round, the profile runs once, and the markdown's rounds table shows each median, its range and
+    the base's median over the variant's, from the JSON's figures."""
+    built = []
+    build = engine_timing.build_llm
+    cpu_stand_ins.setattr(engine_timing, "build_llm", lambda *a, **k: built.append(a[3]) or build(*a, **k))
+    argv = ["--models", "tiny:bf16", "--batches", "1", "--prompt-len", "16", "--gen-len", "8", "--profile",
+            "--profile-steps", "2", "--variant", "fast_math=on", "--rounds", "3"]
+    assert decode.main(str(tmp_path / "res"), argv) == 0
+    assert [lv.get("fast_math") for lv in built] == [None, "on", "on", None, None, "on"]
+    [path] = (tmp_path / "res").glob("decode-*.json")
+    res = json.loads(path.read_text())
+    assert [(r["variant"], r["round"]) for r in res["engine"]] == [
+        ("base", 0), ("fast_math=on", 0), ("fast_math=on", 1), ("base", 1), ("base", 2), ("fast_math=on", 2)]
+    assert [p["variant"] for p in res["profiles"]] == ["base", "fast_math=on"]        # first round only
+    ms = {v: sorted(r["ms_per_step"] for r in res["engine"] if r["variant"] == v) for v in ("base", "fast_math=on")}
+    md = path.with_suffix(".md").read_text()
+    [_, rounds_table] = md_tables(md, "| model |")
+    rows = {row["variant"]: row for row in rounds_table}
+    assert shown(rows["base"]["median ms/step"], ms["base"][1], 3) and rows["base"]["rounds"] == "3"
+    assert shown(rows["fast_math=on"]["vs base"].rstrip("×"), ms["base"][1] / ms["fast_math=on"][1], 3)
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        decode_cli.DecodeArgs.from_namespace(decode_cli.build_parser().parse_args(["--rounds", "0"]))
+
+
 def test_each_kind_of_bytes_against_its_own_floor():
     """Kernel names map to the bytes they stream (W4A16 before the generic GEMM patterns, norms to none); a tiny
     MXFP4 engine's step bytes split into its quantized projections, its bf16 LM head and K/V; the floors and

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variant", action="append", default=[], metavar="LEVER=VALUE[,LEVER=VALUE...]",
                     help="another engine configuration on top of the --lever base, timed beside it in the same run "
                     "(repeatable)")
+    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, each on a fresh "
+                    "engine, in reverse order every other round (ABBA), and report the median and spread: one "
+                    "engine's step time varies by several % between builds, so a single round cannot tell a few % "
+                    "apart (profiles run in the first round only)")
     return ap
 
 
@@ -82,6 +86,7 @@ class DecodeArgs:
     profile_steps: int
     profile_variants: list[str] | None      # None: profile every variant
     variants: list[tuple[str, dict]]        # ("base", the --lever values) first
+    rounds: int = 1
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> DecodeArgs:
@@ -96,8 +101,9 @@ class DecodeArgs:
         if args.max_model_len < args.prompt_len + args.gen_len:
             raise ValueError(f"--max-model-len {args.max_model_len} must hold --prompt-len + --gen-len "
                              f"({args.prompt_len + args.gen_len})")
-        if args.profile_steps < 1 or args.hf_reps < 1:
-            raise ValueError(f"--profile-steps and --hf-reps must be >= 1, got {args.profile_steps}, {args.hf_reps}")
+        if args.profile_steps < 1 or args.hf_reps < 1 or args.rounds < 1:
+            raise ValueError(f"--profile-steps, --hf-reps and --rounds must be >= 1, got {args.profile_steps}, "
+                             f"{args.hf_reps}, {args.rounds}")
         bad = [p for p in args.lever if "=" not in p]
         if bad:
             raise ValueError(f"--lever expects NAME=VALUE, got {bad[0]!r}")
@@ -106,7 +112,7 @@ class DecodeArgs:
                    max_model_len=args.max_model_len, hf=args.hf,
                    hf_reps=args.hf_reps, profile=args.profile, profile_steps=args.profile_steps,
                    profile_variants=None if args.profile_variants is None else args.profile_variants.split(";"),
-                   variants=parse_variants(levers, args.variant))
+                   variants=parse_variants(levers, args.variant), rounds=args.rounds)
 
     def profiles(self, variant: str) -> bool:
         return self.profile and (self.profile_variants is None or variant in self.profile_variants)
@@ -128,14 +134,16 @@ class Run:
 
 
 def engine_phase(cfg: DecodeArgs, run: Run) -> None:
-    """Each (model, quant) x variant: one engine, timed at every concurrency, then (``--profile``) profiled on the
-    same engine. Variants of one model run back to back, so their ratios come from one machine state."""
+    """Each (model, quant) x round x variant: one engine, timed at every concurrency, then (``--profile``, first
+    round) profiled on the same engine. Variants of one model run back to back, so their ratios come from one
+    machine state; with ``--rounds`` they alternate order (ABBA), so a drift over the run favours none."""
     bw = run.result.copy_bandwidth_gbs
     rows = run.result.engine
     for model, quant in cfg.specs:
-        for name, levers in cfg.variants:
+        for rnd, (name, levers) in ((rnd, v) for rnd in range(cfg.rounds)
+                                    for v in (cfg.variants if rnd % 2 == 0 else cfg.variants[::-1])):
             llm = None
-            tag = f"{model} {quant} [{name}]"
+            tag = f"{model} {quant} [{name}]" + (f" round {rnd}" if cfg.rounds > 1 else "")
             try:
                 torch.cuda.reset_peak_memory_stats()
                 llm = engine_timing.build_llm(model, quant, max(max(cfg.batches), 8), levers,
@@ -151,13 +159,15 @@ def engine_phase(cfg: DecodeArgs, run: Run) -> None:
                         run.log(f"{tag} c{b}: {r.ms_per_step:.3f} ms/step, floor {r.floor_ms:.3f} ms "
                                 f"({100 * r.frac_of_floor:.1f}% of the bandwidth floor)")
                     r.variant = name
+                    r.round = rnd if cfg.rounds > 1 else None
                     rows.append(r)
                     run.save()
-                if cfg.profiles(name):
+                if cfg.profiles(name) and rnd == 0:
                     profile_phase(cfg, run, llm, model, quant, name)
             except Exception as e:                      # the engine would not build: record it, go on
-                done = {r.batch for r in rows if (r.model, r.quant, r.variant) == (model, quant, name)}
-                rows.extend([EngineTiming(model=model, quant=quant, batch=b, levers=levers, variant=name,
+                rnd_ = rnd if cfg.rounds > 1 else None
+                done = {r.batch for r in rows if (r.model, r.quant, r.variant, r.round) == (model, quant, name, rnd_)}
+                rows.extend([EngineTiming(model=model, quant=quant, batch=b, levers=levers, variant=name, round=rnd_,
                                           error=common.error_text(e)) for b in cfg.batches if b not in done])
                 run.log(f"{tag}: error {common.error_text(e)}")
                 run.save()

@@ -28,10 +28,13 @@ def _f(x, fmt: str = ".3f") -> str:
 def _engine_table(result: DecodeResult) -> list[str]:
     """One row per engine timing; the HF figure and the speed-up (HF ms/step over the engine's) for bf16 rows."""
     hf_by = {(h.model, h.batch): h for h in result.hf_transformers_compiled}
-    lines = ["| model | quant | variant | concurrency | ms/step | floor ms | % of floor | HF compiled ms/step | "
-             "engine speed-up vs HF |", "|---|---|---|---|---|---|---|---|---|"]
+    rounds = any(r.round is not None for r in result.engine)
+    lines = ["| model | quant | variant | " + ("round | " if rounds else "") + "concurrency | ms/step | floor ms | "
+             "% of floor | HF compiled ms/step | engine speed-up vs HF |",
+             "|---|---|---|" + ("---|" if rounds else "") + "---|---|---|---|---|---|"]
     for r in result.engine:
-        head = f"| {r.model} | {r.quant} | {'base' if r.variant is None else r.variant} | {r.batch} "
+        head = (f"| {r.model} | {r.quant} | {'base' if r.variant is None else r.variant} | "
+                + (f"{r.round} | " if rounds else "") + f"{r.batch} ")
         if r.error is not None:
             lines.append(head + f"| error: {r.error[:120]} | | | | |")
             continue
@@ -44,6 +47,31 @@ def _engine_table(result: DecodeResult) -> list[str]:
         frac_pct = 100 * r.frac_of_floor if r.frac_of_floor is not None else None
         lines.append(head + f"| {r.ms_per_step:.3f} | {_f(r.floor_ms)} | {_f(frac_pct, '.1f')}% | {hf_cell} "
                      f"| {ratio} |")
+    return lines
+
+
+def _rounds_table(result: DecodeResult) -> list[str]:
+    """With ``--rounds``: per (model, quant, variant, concurrency) the median ms/step over the rounds, its range, and
+    the base's median over the variant's (> 1: the variant is faster); the base's own range says how far apart two
+    builds of one configuration land."""
+    groups: dict[tuple, list[float]] = {}
+    for r in result.engine:
+        if r.round is not None and r.ms_per_step is not None:
+            groups.setdefault((r.model, r.quant, r.variant or "base", r.batch), []).append(r.ms_per_step)
+    if not groups:
+        return []
+
+    def median(xs):
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+    lines = ["", "Over the rounds (median ms/step, min-max, and base median / variant median):", "",
+             "| model | quant | variant | concurrency | rounds | median ms/step | min-max | spread | vs base |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (model, quant, variant, batch), xs in groups.items():
+        base = groups.get((model, quant, "base", batch))
+        ratio = f"{median(base) / median(xs):.3f}×" if base else ""
+        lines.append(f"| {model} | {quant} | {variant} | {batch} | {len(xs)} | {median(xs):.3f} | "
+                     f"{min(xs):.3f}-{max(xs):.3f} | {100 * (max(xs) - min(xs)) / median(xs):.1f}% | {ratio} |")
     return lines
 
 
@@ -120,7 +148,7 @@ def render_markdown(result: DecodeResult) -> str:
               f"{result.gen_len} new tokens; ms per decode step (CUDA graphs)", ""]
     for v in result.variants or []:
         lines.append(f"- variant `{v.name}`: levers {v.levers or 'at their defaults'}")
-    lines += [""] + _engine_table(result)
+    lines += [""] + _engine_table(result) + _rounds_table(result)
     if result.hf_transformers_compiled:
         lines += _hf_notes(result)
     if result.profiles:

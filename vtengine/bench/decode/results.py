@@ -72,6 +72,8 @@ class EngineTiming(Record):
       floor_ms / ms_per_step (1.0 = the step moves its bytes at copy speed).
     - peak_gib: torch.cuda.max_memory_allocated since the engine was built (0 on CPU).
     - variant: the name of the lever configuration (``base`` or a ``--variant`` text); absent in the first runs.
+    - round: which of ``--rounds`` timed it (0 first; variants run in reverse order in odd rounds, each round on a
+      freshly built engine); absent in runs of one round.
     """
     model: str
     quant: str
@@ -87,6 +89,7 @@ class EngineTiming(Record):
     frac_of_floor: float | None = None
     error: str | None = None
     variant: str | None = None
+    round: int | None = None
 
     def set_floor(self, copy_bandwidth_gbs: float) -> None:
         """floor_ms and frac_of_floor from the bytes this step must read and the copy bandwidth (GB/s)."""
