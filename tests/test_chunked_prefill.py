@@ -220,6 +220,10 @@ def test_chunk_graphs_run_full_chunks_from_static_buffers_and_keep_every_token(l
     if levers.get("mixed_steps"):
         assert any(g != "256x0" for g in grids), grids          # chunks with decode rows beside them
     assert eng.stats()["num_preemptions"] >= 1
+    # every captured step wrote its logits into rows of the runner's one shared buffer (not an output of its own)
+    buf = eng.runner.logits_buf
+    assert buf.shape[0] == 1 + 7 and cg.out
+    assert all(out.data_ptr() == buf.data_ptr() and out.shape[0] == 1 + bs for bs, out in cg.out.items())
 
 
 def test_chunk_graphs_follow_the_levers_of_a_built_engine():

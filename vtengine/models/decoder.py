@@ -135,5 +135,7 @@ class DecoderModel:
         x, _ = be.add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [rows, vocab]; into ``out`` when given (CUDA graphs share one static output buffer)."""
+        y = self.backend.linear(hidden, self.lm_head)
+        return y.float() if out is None else out.copy_(y)
