@@ -134,6 +134,8 @@ def test_engine_decode_ms_on_cpu(tiny_llm, monkeypatch):
     decode_s = after["decode_time_s_sum"] - before["decode_time_s_sum"]
     assert r["ms_per_step"] == pytest.approx(1e3 * decode_s / 7) and r["ms_per_step"] > 0
     assert r["ms_per_step"] * 7 <= 1e3 * r["wall_s"]           # the decode steps are part of the timed generate
+    # the wall figure: the 8-token generate less a 2-token one, over the 6 steps between them
+    assert 0 < r["ms_per_step_wall"] * 6 < 1e3 * r["wall_s"]
     # tiny: 2 layers, 2 KV heads of 32, fp32 on CPU; 2 sequences at a mean context of 16 + 8 / 2 tokens
     assert r["kv_bytes_per_step"] == 2 * 2 * 2 * 32 * 4 * (16 + 4) * 2
     # every projection, norm and the untied head, fp32: hidden 64, q 4 x 32, kv 2 x 32, mlp 128, vocab 512
@@ -198,7 +200,8 @@ def _synthetic_result():
                             "frac_of_floor": 3.6 / ms}
     return {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-12-01", "complete": True,
             "copy_bandwidth_gbs": 4200.0, "prompt_len": 1024, "gen_len": 128,
-            "engine": [eng("bf16", 1, 5.0), eng("bf16", 8, 6.0), eng("mxfp4", 1, 3.0),
+            "engine": [dict(eng("bf16", 1, 5.0), ms_per_step_wall=4.6, frac_of_floor_wall=3.6 / 4.6),
+                       eng("bf16", 8, 6.0), eng("mxfp4", 1, 3.0),
                        {"model": "qwen3-8b", "quant": "mxfp4", "batch": 8, "error": "RuntimeError: boom"}],
             "hf_transformers_compiled": [
                 {"model": "qwen3-8b", "batch": 1, "ms_per_step": 10.0, "transformers": "5.17.0", "reps": 3,
@@ -224,6 +227,11 @@ def test_markdown_engine_table_shows_the_json():
             continue
         assert shown(row["ms/step"], r["ms_per_step"], 3) and shown(row["floor ms"], r["floor_ms"], 3)
         assert shown(row["% of floor"], 100 * r["floor_ms"] / r["ms_per_step"], 1)
+        if r.get("ms_per_step_wall"):
+            assert shown(row["wall ms/step"], r["ms_per_step_wall"], 3)
+            assert shown(row["% of floor (wall)"], 100 * r["floor_ms"] / r["ms_per_step_wall"], 1)
+        else:                                       # files from before the wall figure: empty cells
+            assert row["wall ms/step"] == row["% of floor (wall)"] == ""
         if r["quant"] == "bf16":
             assert shown(row["HF compiled ms/step"], hf[r["batch"]], 3)
             assert shown(row["engine speed-up vs HF"], hf[r["batch"]] / r["ms_per_step"], 2)
@@ -424,8 +432,11 @@ def test_rounds_alternate_the_variants_on_fresh_engines(tmp_path, cpu_stand_ins)
     md = path.with_suffix(".md").read_text()
     [_, rounds_table] = md_tables(md, "| model |")
     rows = {row["variant"]: row for row in rounds_table}
-    assert shown(rows["base"]["median ms/step"], ms["base"][1], 3) and rows["base"]["rounds"] == "3"
-    assert shown(rows["fast_math=on"]["vs base"].rstrip("×"), ms["base"][1] / ms["fast_math=on"][1], 3)
+    assert shown(rows["base"]["ms/step"], ms["base"][1], 3) and rows["base"]["rounds"] == "3"
+    assert shown(rows["fast_math=on"]["vs base"], ms["base"][1] / ms["fast_math=on"][1], 3)
+    wall = {v: sorted(r["ms_per_step_wall"] for r in res["engine"] if r["variant"] == v) for v in ms}
+    assert shown(rows["fast_math=on"]["wall ms/step"], wall["fast_math=on"][1], 3)
+    assert shown(rows["fast_math=on"]["vs base (wall)"], wall["base"][1] / wall["fast_math=on"][1], 3)
     with pytest.raises(ValueError, match="--rounds must be >= 1"):
         decode_cli.DecodeArgs.from_namespace(decode_cli.build_parser().parse_args(["--rounds", "0"]))
 

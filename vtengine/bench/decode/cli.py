@@ -156,7 +156,8 @@ def engine_phase(cfg: DecodeArgs, run: Run) -> None:
                         run.log(f"{tag} c{b}: error {r.error}")
                     else:
                         r.set_floor(bw)
-                        run.log(f"{tag} c{b}: {r.ms_per_step:.3f} ms/step, floor {r.floor_ms:.3f} ms "
+                        run.log(f"{tag} c{b}: {r.ms_per_step:.3f} ms/step ({r.ms_per_step_wall:.3f} wall), "
+                                f"floor {r.floor_ms:.3f} ms "
                                 f"({100 * r.frac_of_floor:.1f}% of the bandwidth floor)")
                     r.variant = name
                     r.round = rnd if cfg.rounds > 1 else None

@@ -29,7 +29,8 @@ def build_llm(model: str, quant: str, max_num_seqs: int, levers: dict, device: s
     """One engine for every concurrency of a (model, quant): graphs are captured up to ``max_num_seqs``.
 
     Async scheduling is pinned off unless ``levers`` sets it: the bench times the decode step itself, and with a
-    step in flight the engine's launch-to-read time of one step overlaps the next one's."""
+    step in flight the engine's launch-to-read time of one step overlaps the next one's (``ms_per_step_wall`` is
+    the figure that compares the two)."""
     from vtengine.engine.llm import LLM
     levers = {"async_scheduling": False, **levers}
     kw = dict(max_model_len=4096, gpu_memory_utilization=0.6) if device == "cuda" else {}
@@ -38,12 +39,16 @@ def build_llm(model: str, quant: str, max_num_seqs: int, levers: dict, device: s
 
 
 def engine_decode_ms(llm, batch: int, prompt_len: int, gen_len: int) -> EngineTiming:
-    """Time one ``generate`` of ``gen_len`` tokens for ``batch`` sequences (after a short warm-up)."""
+    """Time one ``generate`` of ``gen_len`` tokens for ``batch`` sequences (after a short warm-up), and one of 2
+    tokens, whose difference is the wall time of gen_len - 2 decode steps."""
     from vtengine.engine.sampling_params import SamplingParams
     eng = llm.engine
     cfg = eng.model_config
     prompts = random_prompts(batch, prompt_len, cfg.vocab_size)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))      # warm-up
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    short = time.perf_counter() - t0
     st0 = dict(eng.stats())
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True))
@@ -57,4 +62,5 @@ def engine_decode_ms(llm, batch: int, prompt_len: int, gen_len: int) -> EngineTi
     peak = torch.cuda.max_memory_allocated() / 2**30 if eng.device.type == "cuda" else 0.0
     return EngineTiming(model=eng.config.model, quant=eng.config.quant, batch=batch, levers=dict(eng.config.levers),
                         decode_steps=steps, ms_per_step=1e3 * dec_s / steps, wall_s=wall,
+                        ms_per_step_wall=1e3 * (wall - short) / (gen_len - 2),
                         weight_bytes=eng.model.weight_bytes(), kv_bytes_per_step=kv_bytes, peak_gib=peak)

@@ -29,14 +29,17 @@ def _engine_table(result: DecodeResult) -> list[str]:
     """One row per engine timing; the HF figure and the speed-up (HF ms/step over the engine's) for bf16 rows."""
     hf_by = {(h.model, h.batch): h for h in result.hf_transformers_compiled}
     rounds = any(r.round is not None for r in result.engine)
+    wall = any(r.ms_per_step_wall is not None for r in result.engine)      # absent before 2026-12-02's change
     lines = ["| model | quant | variant | " + ("round | " if rounds else "") + "concurrency | ms/step | floor ms | "
-             "% of floor | HF compiled ms/step | engine speed-up vs HF |",
-             "|---|---|---|" + ("---|" if rounds else "") + "---|---|---|---|---|---|"]
+             "% of floor | " + ("wall ms/step | % of floor (wall) | " if wall else "")
+             + "HF compiled ms/step | engine speed-up vs HF |",
+             "|---|---|---|" + ("---|" if rounds else "") + "---|---|---|---|" + ("---|---|" if wall else "")
+             + "---|---|"]
     for r in result.engine:
         head = (f"| {r.model} | {r.quant} | {'base' if r.variant is None else r.variant} | "
                 + (f"{r.round} | " if rounds else "") + f"{r.batch} ")
         if r.error is not None:
-            lines.append(head + f"| error: {r.error[:120]} | | | | |")
+            lines.append(head + f"| error: {r.error[:120]} | | | | " + ("| | " if wall else "") + "|")
             continue
         h = hf_by.get((r.model, r.batch)) if r.quant == "bf16" else None
         hf_cell = ratio = ""
@@ -45,33 +48,41 @@ def _engine_table(result: DecodeResult) -> list[str]:
         elif h is not None:
             hf_cell = "error"
         frac_pct = 100 * r.frac_of_floor if r.frac_of_floor is not None else None
-        lines.append(head + f"| {r.ms_per_step:.3f} | {_f(r.floor_ms)} | {_f(frac_pct, '.1f')}% | {hf_cell} "
-                     f"| {ratio} |")
+        wall_pct = 100 * r.frac_of_floor_wall if r.frac_of_floor_wall is not None else None
+        wall_cells = (f"{_f(r.ms_per_step_wall)} | {'' if wall_pct is None else _f(wall_pct, '.1f') + '%'} | "
+                      if wall else "")
+        lines.append(head + f"| {r.ms_per_step:.3f} | {_f(r.floor_ms)} | {_f(frac_pct, '.1f')}% | {wall_cells}"
+                     f"{hf_cell} | {ratio} |")
     return lines
 
 
 def _rounds_table(result: DecodeResult) -> list[str]:
-    """With ``--rounds``: per (model, quant, variant, concurrency) the median ms/step over the rounds, its range, and
-    the base's median over the variant's (> 1: the variant is faster); the base's own range says how far apart two
-    builds of one configuration land."""
-    groups: dict[tuple, list[float]] = {}
+    """With ``--rounds``: per (model, quant, variant, concurrency) the median over the rounds of the step timer's
+    ms/step and of the wall ms/step, the step timer's range, and the base's medians over the variant's (> 1: the
+    variant is faster); the base's own range says how far apart two builds of one configuration land."""
+    groups: dict[tuple, list] = {}
     for r in result.engine:
         if r.round is not None and r.ms_per_step is not None:
-            groups.setdefault((r.model, r.quant, r.variant or "base", r.batch), []).append(r.ms_per_step)
+            groups.setdefault((r.model, r.quant, r.variant or "base", r.batch), []).append(r)
     if not groups:
         return []
 
     def median(xs):
-        xs = sorted(xs)
-        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
-    lines = ["", "Over the rounds (median ms/step, min-max, and base median / variant median):", "",
-             "| model | quant | variant | concurrency | rounds | median ms/step | min-max | spread | vs base |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for (model, quant, variant, batch), xs in groups.items():
-        base = groups.get((model, quant, "base", batch))
-        ratio = f"{median(base) / median(xs):.3f}×" if base else ""
-        lines.append(f"| {model} | {quant} | {variant} | {batch} | {len(xs)} | {median(xs):.3f} | "
-                     f"{min(xs):.3f}-{max(xs):.3f} | {100 * (max(xs) - min(xs)) / median(xs):.1f}% | {ratio} |")
+        xs = sorted(x for x in xs if x is not None)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
+
+    def ratio(a, b):
+        return f"{a / b:.3f}×" if a and b else ""
+    lines = ["", "Over the rounds (medians; base / variant > 1: the variant is faster):", "",
+             "| model | quant | variant | concurrency | rounds | ms/step | min-max | spread | vs base | wall ms/step "
+             "| vs base (wall) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, quant, variant, batch), rows in groups.items():
+        xs, walls = [r.ms_per_step for r in rows], [r.ms_per_step_wall for r in rows]
+        base = groups.get((model, quant, "base", batch), [])
+        mb, mbw = median([r.ms_per_step for r in base]), median([r.ms_per_step_wall for r in base])
+        m, mw = median(xs), median(walls)
+        lines.append(f"| {model} | {quant} | {variant} | {batch} | {len(xs)} | {m:.3f} | {min(xs):.3f}-{max(xs):.3f} "
+                     f"| {100 * (max(xs) - min(xs)) / m:.1f}% | {ratio(mb, m)} | {_f(mw)} | {ratio(mbw, mw)} |")
     return lines
 
 

@@ -65,11 +65,16 @@ class EngineTiming(Record):
       ``generate`` of ``gen_len`` tokens after a warm-up; each step ends on the sampler's host copy, so it includes
       host work, the CUDA-graph replay and sampling. ``decode_steps`` steps were timed; ``wall_s`` is the whole
       ``generate`` (prefill included).
+    - ms_per_step_wall: (t(generate gen_len tokens) - t(generate 2 tokens)) / (gen_len - 2), the same prompts: what
+      a decode step costs end to end, as HF's figure is defined. Under async scheduling (pinned off unless a
+      variant sets it) steps overlap the host's work, which the engine's own step timer cannot show (each step's
+      launch-to-read then spans the step before it): this is the figure to compare async on against off.
     - weight_bytes: every weight read once per step (``model.weight_bytes()``, quantized weights at their packed
       size); kv_bytes_per_step: K and V of every layer for each sequence's mean context (prompt_len + gen_len / 2) at
       the cache's element size, times the batch.
     - floor_ms: (weight_bytes + kv_bytes_per_step) / copy bandwidth (vtengine/bench/common.py); frac_of_floor:
-      floor_ms / ms_per_step (1.0 = the step moves its bytes at copy speed).
+      floor_ms / ms_per_step (1.0 = the step moves its bytes at copy speed); frac_of_floor_wall likewise over
+      ms_per_step_wall.
     - peak_gib: torch.cuda.max_memory_allocated since the engine was built (0 on CPU).
     - variant: the name of the lever configuration (``base`` or a ``--variant`` text); absent in the first runs.
     - round: which of ``--rounds`` timed it (0 first; variants run in reverse order in odd rounds, each round on a
@@ -82,11 +87,13 @@ class EngineTiming(Record):
     decode_steps: int | None = None
     ms_per_step: float | None = None
     wall_s: float | None = None
+    ms_per_step_wall: float | None = None
     weight_bytes: int | None = None
     kv_bytes_per_step: float | None = None
     peak_gib: float | None = None
     floor_ms: float | None = None
     frac_of_floor: float | None = None
+    frac_of_floor_wall: float | None = None
     error: str | None = None
     variant: str | None = None
     round: int | None = None
@@ -95,6 +102,8 @@ class EngineTiming(Record):
         """floor_ms and frac_of_floor from the bytes this step must read and the copy bandwidth (GB/s)."""
         self.floor_ms = 1e3 * (self.weight_bytes + self.kv_bytes_per_step) / (copy_bandwidth_gbs * 1e9)
         self.frac_of_floor = self.floor_ms / self.ms_per_step
+        if self.ms_per_step_wall:
+            self.frac_of_floor_wall = self.floor_ms / self.ms_per_step_wall
 
 
 @dataclass
