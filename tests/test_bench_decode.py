@@ -323,7 +323,7 @@ def cpu_stand_ins(monkeypatch, tmp_path):
     bounds = []
 
     def cpu_build(model, quant, n, levers, max_model_len):
-        bounds.append(max_model_len)             # the --max-model-len flag reaches the engine (4096 by default)
+        bounds.append(max_model_len)             # the --max-model-len flag reaches the engine (None: its default)
         return build(model, quant, n, levers, device="cpu", backend="torch", num_kv_blocks=64, max_model_len=256)
     monkeypatch.setattr(engine_timing, "build_llm", cpu_build)
     hf = hf_baseline.hf_decode_ms
@@ -343,12 +343,12 @@ def test_main_orchestration_on_cpu(tmp_path, cpu_stand_ins):
     [path] = (tmp_path / "res").glob("decode-*.json")
     res = json.loads(path.read_text())
     assert res["complete"] and res["copy_bandwidth_gbs"] == 100.0 and "interrupted" not in res
-    assert cpu_stand_ins.engine_bounds == [4096] * 3          # one engine per spec, at the default bound
+    assert cpu_stand_ins.engine_bounds == [None] * 3          # one engine per spec, at the engine's own bound
     eng = {(r["model"], r["quant"], r["batch"]): r for r in res["engine"]}
     for q in ("bf16", "mxfp4"):
         for b in (1, 2):
             r = eng[("tiny", q, b)]
-            assert r["ms_per_step"] > 0 and r["decode_steps"] == 8 - 1
+            assert r["ms_per_step"] > 0 and r["decode_steps"] == 8 - 1 and r["max_model_len"] == 256
             # the floor: every weight and the K/V read once at the stand-in's 100 GB/s
             assert r["floor_ms"] == pytest.approx(1e3 * (r["weight_bytes"] + r["kv_bytes_per_step"]) / 100e9)
             assert r["frac_of_floor"] == pytest.approx(r["floor_ms"] / r["ms_per_step"])
@@ -367,6 +367,7 @@ def test_main_orchestration_on_cpu(tmp_path, cpu_stand_ins):
         check_profile(p, steps=3)
         assert p["step_us_timed"] == pytest.approx(1e3 * eng[("tiny", p["quant"], p["batch"])]["ms_per_step"])
     md = path.with_suffix(".md").read_text()
+    assert "context bound (max_model_len) 256\n" in md
     [engine_table] = md_tables(md, "| model |")
     rows = {(row["quant"], row["concurrency"]): row for row in engine_table}
     for b, h in zip((1, 2), hf):

@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=4096, help="the engine's context bound (it sizes the "
-                    "decode split rule's slots; 4096 unless set)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="the engine's context bound (it sizes the "
+                    "decode split rule's slots); unset: the engine's own default, the model's maximum, as a server "
+                    "has it (runs before 2026-12-02 used 4096)")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers for every bf16 model (static "
                     "cache + generate's torch.compile, reduce-overhead)")
     ap.add_argument("--hf-reps", type=int, default=3, help="timed repetitions for HF (the median is reported)")
@@ -79,7 +80,7 @@ class DecodeArgs:
     batches: list[int]
     prompt_len: int
     gen_len: int
-    max_model_len: int
+    max_model_len: int | None
     hf: bool
     hf_reps: int
     profile: bool
@@ -98,7 +99,7 @@ class DecodeArgs:
             raise ValueError(f"--batches expects comma-separated integers, e.g. 1,8; got {args.batches!r}") from None
         if args.gen_len < 3:
             raise ValueError(f"--gen-len must be >= 3, got {args.gen_len}")
-        if args.max_model_len < args.prompt_len + args.gen_len:
+        if args.max_model_len is not None and args.max_model_len < args.prompt_len + args.gen_len:
             raise ValueError(f"--max-model-len {args.max_model_len} must hold --prompt-len + --gen-len "
                              f"({args.prompt_len + args.gen_len})")
         if args.profile_steps < 1 or args.hf_reps < 1 or args.rounds < 1:
@@ -161,6 +162,7 @@ def engine_phase(cfg: DecodeArgs, run: Run) -> None:
                                 f"({100 * r.frac_of_floor:.1f}% of the bandwidth floor)")
                     r.variant = name
                     r.round = rnd if cfg.rounds > 1 else None
+                    r.max_model_len = llm.engine.max_model_len
                     rows.append(r)
                     run.save()
                 if cfg.profiles(name) and rnd == 0:

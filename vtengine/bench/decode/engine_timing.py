@@ -33,7 +33,7 @@ def build_llm(model: str, quant: str, max_num_seqs: int, levers: dict, device: s
     the figure that compares the two)."""
     from vtengine.engine.llm import LLM
     levers = {"async_scheduling": False, **levers}
-    kw = dict(max_model_len=4096, gpu_memory_utilization=0.6) if device == "cuda" else {}
+    kw = dict(gpu_memory_utilization=0.6) if device == "cuda" else {}
     kw.update(engine_kwargs)
     return LLM(model=model, quant=quant, levers=levers, device=device, max_num_seqs=max_num_seqs, **kw)
 

@@ -155,8 +155,10 @@ def render_markdown(result: DecodeResult) -> str:
         lines += ["**Interrupted run** (a time limit stopped it): what is here was measured, the rest was not.", ""]
     elif result.complete is False:
         lines += ["**Incomplete run**: written before the run ended (what is here was measured).", ""]
+    bounds = sorted({r.max_model_len for r in result.engine if r.max_model_len})
     lines += [f"copy bandwidth {_f(result.copy_bandwidth_gbs, '.0f')} GB/s; prompt {result.prompt_len}, "
-              f"{result.gen_len} new tokens; ms per decode step (CUDA graphs)", ""]
+              f"{result.gen_len} new tokens; ms per decode step (CUDA graphs)"
+              + (f"; context bound (max_model_len) {', '.join(map(str, bounds))}" if bounds else ""), ""]
     for v in result.variants or []:
         lines.append(f"- variant `{v.name}`: levers {v.levers or 'at their defaults'}")
     lines += [""] + _engine_table(result) + _rounds_table(result)

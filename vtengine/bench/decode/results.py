@@ -77,6 +77,8 @@ class EngineTiming(Record):
       ms_per_step_wall.
     - peak_gib: torch.cuda.max_memory_allocated since the engine was built (0 on CPU).
     - variant: the name of the lever configuration (``base`` or a ``--variant`` text); absent in the first runs.
+    - max_model_len: the engine's context bound (it sizes the count split rule's slots); absent before 2026-12-02,
+      when the bench's default was 4096.
     - round: which of ``--rounds`` timed it (0 first; variants run in reverse order in odd rounds, each round on a
       freshly built engine); absent in runs of one round.
     """
@@ -96,6 +98,7 @@ class EngineTiming(Record):
     frac_of_floor_wall: float | None = None
     error: str | None = None
     variant: str | None = None
+    max_model_len: int | None = None
     round: int | None = None
 
     def set_floor(self, copy_bandwidth_gbs: float) -> None:
