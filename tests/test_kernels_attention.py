@@ -637,6 +637,39 @@ def test_gpu_length_rule_invariant_to_batch_bound_and_graphs():
 
 @gpu
 @needs_cuda
+def test_gpu_wave_grid_is_bitwise_the_slot_grid_at_a_large_batch():
+    # decode_wave_grid at Qwen3-8B's heads, 64 sequences of ~1k tokens under the 40,960 bound (64 slots): about one
+    # wave of programs instead of 64 per head, the same bits, eager and graph-replayed, for both routes
+    gen, seed = fresh_generator()
+    ctx_lens = torch.randint(900, 1200, (64,), generator=gen).tolist()
+    kc, vc, bt, ctx = make_paged(ctx_lens, REAL["hkv"], REAL["d"], REAL["page"], torch.bfloat16, gen)
+    q = make_q(len(ctx_lens), REAL["hq"], REAL["d"], torch.bfloat16, gen)
+    ref = ref_decode(q, kc, vc, bt, ctx, 0.088)
+    for gqa_swap in (False, True):
+        slots = attn.decode_attention(q, kc, vc, bt, ctx, 0.088, gqa_swap=gqa_swap, max_context_len=40960,
+                                      out=poisoned(q))
+        counters.reset()
+        wave = attn.decode_attention(q, kc, vc, bt, ctx, 0.088, gqa_swap=gqa_swap, max_context_len=40960,
+                                     out=poisoned(q), wave_grid=True)
+        torch.cuda.synchronize()
+        (variant,) = counters.snapshot()["decode_grid"]["wave"]["variants"]
+        programs, n_slots = map(int, variant.split("/"))
+        assert programs < n_slots, variant
+        assert torch.equal(wave, slots), f"gqa_swap={gqa_swap}: the wave grid changed bits, seed {seed}"
+        assert rel_l2(wave, ref) < BOUND[torch.bfloat16], f"gqa_swap={gqa_swap}: seed {seed}"
+        out = poisoned(q)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            attn.decode_attention(q, kc, vc, bt, ctx, 0.088, gqa_swap=gqa_swap, max_context_len=40960, out=out,
+                                  wave_grid=True)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, slots), f"gqa_swap={gqa_swap}: graph replay differs from eager"
+
+
+@gpu
+@needs_cuda
 def test_gpu_prefill_real_shapes():
     gen, seed = fresh_generator()
     q_lens, ctx_lens = [1000, 300, 1], [1000, 2100, 513]
