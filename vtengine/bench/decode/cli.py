@@ -144,7 +144,8 @@ def engine_phase(cfg: DecodeArgs, run: Run) -> None:
         for rnd, (name, levers) in ((rnd, v) for rnd in range(cfg.rounds)
                                     for v in (cfg.variants if rnd % 2 == 0 else cfg.variants[::-1])):
             llm = None
-            tag = f"{model} {quant} [{name}]" + (f" round {rnd}" if cfg.rounds > 1 else "")
+            round_ = rnd if cfg.rounds > 1 else None            # None: a run of one round records no round
+            tag = f"{model} {quant} [{name}]" + (f" round {rnd}" if round_ is not None else "")
             try:
                 torch.cuda.reset_peak_memory_stats()
                 llm = engine_timing.build_llm(model, quant, max(max(cfg.batches), 8), levers,
@@ -161,16 +162,16 @@ def engine_phase(cfg: DecodeArgs, run: Run) -> None:
                                 f"floor {r.floor_ms:.3f} ms "
                                 f"({100 * r.frac_of_floor:.1f}% of the bandwidth floor)")
                     r.variant = name
-                    r.round = rnd if cfg.rounds > 1 else None
+                    r.round = round_
                     r.max_model_len = llm.engine.max_model_len
                     rows.append(r)
                     run.save()
                 if cfg.profiles(name) and rnd == 0:
                     profile_phase(cfg, run, llm, model, quant, name)
             except Exception as e:                      # the engine would not build: record it, go on
-                rnd_ = rnd if cfg.rounds > 1 else None
-                done = {r.batch for r in rows if (r.model, r.quant, r.variant, r.round) == (model, quant, name, rnd_)}
-                rows.extend([EngineTiming(model=model, quant=quant, batch=b, levers=levers, variant=name, round=rnd_,
+                done = {r.batch for r in rows
+                        if (r.model, r.quant, r.variant, r.round) == (model, quant, name, round_)}
+                rows.extend([EngineTiming(model=model, quant=quant, batch=b, levers=levers, variant=name, round=round_,
                                           error=common.error_text(e)) for b in cfg.batches if b not in done])
                 run.log(f"{tag}: error {common.error_text(e)}")
                 run.save()

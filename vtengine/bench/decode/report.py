@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 from vtengine.bench.common import error_text
@@ -68,8 +69,8 @@ def _rounds_table(result: DecodeResult) -> list[str]:
         return []
 
     def median(xs):
-        xs = sorted(x for x in xs if x is not None)
-        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
 
     def ratio(a, b):
         return f"{a / b:.3f}×" if a and b else ""
