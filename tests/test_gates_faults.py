@@ -29,6 +29,15 @@ def context(device="cpu", broken_arm=None, lever="gqa_swap", values=(False, True
                        gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0, broken_arm=broken_arm)
 
 
+def mechanism_counts(ctx: GateContext, key: str) -> tuple:
+    """Run the mechanism gate on both arms (each must pass and catch its own fault: an inert candidate, a stuck
+    baseline) and return the probe's ``key`` count for (baseline, candidate)."""
+    for arm in ctx.arms:
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    return tuple(ctx.cache[f"mechanism:{arm.name}"][0][key] for arm in ctx.arms)
+
+
 @pytest.fixture(scope="module")
 def broken():
     """gqa_swap's candidate arm with its decode attention output negated in every layer; the baseline clean."""
@@ -260,11 +269,8 @@ def test_mixed_steps_mechanism_gate_sees_decode_rows_ride_in_prefill_steps():
     """The probe's staggered workload (one prompt decodes while the others prefill): only the ON arm's steps carry
     decode rows beside a prefill chunk; the inert candidate and the stuck baseline are caught."""
     ctx = context(lever="mixed_steps")
-    for arm in ctx.arms:
-        res = run_gate("mechanism", ctx, arm)
-        assert res.passed and res.self_check is True, res.details
-    assert ctx.cache["mechanism:on"][0]["mixed_steps"] > 0
-    assert ctx.cache["mechanism:off"][0]["mixed_steps"] == 0
+    off, on = mechanism_counts(ctx, "mixed_steps")
+    assert on > 0 and off == 0
     ctx.release_engines()
 
 
@@ -291,10 +297,8 @@ def test_fuse_silu_op_and_mechanism_gates_on_an_mxfp4_model():
         res = run_gate("op", ctx, arm)
         assert res.passed and res.self_check is True, res.details
         assert any(c["case"].startswith("gate_up+silu_mul") for c in res.details["cases"])
-    for arm in arms:
-        res = run_gate("mechanism", ctx, arm)
-        assert res.passed and res.self_check is True, res.details
-    assert ctx.cache["mechanism:on"][0]["fused_gemms"] > 0 and ctx.cache["mechanism:off"][0]["fused_gemms"] == 0
+    off, on = mechanism_counts(ctx, "fused_gemms")
+    assert on > 0 and off == 0
     ctx.release_engines()
 
 
@@ -304,12 +308,8 @@ def test_chunk_graphs_mechanism_gate_sees_full_chunks_replayed():
     inert candidate and the stuck baseline (captured on demand) are caught."""
     ctx = context(lever="chunk_graphs")
     ctx.with_levers = {"chunked_prefill": 256, "mixed_steps": True}
-    for arm in ctx.arms:
-        res = run_gate("mechanism", ctx, arm)
-        assert res.passed and res.self_check is True, res.details
     # 2N + 9 tokens then N + 9: two full chunks, then the 9 and the next prompt's N - 9 share a step (eager)
-    assert ctx.cache["mechanism:on"][0]["chunk_steps"] == 2
-    assert ctx.cache["mechanism:off"][0]["chunk_steps"] == 0
+    assert mechanism_counts(ctx, "chunk_steps") == (0, 2)
     assert ctx.cache["mechanism:off#True"][0]["chunk_steps"] == 2       # the stuck baseline really replays
     ctx.release_engines()
 
@@ -321,11 +321,8 @@ def test_decode_wave_grid_mechanism_gate_sees_fewer_programs_than_slots(monkeypa
     from vtengine.backends import triton_backend
     monkeypatch.setattr(triton_backend, "INTERPRETER_SMS", 16)
     ctx = context(lever="decode_wave_grid")
-    for arm in ctx.arms:
-        res = run_gate("mechanism", ctx, arm)
-        assert res.passed and res.self_check is True, res.details
-    assert ctx.cache["mechanism:on"][0]["fewer_than_slots"] > 0
-    assert ctx.cache["mechanism:off"][0]["fewer_than_slots"] == 0
+    off, on = mechanism_counts(ctx, "fewer_than_slots")
+    assert on > 0 and off == 0
     ctx.release_engines()
     monkeypatch.setattr(triton_backend, "INTERPRETER_SMS", 2)
     ctx = context(lever="decode_wave_grid")
@@ -340,11 +337,8 @@ def test_w4a16_mid_m_mechanism_gate_sees_decode_tiles_past_16_tokens():
     ctx = GateContext(lever="w4a16_mid_m", arms=[Arm("off", False, "baseline"), Arm("on", True, "candidate")],
                       model="tiny", quant="mxfp4", device="cpu", gate_cfg=OmegaConf.create(GATE_CFG),
                       near_tie_max_mnats=500.0)
-    for arm in ctx.arms:
-        res = run_gate("mechanism", ctx, arm)
-        assert res.passed and res.self_check is True, res.details
-    assert ctx.cache["mechanism:on"][0]["mid_tiles"] > 0
-    assert ctx.cache["mechanism:off"][0]["mid_tiles"] == 0
+    off, on = mechanism_counts(ctx, "mid_tiles")
+    assert on > 0 and off == 0
     # the op gate runs the ON arm's GEMM cases through the lever too: its M = 17 case takes the mid-M tiles
     from vtengine import counters
     assert op.setting_for("w4a16_gemm", "w4a16_mid_m", {"w4a16_mid_m": True})["mid"] is True
