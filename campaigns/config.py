@@ -153,7 +153,7 @@ class AppConfig:
     commit: bool = False                 # on FLIP, commit the default flip on branch row/<lever>-flip
     aa: bool = False                     # an A/A campaign: the grid's self-check, two servers at the same value
     summaries: bool = True               # render STATUS/BENCHMARKS after it (a sweep's jobs leave that to the end)
-    resume: Optional[str] = None         # a campaign id under out_dir to continue
+    resume: Optional[str] = None         # a campaign id under out_dir to continue, or "auto" (runner._unfinished)
     out_dir: str = "records/campaigns"
     device: str = "auto"                 # auto | cuda | cpu; composed configs carry the resolved device
 

@@ -2,8 +2,10 @@
 decision -> evidence -> records, MLflow, PR text, optional flip commit.
 
 Evidence is written after every gate and every leg (atomically), so Ctrl-C or a crash keeps everything finished;
-``resume=<campaign id>`` reloads it and runs only what is missing. Everything after the evidence file is a pure
-function of it (``vtcampaign render`` rebuilds the records from evidence alone).
+``resume=<campaign id>`` reloads it and runs only what is missing, and ``resume=auto`` finds it: the newest
+unfinished campaign of this lever with the same composed config at this commit, else a new campaign (what a
+campaign spread over several time-limited commands wants). Everything after the evidence file is a pure function
+of it (``vtcampaign render`` rebuilds the records from evidence alone).
 """
 from __future__ import annotations
 
@@ -125,7 +127,8 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
     except KeyboardInterrupt:
         _save(run.ev, run.cdir)
         console.print(f"[red]interrupted[/]: {len(run.ev.legs)} legs kept; continue with "
-                      f"`vtcampaign run campaign={cfg.campaign.name} resume={run.ev.campaign_id}`")
+                      f"`vtcampaign run campaign={cfg.campaign.name} resume={run.ev.campaign_id}` (or resume=auto, "
+                      "with the same overrides)")
         raise
     except gridmod.GridError as e:
         _save(run.ev, run.cdir)
@@ -143,6 +146,12 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
         torch.set_num_threads(1)    # tiny CPU models: one thread beats two on a small, shared host
     out_dir = (repo / cfg.out_dir).resolve()
     t_start = time.perf_counter()
+    if cfg.resume == "auto":
+        found = _unfinished(cfg, repo, out_dir)
+        console.print(f"resume=auto: resuming {found}" if found else
+                      "resume=auto: no unfinished campaign of this config at this commit; a new one")
+        cfg = cfg.copy()
+        OmegaConf.update(cfg, "resume", found, force_add=True)
     if cfg.resume:
         cdir = out_dir / str(cfg.resume)
         if not (cdir / "evidence.json").exists():
@@ -271,6 +280,20 @@ def _record_gate_context(ev: Evidence, ctx: GateContext) -> None:
         # without counters nothing shows a lever inert: count every lever live (STALE is the safe answer)
         ev.live_levers[arm.name] = (lever_context.live_levers(registry, lever_context.kernels_ran(counted))
                                     if counted else sorted(registry))
+
+
+def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
+    """The newest in-progress campaign under ``out_dir`` that ``cfg`` may resume (its lever, its composed config,
+    this commit), or None."""
+    want = config_hash(cfg)
+    mine = [ev for ev in (load_evidence(p.parent) for p in find_evidence(out_dir))
+            if ev.status != "complete" and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
+    if not mine:
+        return None
+    now = fp.collect(repo, cfg.device, levers.get(cfg.campaign.lever).env, mine[0].arms, want,
+                     ignore_dirty=RUN_OUTPUTS)
+    mine = [ev for ev in mine if ev.fingerprint.git_sha == now.git_sha]
+    return max(mine, key=lambda ev: (ev.created, ev.campaign_id)).campaign_id if mine else None
 
 
 def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path) -> None:

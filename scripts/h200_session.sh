@@ -6,7 +6,8 @@
 # records/campaigns/.recheck.json and copy the returned evidence back before the next call) |
 # [SECONDS@]serve:<vtengine serve flags>|<vtengine bench serve flags>[|<bench serve flags>...] (one server, one
 # closed-loop leg per |-part, each with its own SECONDS). A step past its SECONDS (default 400) gets SIGINT:
-# servers stop, evidence is kept (resume=<id>).
+# servers stop, evidence is kept. Campaign steps run with resume=auto (unless they name a resume=): carry the
+# returned evidence back into records/campaigns/ and repeat the same step in the next call to continue it.
 # Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -28,7 +29,8 @@ for step in "$@"; do
   t0=$(date +%s)
   case $kind in
     campaign) name=${rest%%:*}; ov=${rest#*:}; [ "$ov" = "$rest" ] && ov=""
-              timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee $LOGS/campaign-$name.log ;;
+              case " $ov" in *" resume="*) ;; *) ov="$ov resume=auto" ;; esac
+              timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee -a $LOGS/campaign-$name.log ;;
     decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
     gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider ${rest:-tests} 2>&1 | tail -40 | tee -a $LOGS/gputests.log ;;
     py)       timeout -s INT -k 30 $limit python3 -m $rest 2>&1 | tee -a $LOGS/py-${rest%% *}.log ;;

@@ -116,13 +116,48 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     assert ev.status == "in-progress" and 2 <= len(ev.legs) < 8
     kept = {leg.key: leg.started for leg in ev.legs}
 
-    done = subprocess.run(args + [f"resume={ev.campaign_id}"], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=900)
+    # resume=auto finds it (what a campaign spread over time-limited device commands passes every time)
+    done = subprocess.run(args + ["resume=auto"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"resume=auto: resuming {ev.campaign_id}" in done.stdout + done.stderr
     ev2 = load_evidence(evidence)
     assert ev2.status == "complete" and len(ev2.legs) == 8
     assert {leg.key: leg.started for leg in ev2.legs if leg.key in kept} == kept     # finished legs kept as they were
     assert ev2.decision.verdict == "NON-BINDING"
+
+
+def test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_commit(tmp_path):
+    """resume=auto (a campaign spread over time-limited commands): of the campaigns under out_dir it takes the newest
+    in-progress one with this lever, this composed config and this commit; a finished one, another config or
+    another commit is never resumed, and with none left it starts a new campaign."""
+    import dataclasses
+
+    import git
+    from campaigns.config import config_hash
+    from campaigns.evidence import save_evidence
+    from campaigns.runner import _unfinished
+    from helpers import make_evidence
+    repo = temp_repo(tmp_path)
+    sha = git.Repo(repo).head.commit.hexsha
+    cfg = compose(["campaign=gqa_swap", "tracking=off", "resume=auto"], cuda=False)
+    out = repo / "records" / "campaigns"
+
+    def put(name, created, status="in-progress", git_sha=sha, config=None, lever="gqa_swap"):
+        ev = make_evidence(lever=lever, created=created, campaign_id=name)
+        ev.status = status
+        ev.fingerprint = dataclasses.replace(ev.fingerprint, git_sha=git_sha, git_short_sha=git_sha[:7],
+                                             config_hash=config or config_hash(cfg))
+        save_evidence(ev, out / name)
+    put("a-older", "2026-12-01T10:00:00Z")
+    put("b-newer", "2026-12-01T11:00:00Z")
+    put("c-finished", "2026-12-01T12:00:00Z", status="complete")
+    put("d-other-config", "2026-12-01T13:00:00Z", config="1" * 64)
+    put("e-other-commit", "2026-12-01T14:00:00Z", git_sha="f" * 40)
+    put("f-other-lever", "2026-12-01T15:00:00Z", lever="fast_math")
+    assert _unfinished(cfg, repo, out) == "b-newer"
+    for name in ("a-older", "b-newer"):
+        (out / name / "evidence.json").unlink()
+    assert _unfinished(cfg, repo, out) is None                  # run_campaign then starts a new one
 
 
 def test_inert_lever_makes_the_campaign_invalid(tmp_path):
