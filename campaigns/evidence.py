@@ -327,6 +327,11 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+def parse_utc(iso: str) -> datetime:
+    """A timestamp as evidence writes them (utc_now: ISO 8601 with a trailing Z) as an aware datetime."""
+    return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+
+
 def campaign_id(date: str, lever: str, short_sha: str, kind: str = "lever") -> str:
     return f"{date}-{lever}{'-aa' if kind == 'aa' else ''}-{short_sha[:7]}"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from campaigns import context as lever_context
-from campaigns.evidence import Evidence, find_evidence, load_evidence, write_atomic
+from campaigns.evidence import Evidence, find_evidence, load_evidence, parse_utc, write_atomic
 from vtengine import confdirs
 
 STATE_FILE = ".recheck.json"
@@ -108,11 +108,10 @@ def save_state(out_dir: Path | str, state: dict) -> None:
 def took_s(ev: Evidence) -> float | None:
     """How long a campaign ran, from its start to its last leg's end (gates, servers and grid): what re-running it
     should cost. None without timed legs."""
-    from datetime import datetime
     ends = [leg.ended for leg in ev.legs if leg.ended]
     if not ends or not ev.created:
         return None
-    start, end = (datetime.fromisoformat(t.replace("Z", "+00:00")) for t in (ev.created, max(ends)))
+    start, end = (parse_utc(t) for t in (ev.created, max(ends)))
     return max(0.0, (end - start).total_seconds())
 
 

@@ -18,11 +18,10 @@ resumed campaign or a re-render without duplicating runs.
 from __future__ import annotations
 
 import statistics
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from campaigns.evidence import Evidence
+from campaigns.evidence import Evidence, parse_utc
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 CAMPAIGN_TAG = "vtcampaign.campaign_id"
@@ -90,7 +89,7 @@ def _ms(iso: str) -> int | None:
     if not iso:
         return None
     try:
-        return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() * 1000)
+        return int(parse_utc(iso).timestamp() * 1000)
     except ValueError:
         return None
 
