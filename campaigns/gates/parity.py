@@ -52,19 +52,20 @@ def _compare(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"requests": len(a), "equal": len(a) - len(mism), "mismatched": len(mism)}, mism
 
 
-def _graph_replays(chunks_only: bool = False) -> int:
-    """Replays of captured graphs so far: decode steps' and (the lever chunk_graphs) full prefill chunks'."""
+def _graph_replays() -> tuple[int, int]:
+    """Replays of captured graphs so far: (all, those of full prefill chunks under the lever chunk_graphs)."""
     from vtengine import counters
     chunk = counters.launches("chunk_step", "cuda_graph")
-    return chunk if chunks_only else counters.launches("decode_step", "cuda_graph") + chunk
+    return counters.launches("decode_step", "cuda_graph") + chunk, chunk
 
 
 def _graphed_tokens(llm, prompts, params) -> tuple[list[list[int]], int, int]:
     """Tokens of a graphed generation, the graph replays it made and how many of them were chunk graphs (the
     counters prove replay)."""
-    before, chunks_before = _graph_replays(), _graph_replays(chunks_only=True)
+    before = _graph_replays()
     toks = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-    return toks, _graph_replays() - before, _graph_replays(chunks_only=True) - chunks_before
+    after = _graph_replays()
+    return toks, after[0] - before[0], after[1] - before[1]
 
 
 def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
@@ -91,9 +92,9 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
         ctx.cache[key] = _graphed_tokens(llm, prompts, params)
         runner.use_graphs = False
         try:
-            before = _graph_replays()
+            before = _graph_replays()[0]
             eager = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-            ctx.cache[f"eager:{arm.name}"] = (eager, _graph_replays() - before)
+            ctx.cache[f"eager:{arm.name}"] = (eager, _graph_replays()[0] - before)
         finally:
             runner.use_graphs = True
     eager, eager_replays = ctx.cache[f"eager:{arm.name}"]
