@@ -445,8 +445,8 @@ def mid_markdown(result: dict) -> str:
     lines = [f"# W4A16 at decode batches of 24-128 tokens — {env['device']} ({env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}; copy bandwidth {result['copy_gbs']:.0f} GB/s. `dense`: "
              "the dense route's tiles with the lever w4a16_mid_m off (prefill tiles), `dense_mid`: on (its mid-M "
-             "tiles, split-K: see dense_config); rotation layout on. Cells: median µs per call (CUDA graph over rotating weight "
-             "sets) and bytes moved as % of copy bandwidth.", ""]
+             "tiles, split-K: see dense_config); rotation layout on. Cells: median µs per call (CUDA graph over "
+             "rotating weight sets) and bytes moved as % of copy bandwidth.", ""]
     for shp in result["shapes"]:
         lines += _shape_table(shp, methods, MID_MS)
         worst = max((v for v in shp["checks"].values() if isinstance(v, float)), default=float("nan"))
