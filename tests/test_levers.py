@@ -13,8 +13,8 @@ from vtengine.levers import LeverError
 
 
 def test_the_defaults_are_the_files_and_the_flips_that_landed():
-    # gqa_swap, marlin_dense, w4a16_rot, triton_gemv and the two async levers were flipped on by their FLIP campaigns (merges
-    # of row/<lever>-flip); the rest are off
+    # gqa_swap, marlin_dense, w4a16_rot, triton_gemv, fast_math and the two async levers were flipped on by their FLIP
+    # campaigns (merges of row/<lever>-flip); the rest are off
     reg = levers.registry()
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill",
                            "decode_wave_grid", "fast_math", "fuse_silu",
@@ -24,15 +24,15 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_graphs": False,
                         "chunked_prefill": "off", "decode_wave_grid": False,
-                        "fast_math": False, "fuse_silu": False,
+                        "fast_math": True, "fuse_silu": False,
                         "gqa_swap": True, "marlin_dense": True, "mixed_steps": False, "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False,
                         "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": False,
                         "w4a16_rot": True}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
-    assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "gqa_swap",
-                                                  "marlin_dense", "triton_gemv", "w4a16_rot"]
+    assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "fast_math",
+                                                  "gqa_swap", "marlin_dense", "triton_gemv", "w4a16_rot"]
 
 
 def test_resolution_order_config_over_env_over_default():
@@ -75,12 +75,12 @@ def test_unknown_lever_in_config_is_rejected():
 def test_flip_edits_only_the_default_line(tmp_path):
     d = tmp_path / "lever"
     shutil.copytree(levers.LEVER_DIR, d)
-    before = (d / "fast_math.yaml").read_text().splitlines()
-    levers.set_default_in_file("fast_math", True, lever_dir=d)
-    after = (d / "fast_math.yaml").read_text().splitlines()
+    before = (d / "pdl.yaml").read_text().splitlines()
+    levers.set_default_in_file("pdl", True, lever_dir=d)
+    after = (d / "pdl.yaml").read_text().splitlines()
     changed = [(a, b) for a, b in zip(before, after) if a != b]
     assert changed == [("default: false", "default: true")]
-    assert levers.registry(d)["fast_math"].default is True
+    assert levers.registry(d)["pdl"].default is True
     levers.set_default_in_file("gqa_swap", False, lever_dir=d)          # and back: a flip of a flipped default
     assert levers.registry(d)["gqa_swap"].default is False
 
@@ -158,6 +158,6 @@ def test_on_is_a_lookup_that_never_reads_the_lever_files(monkeypatch):
     assert len(out[0].outputs[0].token_ids) == 3
     assert reads == [], f"{len(reads)} lever-file scans during one generation"
     r = levers.resolve(environ={})
-    assert r.on("gqa_swap") is True and r.on("fast_math") is False
+    assert r.on("gqa_swap") is True and r.on("pdl") is False
     with pytest.raises(LeverError, match="unknown lever 'nope'"):
         r.on("nope")
