@@ -105,10 +105,11 @@ def test_calibration_follows_the_campaign_shape(h200):
     assert "false FLIP" in calibrate.sentence(one) and f"{one.mde_80:.1%}" in calibrate.sentence(one)
     # a concurrency the noise never saw borrows the nearest one, and says so
     wide = shaped(binding[0])
-    wide.config["grid"]["concurrency"] = [1, 2, 4, 8, 64]
-    wide.config["grid"]["prompts_per_leg"] = [6, 6, 12, 24, 64]
+    seen = max(int(c) for c in noise.residuals)
+    wide.config["grid"]["concurrency"] = [1, 2, 4, 8, 2 * seen]
+    wide.config["grid"]["prompts_per_leg"] = [6, 6, 12, 24, 2 * seen]
     cal = calibrate.calibrate(wide, noise, sims=100, seed=1, byte_exact=True)
-    assert cal.comparisons == 35 and "c64 from c8" in cal.noise
+    assert cal.comparisons == 35 and f"c{2 * seen} from c{seen}" in cal.noise
 
 
 def test_an_empty_noise_model_gives_no_calibration():
