@@ -188,7 +188,7 @@ def verdicts(t: Evidence, noise: NoiseModel, sims: int, seed: int, gain: float =
         sim.stats = compute_stats(sim.legs, sim.baseline.name, [a.name for a in sim.candidates], p.primary_axes,
                                   with_effects=False)
         out.append(policy.decide(sim).verdict)
-        seps.append(sum(s.separation != "NEUTRAL" for s in sim.stats))
+        seps.append(sum(policy.counts(s, p) for s in sim.stats))
     return out, seps
 
 

@@ -61,6 +61,9 @@ class PolicyConfig:
     flip_on_correctness: bool = False    # a correctness fix may flip with no speed gain (RED first: see fix_gates)
     fix_gates: List[str] = field(default_factory=list)   # the gate(s) that prove the fix: FAIL on baseline, PASS on it
     neutral_margin: float = 0.02         # a KEEP is "neutral" when the pooled interval lies within ±this
+    # a separated point counts as a WIN (LOSS) only when its ratio is >= 1 + this (<= 1 - this): two servers of one
+    # engine can differ by a steady fraction of a percent, which five quiet reps separate (policy.py)
+    min_effect: float = 0.01
     primary_axes: List[str] = field(default_factory=lambda: ["total_token_throughput", "tpot"])
     # FLIP needs WINs (REJECT-PERFORMANCE LOSSes) at this many concurrencies; 0: one per 4 points of the grid,
     # rounded up (1 on the 4-point grid, 2 on the 8-point wide one), so more points do not mean more false FLIPs
@@ -433,6 +436,8 @@ def settings(ev) -> AppConfig:
     if cached is not None and cached[0] is ev.config:
         return cached[1]
     typed = _build(AppConfig, ev.config, "config")
+    if "min_effect" not in ((ev.config.get("campaign") or {}).get("policy") or {}):
+        typed.campaign.policy.min_effect = 0.0      # decided before the rule had it: every separation counted
     ev.__dict__["_settings"] = (ev.config, typed)
     return typed
 

@@ -15,6 +15,13 @@ Conventions the gates fill in (campaigns/gates/ writes them, the policy reads th
 - Every gate the campaign lists must have run on every arm for a binding verdict; a gate the campaign or the lever
   declares inapplicable (``campaign.inapplicable: {gate: reason}``) is exempt, and the record quotes the reason.
 
+A separation must also be large enough to count (``min_effect``, 1%): a point whose reps separate completely is
+a WIN or LOSS only when its ratio is at least 1 + min_effect (at most 1 - min_effect). Five reps of a quiet engine
+(TPOT's spread at c1 is 0.1%) separate any steady shift, and two servers of one engine differ by such shifts:
+the A/A grids of 2026-12-01 put the second server 0.4-0.6% slower on TPOT at c1, and decode_wave_grid-65b2738
+recorded a LOSS of x0.993 at c1, where both arms launch the same kernels. Smaller separations are listed in the
+reasons, not counted.
+
 What the rules' numbers mean (how often a lever that does nothing FLIPs, how large a gain FLIPs reliably) is
 measured for each campaign's own grid shape by campaigns/calibrate.py and quoted beside the verdict.
 
@@ -40,20 +47,22 @@ RULES = {
                    "(unless the campaign or the lever declares it inapplicable, with the reason), a rehearsal "
                    "grid, or no mechanism proof.",
     "FLIP": "4. FLIP — token-safe (measured byte-exact, or every divergence ratified by near_tie) and at least one "
-            "WIN on {primary} and no LOSS on any axis. A non-byte-exact lever also needs its WINs to clear a "
+            "WIN on {primary} and no LOSS on any axis; a separated point is a WIN or LOSS only when its ratio clears "
+            "1 ± {min_effect:.1%} (smaller steady shifts are within what two servers of one engine differ by). "
+            "A non-byte-exact lever also needs its WINs to clear a "
             "minimum gain ({min_gain:.1%}). A grid of more than 4 concurrencies needs WINs at one concurrency "
             "per 4 of its points (rounded up), so its extra points do not add chances to flip by luck.",
     "FLIP-CORRECTNESS": "4. FLIP (correctness fix) — RED first: the gate(s) the campaign names as proving the fix "
                         "({fix_gates}) FAIL on the baseline and PASS on the candidate (a battery whose every "
                         "divergence near_tie ratifies counts as passing), and every other correctness gate passes "
                         "on the candidate.",
-    "REJECT-PERFORMANCE": "5. REJECT (performance) — a LOSS on a primary axis and no WIN: recorded as refuted so "
-                          "it is not retried. A grid of more than 4 concurrencies needs LOSSes at one concurrency "
+    "REJECT-PERFORMANCE": "5. REJECT (performance) — a LOSS on a primary axis (a ratio at most 1 - "
+                          "{min_effect:.1%}) and no WIN: recorded as refuted so it is not retried. A grid of more than 4 concurrencies needs LOSSes at one concurrency "
                           "per 4 of its points (rounded up).",
     "KEEP": "6. KEEP — otherwise; the default stays. Neutral when the pooled effect's interval on every primary "
             "axis lies within ±{neutral_margin:.0%}, else underpowered: the grid could not tell.",
     "AA-PASS": "A/A PASS — the grid's self-check: two servers at the same value show no more separated points "
-               "(WIN or LOSS, any axis) than an A/A grid of this shape shows by chance in 95% of simulated "
+               "(WIN or LOSS, any axis, clearing 1 ± {min_effect:.1%}) than an A/A grid of this shape shows by chance in 95% of simulated "
                "campaigns.",
     "AA-FAIL": "A/A FAIL — more separated points than an A/A grid of this shape shows by chance in 95% of "
                "simulated campaigns: the grid invents effects, so verdicts measured on it are suspect.",
@@ -76,7 +85,7 @@ def policy_params(ev: Evidence, override: dict[str, Any] | None = None) -> Polic
 
 def rule_text(key: str, p: PolicyConfig) -> str:
     primary = " or ".join(AXIS_BY_NAME[a].label for a in p.primary_axes)
-    return RULES[key].format(min_reps=p.min_reps, min_gain=p.min_gain, primary=primary,
+    return RULES[key].format(min_reps=p.min_reps, min_gain=p.min_gain, min_effect=p.min_effect, primary=primary,
                              fix_gates=", ".join(p.fix_gates) or "none named",
                              neutral_margin=p.neutral_margin)
 
@@ -141,10 +150,11 @@ def headline(ev: Evidence, cand: str, p: PolicyConfig, verdict: str = "") -> str
             return fmt_effect(pooled)
     worst = verdict == "REJECT-PERFORMANCE"
     wanted = "LOSS" if worst else "WIN"
-    if any(s.separation == wanted for s in stats):
-        stats = [s for s in stats if s.separation == wanted]   # quote a separated figure, not a neutral one
+    if any(s.separation == wanted and counts(s, p) for s in stats):
+        # quote a separated figure the rules counted, not a neutral one
+        stats = [s for s in stats if s.separation == wanted and counts(s, p)]
     best = (min if worst else max)(stats, key=lambda s: s.ratio)
-    return f"{_label(best.axis)} ×{best.ratio:.3f} at c{best.concurrency} ({best.separation})"
+    return f"{_label(best.axis)} ×{best.ratio:.3f} at c{best.concurrency} ({separation_label(best, p)})"
 
 
 def _widest_pooled(ev: Evidence, cand: str, p: PolicyConfig) -> PooledEffect | None:
@@ -214,10 +224,33 @@ class Facts:
         return [s for s in self.ev.stats if s.candidate == self.cand.name]
 
     def wins(self, primary_only: bool = True) -> list[AxisStat]:
-        return [s for s in self.stats if s.separation == "WIN" and (s.axis in self.p.primary_axes or not primary_only)]
+        return [s for s in self.stats if s.separation == "WIN" and counts(s, self.p)
+                and (s.axis in self.p.primary_axes or not primary_only)]
 
     def losses(self, primary_only: bool = False) -> list[AxisStat]:
-        return [s for s in self.stats if s.separation == "LOSS" and (s.axis in self.p.primary_axes or not primary_only)]
+        return [s for s in self.stats if s.separation == "LOSS" and counts(s, self.p)
+                and (s.axis in self.p.primary_axes or not primary_only)]
+
+
+def counts(s: AxisStat, p: PolicyConfig) -> bool:
+    """A separated point counts as a WIN or LOSS when its ratio clears 1 ± min_effect (NEUTRAL points never do)."""
+    if s.separation == "NEUTRAL" or s.ratio is None:
+        return False
+    return s.ratio >= 1 + p.min_effect if s.separation == "WIN" else s.ratio <= 1 - p.min_effect
+
+
+def separation_label(s: AxisStat, p: PolicyConfig) -> str:
+    """The point's separation as the rules read it: "small LOSS" for one that separated below min_effect."""
+    return s.separation if s.separation == "NEUTRAL" or counts(s, p) else f"small {s.separation}"
+
+
+def small_separations(stats: list[AxisStat], p: PolicyConfig) -> list[str]:
+    """The reasons' line for points that separated below min_effect (listed, not counted)."""
+    small = [s for s in stats if s.separation != "NEUTRAL" and not counts(s, p)]
+    if not small:
+        return []
+    listed = "; ".join(f"{_label(s.axis)} at c{s.concurrency} {s.separation} ×{s.ratio:.3f}" for s in small)
+    return [f"separated below the minimum effect {p.min_effect:.1%}, not counted: {listed}"]
 
 
 def facts(ev: Evidence, cand: Arm, p: PolicyConfig) -> Facts:
@@ -392,7 +425,7 @@ def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
         verdict = "FLIP" if key == "FLIP-CORRECTNESS" else key
         # a fix's RED -> GREEN leads its reasons; the ratification notes follow every verdict's own
         red_green = [n for n in f.notes if ": RED on " in n]
-        notes = [n for n in f.notes if n not in red_green]
+        notes = [n for n in f.notes if n not in red_green] + small_separations(f.stats, p)
         lead = red_green if key in ("NON-BINDING", "FLIP-CORRECTNESS") else []
         return Decision(verdict=verdict, rule=rule_text(key, p), reasons=lead + why + notes, candidate=cand.name,
                         byte_exact=f.byte_exact, token_safe=f.token_safe,
@@ -480,15 +513,16 @@ def _non_binding(ev: Evidence, base: str, cand: str, p: PolicyConfig) -> list[st
 # ----------------------------------------------------------------------------------------------- A/A
 
 
-def aa_separations(ev: Evidence) -> list[AxisStat]:
-    return [s for s in ev.stats if s.separation != "NEUTRAL"]
+def aa_separations(ev: Evidence, p: PolicyConfig) -> list[AxisStat]:
+    """The separated points the lever rule would count (those clearing min_effect)."""
+    return [s for s in ev.stats if counts(s, p)]
 
 
 def decide_aa(ev: Evidence, p: PolicyConfig) -> Decision:
     """The grid's self-check: separations seen against those an A/A grid of this shape shows by chance."""
     a, b = ev.baseline.name, (ev.candidates[0].name if ev.candidates else "?")
     cal = ev.calibration
-    seen = aa_separations(ev)
+    seen = aa_separations(ev, p)
     conditions = _binding_conditions(ev, (a, b), p)
     void = [r for r in conditions if r.startswith("void grid")]
     bias = [f"server-instance bias {b}/{a}: {fmt_effect(pe)}" for pe in ev.pooled if pe.primary]
@@ -507,7 +541,8 @@ def decide_aa(ev: Evidence, p: PolicyConfig) -> Decision:
     expect = (f"an A/A grid of this shape shows {cal.separations_mean:.2f} on average and at most "
               f"{cal.separations_q95} in 95% of {cal.sims} simulated campaigns")
     as_lever = _decide_candidate_grid_only(ev, p)
-    why = [f"{observed}; {expect}", f"as a lever campaign the rule would say {as_lever}"] + bias
+    why = ([f"{observed}; {expect}", f"as a lever campaign the rule would say {as_lever}"] + bias
+           + small_separations(ev.stats, p))
     binding = not conditions
     if not binding:
         why += [f"non-binding: {r}" for r in conditions]
@@ -518,10 +553,11 @@ def _decide_candidate_grid_only(ev: Evidence, p: PolicyConfig) -> str:
     """What the lever rule's grid half would conclude on these legs (A/A: it should be KEEP)."""
     cand = ev.candidates[0].name
     stats = [s for s in ev.stats if s.candidate == cand]
-    wins = [s for s in stats if s.axis in p.primary_axes and s.separation == "WIN"]
-    losses = [s for s in stats if s.separation == "LOSS"]
+    wins = [s for s in stats if s.axis in p.primary_axes and s.separation == "WIN" and counts(s, p)]
+    losses = [s for s in stats if s.separation == "LOSS" and counts(s, p)]
     if wins and not losses:
         return "FLIP (a false FLIP)"
-    if [s for s in losses if s.axis in p.primary_axes] and not [s for s in stats if s.separation == "WIN"]:
+    if ([s for s in losses if s.axis in p.primary_axes]
+            and not [s for s in stats if s.separation == "WIN" and counts(s, p)]):
         return "REJECT-PERFORMANCE (a false REJECT)"
     return "KEEP"

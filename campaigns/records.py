@@ -22,7 +22,7 @@ from campaigns import context as lever_context
 from campaigns.gates import GATE_NAMES
 from campaigns.config import settings
 from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
-from campaigns.policy import effect_note, fmt_effect, inapplicable, policy_params
+from campaigns.policy import effect_note, fmt_effect, inapplicable, policy_params, separation_label
 from campaigns.stats import AXES, AXIS_BY_NAME
 from vtengine import confdirs
 
@@ -227,7 +227,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
             "effect": fmt_interval(s.effect),
             "confidence": f"{s.effect.confidence:.0%}" if s.effect else "—",
             "on": fmt_value(s.summary[s.candidate].median, unit), "off": fmt_value(s.summary[s.baseline].median, unit),
-            "ratio": fmt_ratio(s.ratio), "separation": s.separation,
+            "ratio": fmt_ratio(s.ratio), "separation": separation_label(s, p),
             "on_reps": " / ".join(fmt_value(v, unit) for v in s.reps[s.candidate]),
             "off_reps": " / ".join(fmt_value(v, unit) for v in s.reps[s.baseline]),
             "cv": f"{s.summary[s.candidate].cv:.1%} / {s.summary[s.baseline].cv:.1%}",
@@ -243,7 +243,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
             cells = []
             for a in axes_present:
                 hit = [s for s in ev.stats if s.candidate == cand and s.concurrency == c and s.axis == a.name]
-                cells.append(f"{fmt_ratio(hit[0].ratio)} {hit[0].separation}" if hit else "—")
+                cells.append(f"{fmt_ratio(hit[0].ratio)} {separation_label(hit[0], p)}" if hit else "—")
             glance.append({"candidate": arm_label(ev, cand), "c": c, "cells": cells})
 
     mech = [g for g in ev.gates if g.gate == "mechanism"]
@@ -432,23 +432,24 @@ def _model(ev: Evidence) -> str:
 
 
 def _grid_rows(ev: Evidence) -> list[dict[str, Any]]:
-    rows = []
+    rows, pol = [], settings(ev).campaign.policy
     for cand in [a.name for a in ev.candidates]:
         for c in sorted({s.concurrency for s in ev.stats if s.candidate == cand}):
             at = {s.axis: s for s in ev.stats if s.candidate == cand and s.concurrency == c}
             tput, tpot = at.get("total_token_throughput"), at.get("tpot")
-            seps = [s.separation for s in at.values()]
+            seps = [separation_label(s, pol) for s in at.values()]
             rows.append({
                 "c": c, "candidate": arm_label(ev, cand),
                 "tput_on": fmt_value(tput.summary[cand].median, "tok/s") if tput else "—",
                 "tput_off": fmt_value(tput.summary[tput.baseline].median, "tok/s") if tput else "—",
-                "tput_ratio": f"{fmt_ratio(tput.ratio)} {tput.separation}" if tput else "—",
+                "tput_ratio": f"{fmt_ratio(tput.ratio)} {separation_label(tput, pol)}" if tput else "—",
                 "tput_effect": fmt_interval(tput.effect) if tput else "—",
                 "tpot_on": fmt_value(tpot.summary[cand].median, "ms") if tpot else "—",
                 "tpot_off": fmt_value(tpot.summary[tpot.baseline].median, "ms") if tpot else "—",
-                "tpot_ratio": f"{fmt_ratio(tpot.ratio)} {tpot.separation}" if tpot else "—",
+                "tpot_ratio": f"{fmt_ratio(tpot.ratio)} {separation_label(tpot, pol)}" if tpot else "—",
                 "tpot_effect": fmt_interval(tpot.effect) if tpot else "—",
-                "axes": f"{seps.count('WIN')} W / {seps.count('NEUTRAL')} N / {seps.count('LOSS')} L",
+                "axes": f"{seps.count('WIN')} W / {len(seps) - seps.count('WIN') - seps.count('LOSS')} N / "
+                        f"{seps.count('LOSS')} L",
             })
     return rows
 

@@ -64,7 +64,7 @@ def make_evidence(values=None, *, reps=3, concurrency=(1, 2, 4, 8), device_type=
     names = tuple(a.name for a in arms)
     cfg = {"campaign": {"name": lever, "lever": lever, "gates": list(campaign_gates),
                         "inapplicable": dict(inapplicable or {}),
-                        "policy": {"near_tie_max_mnats": 500.0, "min_gain": 0.01, "min_reps": 3,
+                        "policy": {"near_tie_max_mnats": 500.0, "min_gain": 0.01, "min_effect": 0.01, "min_reps": 3,
                                    "flip_on_correctness": False, **(policy_cfg or {})},
                         "hypothesis": "K/V read once per group.", "residual": "split count next."},
            "grid": {"name": "online" if binding else "rehearsal", "binding": binding,

@@ -151,22 +151,70 @@ def test_primary_loss_with_a_win_elsewhere_is_keep_not_refuted():
     assert verdict(ev) == "KEEP"
 
 
-@pytest.mark.parametrize("on_value,expected", [(1009.9, "KEEP"), (1010.1, "FLIP")])
+@pytest.mark.parametrize("on_value,expected", [(1019.9, "KEEP"), (1020.1, "FLIP")])
 def test_min_gain_for_a_non_byte_exact_lever(on_value, expected):
-    # Not byte-exact, divergences ratified by near_tie: the WIN must clear 1 + min_gain (1%).
+    # Not byte-exact, divergences ratified by near_tie: the WIN must clear 1 + min_gain (2% here, above min_effect).
     g = gates(byte_exact=False, **{"battery@on": {"passed": False, "counts": {"strict": 14, "divergent": 2}},
                                     "near_tie@on": {"counts": {"divergences": 2, "max_gap_mnats": 120.0}}})
-    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [on_value] * 3}}, gate_results=g)
+    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [on_value] * 3}}, gate_results=g,
+                       policy_cfg={"min_gain": 0.02})
     assert all(s.separation == "WIN" for s in ev.stats if s.axis == "total_token_throughput")
     assert verdict(ev) == expected
     assert ev.decision.byte_exact is False and ev.decision.token_safe
     if expected == "KEEP":
-        assert any("below the minimum gain 1.0%" in r for r in ev.decision.reasons)
+        assert any("below the minimum gain 2.0%" in r for r in ev.decision.reasons)
 
 
-def test_byte_exact_lever_needs_no_minimum_gain():
-    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [1001.0] * 3}})
+@pytest.mark.parametrize("on_value,min_effect,expected", [(1001.0, 0.01, "KEEP"), (1011.0, 0.01, "FLIP"),
+                                                          (1001.0, 0.0, "FLIP")])
+def test_a_byte_exact_lever_needs_only_the_minimum_effect(on_value, min_effect, expected):
+    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [on_value] * 3}},
+                       policy_cfg={"min_effect": min_effect})
+    assert verdict(ev) == expected
+    if expected == "KEEP":
+        assert "no WIN on a primary axis (total_token_throughput, tpot)" in ev.decision.reasons
+        assert ("separated below the minimum effect 1.0%, not counted: total tok/s at c1 WIN ×1.001; total tok/s "
+                "at c2 WIN ×1.001; total tok/s at c4 WIN ×1.001; total tok/s at c8 WIN ×1.001") in ev.decision.reasons
+
+
+def _steady_shift_at_c1(tpot_c1_ratio: float, min_effect: float) -> Evidence:
+    """A +5% total tok/s WIN at every concurrency, and at c1 a steady TPOT shift of the candidate (every rep)."""
+    quiet = [4.79, 4.78, 4.79]                         # TPOT's spread at c1 on the H200: 0.1%
+    ev = make_evidence({**TPUT_WIN, "median_tpot_ms": {"off": quiet, "on": quiet}},
+                       policy_cfg={"min_effect": min_effect})
+    for leg in ev.legs:
+        if leg.concurrency == 1 and leg.arm == "on":
+            leg.metrics["median_tpot_ms"] = leg.metrics["median_tpot_ms"] / tpot_c1_ratio
+    return policy.conclude(ev)
+
+
+def test_a_steady_shift_below_the_minimum_effect_does_not_veto_a_flip():
+    # decode_wave_grid-65b2738: both arms launch the same kernels at c1, yet every candidate rep was 0.7% slower
+    # on TPOT (the second server of a pair; the A/A grids saw 0.4-0.6%). Five quiet reps separate such a shift.
+    ev = _steady_shift_at_c1(0.993, 0.01)
+    tpot_c1 = next(s for s in ev.stats if s.axis == "tpot" and s.concurrency == 1)
+    assert tpot_c1.separation == "LOSS" and not policy.counts(tpot_c1, policy.policy_params(ev))
+    assert policy.separation_label(tpot_c1, policy.policy_params(ev)) == "small LOSS"
     assert verdict(ev) == "FLIP"
+    assert "separated below the minimum effect 1.0%, not counted: TPOT at c1 LOSS ×0.993" in ev.decision.reasons
+    assert "1 ± 1.0%" in ev.decision.rule
+    # the rule before min_effect (0) counted it, and kept the default
+    old = _steady_shift_at_c1(0.993, 0.0)
+    assert verdict(old) == "KEEP" and "LOSS on TPOT at c1: ratio 0.993" in old.decision.reasons
+
+
+def test_a_loss_past_the_minimum_effect_still_vetoes_the_flip():
+    ev = _steady_shift_at_c1(0.985, 0.01)
+    assert verdict(ev) == "KEEP" and "LOSS on TPOT at c1: ratio 0.985" in ev.decision.reasons
+
+
+def test_evidence_decided_before_min_effect_counts_every_separation():
+    """Evidence whose config predates min_effect reads 0, the rule it was decided by (records stay as decided)."""
+    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [1001.0] * 3}})
+    del ev.config["campaign"]["policy"]["min_effect"]
+    ev.__dict__.pop("_settings", None)
+    assert policy.policy_params(ev).min_effect == 0.0
+    assert verdict(policy.conclude(ev)) == "FLIP"
 
 
 def test_min_gain_is_a_policy_parameter():
@@ -395,3 +443,22 @@ def test_a_wide_grid_needs_separations_at_one_concurrency_per_four_points(values
     assert verdict(_separated_only_at(make_evidence(values, concurrency=WIDE), {64, 128})) == separated
     # an explicit policy setting overrides the rule of thumb
     assert verdict(_separated_only_at(make_evidence(values, policy_cfg={"min_win_points": 3}), {4, 8})) == "KEEP"
+
+
+@pytest.mark.parametrize("shift,expected", [(1.005, "AA-PASS"), (1.02, "AA-FAIL")])
+def test_aa_counts_separations_the_lever_rule_would_count(shift, expected):
+    """An A/A grid whose second server is steadily slower on TPOT at every concurrency: below min_effect that is
+    listed as a small instance offset (the lever rule would not count it either); past it, the grid fails."""
+    from campaigns import calibrate
+    quiet = [4.79, 4.78, 4.80, 4.79, 4.78]
+    ev = make_evidence({"median_tpot_ms": {"off": quiet, "on": [v * shift for v in quiet]}}, reps=5)
+    ev.kind = "aa"
+    ev.calibration = calibrate.calibrate(ev, calibrate.noise_model([ev]), sims=60, seed=0, byte_exact=True)
+    d = ev.decision = policy.decide(ev)
+    assert d.verdict == expected
+    if expected == "AA-PASS":
+        assert d.reasons[0].startswith("0 separated point(s)")
+        assert any(r.startswith("separated below the minimum effect 1.0%, not counted: TPOT at c1 LOSS ×0.995")
+                   for r in d.reasons)
+    else:
+        assert d.reasons[0].startswith("4 separated point(s) (TPOT at c1 LOSS ×0.980")
