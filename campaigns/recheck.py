@@ -150,6 +150,12 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
                 e.update(_entry(*stale_now[e["lever"]], registry))
         open_levers = {e["lever"] for e in state["entries"] if e["status"] != "done"}
         state["entries"] += [_entry(ev, f, registry) for ev, f in current if ev.lever not in open_levers]
+        # what is done stays as history, a campaign stopped midway resumes first, and what is left to run follows
+        # today's order (a verdict that joined may be one that others depend on: it goes before them)
+        rank = {ev.lever: i for i, (ev, _f) in enumerate(current)}
+        phase = {"done": 0, "running": 1}
+        state["entries"].sort(key=lambda e: (phase.get(e["status"], 2),
+                                             rank.get(e["lever"], len(rank)) if e["status"] == "pending" else 0))
     else:
         state = {"entries": [_entry(ev, f, registry) for ev, f in current]}
     save_state(out_dir, state)

@@ -70,10 +70,23 @@ def test_a_saved_plan_drops_what_is_fresh_now_and_adds_what_went_stale(proj):
     assert by["gqa_swap"]["status"] == "done" and "FRESH" in by["gqa_swap"]["verdict"]
     assert by["fast_math"]["status"] == "pending" and by["triton_gemv"]["status"] == "pending"
     assert by["fast_math"]["stale"] == later and len(by["fast_math"]["why"]) == 2        # pdl and nsplits_cap
-    assert [e["lever"] for e in state["entries"]][-1] == "triton_gemv"          # joined at the end
+    assert [e["lever"] for e in state["entries"]] == ["gqa_swap", "fast_math", "triton_gemv"]   # done first
     # --restart plans anew: only what is stale now
     assert sorted(e["lever"] for e in recheck.plan(out, restart=True, root=proj)["entries"]) == ["fast_math",
                                                                                                   "triton_gemv"]
+
+
+def test_a_verdict_that_joins_a_saved_plan_takes_its_place_in_todays_order(proj):
+    """A flip during a plan (fast_math's, on 2026-12-02) re-stales verdicts that other levers depend on; they join
+    the open plan in the order a new plan would give them, not after everything already waiting."""
+    out = proj / "records"
+    verdict(proj, "nsplits_cap", "2026-11-30T10:00:00Z", pdl=True)
+    assert [e["lever"] for e in recheck.plan(out, root=proj)["entries"]] == ["nsplits_cap"]
+    verdict(proj, "gqa_swap", "2026-11-30T11:00:00Z", pdl=True)
+    state = recheck.plan(out, root=proj)
+    fresh = recheck.plan(out, restart=True, root=proj)
+    assert [e["lever"] for e in state["entries"]] == [e["lever"] for e in fresh["entries"]] == ["gqa_swap",
+                                                                                              "nsplits_cap"]
 
 
 def test_a_run_works_through_the_plan_and_resumes_the_campaign_it_was_stopped_in(proj):
