@@ -34,7 +34,8 @@ MIN_SPLIT_TILES tiles, and "len<L>" takes S = cdiv(bound, L) and MIN_SPLIT = L (
 Sequence b has n_live = cdiv(ctx_b, slice length) live slices; each is its own online softmax written to its own
 slot, and the merge reads the live ones only. The grid's third dimension holds G <= S programs per (sequence, grid head), program s walking slices
 s, s + G, ...: G follows the batch (about one wave of programs), and changes no bit, since a slice's arithmetic is
-the same whichever program runs it. The result depends only on (S, MIN_SPLIT, ctx_b), never on the batch: decode
+the same whichever program runs it. With G < S a program runs its slices as one loop over their key tiles
+(_walk_slices: one software pipeline across slice boundaries, each slice's softmax restarted at its first tile). The result depends only on (S, MIN_SPLIT, ctx_b), never on the batch: decode
 is batch-invariant, eager and CUDA-graphed decode agree bitwise, and under "len<L>" the bound does not matter
 either.
 
@@ -487,6 +488,59 @@ def _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, start, end,
     return m_i, l_i, acc
 
 
+@triton.jit
+def _walk_slices(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, ctx, s, programs, n_live, split_len, part_rows,
+                 o_part_ptr, lse_part_ptr, out_mask, m_mask,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, offs_d, d_mask,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, FAST_MATH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_IEEE: tl.constexpr):
+    """Slices s, s + programs, ... < n_live (s < n_live) as one loop over their key tiles, so the loads of a
+    slice's first tiles are in flight while the slice before it finishes: looping over slices around _attend
+    restarts the software pipeline at every slice, which at short contexts and large batches (two tiles per slice,
+    several slices per program) leaves few bytes in flight. Each slice is still its own online softmax: the
+    running max, sum and output start afresh at its first tile, its tiles are folded in the same order with the
+    same arithmetic as _attend, and its partial is written at its last tile, so every bit is _attend's.
+    ``part_rows``: the rows' split-0 partial slots."""
+    tiles_per = split_len // BLOCK_N                     # split_len is whole tiles (_slice_len)
+    mine = tl.cdiv(n_live - s, programs)                 # >= 1 slices
+    last = s + (mine - 1) * programs
+    total = (mine - 1) * tiles_per + tl.cdiv(tl.minimum(split_len, ctx - last * split_len), BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for t in range(0, total):
+        k_i = t // tiles_per
+        j = t - k_i * tiles_per
+        sl = s + k_i * programs
+        end = tl.minimum(sl * split_len + split_len, ctx)
+        first = j == 0
+        m_i = tl.where(first, float("-inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        acc = tl.where(first, 0.0, acc)
+        offs_n = sl * split_len + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
+        p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
+        m_i = m_new
+        if (j == tiles_per - 1) | (t == total - 1):      # the slice's last tile: its partial
+            o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
+            tl.store(o_part_ptr + (part_rows + sl)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
+            tl.store(lse_part_ptr + part_rows + sl, m_i + _softmax_log(l_i, FAST_MATH), mask=m_mask)
+
+
 # -- decode: stage 1 -------------------------------------------------------------------------------------------
 # Grid (B, q_heads, G) with ROWS = 1 (per_q_head) or (B, kv_heads, G) with ROWS = GROUP (gqa_swap). Program
 # (b, g, s) takes q heads g*ROWS .. g*ROWS+ROWS-1 as the rows of a Q tile [BLOCK_M = max(16, pow2(ROWS)), D]
@@ -513,7 +567,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    SPLIT: tl.constexpr, FAST_MATH: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr,
                    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   CHUNK_S: tl.constexpr, MIN_SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+                   CHUNK_S: tl.constexpr, MIN_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+                   WALK: tl.constexpr = False):
     b = tl.program_id(0)
     head0 = tl.program_id(1) * ROWS
     kvh = head0 // GROUP
@@ -535,17 +590,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         split_len = _slice_len(ctx, num_splits, BLOCK_N, MIN_SPLIT)
         n_live = tl.cdiv(ctx, split_len)
         rows0 = (b * num_q_heads + heads) * num_splits
-        for sl in range(s, n_live, programs):
-            start = sl * split_len
-            end = tl.minimum(start + split_len, ctx)
-            m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, start, end,
-                                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-                                    offs_d, d_mask, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, FAST_MATH, DOT_DTYPE,
-                                    DOT_IEEE)
-            o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)   # a live slice has keys: l_i > 0
-            lse = m_i + _softmax_log(l_i, FAST_MATH)
-            tl.store(o_part_ptr + (rows0 + sl)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
-            tl.store(lse_part_ptr + rows0 + sl, lse, mask=m_mask)
+        if WALK:                             # fewer programs than slots: several slices each, one tile loop
+            if s < n_live:
+                _walk_slices(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, ctx, s, programs, n_live, split_len, rows0,
+                             o_part_ptr, lse_part_ptr, out_mask, m_mask,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, offs_d,
+                             d_mask, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, FAST_MATH, DOT_DTYPE,
+                             DOT_IEEE)
+        else:
+            for sl in range(s, n_live, programs):
+                start = sl * split_len
+                end = tl.minimum(start + split_len, ctx)
+                m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, start, end,
+                                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+                                        offs_d, d_mask, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE, FAST_MATH,
+                                        DOT_DTYPE, DOT_IEEE)
+                o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)   # a live slice has keys
+                lse = m_i + _softmax_log(l_i, FAST_MATH)
+                tl.store(o_part_ptr + (rows0 + sl)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
+                tl.store(lse_part_ptr + rows0 + sl, lse, mask=m_mask)
         pdl_launch_dependents(USE_PDL)
         if FUSED_MERGE:
             if s < n_live:                   # a working program: it arrives; the last of min(G, n_live) merges
@@ -806,7 +869,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # the merge constexprs stay fixed when unused, so they add no binaries to the unfused variants
         FUSED_MERGE=fused, MERGE_ROWS=triton.next_power_of_2(rows) if fused else 1,
         BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, MIN_SPLIT=min_split, USE_PDL=on,
-        num_warps=meta.num_warps, num_stages=meta.num_stages, **launch_options(on))
+        WALK=split and programs < num_splits, num_warps=meta.num_warps, num_stages=meta.num_stages, **launch_options(on))
     counters.record("decode_attention", route, grid=grid, splits=num_splits, variant=_variant(fast_math))
     if fused:
         counters.record("decode_attention_merge", route, grid=(bsz, grid_heads), splits=num_splits,
