@@ -140,7 +140,7 @@ def test_triton_backend_matches_the_torch_backend_on_tiny():
     got = tokens(LLM(model="tiny", backend="triton").generate(prompts, params))
     snap = counters.snapshot()
     assert got == want
-    assert snap["qkv_epilogue"]["precise"]["launches"] > 0
+    assert counters.launches("qkv_epilogue") > 0               # under either math variant (fast_math's default)
     assert "rope" not in snap and "store_kv" not in snap
 
 
