@@ -181,7 +181,7 @@ def cmd_status(args) -> int:
     from rich.table import Table
 
     from campaigns import context as lever_context
-    from campaigns.recheck import latest_binding
+    from campaigns.recheck import latest_aa, latest_binding, plan_key
     from vtengine import confdirs, levers
 
     by = _evidence_by_lever(args.out_dir)
@@ -208,13 +208,17 @@ def cmd_status(args) -> int:
                       {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
                       last.campaign_id if last else "—", last.decision.verdict if last else "—",
                       fresh.label if fresh else "—")
+    for ev in latest_aa([e for evs in by.values() for e in evs]).values():      # the grid's self-checks
+        fresh = lever_context.freshness(ev, root, registry, digests)
+        if not fresh.fresh:
+            stale.insert(0, (ev, fresh))
     # Piped output gets a wide console so the table is not folded into unreadable columns.
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
     if stale:
         console.print(f"{len(stale)} stale binding verdict(s) (`vtcampaign recheck` re-runs them):")
         for ev, f in stale:
-            console.print(f"  {ev.lever} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}")
+            console.print(f"  {plan_key(ev)} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}")
     return 0
 
 

@@ -1,17 +1,18 @@
 """``vtcampaign recheck``: re-run the campaign of every stale binding verdict, one after another, resumably.
 
-The plan is each lever's latest binding verdict that STATUS marks STALE (campaigns/context.py), ordered so the
-table settles fast: first the levers live in the most other verdicts' contexts (a flip of theirs would stale those
-again), among those the FLIPs, then by name. Each entry re-runs the stale campaign's own campaign file, model and pins on today's
-defaults and the default grid; its candidates are the stale campaign's candidate values other than today's default
+The plan is each lever's latest binding verdict that STATUS marks STALE (campaigns/context.py), and each model's
+latest binding A/A grid gone stale the same way (the grid's self-check measured on an engine that has moved since),
+ordered so the table settles fast: the A/A grids first (the verdicts lean on the grid), then the levers live in the
+most other verdicts' contexts (a flip of theirs would stale those again), among those the FLIPs, then by name. Each entry re-runs the stale campaign's own campaign file, model, pins and binding grid on today's
+defaults; its candidates are the stale campaign's candidate values other than today's default
 (none left: the campaign file's own, i.e. the flip of today's default).
 
 The plan and progress live in ``<out_dir>/.recheck.json``: a recheck interrupted (Ctrl-C, or a GPU command's time
 limit) continues where it stopped, resuming the campaign in flight with ``resume=<id>``; ``--restart`` plans anew.
 A saved plan is checked against the verdicts each time it is loaded: a pending entry whose lever is FRESH again
 (a campaign run outside the plan measured it) is done, one still STALE takes its latest verdict's reasons and arms,
-and a lever gone STALE since (a flip merged meanwhile, a changed source file) joins the plan at the end, so a plan
-never re-runs what no longer needs it. Freshness needs the repository's history (the campaigns' commits, the engine
+and a lever gone STALE since (a flip merged meanwhile, a changed source file) joins the plan in the place a new plan
+would give it, so a plan never re-runs what no longer needs it. Freshness needs the repository's history (the campaigns' commits, the engine
 epochs): on a copy without it (a GPU host) run the plan made here with ``--frozen``.
 A FLIP found here changes no default until it is committed (``vtcampaign flip <id>``) and merged; after a merge,
 recheck again: the flip stales the verdicts it is live in.
@@ -42,6 +43,26 @@ def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
     return out
 
 
+def plan_key(ev: Evidence) -> str:
+    """The plan's name for what a campaign measured: its lever, or "A/A <model> (<quant>)" for a grid self-check
+    (one per model: it measures the grid and the engine, not a lever)."""
+    if ev.kind != "aa":
+        return ev.lever
+    from campaigns.config import settings
+    model = settings(ev).model
+    return f"A/A {model.get('name', '?')} ({model.get('quant', '?')})"
+
+
+def latest_aa(evs: list[Evidence]) -> dict[str, Evidence]:
+    """Each model's latest complete, binding A/A grid: the self-check that today's engine and grid invent no
+    effects. It goes stale like a verdict (a live lever's default or the engine moved since it ran)."""
+    out: dict[str, Evidence] = {}
+    for ev in sorted(evs, key=lambda e: (e.created, e.campaign_id)):
+        if ev.kind == "aa" and ev.status == "complete" and ev.decision is not None and ev.decision.binding:
+            out[plan_key(ev)] = ev
+    return out
+
+
 def stale_verdicts(out_dir: Path | str, root: Path | str | None = None) -> list[tuple[Evidence, lever_context.Freshness]]:
     from vtengine import levers
     root = Path(root) if root is not None else confdirs.SOURCE_ROOT
@@ -49,7 +70,7 @@ def stale_verdicts(out_dir: Path | str, root: Path | str | None = None) -> list[
     digests = lever_context.tree_digests(registry, root)
     evs = [load_evidence(p) for p in find_evidence(out_dir)]
     out = []
-    for ev in latest_binding(evs).values():
+    for ev in [*latest_aa(evs).values(), *latest_binding(evs).values()]:
         f = lever_context.freshness(ev, root, registry, digests)
         if not f.fresh:
             out.append((ev, f))
@@ -67,23 +88,27 @@ def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | s
     def dependents(lever: str) -> int:
         return sum(1 for name, ctx in contexts.items() if name != lever
                    and any(lever in live for live in ctx.live.values()))
-    # among equals, a FLIP first: re-measured, it is the verdict likeliest to move a default again
-    return sorted(stale, key=lambda item: (-dependents(item[0].lever), item[0].decision.verdict != "FLIP",
-                                           item[0].lever))
+    # the grid's self-checks first (the verdicts after them lean on the grid); then among equals, a FLIP first:
+    # re-measured, it is the verdict likeliest to move a default again
+    return sorted(stale, key=lambda item: (item[0].kind != "aa", -dependents(item[0].lever),
+                                           item[0].decision.verdict != "FLIP", plan_key(item[0])))
 
 
 def overrides_for(ev: Evidence, registry: dict) -> list[str]:
-    """Hydra overrides that re-run ``ev``'s campaign on today's defaults and the default grid."""
+    """Hydra overrides that re-run ``ev``'s campaign on today's defaults, on its own binding grid (the CUDA
+    default, ``online``, unless it ran on another, such as ``online_wide``)."""
     from campaigns.config import settings
     cfg = settings(ev)
     camp, model = cfg.campaign, cfg.model
-    out = [f"campaign={camp.name}"]
+    out = [f"campaign={camp.name}"] + (["aa=true"] if ev.kind == "aa" else [])
     if model.get("name"):
         out.append(f"model={model['name']}")
     if model.get("quant"):
         out.append(f"model.quant={model['quant']}")
+    if cfg.grid.binding and cfg.grid.name != "online":
+        out.append(f"grid={cfg.grid.name}")       # a verdict decided on another binding grid (online_wide) keeps it
     lever = registry[ev.lever]
-    cands = [a.value for a in ev.candidates if a.value != lever.default]
+    cands = [a.value for a in ev.candidates if a.value != lever.default] if ev.kind != "aa" else []
     if cands:
         out.append("campaign.arms.candidates=[" + ",".join(_text(v) for v in cands) + "]")
     pins = dict(camp.with_levers)
@@ -116,7 +141,7 @@ def took_s(ev: Evidence) -> float | None:
 
 
 def _entry(ev: Evidence, f: lever_context.Freshness, registry: dict) -> dict:
-    return {"lever": ev.lever, "stale": ev.campaign_id, "why": f.reasons, "overrides": overrides_for(ev, registry),
+    return {"lever": plan_key(ev), "stale": ev.campaign_id, "why": f.reasons, "overrides": overrides_for(ev, registry),
             "new": None, "status": "pending", "took_s": took_s(ev)}
 
 
@@ -140,7 +165,7 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
     current = order(stale_verdicts(out_dir, root), out_dir, root)
     state = {} if restart else load_state(out_dir)
     if state.get("entries") and any(e["status"] != "done" for e in state["entries"]):
-        stale_now = {ev.lever: (ev, f) for ev, f in current}
+        stale_now = {plan_key(ev): (ev, f) for ev, f in current}
         for e in state["entries"]:
             if e["status"] != "pending":
                 continue
@@ -149,10 +174,10 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
             else:                               # still stale, maybe from a later campaign: its reasons and arms
                 e.update(_entry(*stale_now[e["lever"]], registry))
         open_levers = {e["lever"] for e in state["entries"] if e["status"] != "done"}
-        state["entries"] += [_entry(ev, f, registry) for ev, f in current if ev.lever not in open_levers]
+        state["entries"] += [_entry(ev, f, registry) for ev, f in current if plan_key(ev) not in open_levers]
         # what is done stays as history, a campaign stopped midway resumes first, and what is left to run follows
         # today's order (a verdict that joined may be one that others depend on: it goes before them)
-        rank = {ev.lever: i for i, (ev, _f) in enumerate(current)}
+        rank = {plan_key(ev): i for i, (ev, _f) in enumerate(current)}
         phase = {"done": 0, "running": 1}
         state["entries"].sort(key=lambda e: (phase.get(e["status"], 2),
                                              rank.get(e["lever"], len(rank)) if e["status"] == "pending" else 0))

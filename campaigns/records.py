@@ -417,11 +417,15 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
         "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
         "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"),
     } for e in lever_runs if e.decision.verdict in REFUTED and not _superseded(e, lever_runs)]
+    from campaigns.recheck import latest_aa, plan_key
+    latest = latest_aa(done)
     aa = [{
         "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
         "model": _model(e), "value": f"{e.lever}={fmt_lever_value(e.baseline.value)}", "verdict": e.decision.verdict,
         "binding": "binding" if e.decision.binding else "non-binding", "headline": e.decision.headline,
         "bias": "; ".join(fmt_effect(pe) for pe in e.pooled if pe.primary).replace("|", "/") or "—",
+        "fresh": (_fresh_cell(fresh(e)) if latest.get(plan_key(e)) is e
+                  else f"superseded by {latest[plan_key(e)].campaign_id}" if plan_key(e) in latest else "—"),
     } for e in done if e.kind == "aa"]
     return render_template("STATUS.md.j2", rows=rows, refuted=refuted, aa=aa)
 

@@ -26,11 +26,20 @@ def proj(tmp_path):
     return root
 
 
-def verdict(root: Path, lever: str, created: str, **context) -> str:
+def verdict(root: Path, lever: str, created: str, aa: bool = False, grid: str | None = None, **context) -> str:
     """A binding FLIP of ``lever`` measured at HEAD with today's defaults except ``context`` (lever -> value, in
-    both arms), the bf16 levers live; saved under records/. Returns its campaign id."""
+    both arms), the bf16 levers live; saved under records/. ``aa``: an A/A grid instead, both arms at the lever's
+    default; ``grid``: the binding grid's name. Returns its campaign id."""
     reg = levers.registry()
-    ev = make_evidence(TPUT_WIN, lever=lever, created=created)
+    ev = make_evidence(TPUT_WIN, lever=lever, created=created, campaign_id=None if not aa else
+                       f"{created[:10]}-{lever}-aa-abc1234")
+    if aa:
+        ev.kind = "aa"
+        for arm in ev.arms:
+            arm.value = reg[lever].default
+    if grid:
+        ev.config["grid"]["name"] = grid
+        ev.__dict__.pop("_settings", None)
     sha = git.Repo(root).head.commit.hexsha
     ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
     for arm in ev.arms:
@@ -87,6 +96,23 @@ def test_a_verdict_that_joins_a_saved_plan_takes_its_place_in_todays_order(proj)
     fresh = recheck.plan(out, restart=True, root=proj)
     assert [e["lever"] for e in state["entries"]] == [e["lever"] for e in fresh["entries"]] == ["gqa_swap",
                                                                                               "nsplits_cap"]
+
+
+def test_a_stale_aa_grid_is_rechecked_first_and_a_wide_grid_verdict_keeps_its_grid(proj):
+    """Each model's latest A/A goes stale like a verdict and is re-run before the verdicts (they lean on the grid);
+    an A/A on today's defaults stays out. A verdict decided on the wide grid is re-run on the wide grid."""
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T09:00:00Z", aa=True, pdl=True)        # pdl was on, and live
+    verdict(proj, "nsplits_cap", "2026-11-30T10:00:00Z", pdl=True, grid="online_wide")
+    entries = recheck.plan(out, root=proj)["entries"]
+    assert [e["lever"] for e in entries] == ["A/A qwen3-8b (bf16)", "nsplits_cap"]
+    aa, wide = entries
+    assert aa["overrides"] == ["campaign=gqa_swap", "aa=true", "model=qwen3-8b", "model.quant=bf16"]
+    assert aa["why"] == ["pdl's default is now off; the campaign ran with on and pdl's kernels ran there"]
+    assert "grid=online_wide" in wide["overrides"]
+    # an A/A measured on today's defaults since: the model's latest, fresh, so the plan drops the old one
+    verdict(proj, "gqa_swap", "2026-12-01T09:00:00Z", aa=True)
+    assert [e["lever"] for e in recheck.plan(out, restart=True, root=proj)["entries"]] == ["nsplits_cap"]
 
 
 def test_a_run_works_through_the_plan_and_resumes_the_campaign_it_was_stopped_in(proj):
