@@ -211,7 +211,7 @@ def cmd_status(args) -> int:
     for ev in latest_aa([e for evs in by.values() for e in evs]).values():      # the grid's self-checks
         fresh = lever_context.freshness(ev, root, registry, digests)
         if not fresh.fresh:
-            stale.insert(0, (ev, fresh))
+            stale.append((ev, fresh))
     # Piped output gets a wide console so the table is not folded into unreadable columns.
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)

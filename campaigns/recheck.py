@@ -2,8 +2,10 @@
 
 The plan is each lever's latest binding verdict that STATUS marks STALE (campaigns/context.py), and each model's
 latest binding A/A grid gone stale the same way (the grid's self-check measured on an engine that has moved since),
-ordered so the table settles fast: the A/A grids first (the verdicts lean on the grid), then the levers live in the
-most other verdicts' contexts (a flip of theirs would stale those again), among those the FLIPs, then by name. Each entry re-runs the stale campaign's own campaign file, model, pins and binding grid on today's
+ordered so the table settles fast: the levers live in the most other verdicts' contexts first (a flip of theirs
+would stale those again; a lever newer than a verdict counts as live in it when its kernels ran there), among
+those first a KEEP that had WINs (its re-run may flip), then the FLIPs, then by name; the A/A grids last, measuring
+the engine as the plan leaves it. Each entry re-runs the stale campaign's own campaign file, model, pins and binding grid on today's
 defaults; its candidates are the stale campaign's candidate values other than today's default
 (none left: the campaign file's own, i.e. the flip of today's default).
 
@@ -86,12 +88,29 @@ def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | s
     contexts = {name: lever_context.context_of(ev, root, registry) for name, ev in latest.items()}
 
     def dependents(lever: str) -> int:
-        return sum(1 for name, ctx in contexts.items() if name != lever
-                   and any(lever in live for live in ctx.live.values()))
-    # the grid's self-checks first (the verdicts after them lean on the grid); then among equals, a FLIP first:
-    # re-measured, it is the verdict likeliest to move a default again
-    return sorted(stale, key=lambda item: (item[0].kind != "aa", -dependents(item[0].lever),
-                                           item[0].decision.verdict != "FLIP", plan_key(item[0])))
+        """Other verdicts the lever is live in: listed live there, or its kernels ran there (a lever newer than
+        the verdict is live in it all the same once its default moves), or it shapes every step (engine loop)."""
+        own = registry.get(lever)
+        mine = set(own.affects) if own is not None else set()
+        n = 0
+        for name, ctx in contexts.items():
+            live = {x for names in ctx.live.values() for x in names}
+            ran = {k for x in live if x in registry for k in registry[x].affects}
+            n += name != lever and (lever in live or (own is not None and not own.affects) or bool(mine & ran))
+        return n
+
+    def may_move(ev: Evidence) -> int:
+        """0: a KEEP that had WINs (its re-run may flip it); 1: a FLIP; 2: the rest."""
+        from campaigns import policy
+        if ev.decision.verdict == "FLIP":
+            return 1
+        p = policy.policy_params(ev)
+        wins = [st for st in ev.stats if st.separation == "WIN" and st.primary and policy.counts(st, p)]
+        return 0 if ev.decision.verdict == "KEEP" and wins else 2
+    # the levers most others depend on first, among equals the verdict likeliest to move a default; the grid's
+    # self-checks last, on the engine as the plan leaves it (a flip before them would stale them again)
+    return sorted(stale, key=lambda item: (item[0].kind == "aa", -dependents(item[0].lever), may_move(item[0]),
+                                           plan_key(item[0])))
 
 
 def overrides_for(ev: Evidence, registry: dict) -> list[str]:

@@ -26,12 +26,13 @@ def proj(tmp_path):
     return root
 
 
-def verdict(root: Path, lever: str, created: str, aa: bool = False, grid: str | None = None, **context) -> str:
+def verdict(root: Path, lever: str, created: str, aa: bool = False, grid: str | None = None, values=None,
+            **context) -> str:
     """A binding FLIP of ``lever`` measured at HEAD with today's defaults except ``context`` (lever -> value, in
     both arms), the bf16 levers live; saved under records/. ``aa``: an A/A grid instead, both arms at the lever's
     default; ``grid``: the binding grid's name. Returns its campaign id."""
     reg = levers.registry()
-    ev = make_evidence(TPUT_WIN, lever=lever, created=created, campaign_id=None if not aa else
+    ev = make_evidence(values or TPUT_WIN, lever=lever, created=created, campaign_id=None if not aa else
                        f"{created[:10]}-{lever}-aa-abc1234")
     if aa:
         ev.kind = "aa"
@@ -98,15 +99,27 @@ def test_a_verdict_that_joins_a_saved_plan_takes_its_place_in_todays_order(proj)
                                                                                               "nsplits_cap"]
 
 
-def test_a_stale_aa_grid_is_rechecked_first_and_a_wide_grid_verdict_keeps_its_grid(proj):
-    """Each model's latest A/A goes stale like a verdict and is re-run before the verdicts (they lean on the grid);
-    an A/A on today's defaults stays out. A verdict decided on the wide grid is re-run on the wide grid."""
+def test_a_keep_that_won_goes_before_an_equal_flip_and_new_levers_count_where_their_kernels_ran(proj):
+    """decode_wave_grid (added after most verdicts) was KEEP with WINs, vetoed by one LOSS: its re-run may flip it,
+    and its kernel (decode attention) ran in every decode verdict, so it goes before gqa_swap's FLIP."""
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    keep_that_won = {**TPUT_WIN, "median_ttft_ms": {"off": [10.0, 10.1, 10.2], "on": [12.0, 12.1, 12.2]}}
+    cid = verdict(proj, "decode_wave_grid", "2026-11-30T11:00:00Z", values=keep_that_won, pdl=True)
+    ev = next(e for e in recheck.stale_verdicts(out, root=proj) if e[0].campaign_id == cid)[0]
+    assert ev.decision.verdict == "KEEP"
+    assert [e["lever"] for e in recheck.plan(out, root=proj)["entries"]] == ["decode_wave_grid", "gqa_swap"]
+
+
+def test_a_stale_aa_grid_is_rechecked_last_and_a_wide_grid_verdict_keeps_its_grid(proj):
+    """Each model's latest A/A goes stale like a verdict and is re-run after the verdicts (on the engine as the plan
+    leaves it); an A/A on today's defaults stays out. A verdict decided on the wide grid is re-run on it."""
     out = proj / "records"
     verdict(proj, "gqa_swap", "2026-11-30T09:00:00Z", aa=True, pdl=True)        # pdl was on, and live
     verdict(proj, "nsplits_cap", "2026-11-30T10:00:00Z", pdl=True, grid="online_wide")
     entries = recheck.plan(out, root=proj)["entries"]
-    assert [e["lever"] for e in entries] == ["A/A qwen3-8b (bf16)", "nsplits_cap"]
-    aa, wide = entries
+    assert [e["lever"] for e in entries] == ["nsplits_cap", "A/A qwen3-8b (bf16)"]
+    wide, aa = entries
     assert aa["overrides"] == ["campaign=gqa_swap", "aa=true", "model=qwen3-8b", "model.quant=bf16"]
     assert aa["why"] == ["pdl's default is now off; the campaign ran with on and pdl's kernels ran there"]
     assert "grid=online_wide" in wide["overrides"]
