@@ -466,26 +466,33 @@ def _attend(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, start, end,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        # V is loaded next to K, before the scores need K: both tiles are in flight together (decode is bound
-        # by the bytes in flight per SM, not by the math)
-        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
-        p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, start_n, end, m_i, l_i, acc,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+                                     offs_d, d_mask, BLOCK_N, PAGE_SIZE, FAST_MATH, DOT_DTYPE, DOT_IEEE)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, start_n, end, m_i, l_i, acc,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, offs_d, d_mask,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, FAST_MATH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_IEEE: tl.constexpr):
+    """One key tile [start_n, start_n + BLOCK_N) (keys from ``end`` on masked) folded into the online softmax state
+    (running max m_i, sum l_i, unnormalised output acc)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    # V is loaded next to K, before the scores need K: both tiles are in flight together (decode is bound by the
+    # bytes in flight per SM, not by the math)
+    k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None]
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None]
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    return _softmax_update(qk, v, m_i, l_i, acc, FAST_MATH, DOT_DTYPE, DOT_IEEE)
 
 
 @triton.jit
@@ -518,23 +525,10 @@ def _walk_slices(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, ctx, s, programs, n_l
         m_i = tl.where(first, float("-inf"), m_i)
         l_i = tl.where(first, 0.0, l_i)
         acc = tl.where(first, 0.0, acc)
-        offs_n = sl * split_len + j * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_kt + kvh * stride_kh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vt + kvh * stride_vh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_IEEE) * qk_scale
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = _softmax_exp(m_i - m_new, FAST_MATH)
-        p = _softmax_exp(qk - m_new[:, None], FAST_MATH)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, bt_row, kvh, sl * split_len + j * BLOCK_N, end,
+                                     m_i, l_i, acc, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                     stride_vh, qk_scale, offs_d, d_mask, BLOCK_N, PAGE_SIZE, FAST_MATH, DOT_DTYPE,
+                                     DOT_IEEE)
         if (j == tiles_per - 1) | (t == total - 1):      # the slice's last tile: its partial
             o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
             tl.store(o_part_ptr + (part_rows + sl)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=out_mask)
