@@ -47,23 +47,23 @@ RULES = {
                    "(unless the campaign or the lever declares it inapplicable, with the reason), a rehearsal "
                    "grid, or no mechanism proof.",
     "FLIP": "4. FLIP — token-safe (measured byte-exact, or every divergence ratified by near_tie) and at least one "
-            "WIN on {primary} and no LOSS on any axis; a separated point is a WIN or LOSS only when its ratio clears "
-            "1 ± {min_effect:.1%} (smaller steady shifts are within what two servers of one engine differ by). "
-            "A non-byte-exact lever also needs its WINs to clear a "
-            "minimum gain ({min_gain:.1%}). A grid of more than 4 concurrencies needs WINs at one concurrency "
-            "per 4 of its points (rounded up), so its extra points do not add chances to flip by luck.",
+            "WIN on {primary} and no LOSS on any axis; a separated point is a WIN or LOSS only when its ratio "
+            "clears 1 ± {min_effect:.1%} (smaller steady shifts are within what two servers of one engine differ "
+            "by). A non-byte-exact lever also needs its WINs to clear a minimum gain ({min_gain:.1%}). A grid of "
+            "more than 4 concurrencies needs WINs at one concurrency per 4 of its points (rounded up), so its "
+            "extra points do not add chances to flip by luck.",
     "FLIP-CORRECTNESS": "4. FLIP (correctness fix) — RED first: the gate(s) the campaign names as proving the fix "
                         "({fix_gates}) FAIL on the baseline and PASS on the candidate (a battery whose every "
                         "divergence near_tie ratifies counts as passing), and every other correctness gate passes "
                         "on the candidate.",
     "REJECT-PERFORMANCE": "5. REJECT (performance) — a LOSS on a primary axis (a ratio at most 1 - "
-                          "{min_effect:.1%}) and no WIN: recorded as refuted so it is not retried. A grid of more than 4 concurrencies needs LOSSes at one concurrency "
-                          "per 4 of its points (rounded up).",
+                          "{min_effect:.1%}) and no WIN: recorded as refuted so it is not retried. A grid of more "
+                          "than 4 concurrencies needs LOSSes at one concurrency per 4 of its points (rounded up).",
     "KEEP": "6. KEEP — otherwise; the default stays. Neutral when the pooled effect's interval on every primary "
             "axis lies within ±{neutral_margin:.0%}, else underpowered: the grid could not tell.",
     "AA-PASS": "A/A PASS — the grid's self-check: two servers at the same value show no more separated points "
-               "(WIN or LOSS, any axis, clearing 1 ± {min_effect:.1%}) than an A/A grid of this shape shows by chance in 95% of simulated "
-               "campaigns.",
+               "(WIN or LOSS, any axis, clearing 1 ± {min_effect:.1%}) than an A/A grid of this shape shows by "
+               "chance in 95% of simulated campaigns.",
     "AA-FAIL": "A/A FAIL — more separated points than an A/A grid of this shape shows by chance in 95% of "
                "simulated campaigns: the grid invents effects, so verdicts measured on it are suspect.",
     "AA-NON-BINDING": "A/A NON-BINDING — the A/A grid is void or not calibrated, or ran where no verdict binds (not "

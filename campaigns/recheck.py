@@ -3,19 +3,19 @@
 The plan is each lever's latest binding verdict that STATUS marks STALE (campaigns/context.py), and each model's
 latest binding A/A grid gone stale the same way (the grid's self-check measured on an engine that has moved since),
 ordered so the table settles fast: the levers live in the most other verdicts' contexts first (a flip of theirs
-would stale those again; a lever newer than a verdict counts as live in it when its kernels ran there), among
-those first a KEEP that had WINs (its re-run may flip), then the FLIPs, then by name; the A/A grids last, measuring
-the engine as the plan leaves it. Each entry re-runs the stale campaign's own campaign file, model, pins and binding grid on today's
-defaults; its candidates are the stale campaign's candidate values other than today's default
-(none left: the campaign file's own, i.e. the flip of today's default).
+would stale those again; a lever newer than a verdict counts as live in it when its kernels ran there), among those
+first a KEEP that had WINs (its re-run may flip), then the FLIPs, then by name; the A/A grids last, measuring the
+engine as the plan leaves it. Each entry re-runs the stale campaign's own campaign file, model, pins and binding
+grid on today's defaults; its candidates are the stale campaign's candidate values other than today's default (none
+left: the campaign file's own, i.e. the flip of today's default).
 
 The plan and progress live in ``<out_dir>/.recheck.json``: a recheck interrupted (Ctrl-C, or a GPU command's time
-limit) continues where it stopped, resuming the campaign in flight with ``resume=<id>``; ``--restart`` plans anew.
-A saved plan is checked against the verdicts each time it is loaded: a pending entry whose lever is FRESH again
-(a campaign run outside the plan measured it) is done, one still STALE takes its latest verdict's reasons and arms,
-and a lever gone STALE since (a flip merged meanwhile, a changed source file) joins the plan in the place a new plan
-would give it, so a plan never re-runs what no longer needs it. Freshness needs the repository's history (the campaigns' commits, the engine
-epochs): on a copy without it (a GPU host) run the plan made here with ``--frozen``.
+limit) continues where it stopped, resuming the campaign in flight with ``resume=<id>``; ``--restart`` plans anew. A
+saved plan is checked against the verdicts each time it is loaded: a pending entry whose lever is FRESH again (a
+campaign run outside the plan measured it) is done, one still STALE takes its latest verdict's reasons and arms, and
+a lever gone STALE since (a flip merged meanwhile, a changed source file) joins the plan in the place a new plan
+would give it, so a plan never re-runs what no longer needs it. Freshness needs the repository's history (the
+campaigns' commits, the engine epochs): on a copy without it (a GPU host) run the plan made here with ``--frozen``.
 A FLIP found here changes no default until it is committed (``vtcampaign flip <id>``) and merged; after a merge,
 recheck again: the flip stales the verdicts it is live in.
 """
@@ -36,13 +36,18 @@ class RecheckError(ValueError):
     """A recheck that cannot start as asked (the message says why and what to do)."""
 
 
-def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
-    """Each lever's latest complete, binding lever campaign."""
+def _latest(evs: list[Evidence], kind: str) -> dict[str, Evidence]:
+    """The latest complete, binding campaign of ``kind`` per plan key."""
     out: dict[str, Evidence] = {}
     for ev in sorted(evs, key=lambda e: (e.created, e.campaign_id)):
-        if ev.kind == "lever" and ev.status == "complete" and ev.decision is not None and ev.decision.binding:
-            out[ev.lever] = ev
+        if ev.kind == kind and ev.status == "complete" and ev.decision is not None and ev.decision.binding:
+            out[plan_key(ev)] = ev
     return out
+
+
+def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
+    """Each lever's latest complete, binding lever campaign."""
+    return _latest(evs, "lever")
 
 
 def plan_key(ev: Evidence) -> str:
@@ -58,11 +63,7 @@ def plan_key(ev: Evidence) -> str:
 def latest_aa(evs: list[Evidence]) -> dict[str, Evidence]:
     """Each model's latest complete, binding A/A grid: the self-check that today's engine and grid invent no
     effects. It goes stale like a verdict (a live lever's default or the engine moved since it ran)."""
-    out: dict[str, Evidence] = {}
-    for ev in sorted(evs, key=lambda e: (e.created, e.campaign_id)):
-        if ev.kind == "aa" and ev.status == "complete" and ev.decision is not None and ev.decision.binding:
-            out[plan_key(ev)] = ev
-    return out
+    return _latest(evs, "aa")
 
 
 def stale_verdicts(out_dir: Path | str, root: Path | str | None = None) -> list[tuple[Evidence, lever_context.Freshness]]:

@@ -29,15 +29,15 @@ Three levers shape it:
 
 Slices are per sequence, and the split rule (the lever ``split_rule``, vtengine/kernels/splits.py) fixes them:
 sequence b's slice length is max(cdiv(cdiv(ctx_b, S), BLOCK_N) * BLOCK_N, MIN_SPLIT) tokens for S partial slots,
-where "off" (the count rule) takes S from the split heuristic over the context bound and MIN_SPLIT =
-MIN_SPLIT_TILES tiles, and "len<L>" takes S = cdiv(bound, L) and MIN_SPLIT = L (every slice L tokens).
-Sequence b has n_live = cdiv(ctx_b, slice length) live slices; each is its own online softmax written to its own
-slot, and the merge reads the live ones only. The grid's third dimension holds G <= S programs per (sequence, grid head), program s walking slices
-s, s + G, ...: G follows the batch (about one wave of programs), and changes no bit, since a slice's arithmetic is
-the same whichever program runs it. With G < S a program runs its slices as one loop over their key tiles
-(_walk_slices: one software pipeline across slice boundaries, each slice's softmax restarted at its first tile). The result depends only on (S, MIN_SPLIT, ctx_b), never on the batch: decode
-is batch-invariant, eager and CUDA-graphed decode agree bitwise, and under "len<L>" the bound does not matter
-either.
+where "off" (the count rule) takes S from the split heuristic over the context bound and MIN_SPLIT = MIN_SPLIT_TILES
+tiles, and "len<L>" takes S = cdiv(bound, L) and MIN_SPLIT = L (every slice L tokens). Sequence b has n_live =
+cdiv(ctx_b, slice length) live slices; each is its own online softmax written to its own slot, and the merge reads
+the live ones only. The grid's third dimension holds G <= S programs per (sequence, grid head), program s walking
+slices s, s + G, ...: G follows the batch (about one wave of programs), and changes no bit, since a slice's
+arithmetic is the same whichever program runs it. With G < S a program runs its slices as one loop over their key
+tiles (_walk_slices: one software pipeline across slice boundaries, each slice's softmax restarted at its first
+tile). The result depends only on (S, MIN_SPLIT, ctx_b), never on the batch: decode is batch-invariant, eager and
+CUDA-graphed decode agree bitwise, and under "len<L>" the bound does not matter either.
 
 Every launch records a counter (vtengine/counters.py): kernel, route, grid, split count and compiled variant. The
 merge records ``decode_attention_merge`` in either form (so a reader sees the split outputs merged): as its own
@@ -863,7 +863,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # the merge constexprs stay fixed when unused, so they add no binaries to the unfused variants
         FUSED_MERGE=fused, MERGE_ROWS=triton.next_power_of_2(rows) if fused else 1,
         BLOCK_S=block_s if fused else 1, CHUNK_S=chunk_s if fused else 1, MIN_SPLIT=min_split, USE_PDL=on,
-        WALK=split and programs < num_splits, num_warps=meta.num_warps, num_stages=meta.num_stages, **launch_options(on))
+        WALK=split and programs < num_splits, num_warps=meta.num_warps, num_stages=meta.num_stages,
+        **launch_options(on))
     counters.record("decode_attention", route, grid=grid, splits=num_splits, variant=_variant(fast_math))
     if fused:
         counters.record("decode_attention_merge", route, grid=(bsz, grid_heads), splits=num_splits,
