@@ -16,8 +16,9 @@ campaign run outside the plan measured it) is done, one still STALE takes its la
 a lever gone STALE since (a flip merged meanwhile, a changed source file) joins the plan in the place a new plan
 would give it, so a plan never re-runs what no longer needs it. Freshness needs the repository's history (the
 campaigns' commits, the engine epochs): on a copy without it (a GPU host) run the plan made here with ``--frozen``.
-A FLIP found here changes no default until it is committed (``vtcampaign flip <id>``) and merged; after a merge,
-recheck again: the flip stales the verdicts it is live in.
+A FLIP found here changes no default until it is committed (``vtcampaign flip <id>``) and merged, so a FLIP that
+moves a default stops the run (what is left would run on the default it replaces); after the merge, recheck again:
+the flip stales the verdicts it is live in, and the rest is re-planned.
 """
 from __future__ import annotations
 
@@ -237,4 +238,20 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
         entry["new"], entry["status"] = ev.campaign_id, "done"
         entry["verdict"] = ev.decision.verdict if ev.decision else None
         save_state(out_dir, state)
+        if _moves_a_default(ev) and any(e["status"] != "done" for e in state["entries"]):
+            # what is left would run on the default this FLIP replaces, and its verdicts go stale at the merge
+            echo(f"recheck stops: {ev.campaign_id} FLIPs {ev.lever} to {_text(ev.decision.new_default)}. Commit "
+                 f"it (vtcampaign flip {ev.campaign_id}), merge, and run recheck again: the rest is re-planned "
+                 "on the new default")
+            break
     return state
+
+
+def _moves_a_default(ev: Evidence) -> bool:
+    """A binding FLIP whose new default is not the lever's default now."""
+    from vtengine import levers
+    d = ev.decision
+    if ev.kind != "lever" or d is None or d.verdict != "FLIP" or not d.binding:
+        return False
+    lever = levers.registry().get(ev.lever)
+    return lever is not None and d.new_default != lever.default

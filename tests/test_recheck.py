@@ -10,7 +10,7 @@ import git
 import pytest
 
 from campaigns import context as lever_context
-from campaigns import recheck
+from campaigns import policy, recheck
 from campaigns.evidence import save_evidence
 from helpers import TPUT_WIN, lever_repo, make_evidence
 from vtengine import levers
@@ -158,6 +158,32 @@ def test_a_run_works_through_the_plan_and_resumes_the_campaign_it_was_stopped_in
     assert calls[1][-2:] == ["tracking=off", f"resume=2026-12-01-{first}-new"]     # the interrupted one resumed
     assert all(e["status"] == "done" and e["verdict"] == "FLIP" for e in state["entries"])
     assert len(calls) == 3
+
+
+def test_a_flip_that_moves_a_default_stops_the_run(proj):
+    """pdl (off by default) FLIPs on its recheck: the entries after it would run on the default the flip replaces,
+    so the run stops there and says what to do; FLIPs that keep today's defaults (the others') do not stop it."""
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    verdict(proj, "nsplits_cap", "2026-11-30T11:00:00Z", pdl=True)
+    verdict(proj, "pdl", "2026-11-30T12:00:00Z", nsplits_cap=8)
+    verdict(proj, "triton_gemv", "2026-11-30T13:00:00Z", pdl=True)
+    said, ran = [], []
+
+    def flips(overrides, started):
+        lever = overrides[0].split("=")[1]
+        ran.append(lever)
+        ev = make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-01-{lever}-new")
+        ev.arms[1].value = True if lever == "pdl" else levers.registry()[lever].default
+        return policy.conclude(ev)
+
+    order = [e["lever"] for e in recheck.plan(out, root=proj)["entries"]]
+    state = recheck.run(out, [], flips, root=proj, echo=said.append)
+    stop = order.index("pdl") + 1
+    assert ran == order[:stop] and stop < len(order)
+    assert [e["status"] for e in state["entries"]] == ["done"] * stop + ["pending"] * (len(order) - stop)
+    assert said[-1].startswith("recheck stops: 2026-12-01-pdl-new FLIPs pdl to true. Commit it (vtcampaign flip "
+                               "2026-12-01-pdl-new), merge")
 
 
 def test_frozen_works_through_the_saved_plan_as_it_is(proj, capsys):
