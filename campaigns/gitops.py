@@ -18,6 +18,21 @@ from typing import Any, Iterable
 import git
 
 
+# What a campaign or a bench writes while it runs: a change under these is output, not dirt in the measured tree.
+RUN_OUTPUTS = ("records", "bench/results", "mlflow.db", "mlruns", "mlartifacts", "multirun", "outputs")
+
+
+def under(path: str, roots: Iterable[str]) -> bool:
+    """Is ``path`` (repo-relative) one of ``roots`` or inside one."""
+    return any(path == r.rstrip("/") or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def code_dirt(files: Iterable[str], outputs: Iterable[str] = RUN_OUTPUTS) -> list[str]:
+    """The changed files that are not run outputs: what makes a measured tree dirty."""
+    outputs = tuple(outputs)
+    return [f for f in files if not under(f, outputs)]
+
+
 class GitOpsError(RuntimeError):
     """Not a git repository, a file outside it, or a git command that failed; the message says which."""
 
@@ -49,8 +64,7 @@ def repo_state(path: Path | str = ".", ignore: Iterable[str] = ()) -> RepoState:
     branch = "HEAD" if repo.head.is_detached else repo.active_branch.name
     changed = {d.a_path for d in repo.index.diff(None)} | {d.a_path for d in repo.index.diff("HEAD")}
     changed |= set(repo.untracked_files)
-    prefixes = tuple(p.rstrip("/") + "/" for p in ignore)
-    dirty_files = sorted(f for f in changed if not (prefixes and f.startswith(prefixes)))
+    dirty_files = sorted(code_dirt(changed, ignore))
     return RepoState(sha=sha, short_sha=sha[:7], dirty=bool(dirty_files), branch=branch, dirty_files=dirty_files)
 
 

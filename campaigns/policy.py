@@ -35,7 +35,8 @@ from typing import Any
 
 from campaigns.config import PolicyConfig, settings
 from campaigns.gates import CORRECTNESS_GATES
-from campaigns.evidence import Arm, AxisStat, Decision, Evidence, GateResult, PooledEffect
+from campaigns.evidence import Arm, AxisStat, Decision, Evidence, Fingerprint, GateResult, PooledEffect
+from campaigns.gitops import code_dirt
 from campaigns.stats import AXIS_BY_NAME, compute_stats, planned_legs, pooled_effects
 
 RULES = {
@@ -281,6 +282,10 @@ def facts(ev: Evidence, cand: Arm, p: PolicyConfig) -> Facts:
             else:
                 after = ""
             f.notes.append(f"{name}: RED on {base} ({_counts(b)}){after}")
+    fp = ev.fingerprint
+    if fp.dirty and measured_dirt(fp) is None:
+        f.notes.append("changed files under run output paths only, not counted as a dirty tree: "
+                       + ", ".join(fp.dirty_files))
     return f
 
 
@@ -444,14 +449,26 @@ def inapplicable(ev: Evidence) -> dict[str, str]:
     return dict(settings(ev).campaign.inapplicable)
 
 
+def measured_dirt(fp: Fingerprint) -> list[str] | None:
+    """The changed files that make the tree dirty, read again at decision time: a file under a run output path
+    (records/, bench/results/, ...) is output, not code, even where an older runner listed it. None: clean. An
+    older fingerprint that says dirty without listing files stays dirty."""
+    if not fp.dirty:
+        return None
+    if not fp.dirty_files:
+        return []
+    return code_dirt(fp.dirty_files) or None
+
+
 def _binding_conditions(ev: Evidence, arms: tuple[str, ...], p: PolicyConfig) -> list[str]:
     """Reasons no verdict on these arms can bind: host, tree, fingerprints, reps, void grid."""
     fp = ev.fingerprint
     out = []
     if fp.device_type != "cuda":
         out.append(f"device {fp.device_type} ({fp.device_name}) is not CUDA")
-    if fp.dirty:
-        files = ", ".join(fp.dirty_files[:5]) + (" ..." if len(fp.dirty_files) > 5 else "")
+    dirt = measured_dirt(fp)
+    if dirt is not None:
+        files = ", ".join(dirt[:5]) + (" ..." if len(dirt) > 5 else "")
         out.append("the git tree was dirty" + (f" ({files})" if files else ""))
     arm_fps = {a: h for a, h in ev.arm_fingerprints.items() if a in arms}
     if len(set(arm_fps.values())) > 1:

@@ -22,7 +22,8 @@ from campaigns import context as lever_context
 from campaigns.gates import GATE_NAMES
 from campaigns.config import settings
 from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
-from campaigns.policy import effect_note, fmt_effect, inapplicable, policy_params, separation_label
+from campaigns.policy import (effect_note, fmt_effect, inapplicable, measured_dirt, policy_params,
+                             separation_label)
 from campaigns.stats import AXES, AXIS_BY_NAME
 from vtengine import confdirs
 
@@ -300,7 +301,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "effect_note": _effect_note(ev),
         "ev": ev, "d": d, "fp": fp, "row_id": f"row/{ev.lever}", "campaign_id": ev.campaign_id,
         "headline": verdict_headline(ev), "title": title, "date": ev.date,
-        "branch": fp.branch, "base_sha": fp.git_short_sha + ("-dirty" if fp.dirty else ""),
+        "branch": fp.branch, "base_sha": fp.git_short_sha + ("" if measured_dirt(fp) is None else "-dirty"),
         "device": fp.device_name, "lever": ev.lever, "env": env_name,
         "summary": lever.summary if lever else "",
         "baseline": ev.baseline.name, "baseline_value": fmt_lever_value(ev.baseline.value),

@@ -32,11 +32,11 @@ from campaigns.config import config_hash, settings
 from campaigns.evidence import (Evidence, find_evidence, load_evidence, new_campaign_id, new_evidence,
                                 save_evidence, utc_now)
 from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate, skipped
+from campaigns.gitops import RUN_OUTPUTS
 from vtengine import confdirs, levers
 
 console = Console(stderr=True)
 # what running campaigns writes into the tree, which is no dirt: records, MLflow's files, Hydra's sweep directories
-RUN_OUTPUTS = ("records", "mlflow.db", "mlruns", "mlartifacts", "multirun", "outputs")
 
 
 class CampaignError(RuntimeError):

@@ -49,6 +49,9 @@ def test_repo_state_sees_sha_branch_and_dirt(repo):
     st = repo_state(root)
     assert st.dirty and st.dirty_files == ["README.md", "records/new.md"]
     assert repo_state(root, ignore=("records",)).dirty_files == ["README.md"]
+    (root / "mlflow.db").write_text("x\n")          # an ignored path may be a file, not only a folder
+    (root / "records.md").write_text("x\n")         # ... and a prefix of a name is not the path
+    assert repo_state(root, ignore=("records", "mlflow.db")).dirty_files == ["README.md", "records.md"]
     with pytest.raises(GitOpsError, match="not inside a git repository"):
         repo_state(root.parent / "elsewhere-not-a-repo")
 

@@ -337,6 +337,20 @@ def test_non_binding_conditions(kwargs, reason):
     assert any(reason in r for r in ev.decision.reasons), ev.decision.reasons
 
 
+def test_only_run_outputs_changed_is_not_a_dirty_tree():
+    """A bench result written beside the checkout (bench/results/) is output, not code: the verdict binds and says
+    which files it set aside; one changed source file among them keeps the tree dirty, named alone."""
+    ev = make_evidence(TPUT_WIN, dirty=True)
+    ev.fingerprint.dirty_files = ["bench/results/decode-1.json", "records/campaigns/x/evidence.json"]
+    policy.conclude(ev)
+    assert verdict(ev) == "FLIP"
+    assert any("run output paths only" in r and "bench/results/decode-1.json" in r for r in ev.decision.reasons)
+    ev.fingerprint.dirty_files.append("vtengine/kernels/attention.py")
+    policy.conclude(ev)
+    assert verdict(ev) == "NON-BINDING"
+    assert "the git tree was dirty (vtengine/kernels/attention.py)" in ev.decision.reasons
+
+
 def test_an_invalid_leg_voids_the_grid():
     ev = make_evidence(TPUT_WIN)
     ev.legs[5].valid, ev.legs[5].reasons = False, ["request 3 returned 127 tokens, expected 128"]
