@@ -9,6 +9,8 @@
     vtcampaign calibrate               each binding campaign's false FLIP / false REJECT rates and minimum detectable
                                        effect, from the policy run on simulated campaigns of its grid shape
     vtcampaign flip <campaign-id>      commit a binding FLIP's default flip on row/<lever>-flip (refuses a stale one)
+    vtcampaign decide <campaign-id>    decide a complete campaign again with this checkout's policy (after a policy fix;
+                                       nothing is measured again, the record keeps the earlier verdict)
     vtcampaign recheck [overrides]     re-run the campaign of every stale binding verdict, resumably
     vtcampaign render                  rebuild every record.md/pr.md/grid.png and records/STATUS.md, BENCHMARKS.md
     vtcampaign log <evidence.json>     ingest a campaign into MLflow (replaces an earlier logging of the same id)
@@ -49,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="--conf-dir DIR (first argument, or VTENGINE_CONF_DIR) reads a project's "
                                        "conf/ over the packaged one")
     sub = p.add_subparsers(dest="cmd", required=True,
-                           metavar="{run,status,calibrate,flip,recheck,render,log,pr,ui}")
+                           metavar="{run,status,calibrate,flip,decide,recheck,render,log,pr,ui}")
     run = sub.add_parser("run", help="compose the campaign config and run it",
                          description="Compose conf/config.yaml with Hydra overrides and run the campaign. "
                                      f"Campaigns: {', '.join(options('campaign'))}.")
@@ -64,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     fl = sub.add_parser("flip", help="commit a binding, fresh FLIP on row/<lever>-flip")
     fl.add_argument("campaign_id")
     fl.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    de = sub.add_parser("decide", help="apply this checkout's policy again to a complete campaign's evidence",
+                        description="Decide a complete campaign again from its stored legs, gates and statistics "
+                                    "with the policy code of this checkout (after a fix to the policy); the "
+                                    "record keeps the earlier verdict in the reasons. Nothing is measured again.")
+    de.add_argument("campaign_id")
+    de.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     rc = sub.add_parser("recheck", help="re-run the campaigns of the stale binding verdicts, one after another",
                         description="Re-run every stale binding verdict's campaign (vtcampaign status lists them) "
                                     "on today's defaults, resumably; extra arguments are Hydra overrides for every "
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             raise UsageError(f"unexpected argument(s) {extra} for {args.cmd}")
         return {"status": cmd_status, "render": cmd_render, "log": cmd_log, "pr": cmd_pr, "ui": cmd_ui,
-                "calibrate": cmd_calibrate, "flip": cmd_flip}[args.cmd](args)
+                "calibrate": cmd_calibrate, "flip": cmd_flip, "decide": cmd_decide}[args.cmd](args)
     except (UsageError, *USER_ERRORS) as e:
         print(f"vtcampaign: error: {e}", file=sys.stderr)
         return 2
@@ -270,6 +278,37 @@ def cmd_flip(args) -> int:
                        lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id)
     print(f"flip of {ev.lever} to {ev.decision.new_default} committed on {info['branch']} ({info['commit'][:7]}); "
           f"merge it to change the default")
+    return 0
+
+
+REDECIDED = "decided again by `vtcampaign decide`"
+
+
+def cmd_decide(args) -> int:
+    from campaigns import policy
+    from campaigns.evidence import save_evidence, utc_now
+    from campaigns.gitops import repo_state
+    from campaigns.records import render_all
+    from campaigns.runner import status_dir
+    path = _campaign_evidence(args.out_dir, args.campaign_id)
+    ev = load_evidence(path)
+    if ev.status != "complete" or ev.decision is None:
+        raise UsageError(f"campaign {ev.campaign_id} is {ev.status}, not complete: finish it first (vtcampaign run "
+                         f"campaign={ev.lever} resume={ev.campaign_id})")
+    before = ev.decision
+    after = policy.decide(ev)
+    kept = [r for r in before.reasons if not r.startswith(REDECIDED)]
+    if (after.verdict, after.reasons, after.new_default) == (before.verdict, kept, before.new_default):
+        print(f"{ev.campaign_id}: {before.verdict}, unchanged by this checkout's policy")
+        return 0
+    sha = repo_state(Path.cwd()).short_sha
+    after.reasons.append(f"{REDECIDED} on {utc_now()[:10]} with the policy at {sha}; it had read {before.verdict}"
+                         + (f" ({'; '.join(kept[:2])})" if kept else ""))
+    ev.decision = after
+    save_evidence(ev, path.parent)
+    out_dir = Path(args.out_dir).resolve()
+    render_all(out_dir, status_dir(Path.cwd(), out_dir))
+    print(f"{ev.campaign_id}: {before.verdict} -> {after.verdict} ({after.headline})")
     return 0
 
 

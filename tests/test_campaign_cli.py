@@ -7,7 +7,7 @@ import pytest
 from campaigns import records
 from campaigns.cli import main
 from campaigns.config import CampaignConfigError, compose, options
-from campaigns.evidence import save_evidence
+from campaigns.evidence import load_evidence, save_evidence
 from helpers import TPUT_WIN, make_evidence
 
 CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "decode_wave_grid",
@@ -145,6 +145,34 @@ def test_unknown_option_is_a_usage_error(capsys):
 
 
 # ----------------------------------------------------------------------------------------------- views
+
+
+def test_decide_applies_the_policy_again_and_keeps_the_earlier_verdict(tmp_path, monkeypatch, capsys):
+    """A campaign decided NON-BINDING because an older runner counted a bench result as dirt: `decide` reads it
+    again with this checkout's policy; the new verdict names the old one; a second `decide` changes nothing."""
+    import git
+    repo = git.Repo.init(tmp_path)
+    (tmp_path / "f").write_text("x\n")
+    repo.index.add(["f"])
+    repo.index.commit("init")
+    monkeypatch.chdir(tmp_path)
+    ev = make_evidence(TPUT_WIN)
+    ev.fingerprint.dirty, ev.fingerprint.dirty_files = True, ["bench/results/decode-1.json"]
+    ev.decision.verdict, ev.decision.reasons = "NON-BINDING", ["the git tree was dirty (bench/results/decode-1.json)"]
+    out = tmp_path / "records" / "campaigns"
+    save_evidence(ev, out / ev.campaign_id)
+    assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 0
+    assert "NON-BINDING -> FLIP" in capsys.readouterr().out
+    d = load_evidence(out / ev.campaign_id / "evidence.json").decision
+    assert d.verdict == "FLIP" and d.binding
+    assert d.reasons[-1].startswith("decided again by `vtcampaign decide`") and "it had read NON-BINDING" in d.reasons[-1]
+    assert "FLIP" in (out / ev.campaign_id / "record.md").read_text().splitlines()[0]
+    assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 0
+    assert "FLIP, unchanged" in capsys.readouterr().out
+    ev.status, ev.campaign_id = "in-progress", "2026-01-02-gqa_swap-abc1234"
+    save_evidence(ev, out / ev.campaign_id)
+    assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 2
+    assert "is in-progress, not complete" in _error_line(capsys)
 
 
 @pytest.fixture
