@@ -15,7 +15,19 @@ The null noise model (never a shuffle of legs across arms, which would count a r
 - Pooled per concurrency over the evidence given (binding campaigns of the same device, A/A grids included, and
   the campaign itself). A concurrency with no residuals borrows the nearest pooled one, and the record says so.
 
-A simulated campaign draws, for each (concurrency, rep, arm), one residual vector at that concurrency. Under the
+- Between servers. Two servers of one build do not run at one speed: an A/A grid's second server was steadily
+  0.4-0.7% slower on TPOT at c1 (2026-12-01/02), an offset that stays for the life of the server pair, so
+  within-arm residuals never show it and five reps separate it every time. Every binding A/A grid of the pool
+  (other than the campaign itself) gives one offset profile: per concurrency and metric, the log-ratio of the
+  second arm's median to the first's, less one standard error of that difference (from the two arms' own spread;
+  at most down to zero). The raw ratio would count the grid's noise of the median a second time: an A/A grid of
+  the noisy engine of 2026-12-01 shows 1.7-2.8% between medians at c2 with ±1-3% within each arm, and read as
+  offsets those lift the default grid's false-FLIP rate from ~1% to ~17%; less one standard error they shrink
+  to what the grid could resolve, while a steady 0.6% offset with 0.1% spreads stays ~0.5%.
+
+A simulated campaign draws, for each (concurrency, rep, arm), one residual vector at that concurrency, and (when
+the pool has A/A grids) one offset profile, with either sign (which server is the slower one is chance), that
+multiplies every candidate leg at its concurrency (the nearest one in the profile). Under the
 null both arms get the residuals as they are; for power, the candidate's throughput axes are multiplied and its
 latency axes divided by (1 + gain) on every axis but TTFT (a decode lever does not move the prefill). Every gate
 is marked passed and self-checked, so the rule's grid half decides; ``token_safe_as`` says whether the FLIP rule
@@ -27,7 +39,7 @@ import copy
 import math
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from campaigns.config import settings
@@ -44,9 +56,12 @@ METRICS = tuple(a.metric for a in AXES)
 
 @dataclass
 class NoiseModel:
-    """Residual vectors (metric -> multiplicative residual) per concurrency, and where they came from."""
+    """Residual vectors (metric -> multiplicative residual) per concurrency, the between-server offset profiles
+    (concurrency -> metric -> factor) of A/A grids, and where they came from."""
     residuals: dict[int, list[dict[str, float]]]
     campaigns: list[str]
+    offsets: list[dict[int, dict[str, float]]] = field(default_factory=list)
+    offset_campaigns: list[str] = field(default_factory=list)
 
     def legs(self) -> dict[str, int]:
         return {str(c): len(v) for c, v in sorted(self.residuals.items())}
@@ -60,8 +75,10 @@ class NoiseModel:
 
     def describe(self) -> str:
         n = sum(len(v) for v in self.residuals.values())
+        between = (f"; between-server offsets of {len(self.offsets)} A/A grid(s), either sign" if self.offsets
+                   else "; no A/A grid, so no between-server term")
         return (f"within-arm residuals of {n} legs (whole legs, per concurrency) from {len(self.campaigns)} "
-                f"campaign(s)")
+                f"campaign(s){between}")
 
 
 def residuals_of(ev: Evidence) -> dict[int, list[dict[str, float]]]:
@@ -88,25 +105,65 @@ def residuals_of(ev: Evidence) -> dict[int, list[dict[str, float]]]:
     return out
 
 
-def noise_model(evidences: Iterable[Evidence]) -> NoiseModel:
+def offsets_of(ev: Evidence) -> dict[int, dict[str, float]]:
+    """An A/A grid's between-server offset profile: per concurrency where both arms have valid legs, each metric's
+    median on the second arm over its median on the first. Empty for a lever campaign (its arms differ by the
+    lever, so their ratio is no offset)."""
+    if ev.kind != "aa" or len(ev.arms) != 2:
+        return {}
+    first, second = ev.arms[0].name, ev.arms[1].name
+    cells: dict[tuple[int, str], list[LegResult]] = {}
+    for leg in ev.legs:
+        if leg.valid:
+            cells.setdefault((leg.concurrency, leg.arm), []).append(leg)
+    out = {}
+    for c in sorted({c for c, _ in cells}):
+        a, b = cells.get((c, first), []), cells.get((c, second), [])
+        factors = {}
+        for m in METRICS:
+            va = [leg.metrics.get(m) for leg in a]
+            vb = [leg.metrics.get(m) for leg in b]
+            if len(va) >= 2 and len(vb) >= 2 and all(isinstance(v, (int, float)) and v > 0 for v in va + vb):
+                factors[m] = _shrunk_ratio([math.log(v) for v in va], [math.log(v) for v in vb])
+        if set(factors) == set(METRICS):
+            out[c] = factors
+    return out
+
+
+def _shrunk_ratio(la: list[float], lb: list[float]) -> float:
+    """exp(d') with d the difference of the medians of two samples of logs and d' = d less one standard error of
+    it, toward zero and not past it (a median's standard error taken as sqrt(pi / 2) that of a mean)."""
+    d = statistics.median(lb) - statistics.median(la)
+    se = math.sqrt(math.pi / 2 * (statistics.variance(la) / len(la) + statistics.variance(lb) / len(lb)))
+    return math.exp(math.copysign(max(0.0, abs(d) - se), d))
+
+
+def noise_model(evidences: Iterable[Evidence], exclude_offsets: Iterable[str] = ()) -> NoiseModel:
+    """The pooled residuals of ``evidences`` and the offset profiles of their A/A grids (except the campaign ids in
+    ``exclude_offsets``: an A/A grid is not its own null)."""
     pool: dict[int, list[dict[str, float]]] = {}
-    used = []
+    used, offsets, offset_ids = [], [], []
+    skip = set(exclude_offsets)
     for ev in evidences:
         res = residuals_of(ev)
         if res:
             used.append(ev.campaign_id)
         for c, vecs in res.items():
             pool.setdefault(c, []).extend(vecs)
-    return NoiseModel(pool, used)
+        prof = offsets_of(ev) if ev.campaign_id not in skip else {}
+        if prof:
+            offsets.append(prof)
+            offset_ids.append(ev.campaign_id)
+    return NoiseModel(pool, used, offsets, offset_ids)
 
 
 def pool_for(ev: Evidence, others: Iterable[Evidence]) -> NoiseModel:
     """The noise model for ``ev``: its own legs, plus the complete binding campaigns of the same device (lever
-    campaigns and A/A grids alike)."""
+    campaigns and A/A grids alike); the offsets of those A/A grids, never of ``ev`` itself."""
     same = [o for o in others if o.campaign_id != ev.campaign_id and o.status == "complete"
             and o.decision is not None and o.decision.binding
             and o.fingerprint.device_name == ev.fingerprint.device_name]
-    return noise_model([ev] + sorted(same, key=lambda o: o.campaign_id))
+    return noise_model([ev] + sorted(same, key=lambda o: o.campaign_id), exclude_offsets=[ev.campaign_id])
 
 
 # ----------------------------------------------------------------------------------------------- simulation
@@ -158,15 +215,19 @@ def simulate(t: Evidence, noise: NoiseModel, rng: random.Random, gain: float = 0
     grid = settings(t).grid
     reps = int(grid.reps)
     legs, order = [], 0
+    profile, sign = (rng.choice(noise.offsets), rng.choice((1, -1))) if noise.offsets else ({}, 1)
     for c in grid.concurrency:
         _, pool = noise.at(int(c))
+        shift = profile[min(profile, key=lambda k: (abs(math.log2(k) - math.log2(int(c))), k))] if profile else {}
         for r in range(reps):
             for arm in t.arms:
                 res = rng.choice(pool)
                 metrics = {}
                 for axis in AXES:
                     v = res[axis.metric]
-                    metrics[axis.metric] = _gain(axis.name, v, gain) if arm.role == "candidate" else v
+                    if arm.role == "candidate":
+                        v = _gain(axis.name, v * shift.get(axis.metric, 1.0) ** sign, gain)
+                    metrics[axis.metric] = v
                 legs.append(LegResult(concurrency=int(c), rep=r, arm=arm.name, order_index=order,
                                       prompts_sha256=f"{c}-{r}", num_prompts=1, metrics=metrics))
                 order += 1

@@ -117,3 +117,54 @@ def test_an_empty_noise_model_gives_no_calibration():
     ev = make_evidence({})
     assert calibrate.calibrate(ev, calibrate.NoiseModel({}, [])) is None
     assert "not calibrated" in calibrate.sentence(None)
+
+
+def _aa(second_factor: float, spread: float, reps: int = 5):
+    """An A/A grid whose second server is ``second_factor`` times slower than the first (its latencies that many
+    times longer, its throughputs that many times lower), each rep spread by +-``spread``."""
+    from helpers import legs, make_evidence
+    wiggle = [1 + spread * x for x in (-1.0, 0.5, 0.0, -0.5, 1.0)][:reps]
+    metrics = ("total_token_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms", "median_e2el_ms",
+               "output_throughput", "request_throughput")
+    slower = {m: second_factor if m.endswith("_ms") else 1 / second_factor for m in metrics}
+    values = {m: {"a": [100 * w for w in wiggle], "b": [100 * slower[m] * w for w in wiggle[::-1]]}
+              for m in metrics}
+    ev = make_evidence(reps=reps, campaign_id=f"2026-12-02-gqa_swap-aa-{int(second_factor * 1e4)}")
+    ev.kind = "aa"
+    ev.arms[0].name, ev.arms[1].name = "a", "b"
+    ev.legs = legs(values, reps=reps, arms=("a", "b"))
+    return ev
+
+
+def test_an_aa_grid_gives_its_server_offset_less_its_noise():
+    """A steady 3% offset with 0.2% spreads comes through nearly whole; the same 3% between medians of arms that
+    spread +-6% is within its noise and shrinks to nothing; a lever campaign gives no offset at all."""
+    steady = calibrate.offsets_of(_aa(1.03, 0.002))
+    assert sorted(steady) == [1, 2, 4, 8]
+    for prof in steady.values():
+        assert 1.025 < prof["median_tpot_ms"] <= 1.03 and 1 / 1.03 <= prof["total_token_throughput"] < 1 / 1.025
+    noisy = calibrate.offsets_of(_aa(1.03, 0.06))
+    assert all(f == 1.0 for prof in noisy.values() for f in prof.values()), noisy
+    from helpers import TPUT_WIN, make_evidence
+    assert calibrate.offsets_of(make_evidence(TPUT_WIN)) == {}
+
+
+def test_server_offsets_raise_the_false_verdict_rates(h200):
+    """The null with A/A offsets of 3% (either sign) flips and rejects far more often than the within-arm null
+    alone; the record names the between-server term; an A/A grid is never its own null."""
+    binding, noise = h200
+    t = shaped(binding[0])
+    within = calibrate.NoiseModel(noise.residuals, noise.campaigns)
+    offset = calibrate.NoiseModel(noise.residuals, noise.campaigns, [calibrate.offsets_of(_aa(1.03, 0.002))],
+                                  ["aa"])
+    a = calibrate.calibrate(t, within, sims=300, seed=2, byte_exact=True)
+    b = calibrate.calibrate(t, offset, sims=300, seed=2, byte_exact=True)
+    assert a.false_flip <= 0.05 and a.false_reject <= 0.05
+    assert b.false_flip > 0.25 and b.false_reject > 0.25, (b.false_flip, b.false_reject)
+    assert "no between-server term" in a.noise and "between-server offsets of 1 A/A grid(s)" in b.noise
+    aa = _aa(1.03, 0.002)
+    assert calibrate.pool_for(aa, [binding[0]]).offsets == []
+    aa.decision.binding = False                             # a non-binding A/A grid gives no offsets
+    assert calibrate.pool_for(binding[0], [aa]).offsets == []
+    aa.decision.binding = True
+    assert calibrate.pool_for(binding[0], [aa]).offset_campaigns == [aa.campaign_id]
