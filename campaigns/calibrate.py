@@ -258,10 +258,21 @@ def flip_rate(t: Evidence, noise: NoiseModel, sims: int, seed: int, gain: float)
     return v.count("FLIP") / len(v)
 
 
-def minimum_detectable(t: Evidence, noise: NoiseModel, sims: int, seed: int, power: float = 0.8) -> float | None:
-    """The smallest gain FLIPped with probability >= ``power`` (bisection on the gain, to 0.25%)."""
+def minimum_detectable(t: Evidence, noise: NoiseModel, sims: int, seed: int, power: float = 0.8,
+                       known: dict[float, float] | None = None) -> float | None:
+    """The smallest gain FLIPped with probability >= ``power`` (bisection on the gain, to 0.25%). ``known``: FLIP
+    rates already measured at some gains (same sims and seed), which bracket the search: the calibration's power
+    points at 2/5/10% leave about four bisection steps instead of eight, a third of a campaign's conclusion on the
+    GPU host."""
     lo, hi = MDE_SEARCH
-    if flip_rate(t, noise, sims, seed, hi) < power:
+    for gain, rate in sorted((known or {}).items()):
+        if not lo < gain < hi:
+            continue
+        if rate >= power:
+            hi = gain
+            break
+        lo = gain
+    if hi == MDE_SEARCH[1] and flip_rate(t, noise, sims, seed, hi) < power:
         return None
     while hi - lo > 0.0025:
         mid = (lo + hi) / 2
@@ -284,11 +295,12 @@ def calibrate(ev: Evidence, noise: NoiseModel, sims: int = DEFAULT_SIMS, seed: i
     t = template(ev, byte_exact)
     null, seps = verdicts(t, noise, sims, seed)
     seps_sorted = sorted(seps)
-    power = {f"{g:.2f}": flip_rate(t, noise, sims, seed, g) for g in POWER_GAINS}
+    rates = {g: flip_rate(t, noise, sims, seed, g) for g in POWER_GAINS}
+    power = {f"{g:.2f}": r for g, r in rates.items()}
     stats_shape = len(t.candidates) * len(AXES) * len(settings(t).grid.concurrency)
     return Calibration(
         false_flip=null.count("FLIP") / sims, false_reject=null.count("REJECT-PERFORMANCE") / sims,
-        power=power, mde_80=minimum_detectable(t, noise, sims, seed),
+        power=power, mde_80=minimum_detectable(t, noise, sims, seed, known=rates),
         separations_mean=round(statistics.fmean(seps), 3),
         separations_q95=seps_sorted[min(len(seps_sorted) - 1, math.ceil(0.95 * len(seps_sorted)) - 1)],
         comparisons=stats_shape, sims=sims, seed=seed,
