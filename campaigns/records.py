@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import jinja2
 
@@ -481,8 +481,10 @@ def render_benchmarks(evs: list[Evidence], campaign_dirs: dict[str, Path], recor
 
 
 def render_all(out_dir: Path | str, records_dir: Path | str | None = None, lever_dir: Path | None = None,
-               plots: bool = True) -> list[Path]:
-    """Rebuild every campaign's record.md/pr.md/grid.png and records/STATUS.md + BENCHMARKS.md from evidence."""
+               plots: bool = True, only: Iterable[str] | None = None) -> list[Path]:
+    """Rebuild every campaign's record.md/pr.md/grid.png and records/STATUS.md + BENCHMARKS.md from evidence.
+    ``only``: the campaign ids whose own files to rebuild (a campaign's files depend on its evidence alone; the
+    summaries always read every campaign): a concluding campaign rebuilds its own, not every plot of the tree."""
     out_dir = Path(out_dir)
     records_dir = Path(records_dir) if records_dir is not None else out_dir.parent
     evs, dirs = [], {}
@@ -491,8 +493,10 @@ def render_all(out_dir: Path | str, records_dir: Path | str | None = None, lever
         evs.append(ev)
         dirs[ev.campaign_id] = path.parent
     written = []
+    keep = None if only is None else set(only)
     for ev in evs:
-        written += write_campaign(ev, dirs[ev.campaign_id], plot=plots)
+        if keep is None or ev.campaign_id in keep:
+            written += write_campaign(ev, dirs[ev.campaign_id], plot=plots)
     fresh = _Freshness(lever_dir=lever_dir)
     written.append(write_atomic(records_dir / "STATUS.md", render_status(evs, dirs, records_dir, lever_dir, fresh)))
     written.append(write_atomic(records_dir / "BENCHMARKS.md", render_benchmarks(evs, dirs, records_dir, fresh)))

@@ -236,7 +236,7 @@ def _conclude(run: _Run) -> None:
     _save(ev, run.cdir)
     summaries = status_dir(run.repo, run.out_dir)
     if cfg.summaries:
-        records.render_all(run.out_dir, summaries)
+        records.render_all(run.out_dir, summaries, only=[ev.campaign_id])
     else:                           # one job of a sweep: its own records; the sweep renders the summaries once
         records.write_campaign(ev, run.cdir)
     _track(cfg, ev, run.cdir)

@@ -167,6 +167,18 @@ def test_render_is_byte_identical_and_rebuilds_from_evidence_alone(tmp_path):
     assert _snapshot(tmp_path / "records") == first
 
 
+def test_render_of_one_campaign_leaves_the_others_files_alone(tmp_path):
+    """What a concluding campaign renders: its own files and the summaries, which still read every campaign."""
+    other = make_evidence(LOSS, lever="fast_math", created="2026-11-30T12:00:00Z")
+    out = _campaigns(tmp_path, _rich_evidence(), other)
+    written = records.render_all(out, plots=False, only=["2026-11-30-gqa_swap-abc1234"])
+    names = {p.relative_to(tmp_path / "records").as_posix() for p in written}
+    assert names == {"STATUS.md", "BENCHMARKS.md", "campaigns/2026-11-30-gqa_swap-abc1234/record.md",
+                     "campaigns/2026-11-30-gqa_swap-abc1234/pr.md"}
+    assert not (out / other.campaign_id / "record.md").exists()
+    assert "fast_math" in (tmp_path / "records" / "STATUS.md").read_text()
+
+
 def _status_row(status: str, lever: str) -> list[str]:
     table = status.split("## Refuted levers")[0]
     rows = [ln for ln in table.splitlines() if ln.startswith(f"| {lever} |")]
