@@ -286,17 +286,22 @@ def test_chunked_prefill_mechanism_gate_self_check_reaches_the_scheduler():
     ctx.release_engines()
 
 
-def test_fuse_silu_op_and_mechanism_gates_on_an_mxfp4_model():
-    """fuse_silu on tiny MXFP4 under the interpreter: the op gate compares the fused epilogue (ON) and the GEMM then
-    silu_mul (OFF) against silu_mul(linear) of the reference, both faults caught; the mechanism gate sees the
-    fused launches in the ON arm only (an inert candidate and a stuck baseline caught)."""
+@pytest.mark.parametrize("quant", ["mxfp4", "bf16"])
+def test_fuse_silu_op_and_mechanism_gates(quant):
+    """fuse_silu on tiny MXFP4 and bf16 under the interpreter: the op gate compares the fused epilogue (ON) and the
+    GEMM then silu_mul (OFF), W4A16 and the Triton GEMV, against silu_mul(linear) of the reference, both faults
+    caught; the mechanism gate sees the fused launches in the ON arm only (an inert candidate and a stuck baseline
+    caught), on the model's own route."""
     arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
-    ctx = GateContext(lever="fuse_silu", arms=arms, model="tiny", quant="mxfp4", device="cpu",
+    ctx = GateContext(lever="fuse_silu", arms=arms, model="tiny", quant=quant, device="cpu",
                       gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
-    for arm in arms:
-        res = run_gate("op", ctx, arm)
-        assert res.passed and res.self_check is True, res.details
-        assert any(c["case"].startswith("gate_up+silu_mul") for c in res.details["cases"])
+    if quant == "mxfp4":
+        for arm in arms:
+            res = run_gate("op", ctx, arm)
+            assert res.passed and res.self_check is True, res.details
+            names = [c["case"] for c in res.details["cases"]]
+            assert any(n.startswith("gate_up+silu_mul mxfp4") for n in names)
+            assert any(n.startswith("gate_up+silu_mul float32") for n in names), names
     off, on = mechanism_counts(ctx, "fused_gemms")
     assert on > 0 and off == 0
     ctx.release_engines()

@@ -104,6 +104,21 @@ def test_gpu_gemv_bf16_qwen3_8b_shapes(k, n):
     assert torch.equal(gemv.linear(x[3:4], w, triton_gemv=True)[0], batched[3]), f"seed {seed}: batch variance"
 
 
+@gpu
+@needs_cuda
+def test_gpu_gemv_gate_up_silu_mul_qwen3_8b():
+    """Qwen3-8B's gate_up [2 x 12,288, 4,096] in bf16 with SiLU-mul in the epilogue, at M = 1, 8, 16."""
+    gen, seed = fresh_generator()
+    bf, i, k = torch.bfloat16, 12288, 4096
+    w = rnd(2 * i, k, gen=gen, dtype=bf)
+    for m in (1, 8, 16):
+        x = rnd(m, k, gen=gen, dtype=bf)
+        h = x.double() @ w.double().t()
+        ref = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+        y = gemv.linear(x, w, triton_gemv=True, silu_mul=True, out=poisoned(m, i, bf))
+        assert rel_l2(y, ref) < 8e-3, f"seed {seed} m {m}"
+
+
 def test_gemv_out_is_checked_on_both_routes_and_block_m_must_cover_m():
     gen, _ = fresh_generator()
     x, w = rnd(12, 64, gen=gen), rnd(32, 64, gen=gen)
@@ -117,3 +132,41 @@ def test_gemv_out_is_checked_on_both_routes_and_block_m_must_cover_m():
     cfg = dict(gemv.gemv_config(32, 64, 132), BLOCK_M=8)
     with pytest.raises(ValueError, match="BLOCK_M=8 is smaller than M=12"):
         gemv.linear(x, w, triton_gemv=True, config=cfg)
+
+
+# -- the lever fuse_silu on the bf16 route: SiLU-mul in the GEMV's epilogue -----------------------------------------
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gate_up_with_silu_mul_in_the_gemv_epilogue(m):
+    """gate_up [2I, K] with I = 40 (a partial last tile), split-K 1 and 2: y = silu(g) * u of the fp32 sums
+    against silu over the fp64 GEMM; gate and up rows one apart (the wrong halves paired) fail; the fused launch
+    is counted; the rows stay batch-invariant."""
+    gen, seed = fresh_generator()
+    i, k = 40, 256
+    x, w = rnd(m, k, gen=gen), rnd(2 * i, k, gen=gen) / k ** 0.5
+    h = x.double() @ w.double().t()
+    ref = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+    base = gemv.gemv_config(2 * i, k, 132)
+    for split in (1, 2):
+        counters.reset()
+        y = gemv.linear(x, w, triton_gemv=True, silu_mul=True, config=dict(base, SPLIT_K=split),
+                        out=poisoned(m, i, x.dtype))
+        assert rel_l2(y, ref) < 2e-6, f"seed {seed} M={m} split={split}"
+        variants = counters.snapshot()["dense_linear"]["triton_gemv"]["variants"]
+        assert list(variants) == [str((base["BLOCK_N"], base["BLOCK_K"], split, "silu_mul"))]
+    rolled = gemv.linear(x, torch.roll(w, 1, dims=0), triton_gemv=True, silu_mul=True)
+    assert rel_l2(rolled, ref) > 0.1
+    if m > 1:
+        assert torch.equal(gemv.linear(x[m - 1:], w, triton_gemv=True, silu_mul=True)[0],
+                           gemv.linear(x, w, triton_gemv=True, silu_mul=True)[m - 1]), f"seed {seed}"
+
+
+def test_gemv_silu_mul_needs_the_triton_route_and_an_even_n():
+    gen, _ = fresh_generator()
+    x, w = rnd(2, 64, gen=gen), rnd(32, 64, gen=gen)
+    for kwargs, n in ((dict(triton_gemv=False), 32), (dict(triton_gemv=True), 33)):
+        with pytest.raises(ValueError, match="silu_mul fuses into the Triton GEMV"):
+            gemv.linear(x, rnd(n, 64, gen=gen), silu_mul=True, **kwargs)
+    with pytest.raises(ValueError, match="silu_mul fuses into the Triton GEMV"):
+        gemv.linear(rnd(17, 64, gen=gen), w, triton_gemv=True, silu_mul=True)
+    with pytest.raises(ValueError, match=r"out must be \[2, 16\]"):
+        gemv.linear(x, w, triton_gemv=True, silu_mul=True, out=poisoned(2, 32, x.dtype))

@@ -89,9 +89,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"routes": _routes(snap, "dense_linear"), "grids": _grids(snap, "dense_linear")[:8]}
     if lever == "pdl_prefetch":
         return {"w4a16_launches": _routes(snap, "pdl_prefetch")}
-    if lever == "fuse_silu":        # fused launches of the W4A16 GEMM, and the separate silu_mul kernel's
-        fused = sum(n for st in snap.get("w4a16_gemm", {}).values() for v, n in st["variants"].items()
-                    if "'silu_mul'" in v)
+    if lever == "fuse_silu":        # fused gate_up launches (W4A16 GEMM or bf16 GEMV), the separate silu_mul kernel's
+        fused = sum(n for kernel in ("w4a16_gemm", "dense_linear") for st in snap.get(kernel, {}).values()
+                    for v, n in st["variants"].items() if "'silu_mul'" in v)
         return {"fused_gemms": fused, "silu_mul_launches": sum(st["launches"] for st in
                                                                snap.get("silu_mul", {}).values())}
     if lever == "pdl":

@@ -192,10 +192,29 @@ def silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
 
 
 def gate_up_silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
-    """The MLP's first half at decode sizes (M <= 16), W4A16 gate_up [2I, K]: fused into the GEMM's epilogue in a
-    fuse_silu arm, the GEMM then the silu_mul kernel otherwise; against silu_mul(linear) of the reference."""
-    from vtengine.kernels import fused, w4a16
+    """The MLP's first half at decode sizes (M <= 16), a gate_up weight [2I, K] in W4A16 and in the model dtype
+    (the Triton GEMV): fused into the GEMM's epilogue in a fuse_silu arm, the GEMM then the silu_mul kernel
+    otherwise; against silu_mul(linear) of the reference."""
+    from vtengine.kernels import fused, gemv, w4a16
     cases = []
+    for m, k, n in sh["gemm"]:
+        if m > gemv.MAX_M or n % 2:
+            continue
+        x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dev, sh["dtype"])
+
+        def run_dense(setting, fault, x=x, w=w):
+            wt = torch.roll(w, 1, dims=0) if fault else w     # the fault: gate and up rows out of step by one
+            pdl = setting.get("pdl", False)
+            if setting.get("fused"):
+                return gemv.linear(x, wt, triton_gemv=True, pdl=pdl, silu_mul=True)
+            return fused.silu_mul(gemv.linear(x, wt, triton_gemv=True, pdl=pdl), pdl=pdl)
+
+        def ref_dense(x=x, w=w):
+            be = TorchBackend()
+            return be.silu_mul(be.linear(x.float(), w.float()))
+        cases.append((f"gate_up+silu_mul {str(sh['dtype']).removeprefix('torch.')} M={m} K={k} 2I={n}", run_dense,
+                      ref_dense))
     for fmt in ("mxfp4", "nvfp4"):
         for m, k, n in sh["gemm"]:
             if m > 16 or n % 32:

@@ -93,10 +93,13 @@ class TritonBackend(TorchBackend):
         return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), pdl=self.levers.on("pdl"))
 
     def gate_up_silu(self, x, weight):
-        if isinstance(weight, QuantizedWeight) and self.levers.on("fuse_silu"):
-            kw = self._w4a16_levers()
-            if w4a16.fused_silu_supported(x.shape[0], kw["dense"]):
-                return w4a16.w4a16_linear(x, weight, silu_mul=True, **kw)
+        if self.levers.on("fuse_silu"):
+            if isinstance(weight, QuantizedWeight):
+                kw = self._w4a16_levers()
+                if w4a16.fused_silu_supported(x.shape[0], kw["dense"]):
+                    return w4a16.w4a16_linear(x, weight, silu_mul=True, **kw)
+            elif gemv.fused_silu_supported(x.shape[0], self.levers.on("triton_gemv")):
+                return gemv.linear(x, weight, triton_gemv=True, pdl=self.levers.on("pdl"), silu_mul=True)
         return super().gate_up_silu(x, weight)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import triton.language as tl
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, sm_count
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.w4a16 import _split_k_locks
+from vtengine.kernels.w4a16 import _epilogue, _split_k_locks
 
 MAX_M = 16
 
@@ -30,18 +30,32 @@ MAX_M = 16
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_ym, SPLIT_K,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), SPLIT_K). Accumulates [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T over the program's K
-    slice in fp32. SPLIT: partials go to a workspace, the last program of a tile to arrive (counter, acq_rel)
-    sums them in split order and writes y, then resets the counter (graph-replay safe). Bound by W's bytes."""
+                 EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+                 SILU_MUL: tl.constexpr = False):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K), or (cdiv(N / 2, BLOCK_N / 2), SPLIT_K) under SILU_MUL. Accumulates
+    [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T over the program's K slice in fp32. SPLIT: partials go to a workspace,
+    the last program of a tile to arrive (counter, acq_rel) sums them in split order and writes y, then resets the
+    counter (graph-replay safe). Bound by W's bytes.
+
+    SILU_MUL (lever ``fuse_silu``): W is gate_up [N = 2I, K] and y = silu(gate) * up [M, I]. A tile's first
+    BLOCK_N / 2 rows are gate rows c.., its last the matching up rows I + c.. (as the W4A16 kernel's), so the
+    epilogue (the reducer's, when split) has both halves of every output it writes, in fp32."""
     pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     row_mask = offs_m < M
     rows = tl.where(row_mask, offs_m, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if SILU_MUL:
+        HALF: tl.constexpr = BLOCK_N // 2
+        half_n = N // 2
+        tile_j = tl.arange(0, BLOCK_N)
+        col = pid_n * HALF + tile_j % HALF                     # the output column (gate row) of tile row j
+        offs_n = tl.where(tile_j < HALF, col, half_n + col)
+        n_mask = col < half_n
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_n_ld = tl.where(n_mask, offs_n, 0)        # out-of-range rows re-read row 0; the store is masked
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
@@ -63,10 +77,15 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
         x_ptrs += BLOCK_K
     pdl_launch_dependents(USE_PDL)
 
-    y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
-    y_mask = n_mask[:, None] & row_mask[None, :]
+    if SILU_MUL:
+        out_n = pid_n * HALF + tl.arange(0, HALF)
+        y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + out_n[:, None]
+        y_mask = (out_n < half_n)[:, None] & row_mask[None, :]
+    else:
+        y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        y_mask = n_mask[:, None] & row_mask[None, :]
     if not SPLIT:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        tl.store(y_ptrs, _epilogue(acc, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         ws_tile = ws_ptr + pid_n.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M)
         offs_acc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
@@ -77,7 +96,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
             total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
             for s in range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + offs_acc, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(y_ptrs, _epilogue(total, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -98,12 +117,19 @@ def gemv_config(n: int, k: int, num_sms: int) -> dict:
     return dict(BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=stages)
 
 
+def fused_silu_supported(m: int, triton_gemv: bool) -> bool:
+    """Whether linear(..., silu_mul=True) applies: the Triton GEMV's route (the lever triton_gemv on), 1 <= M <= 16."""
+    return triton_gemv and 1 <= m <= MAX_M
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool = False,
-           out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
     """y = x @ weight^T for x [M, K] and weight [N, K] of x's dtype; y [M, N].
 
     ``triton_gemv`` is the lever: True and M <= 16 -> the Triton split-K GEMV, otherwise cuBLAS. ``pdl``: the lever
-    pdl for the Triton launch. ``out`` receives y when given (tests poison it). ``config`` overrides the tiles."""
+    pdl for the Triton launch. ``out`` receives y when given (tests poison it). ``config`` overrides the tiles.
+    ``silu_mul`` (the lever fuse_silu): weight is gate_up [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I], in
+    the GEMV's epilogue; the Triton route only (fused_silu_supported says when)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear expects x [M, K] and weight [N, K], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -111,8 +137,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
         raise ValueError(f"linear: x dtype {x.dtype} != weight dtype {weight.dtype}")
     m, k = x.shape
     n = weight.shape[0]
-    if out is not None and (tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1):
-        raise ValueError(f"linear: out must be [{m}, {n}] {x.dtype} with unit column stride, got "
+    if silu_mul and not (fused_silu_supported(m, triton_gemv) and n % 2 == 0):
+        raise ValueError(f"linear: silu_mul fuses into the Triton GEMV (triton_gemv on, 1 <= M <= {MAX_M}) of a "
+                         f"[2I, K] weight; got triton_gemv={triton_gemv}, M={m}, N={n}")
+    n_out = n // 2 if silu_mul else n
+    if out is not None and (tuple(out.shape) != (m, n_out) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"linear: out must be [{m}, {n_out}] {x.dtype} with unit column stride, got "
                          f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
     if not triton_gemv or m > MAX_M or m == 0:
         counters.record("dense_linear", "cublas", grid=())
@@ -121,13 +151,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
         return x @ weight.t()
     x = x if x.stride(1) == 1 else x.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
     cfg = dict(config or gemv_config(n, k, sm_count(x.device)))
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     if bm < m:
         raise ValueError(f"linear: config BLOCK_M={bm} is smaller than M={m}; the GEMV does not tile M (use "
                          f"BLOCK_M >= {m}, e.g. {MAX_M})")
-    grid = (triton.cdiv(n, bn), split)
+    grid = (triton.cdiv(n_out, bn // 2) if silu_mul else triton.cdiv(n, bn), split)
     if split > 1:
         ws = torch.empty((grid[0], split, bn * bm), dtype=torch.float32, device=x.device)
         locks = _split_k_locks(x.device, grid[0])
@@ -138,6 +168,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
     _gemv_kernel[grid](x, w, y, ws, locks, m, n, k, x.stride(0), w.stride(0), y.stride(0), split,
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=k % (bk * split) == 0,
                        DOT_DTYPE=dd, DOT_PREC="ieee" if dd == tl.float32 else "tf32", USE_PDL=on,
-                       num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 4), **launch_options(on))
-    counters.record("dense_linear", "triton_gemv", grid=grid, splits=split, variant=(bn, bk, split))
+                       SILU_MUL=bool(silu_mul), num_warps=cfg.get("num_warps", 4),
+                       num_stages=cfg.get("num_stages", 4), **launch_options(on))
+    counters.record("dense_linear", "triton_gemv", grid=grid, splits=split,
+                    variant=(bn, bk, split) + (("silu_mul",) if silu_mul else ()))
     return y
