@@ -22,7 +22,7 @@ import triton.language as tl
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, sm_count
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.w4a16 import _epilogue, _split_k_locks
+from vtengine.kernels.w4a16 import _epilogue, _split_k_locks, _tile_rows
 
 MAX_M = 16
 
@@ -46,16 +46,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     offs_m = tl.arange(0, BLOCK_M)
     row_mask = offs_m < M
     rows = tl.where(row_mask, offs_m, 0)
-    if SILU_MUL:
-        HALF: tl.constexpr = BLOCK_N // 2
-        half_n = N // 2
-        tile_j = tl.arange(0, BLOCK_N)
-        col = pid_n * HALF + tile_j % HALF                     # the output column (gate row) of tile row j
-        offs_n = tl.where(tile_j < HALF, col, half_n + col)
-        n_mask = col < half_n
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+    offs_n, n_mask = _tile_rows(pid_n, N, BLOCK_N, SILU_MUL)
     offs_n_ld = tl.where(n_mask, offs_n, 0)        # out-of-range rows re-read row 0; the store is masked
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
@@ -78,9 +69,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     pdl_launch_dependents(USE_PDL)
 
     if SILU_MUL:
-        out_n = pid_n * HALF + tl.arange(0, HALF)
+        out_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + out_n[:, None]
-        y_mask = (out_n < half_n)[:, None] & row_mask[None, :]
+        y_mask = (out_n < N // 2)[:, None] & row_mask[None, :]
     else:
         y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         y_mask = n_mask[:, None] & row_mask[None, :]

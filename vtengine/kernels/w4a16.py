@@ -328,16 +328,7 @@ def _w4a16_gemm_kernel(
         rows = offs_m
         row_mask = offs_m < M
     rows_ld = tl.where(row_mask, rows, 0)
-    if SILU_MUL:
-        HALF: tl.constexpr = BLOCK_N // 2
-        half_n = N // 2
-        tile_j = tl.arange(0, BLOCK_N)
-        col = pid_n * HALF + tile_j % HALF                     # the output column (gate row) of tile row j
-        offs_n = tl.where(tile_j < HALF, col, half_n + col)
-        n_mask = col < half_n
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+    offs_n, n_mask = _tile_rows(pid_n, N, BLOCK_N, SILU_MUL)
     # out-of-range W rows read row 0 instead of being masked: the loads stay unpredicated, the store is masked
     offs_n_ld = tl.where(n_mask, offs_n, 0)
 
@@ -396,9 +387,9 @@ def _w4a16_gemm_kernel(
         else:
             acc = acc * (tl.load(gs_ptr) * 512.0)   # the 2**9 left over from the 2**117 folded into the scales
     if SILU_MUL:
-        out_n = pid_n * HALF + tl.arange(0, HALF)
+        out_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + out_n[:, None]
-        y_mask = (out_n < half_n)[:, None] & row_mask[None, :]
+        y_mask = (out_n < N // 2)[:, None] & row_mask[None, :]
     elif SWAP_AB:
         y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         y_mask = n_mask[:, None] & row_mask[None, :]
@@ -422,6 +413,21 @@ def _w4a16_gemm_kernel(
                 total += tl.load(ws_tile + s * (ACC0 * ACC1) + offs_acc, cache_modifier=".cg")
             tl.store(y_ptrs, _epilogue(total, SILU_MUL, ACC0, ACC1).to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The W rows of output tile pid_n and their mask. SILU_MUL: W is gate_up [N = 2I, K]; tile row j < BLOCK_N / 2
+    is gate row c + j and row BLOCK_N / 2 + j the matching up row I + c + j (c = pid_n * BLOCK_N / 2), so the
+    tile's epilogue holds both halves of outputs c .. c + BLOCK_N / 2 - 1."""
+    if SILU_MUL:
+        HALF: tl.constexpr = BLOCK_N // 2
+        tile_j = tl.arange(0, BLOCK_N)
+        col = pid_n * HALF + tile_j % HALF                     # the output column (gate row) of tile row j
+        return tl.where(tile_j < HALF, col, N // 2 + col), col < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return offs_n, offs_n < N
 
 
 @triton.jit
