@@ -49,10 +49,22 @@ class Context:
 class Freshness:
     fresh: bool
     reasons: list[str]
+    causes: list[str] = field(default_factory=list)     # the reasons in a few words each (a table cell's worth)
 
     @property
     def label(self) -> str:
         return "FRESH" if self.fresh else "STALE"
+
+    def short(self) -> str:
+        """'STALE (defaults: a, b; new: c; own sources; epoch 5ae2d6a)': which kinds of change, not their story."""
+        if self.fresh:
+            return self.label
+        defaults = [c.removeprefix("default ") for c in self.causes if c.startswith("default ")]
+        added = [c.removeprefix("new ") for c in self.causes if c.startswith("new ")]
+        rest = [c for c in self.causes if not c.startswith(("default ", "new "))]
+        parts = ([f"defaults: {', '.join(defaults)}"] if defaults else []) + (
+            [f"new: {', '.join(added)}"] if added else []) + rest
+        return f"STALE ({'; '.join(parts)})" if parts else self.label
 
     def describe(self) -> str:
         return self.label + (": " + "; ".join(self.reasons) if self.reasons else "")
@@ -275,7 +287,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     levers_now = lever_registry.registry() if levers_now is None else levers_now
     digests_now = tree_digests(levers_now, root) if digests_now is None else digests_now
     ctx = context_of(ev, root, levers_now)
-    reasons = []
+    reasons, causes = [], []
     live_anywhere = {name for names in ctx.live.values() for name in names}
     for name, lever in sorted(levers_now.items()):
         if name == ev.lever and ev.kind == "lever":
@@ -288,24 +300,37 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
             if (name in live_anywhere or ctx.source == "unknown") and lever.is_on(lever.default):
                 reasons.append(f"{name}: added since the campaign, with its default {_text(lever.default)}, which "
                                "the campaign never ran")
+                causes.append(f"new {name}")
             continue
         changed = sorted({_text(v) for v in was.values() if v != lever.default})
         if changed and name in live_anywhere:
             how = f"{name}'s kernels ran there" if lever.affects else f"{name} shapes every step"
             reasons.append(f"{name}'s default is now {_text(lever.default)}; the campaign ran with "
                            f"{', '.join(changed)} and {how}")
+            causes.append(f"default {name}")
     own = levers_now.get(ev.lever)
     if own is not None:
         then, now = ctx.digests.get(ev.lever, ""), digests_now.get(ev.lever, "")
         if not then:
             reasons.append(f"{ev.lever}'s source files at the campaign are not known")
+            causes.append("own sources unknown")
         elif then != now and not same_code(root, ev.fingerprint.git_sha, own.paths):
             reasons.append(f"{ev.lever}'s source files ({', '.join(own.paths)}) changed since "
                            f"{ev.fingerprint.git_short_sha}")
+            causes.append("own sources")
     if ctx.source == "unknown" and not reasons:
         reasons.append("its context cannot be reconstructed")
-    reasons += _epoch_reasons(ev, root)
-    return Freshness(fresh=not reasons, reasons=reasons)
+        causes.append("context unknown")
+    epochs = _epoch_reasons(ev, root)
+    reasons += epochs
+    causes += [_epoch_cause(r) for r in epochs]
+    return Freshness(fresh=not reasons, reasons=reasons, causes=causes)
+
+
+def _epoch_cause(reason: str) -> str:
+    """'epoch <sha>' for an epoch reason that names one, else 'epochs unknown'."""
+    words = reason.split()
+    return f"epoch {words[words.index('epoch') + 1]}" if "epoch" in words[:-1] else "epochs unknown"
 
 
 def _text(v: Any) -> str:

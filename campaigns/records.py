@@ -384,7 +384,7 @@ class _Freshness:
 
 
 def _fresh_cell(f: lever_context.Freshness) -> str:
-    return f.label if f.fresh else f"STALE: {'; '.join(f.reasons)}".replace("|", "/")
+    return f.short().replace("|", "/")
 
 
 def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path,
@@ -408,6 +408,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
             "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",
             "verdict": last.decision.verdict if last else "—",
             "fresh": _fresh_cell(fresh(last)) if last else "—",
+            "stale_why": [] if not last or fresh(last).fresh else [r.replace("|", "/") for r in fresh(last).reasons],
             "headline": (f"{arm_label(last, last.decision.candidate)}: {last.decision.headline}"
                          + (f"; {_effect_note(last)}" if _effect_note(last) else "")
                          if last else "—").replace("|", "/"),
@@ -427,6 +428,8 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
         "bias": "; ".join(fmt_effect(pe) for pe in e.pooled if pe.primary).replace("|", "/") or "—",
         "fresh": (_fresh_cell(fresh(e)) if latest.get(plan_key(e)) is e
                   else f"superseded by {latest[plan_key(e)].campaign_id}" if plan_key(e) in latest else "—"),
+        "stale_why": ([r.replace("|", "/") for r in fresh(e).reasons]
+                      if latest.get(plan_key(e)) is e and not fresh(e).fresh else []),
     } for e in done if e.kind == "aa"]
     return render_template("STATUS.md.j2", rows=rows, refuted=refuted, aa=aa)
 

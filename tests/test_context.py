@@ -58,6 +58,9 @@ def test_fresh_until_a_live_lever_changes_its_default(repo):
     f = lever_context.freshness(ev, repo, *now(repo))
     assert not f.fresh and f.label == "STALE"
     assert f.reasons == ["pdl's default is now on; the campaign ran with off and pdl's kernels ran there"]
+    assert f.short() == "STALE (defaults: pdl)"
+    (repo / "vtengine" / "kernels" / "attention.py").write_text("SPLITS = 8\n")
+    assert lever_context.freshness(ev, repo, *now(repo)).short() == "STALE (defaults: pdl; own sources)"
 
 
 def test_an_inert_lever_changing_its_default_leaves_the_verdict_fresh(repo):
@@ -126,6 +129,7 @@ def test_a_lever_added_since_stales_only_at_an_on_default(repo):
     f = lever_context.freshness(ev, repo, *now(repo))
     assert not f.fresh and f.reasons == ["split_rule: added since the campaign, with its default len512, which the "
                                          "campaign never ran"]
+    assert f.short() == "STALE (new: split_rule)"
 
 
 def test_schema_1_evidence_is_reconstructed_from_git(repo):
@@ -190,6 +194,7 @@ def test_an_engine_epoch_stales_what_was_measured_before_it(repo):
     f = lever_context.freshness(old, repo, *now(repo))
     assert not f.fresh and f.reasons == [f"measured before the engine epoch {epoch[:7]} (2026-12-01): lever lookups "
                                          "no longer scan files"]
+    assert f.short() == f"STALE (epoch {epoch[:7]})"
     assert lever_context.freshness(new, repo, *now(repo)).fresh
     new.fingerprint.git_sha = "e" * 40                           # a commit this repository does not have
     assert "is not in this repository" in lever_context.freshness(new, repo, *now(repo)).reasons[0]
