@@ -12,7 +12,7 @@ import torch
 from vtengine.bench import common, decode
 from vtengine.bench.decode import cli as decode_cli
 from vtengine.bench.decode import engine_timing, hf_baseline, kernel_profile, report
-from vtengine.bench.decode.results import DecodeResult
+from vtengine.bench.decode.results import DecodeResult, KernelProfile, KernelRow
 
 
 def md_tables(md: str, header: str) -> list[list[dict[str, str]]]:
@@ -180,6 +180,20 @@ def test_kernel_table_self_time_and_device_events():
     rows = kernel_table(dev, steps=2, on_device=True)
     assert [(r["kernel"], r["us_per_step"], r["launches_per_step"]) for r in rows] == [
         ("k1", 4.0, 1.0), ("Memcpy HtoD (Pageable -> Device)", 0.5, 0.5)]
+    # the device timeline: device activity spans [0, 21) over 2 steps, 4.5 us/step of it busy, 6 idle; CPU ops and a
+    # host-side step time never enter it
+    assert kernel_profile.device_step_us(dev, steps=2) == 10.5
+    assert kernel_profile.device_step_us(nested, steps=2) is None
+
+
+def test_profile_markdown_shows_the_device_timeline():
+    p = KernelProfile(model="m", quant="bf16", batch=8, activity="cuda", steps=16, context_len=1024,
+                      step_us_measured=4204.0, kernel_us_per_step=4768.0, gap_us_per_step=-564.0,
+                      num_kernel_names=1, device_step_us=4800.0, device_idle_us_per_step=32.0,
+                      kernels=[KernelRow(kernel="k", name_full="k", us_per_step=4768.0, launches_per_step=1.0,
+                                         share_of_step=4768.0 / 4204.0)])
+    md = report.render_markdown(DecodeResult.from_dict({"engine": [], "profiles": [p.to_dict()]}))
+    assert "device timeline 4800.0 us/step: kernels 4768.0, idle 32.0 us/step (0.7%)" in md
 
 
 def test_short_kernel_name():
@@ -446,7 +460,6 @@ def test_each_kind_of_bytes_against_its_own_floor():
     """Kernel names map to the bytes they stream (W4A16 before the generic GEMM patterns, norms to none); a tiny
     MXFP4 engine's step bytes split into its quantized projections, its bf16 LM head and K/V; the floors and
     fractions follow from a profile's kernel times, and the markdown tables them."""
-    from vtengine.bench.decode.results import KernelProfile, KernelRow
     assert kernel_profile.byte_kind("_w4a16_gemm_kernel") == "w4a16_gemm"
     assert kernel_profile.byte_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "dense_gemm"
     assert kernel_profile.byte_kind("_gemv_kernel") == "dense_gemm"

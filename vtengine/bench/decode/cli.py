@@ -190,7 +190,9 @@ def profile_phase(cfg: DecodeArgs, run: Run, llm, model: str, quant: str, varian
             if timed.get((model, quant, variant, b)):
                 p.step_us_timed = 1e3 * timed[(model, quant, variant, b)]
             run.log(f"profile {model} {quant} [{variant}] c{b}: kernels {p.kernel_us_per_step:.0f} us/step of "
-                    f"{p.step_us_measured:.0f} us/step; top: {p.kernels[0].kernel}")
+                    f"{p.step_us_measured:.0f} us/step"
+                    + (f" (device {p.device_step_us:.0f} us/step, idle {p.device_idle_us_per_step:.0f})"
+                       if p.device_step_us is not None else "") + f"; top: {p.kernels[0].kernel}")
         except Exception as e:
             p = KernelProfile(model=model, quant=quant, batch=b, error=common.error_text(e))
             run.log(f"profile {model} {quant} [{variant}] c{b}: error {p.error}")

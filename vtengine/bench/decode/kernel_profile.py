@@ -87,6 +87,18 @@ def kernel_table(trace_events: list[dict], steps: int, on_device: bool) -> list[
     return rows
 
 
+def device_step_us(trace_events: list[dict], steps: int) -> float | None:
+    """The device timeline's period per step: the span from the first device activity's start to the last one's end
+    among ``trace_events`` (those of the recorded steps' window), over ``steps``. With async scheduling the host's
+    step time is not the device's (the host returns while a step is in flight: kernels can sum to more than it);
+    this is. Less the kernel time, it is the device's idle time per step (between kernels and between steps),
+    within one step's edge over the steps recorded. None without device activity."""
+    acts = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
+    if not acts or steps < 1:
+        return None
+    return (max(float(e["ts"]) + float(e["dur"]) for e in acts) - min(float(e["ts"]) for e in acts)) / steps
+
+
 def _decode_step(eng, batch: int) -> float:
     """One engine step, which must decode all ``batch`` sequences (no prefill, no preemption, none finishing): its
     wall time in s."""
@@ -176,11 +188,14 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
     if len(marks) != steps:                             # kept, not raised: the table is still worth having
         warnings.append(f"the trace holds {len(marks)} profiled steps, {steps} were asked")
     rows: list[KernelRow] = []
+    device_us = None
     if marks:
         # only activity inside the recorded steps (a step ends on the sampler's sync, so its kernels are done);
         # Kineto puts device and host times on one clock
         lo, hi = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
-        rows = kernel_table([e for e in events if lo <= e.get("ts", lo - 1) <= hi], steps, on_device)
+        window = [e for e in events if lo <= e.get("ts", lo - 1) <= hi]
+        rows = kernel_table(window, steps, on_device)
+        device_us = device_step_us(window, len(marks)) if on_device else None
         if not rows:
             warnings.append("no activity inside the recorded steps' time window: the whole trace is counted")
     rows = rows or kernel_table(events, steps, on_device)
@@ -195,6 +210,8 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
                         activity="cuda" if on_device else "cpu", steps=len(marks), steps_asked=steps,
                         warm_steps=warm_steps, context_len=prompt_len + warm_steps + PROFILER_WARM_STEPS,
                         step_us_measured=step_us, kernel_us_per_step=kernel_us, gap_us_per_step=step_us - kernel_us,
+                        device_step_us=device_us,
+                        device_idle_us_per_step=None if device_us is None else device_us - kernel_us,
                         num_kernel_names=len(rows), kernels=rows[:JSON_MAX_KERNELS])
     if len(rows) > JSON_MAX_KERNELS:
         rest = rows[JSON_MAX_KERNELS:]

@@ -124,6 +124,10 @@ def _profile_section(p) -> list[str]:
              + f"): gap {p.gap_us_per_step:.1f} us/step "
              f"({100 * p.gap_us_per_step / p.step_us_measured:.1f}%) = launch gaps, idle device, host work; "
              f"{p.num_kernel_names} kernel names", ""]
+    if p.device_step_us is not None:
+        lines += [f"device timeline {p.device_step_us:.1f} us/step: kernels {p.kernel_us_per_step:.1f}, idle "
+                  f"{p.device_idle_us_per_step:.1f} us/step ({100 * p.device_idle_us_per_step / p.device_step_us:.1f}%)"
+                  " between kernels and between steps", ""]
     if p.warning:
         lines += [f"**warning**: {p.warning}", ""]
     lines += ["| kernel | us/step | launches/step | % of step |", "|---|---|---|---|"]
