@@ -307,7 +307,7 @@ def cmd_decide(args) -> int:
     ev.decision = after
     save_evidence(ev, path.parent)
     out_dir = Path(args.out_dir).resolve()
-    render_all(out_dir, status_dir(Path.cwd(), out_dir))
+    render_all(out_dir, status_dir(Path.cwd(), out_dir), only=[ev.campaign_id])
     print(f"{ev.campaign_id}: {before.verdict} -> {after.verdict} ({after.headline})")
     return 0
 
