@@ -220,6 +220,9 @@ class Evidence:
     lever_digests: dict[str, str] = field(default_factory=dict)
     pooled: list[PooledEffect] = field(default_factory=list)
     calibration: Optional[Calibration] = None
+    # the arms in the order their servers started (empty: written before the order was drawn, when the baseline's
+    # server always started first)
+    server_order: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     # --- queries the runner and the views share

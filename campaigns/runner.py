@@ -202,6 +202,17 @@ def _in_process_gates(run: _Run) -> None:
     run.ctx.release_engines()
 
 
+def server_order(ev: Evidence) -> list:
+    """The arms in the order their servers start: a permutation drawn from the campaign id (the same on every
+    resume). Two servers of one build run at steadily different speeds, the second one started slower in every A/A
+    pair measured (0.4-0.7% on TPOT at c1); with the baseline always first that offset fell on every candidate, a
+    bias. Drawn, it falls on either arm, as the calibration's null assumes."""
+    import random
+    arms = list(ev.arms)
+    random.Random(ev.campaign_id).shuffle(arms)
+    return arms
+
+
 def _serve(run: _Run) -> None:
     """Every arm's server: the server gates, then the grid (unless the gates, the server gates included, fixed the
     verdict), then what the servers report (peak memory, lever context)."""
@@ -210,7 +221,9 @@ def _serve(run: _Run) -> None:
     if stale:
         console.print(f"[yellow]stopped {len(stale)} server(s) an earlier run of {ev.campaign_id} left running: "
                       f"{stale}[/]")
-    with gridmod.servers(ev.arms, lambda a: _server_cmd(cfg, ev, a, run.inject), str(run.cdir), _server_env(),
+    order = server_order(ev)
+    ev.server_order = [a.name for a in order]
+    with gridmod.servers(order, lambda a: _server_cmd(cfg, ev, a, run.inject), str(run.cdir), _server_env(),
                          on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
         run.ctx.server_urls = {n: h.url for n, h in handles.items()}
         run.ctx.server_model = next(iter(handles.values())).model_name

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from campaigns import records
+from campaigns import records, runner
 from campaigns.config import compose
 from campaigns.evidence import load_evidence
 from campaigns.runner import run_campaign
@@ -57,6 +57,10 @@ def test_rehearsal_end_to_end(tmp_path):
         assert 0 < leg.metrics["server_mean_ttft_ms"] <= leg.metrics["mean_ttft_ms"]
     orders = [[leg.arm for leg in sorted(ev.legs, key=lambda x: x.order_index) if leg.rep == r] for r in (0, 1)]
     assert orders[0][0] == "off" and orders[1][0] == "on"          # arm order alternates per rep
+    # the servers started in the order drawn from the campaign id, recorded and stated in the record
+    assert ev.server_order == [a.name for a in runner.server_order(ev)] and sorted(ev.server_order) == ["off", "on"]
+    record = (repo / "records" / "campaigns" / ev.campaign_id / "record.md").read_text()
+    assert f"Servers started in the order {', '.join(ev.server_order)}" in record
 
     # the attribution: both arms profiled from real profiler events, the lever's kernel explaining the delta
     prof = {a: ev.gate("profile", a) for a in ("off", "on")}
@@ -292,3 +296,19 @@ def test_a_campaign_killed_with_sigkill_leaves_no_server_and_resumes(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ev2 = load_evidence(evidence)
     assert ev2.status == "complete" and len(ev2.legs) == 8 and not list(evidence.parent.glob("server-*.pid"))
+
+
+def test_server_start_order_is_drawn_from_the_campaign_id():
+    """The same id gives the same order (a resume restarts the servers as before); across ids both orders occur, so
+    a steady offset of the second server does not fall on the candidate every time."""
+    from campaigns.evidence import Arm, Evidence
+    from helpers import fingerprint
+
+    def ev(cid):
+        return Evidence(campaign_id=cid, lever="gqa_swap", arms=[Arm("off", False, "baseline"),
+                                                                 Arm("on", True, "candidate")],
+                        config={}, fingerprint=fingerprint(), created="2026-12-03T00:00:00Z")
+    ids = [f"2026-12-03-gqa_swap-{i:07x}" for i in range(16)]
+    orders = [[a.name for a in runner.server_order(ev(cid))] for cid in ids]
+    assert orders == [[a.name for a in runner.server_order(ev(cid))] for cid in ids]
+    assert {tuple(o) for o in orders} == {("off", "on"), ("on", "off")}
