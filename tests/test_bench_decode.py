@@ -425,6 +425,9 @@ def test_variants_parse_and_run_beside_the_base(tmp_path, cpu_stand_ins):
         ("fast_math=on", {"async_scheduling": False, "gqa_swap": "on", "fast_math": "on"})]
     md = path.with_suffix(".md").read_text()
     assert "| tiny | bf16 | fast_math=on | 1 |" in md and "variant `fast_math=on`" in md
+    # the variants' lines say what each engine ran with, the bench's own pin included (never "at their defaults"
+    # while async scheduling was pinned off)
+    assert "- variant `base`: levers {'async_scheduling': False, 'gqa_swap': 'on'}" in md
 
 
 def test_rounds_alternate_the_variants_on_fresh_engines(tmp_path, cpu_stand_ins):

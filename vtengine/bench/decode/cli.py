@@ -230,7 +230,8 @@ def main(out_dir: str = "bench/results", argv: list[str] | None = None) -> int:
     result = DecodeResult(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                           transformers=transformers.__version__, python=platform.python_version(), date=date,
                           complete=False, argv=list(argv or []), copy_bandwidth_gbs=None, prompt_len=cfg.prompt_len,
-                          gen_len=cfg.gen_len, variants=[Variant(name=n, levers=lv) for n, lv in cfg.variants],
+                          gen_len=cfg.gen_len, variants=[Variant(name=n, levers={**engine_timing.BENCH_PINS, **lv})
+                                                          for n, lv in cfg.variants],
                           engine=[], hf_transformers_compiled=[], profiles=[])
     run = Run(result, out, stem)
     try:

@@ -25,6 +25,10 @@ def kv_bytes_per_step(eng, context: float, batch: int) -> float:
     return 2.0 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem * context * batch
 
 
+# what the bench sets unless a --lever or --variant names it: the decode step itself, not the pipelined loop
+BENCH_PINS = {"async_scheduling": False}
+
+
 def build_llm(model: str, quant: str, max_num_seqs: int, levers: dict, device: str = "cuda", **engine_kwargs):
     """One engine for every concurrency of a (model, quant): graphs are captured up to ``max_num_seqs``.
 
@@ -32,7 +36,7 @@ def build_llm(model: str, quant: str, max_num_seqs: int, levers: dict, device: s
     step in flight the engine's launch-to-read time of one step overlaps the next one's (``ms_per_step_wall`` is
     the figure that compares the two)."""
     from vtengine.engine.llm import LLM
-    levers = {"async_scheduling": False, **levers}
+    levers = {**BENCH_PINS, **levers}
     kw = dict(gpu_memory_utilization=0.6) if device == "cuda" else {}
     kw.update(engine_kwargs)
     return LLM(model=model, quant=quant, levers=levers, device=device, max_num_seqs=max_num_seqs, **kw)
