@@ -163,10 +163,82 @@ def test_gate_up_with_silu_mul_in_the_gemv_epilogue(m):
 def test_gemv_silu_mul_needs_the_triton_route_and_an_even_n():
     gen, _ = fresh_generator()
     x, w = rnd(2, 64, gen=gen), rnd(32, 64, gen=gen)
-    for kwargs, n in ((dict(triton_gemv=False), 32), (dict(triton_gemv=True), 33)):
-        with pytest.raises(ValueError, match="silu_mul fuses into the Triton GEMV"):
-            gemv.linear(x, rnd(n, 64, gen=gen), silu_mul=True, **kwargs)
-    with pytest.raises(ValueError, match="silu_mul fuses into the Triton GEMV"):
+    with pytest.raises(ValueError, match="silu_mul and norm fuse into the Triton GEMV"):
+        gemv.linear(x, w, silu_mul=True, triton_gemv=False)
+    with pytest.raises(ValueError, match="silu_mul needs a \\[2I, K\\] weight, got N=33"):
+        gemv.linear(x, rnd(33, 64, gen=gen), silu_mul=True, triton_gemv=True)
+    with pytest.raises(ValueError, match="silu_mul and norm fuse into the Triton GEMV"):
         gemv.linear(rnd(17, 64, gen=gen), w, triton_gemv=True, silu_mul=True)
     with pytest.raises(ValueError, match=r"out must be \[2, 16\]"):
         gemv.linear(x, w, triton_gemv=True, silu_mul=True, out=poisoned(2, 32, x.dtype))
+
+
+# -- the lever fuse_norm: the residual add in one GEMV's epilogue, RMSNorm in the next one's prologue ---------------
+@pytest.mark.parametrize("m", [1, 6, 16])
+def test_residual_add_then_rmsnorm_across_two_gemvs(m):
+    """o-like GEMV + residual -> (r, per-tile sums of squares); the next GEMV multiplies RMSNorm(r) * g, plain and
+    with SiLU-mul, split-K 1 and 2: against fp64 references; the sums of squares of the tiles add up to each row's;
+    wrong sums (a fault) fail; a row alone gives the bits it gives in the batch."""
+    gen, seed = fresh_generator()
+    k, n, i, eps = 96, 80, 24, 1e-6
+    x, res = rnd(m, k, gen=gen), rnd(m, n, gen=gen)
+    w1, g = rnd(n, k, gen=gen) / k ** 0.5, 1 + 0.1 * rnd(n, gen=gen)
+    w2, w3 = rnd(40, n, gen=gen) / n ** 0.5, rnd(2 * i, n, gen=gen) / n ** 0.5
+    r_ref = x.double() @ w1.double().t() + res.double()
+    normed = r_ref * torch.rsqrt((r_ref ** 2).mean(-1, keepdim=True) + eps) * g.double()
+    h3 = normed @ w3.double().t()
+    for split in (1, 2):
+        cfg = dict(gemv.gemv_config(n, k, 132), SPLIT_K=split)
+        r, ss = gemv.linear_add(x, w1, res, config=cfg)
+        assert rel_l2(r, r_ref) < 2e-6, f"seed {seed} split {split}"
+        assert ss.shape == (triton_cdiv(n, cfg["BLOCK_N"]), gemv.MAX_M)
+        assert torch.allclose(ss.sum(0)[:m].double(), (r.double() ** 2).sum(-1), rtol=1e-5), f"seed {seed}"
+        norm = gemv.NormIn(ss, g, eps)
+        for c2 in (dict(gemv.gemv_config(40, n, 132), SPLIT_K=split), None):
+            y = gemv.linear(r, w2, triton_gemv=True, norm=norm, config=c2, out=poisoned(m, 40, x.dtype))
+            assert rel_l2(y, normed @ w2.double().t()) < 2e-6, f"seed {seed} split {split}"
+        y3 = gemv.linear(r, w3, triton_gemv=True, norm=norm, silu_mul=True)
+        assert rel_l2(y3, torch.nn.functional.silu(h3[:, :i]) * h3[:, i:]) < 2e-6, f"seed {seed}"
+        bad = gemv.linear(r, w2, triton_gemv=True, norm=gemv.NormIn(4 * ss, g, eps))
+        assert rel_l2(bad, normed @ w2.double().t()) > 0.3
+    if m > 1:
+        r1, ss1 = gemv.linear_add(x[m - 1:], w1, res[m - 1:])
+        assert torch.equal(r1[0], r[m - 1])
+        assert torch.equal(gemv.linear(r1, w2, triton_gemv=True, norm=gemv.NormIn(ss1, g, eps))[0],
+                           gemv.linear(r, w2, triton_gemv=True, norm=gemv.NormIn(ss, g, eps))[m - 1]), f"seed {seed}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_residual_add_then_rmsnorm_qwen3_8b():
+    """Qwen3-8B's o [4,096, 4,096] with the residual, then RMSNorm into qkv [6,144, 4,096], bf16, M = 1, 8, 16."""
+    gen, seed = fresh_generator()
+    bf, h, eps = torch.bfloat16, 4096, 1e-6
+    w_o, w_qkv = rnd(h, h, gen=gen, dtype=bf) / 64, rnd(6144, h, gen=gen, dtype=bf) / 64
+    g = (1 + 0.1 * rnd(h, gen=gen)).to(bf)
+    for m in (1, 8, 16):
+        x, res = rnd(m, h, gen=gen, dtype=bf), rnd(m, h, gen=gen, dtype=bf)
+        r, ss = gemv.linear_add(x, w_o, res)
+        r_ref = x.double() @ w_o.double().t() + res.double()
+        assert rel_l2(r, r_ref) < 8e-3, f"seed {seed} m {m}"
+        y = gemv.linear(r, w_qkv, triton_gemv=True, norm=gemv.NormIn(ss, g, eps))
+        rd = r.double()
+        normed = rd * torch.rsqrt((rd ** 2).mean(-1, keepdim=True) + eps) * g.double()
+        assert rel_l2(y, normed @ w_qkv.double().t()) < 8e-3, f"seed {seed} m {m}"
+
+
+def test_fused_norm_inputs_are_checked():
+    gen, _ = fresh_generator()
+    x, w = rnd(2, 64, gen=gen), rnd(32, 64, gen=gen)
+    with pytest.raises(ValueError, match=r"residual must be \[2, 32\]"):
+        gemv.linear_add(x, w, rnd(2, 31, gen=gen))
+    with pytest.raises(ValueError, match="the residual add fuses into the Triton GEMV at 1 <= M <= 16, got M=17"):
+        gemv.linear_add(rnd(17, 64, gen=gen), w, rnd(17, 32, gen=gen))
+    with pytest.raises(ValueError, match=r"norm needs sums of squares \[tiles, 16\] and a weight \[64\]"):
+        gemv.linear(x, w, triton_gemv=True, norm=gemv.NormIn(torch.zeros(4, 8, device=DEV), rnd(64, gen=gen), 1e-6))
+    with pytest.raises(ValueError, match="silu_mul and norm fuse into the Triton GEMV"):
+        gemv.linear(x, w, triton_gemv=False, norm=gemv.NormIn(torch.zeros(4, 16, device=DEV), rnd(64, gen=gen), 1e-6))
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)

@@ -98,9 +98,25 @@ class TritonBackend(TorchBackend):
                 kw = self._w4a16_levers()
                 if w4a16.fused_silu_supported(x.shape[0], kw["dense"]):
                     return w4a16.w4a16_linear(x, weight, silu_mul=True, **kw)
-            elif gemv.fused_silu_supported(x.shape[0], self.levers.on("triton_gemv")):
+            elif gemv.fusable(x.shape[0], self.levers.on("triton_gemv")):
                 return gemv.linear(x, weight, triton_gemv=True, pdl=self.levers.on("pdl"), silu_mul=True)
         return super().gate_up_silu(x, weight)
+
+    def fuses_norm(self, tokens: int, weight) -> bool:
+        routed = self.kernels is None or {"dense_linear", "rms_norm"} <= set(self.kernels)
+        return (routed and self.levers.on("fuse_norm") and not isinstance(weight, QuantizedWeight)
+                and gemv.fusable(tokens, self.levers.on("triton_gemv")))
+
+    def linear_add(self, x, weight, residual):
+        """(round(x W^T + residual), its per-tile sums of squares): the new residual, for norm_linear."""
+        return gemv.linear_add(x, weight, residual, pdl=self.levers.on("pdl"))
+
+    def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False):
+        """RMSNorm(residual) @ W^T with the norm in the GEMV's prologue (then silu_mul, fused with fuse_silu)."""
+        norm = gemv.NormIn(ss, norm_weight, eps, self.levers.on("fast_math"))
+        fuse_silu = silu_mul and self.levers.on("fuse_silu")
+        y = gemv.linear(residual, weight, triton_gemv=True, pdl=self.levers.on("pdl"), norm=norm, silu_mul=fuse_silu)
+        return self.silu_mul(y) if silu_mul and not fuse_silu else y
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         return fused.argmax(logits, pdl=self.levers.on("pdl"))

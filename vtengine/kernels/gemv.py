@@ -13,6 +13,8 @@ launch (the engine's async_parity gate requires it). M > 16 (prefill) always tak
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import vtengine.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU hosts before triton is imported)
 
 import torch
@@ -27,11 +29,34 @@ from vtengine.kernels.w4a16 import _epilogue, _split_k_locks, _tile_rows
 MAX_M = 16
 
 
+@triton.jit
+def _sum_sq_out(ss_ptr, vals, mask, pid_n, BLOCK_M: tl.constexpr):
+    """ADD_RES's second output: the tile's sum of squares of its stored (rounded) outputs per token, at
+    ss[pid_n, m]; rows past M and columns past N count 0."""
+    v = vals.to(tl.float32)
+    tl.store(ss_ptr + pid_n * BLOCK_M + tl.arange(0, BLOCK_M), tl.sum(tl.where(mask, v * v, 0.0), axis=0))
+
+
+@triton.jit
+def _finish(acc, y_ptrs, y_mask, res_ptrs, ss_ptr, pid_n, SILU_MUL: tl.constexpr, ADD_RES: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store the output tile from the fp32 sums: SiLU-mul (SILU_MUL), or plus the residual (ADD_RES: the new
+    residual, rounded once, and its sums of squares for the next GEMV's RMSNorm), or as they are."""
+    if ADD_RES:
+        out = (acc + tl.load(res_ptrs, mask=y_mask, other=0.0).to(tl.float32)).to(y_ptrs.dtype.element_ty)
+        tl.store(y_ptrs, out, mask=y_mask)
+        _sum_sq_out(ss_ptr, out, y_mask, pid_n, BLOCK_M)
+    else:
+        tl.store(y_ptrs, _epilogue(acc, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptrs.dtype.element_ty), mask=y_mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_ym, SPLIT_K,
+                 res_ptr, stride_res, ss_out_ptr, ss_in_ptr, n_ss_in, g_ptr, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
-                 SILU_MUL: tl.constexpr = False):
+                 SILU_MUL: tl.constexpr = False, ADD_RES: tl.constexpr = False, NORM: tl.constexpr = False,
+                 SS_BLOCK: tl.constexpr = 1, FAST_MATH: tl.constexpr = False):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K), or (cdiv(N / 2, BLOCK_N / 2), SPLIT_K) under SILU_MUL. Accumulates
     [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T over the program's K slice in fp32. SPLIT: partials go to a workspace,
     the last program of a tile to arrive (counter, acq_rel) sums them in split order and writes y, then resets the
@@ -39,7 +64,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
 
     SILU_MUL (lever ``fuse_silu``): W is gate_up [N = 2I, K] and y = silu(gate) * up [M, I]. A tile's first
     BLOCK_N / 2 rows are gate rows c.., its last the matching up rows I + c.. (as the W4A16 kernel's), so the
-    epilogue (the reducer's, when split) has both halves of every output it writes, in fp32."""
+    epilogue (the reducer's, when split) has both halves of every output it writes, in fp32.
+
+    The lever ``fuse_norm`` folds add + RMSNorm into the GEMVs around it. ADD_RES: y = round(x W^T + residual),
+    the new residual (one rounding of the fp32 sums, where the separate kernels round the GEMV's output first),
+    and ss[tile, m] the tile's sum of squares of it. NORM: x is such a residual and the GEMV multiplies
+    RMSNorm(x) = x * rsqrt(mean(x^2) + eps) * g; mean(x^2) sums the n_ss_in tiles of the producer's ss in a fixed
+    order (no atomics: the same bits whatever M, on every replay), so no program reads the whole row."""
     pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -48,6 +79,14 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     rows = tl.where(row_mask, offs_m, 0)
     offs_n, n_mask = _tile_rows(pid_n, N, BLOCK_N, SILU_MUL)
     offs_n_ld = tl.where(n_mask, offs_n, 0)        # out-of-range rows re-read row 0; the store is masked
+    if NORM:
+        t = tl.arange(0, SS_BLOCK)
+        ss = tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], other=0.0)
+        ms = tl.sum(ss, axis=0) / K
+        if FAST_MATH:
+            inv = tl.math.rsqrt(ms + eps)
+        else:
+            inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
@@ -63,6 +102,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
             k_ok = k0 + offs_k < k_hi
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            g = tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < k_hi, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * inv[:, None] * g[None, :]).to(a.dtype)
         acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -75,8 +117,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     else:
         y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         y_mask = n_mask[:, None] & row_mask[None, :]
+    res_ptrs = res_ptr + rows[None, :].to(tl.int64) * stride_res + offs_n[:, None]
     if not SPLIT:
-        tl.store(y_ptrs, _epilogue(acc, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptr.dtype.element_ty), mask=y_mask)
+        _finish(acc, y_ptrs, y_mask, res_ptrs, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
     else:
         ws_tile = ws_ptr + pid_n.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M)
         offs_acc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
@@ -87,7 +130,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
             total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
             for s in range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + offs_acc, cache_modifier=".cg")
-            tl.store(y_ptrs, _epilogue(total, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptr.dtype.element_ty), mask=y_mask)
+            _finish(total, y_ptrs, y_mask, res_ptrs, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -108,47 +151,98 @@ def gemv_config(n: int, k: int, num_sms: int) -> dict:
     return dict(BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=stages)
 
 
-def fused_silu_supported(m: int, triton_gemv: bool) -> bool:
-    """Whether linear(..., silu_mul=True) applies: the Triton GEMV's route (the lever triton_gemv on), 1 <= M <= 16."""
+def fusable(m: int, triton_gemv: bool) -> bool:
+    """Whether the fused forms (silu_mul, residual add, RMSNorm) apply: the Triton GEMV's route (the lever
+    triton_gemv on), 1 <= M <= 16."""
     return triton_gemv and 1 <= m <= MAX_M
 
 
+@dataclass(frozen=True)
+class NormIn:
+    """The RMSNorm a GEMV applies to its input (lever ``fuse_norm``): the producer's sums of squares (linear_add's
+    second output, [tiles, MAX_M] fp32), the norm weight [K], eps, and the lever fast_math's rsqrt."""
+    ss: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    fast_math: bool = False
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, what: str) -> tuple[int, int, int]:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{what} expects x [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"{what}: x dtype {x.dtype} != weight dtype {weight.dtype}")
+    return x.shape[0], x.shape[1], weight.shape[0]
+
+
+def _check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype, what: str) -> None:
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.stride(1) != 1):
+        raise ValueError(f"{what}: out must be [{shape[0]}, {shape[1]}] {dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool = False,
-           out: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False,
+           norm: NormIn | None = None) -> torch.Tensor:
     """y = x @ weight^T for x [M, K] and weight [N, K] of x's dtype; y [M, N].
 
     ``triton_gemv`` is the lever: True and M <= 16 -> the Triton split-K GEMV, otherwise cuBLAS. ``pdl``: the lever
     pdl for the Triton launch. ``out`` receives y when given (tests poison it). ``config`` overrides the tiles.
     ``silu_mul`` (the lever fuse_silu): weight is gate_up [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I], in
-    the GEMV's epilogue; the Triton route only (fused_silu_supported says when)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"linear expects x [M, K] and weight [N, K], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"linear: x dtype {x.dtype} != weight dtype {weight.dtype}")
-    m, k = x.shape
-    n = weight.shape[0]
-    if silu_mul and not (fused_silu_supported(m, triton_gemv) and n % 2 == 0):
-        raise ValueError(f"linear: silu_mul fuses into the Triton GEMV (triton_gemv on, 1 <= M <= {MAX_M}) of a "
-                         f"[2I, K] weight; got triton_gemv={triton_gemv}, M={m}, N={n}")
+    the GEMV's epilogue. ``norm`` (the lever fuse_norm): x is a residual from linear_add and the GEMV multiplies
+    RMSNorm(x) instead. Both on the Triton route only (fusable says when)."""
+    m, k, n = _check(x, weight, "linear")
+    if (silu_mul or norm is not None) and not fusable(m, triton_gemv):
+        raise ValueError(f"linear: silu_mul and norm fuse into the Triton GEMV (triton_gemv on, 1 <= M <= {MAX_M}); "
+                         f"got triton_gemv={triton_gemv}, M={m}")
+    if silu_mul and n % 2:
+        raise ValueError(f"linear: silu_mul needs a [2I, K] weight, got N={n}")
     n_out = n // 2 if silu_mul else n
-    if out is not None and (tuple(out.shape) != (m, n_out) or out.dtype != x.dtype or out.stride(1) != 1):
-        raise ValueError(f"linear: out must be [{m}, {n_out}] {x.dtype} with unit column stride, got "
-                         f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
+    _check_out(out, (m, n_out), x.dtype, "linear")
     if not triton_gemv or m > MAX_M or m == 0:
         counters.record("dense_linear", "cublas", grid=())
         if out is not None:
             return torch.matmul(x, weight.t(), out=out)
         return x @ weight.t()
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
+    _launch(x, weight, y, config, pdl, silu_mul=silu_mul, norm=norm)
+    return y
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(round(x @ weight^T + residual), its sums of squares per output tile [tiles, MAX_M] fp32): the new residual
+    and what the next GEMV's ``norm`` needs (the lever fuse_norm). The Triton route only: 1 <= M <= 16."""
+    m, k, n = _check(x, weight, "linear_add")
+    if not fusable(m, True):
+        raise ValueError(f"linear_add: the residual add fuses into the Triton GEMV at 1 <= M <= {MAX_M}, got M={m}")
+    if tuple(residual.shape) != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
+        raise ValueError(f"linear_add: residual must be [{m}, {n}] {x.dtype} with unit column stride, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = dict(config or gemv_config(n, k, sm_count(x.device)))
+    ss = torch.empty((triton.cdiv(n, cfg["BLOCK_N"]), cfg["BLOCK_M"]), dtype=torch.float32, device=x.device)
+    _launch(x, weight, y, cfg, pdl, residual=residual, ss_out=ss)
+    return y, ss
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict | None, pdl: bool,
+            silu_mul: bool = False, norm: NormIn | None = None, residual: torch.Tensor | None = None,
+            ss_out: torch.Tensor | None = None) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
-    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
     cfg = dict(config or gemv_config(n, k, sm_count(x.device)))
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     if bm < m:
         raise ValueError(f"linear: config BLOCK_M={bm} is smaller than M={m}; the GEMV does not tile M (use "
                          f"BLOCK_M >= {m}, e.g. {MAX_M})")
-    grid = (triton.cdiv(n_out, bn // 2) if silu_mul else triton.cdiv(n, bn), split)
+    if norm is not None and (norm.ss.dim() != 2 or norm.ss.shape[1] != bm or norm.weight.shape != (k,)):
+        raise ValueError(f"linear: norm needs sums of squares [tiles, {bm}] and a weight [{k}], got "
+                         f"{tuple(norm.ss.shape)} and {tuple(norm.weight.shape)}")
+    grid = (triton.cdiv(n // 2, bn // 2) if silu_mul else triton.cdiv(n, bn), split)
     if split > 1:
         ws = torch.empty((grid[0], split, bn * bm), dtype=torch.float32, device=x.device)
         locks = _split_k_locks(x.device, grid[0])
@@ -156,11 +250,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
         ws, locks = y, y                                # unused pointers
     dd = dot_dtype(x)
     on = use_pdl(pdl, "dense_linear", x.device)
+    res = residual if residual is not None else y       # unused pointers when a fusion is off
+    ss_in = norm.ss if norm is not None else ws
     _gemv_kernel[grid](x, w, y, ws, locks, m, n, k, x.stride(0), w.stride(0), y.stride(0), split,
+                       res, res.stride(0), ss_out if ss_out is not None else ws, ss_in,
+                       ss_in.shape[0] if norm is not None else 0, norm.weight if norm is not None else w,
+                       norm.eps if norm is not None else 0.0,
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=k % (bk * split) == 0,
                        DOT_DTYPE=dd, DOT_PREC="ieee" if dd == tl.float32 else "tf32", USE_PDL=on,
-                       SILU_MUL=bool(silu_mul), num_warps=cfg.get("num_warps", 4),
+                       SILU_MUL=bool(silu_mul), ADD_RES=residual is not None, NORM=norm is not None,
+                       SS_BLOCK=triton.next_power_of_2(max(1, ss_in.shape[0])) if norm is not None else 1,
+                       FAST_MATH=bool(norm is not None and norm.fast_math), num_warps=cfg.get("num_warps", 4),
                        num_stages=cfg.get("num_stages", 4), **launch_options(on))
     counters.record("dense_linear", "triton_gemv", grid=grid, splits=split,
-                    variant=(bn, bk, split) + (("silu_mul",) if silu_mul else ()))
-    return y
+                    variant=(bn, bk, split) + (("silu_mul",) if silu_mul else ()) + (("norm",) if norm else ())
+                    + (("add_residual",) if residual is not None else ()))
