@@ -11,7 +11,7 @@ from campaigns.evidence import load_evidence, save_evidence
 from helpers import TPUT_WIN, make_evidence
 
 CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "decode_wave_grid",
-             "fast_math", "fuse_silu", "gqa_swap",
+             "fast_math", "fuse_norm", "fuse_silu", "gqa_swap",
              "marlin_dense",
              "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack", "split_rule", "triton_gemv",
              "w4a16_mid_m", "w4a16_rot"]

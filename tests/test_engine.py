@@ -144,6 +144,27 @@ def test_triton_backend_matches_the_torch_backend_on_tiny():
     assert "rope" not in snap and "store_kv" not in snap
 
 
+def test_fuse_norm_keeps_the_tokens_and_launches_no_add_rms_norm_at_decode():
+    """The lever fuse_norm on tiny (fp32 under the interpreter): the same greedy tokens as the torch oracle and as
+    the lever off, the residual add and RMSNorm inside the GEMVs (counted), add_rms_norm gone from the decoder, and
+    a prompt longer than the GEMV's 16 rows taking the separate kernels for its prefill."""
+    from vtengine import counters
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = mixed_prompts(3, seed=5) + [list(range(3, 23))]
+    want = tokens(LLM(model="tiny", backend="torch").generate(prompts, params))
+    counters.reset()
+    got = tokens(LLM(model="tiny", backend="triton", levers={"fuse_norm": True}).generate(prompts, params))
+    snap = counters.snapshot()
+    assert got == want
+    variants = [v for st in snap["dense_linear"].values() for v in st["variants"]]
+    assert any("'add_residual'" in v for v in variants) and any("'norm'" in v for v in variants)
+    norms = {v: n for st in snap["rms_norm"].values() for v, n in st["variants"].items()}
+    adds = sum(n for v, n in norms.items() if "add_rms_norm" in v)
+    # only the 20-token prompt's prefill step (M > 16) ran add_rms_norm: one per layer boundary and the final norm
+    layers = LLM(model="tiny", backend="torch").engine.model.cfg.num_hidden_layers
+    assert adds == 2 * layers, norms
+
+
 def test_cuda_graph_capture_is_refused_for_host_synchronising_backends():
     # the torch references read context lengths on the host and mask slots by value: a CUDA graph captured over
     # them is invalid, so the runner must decode eagerly on a GPU with them (tests/test_engine_gpu.py runs it)

@@ -307,6 +307,22 @@ def test_fuse_silu_op_and_mechanism_gates(quant):
     ctx.release_engines()
 
 
+def test_fuse_norm_op_and_mechanism_gates():
+    """fuse_norm on tiny bf16 under the interpreter: the op gate compares the fused pair of GEMVs (ON) and GEMV,
+    add_rms_norm, GEMV (OFF) against the reference, both faults caught; the mechanism gate sees fused GEMVs in the
+    ON arm only (an inert candidate and a stuck baseline caught)."""
+    arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
+    ctx = GateContext(lever="fuse_norm", arms=arms, model="tiny", quant="bf16", device="cpu",
+                      gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
+    for arm in arms:
+        res = run_gate("op", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+        assert any(c["case"].startswith("linear+add_rms_norm+linear") for c in res.details["cases"])
+    off, on = mechanism_counts(ctx, "fused_gemvs")
+    assert on > 0 and off == 0
+    ctx.release_engines()
+
+
 def test_chunk_graphs_mechanism_gate_sees_full_chunks_replayed():
     """The probe's prompts of two and one full chunks (256 tokens: the lever's smallest chunk) arriving while
     another decodes: only the ON arm's full chunks run from the captured steps (the CPU's static buffers); the

@@ -94,6 +94,11 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
                     for v, n in st["variants"].items() if "'silu_mul'" in v)
         return {"fused_gemms": fused, "silu_mul_launches": sum(st["launches"] for st in
                                                                snap.get("silu_mul", {}).values())}
+    if lever == "fuse_norm":        # GEMVs that added the residual or applied RMSNorm; add_rms_norm launches left
+        fused = sum(n for st in snap.get("dense_linear", {}).values() for v, n in st["variants"].items()
+                    if "'norm'" in v or "'add_residual'" in v)
+        return {"fused_gemvs": fused, "add_rms_norm_launches": sum(
+            n for st in snap.get("rms_norm", {}).values() for v, n in st["variants"].items() if "add_rms_norm" in v)}
     if lever == "pdl":
         return {"launches": _routes(snap, "launch"), "kernels": _variants(snap, "launch")}
     if lever == "async_scheduling":
@@ -156,6 +161,9 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         return ok, f"dense_linear routes {pr['routes']}, expected {'triton_gemv among them' if value else ['cublas']}"
     if lever == "fuse_silu":
         return _some_or_none(pr["fused_gemms"], value, "gate_up GEMMs applied SiLU-mul in their epilogue")
+    if lever == "fuse_norm":
+        return _some_or_none(pr["fused_gemvs"], value, "GEMVs added the residual or applied RMSNorm "
+                                                       f"({pr['add_rms_norm_launches']} add_rms_norm launches)")
     if lever == "pdl_prefetch":
         want = ["prefetch"] if value else ["wait_first"]
         return pr["w4a16_launches"] == want, (f"PDL launches of the W4A16 GEMM {pr['w4a16_launches']}, expected {want}"

@@ -290,11 +290,46 @@ def dense_linear_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
 
         def run(setting, fault, x=x, w=w):
             return gemv.linear(x, torch.roll(w, 1, dims=1) if fault else w,
-                               out=_poisoned_like((x.shape[0], w.shape[0]), x.dtype, x.device), **setting)
+                               out=_poisoned_like((x.shape[0], w.shape[0]), x.dtype, x.device),
+                               triton_gemv=setting["triton_gemv"], pdl=setting["pdl"])
 
         def ref(x=x, w=w):
             return TorchBackend().linear(x.float(), w.float())
         cases.append((f"dense_linear M={m} K={k} N={n}", run, ref))
+    return cases
+
+
+def norm_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
+    """The lever fuse_norm at decode sizes: an o-like GEMV plus the residual, then RMSNorm and the next GEMV; fused
+    (the add in the first GEMV's epilogue, the norm in the second's prologue) in a fuse_norm arm, the GEMV,
+    add_rms_norm and GEMV kernels otherwise. The new residual and the second output, flattened into one tensor."""
+    from vtengine.kernels import fused, gemv
+    cases, eps = [], 1e-6
+    for m, k, n in sh["gemm"]:
+        if m > gemv.MAX_M:
+            continue
+        x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
+        res = torch.randn(m, n, generator=gen).to(dev, sh["dtype"])
+        w1 = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dev, sh["dtype"])
+        w2 = (torch.randn(k, n, generator=gen) / n ** 0.5).to(dev, sh["dtype"])
+        g = (1 + 0.1 * torch.randn(n, generator=gen)).to(dev, sh["dtype"])
+
+        def run(setting, fault, x=x, res=res, w1=w1, w2=w2, g=g):
+            r_in = torch.roll(res, 1, dims=1) if fault else res       # the fault: the residual one column off
+            pdl = setting["pdl"]
+            if setting.get("fused_norm"):
+                r, ss = gemv.linear_add(x, w1, r_in, pdl=pdl)
+                y = gemv.linear(r, w2, triton_gemv=True, pdl=pdl, norm=gemv.NormIn(ss, g, eps))
+            else:
+                xn, r = fused.add_rms_norm(gemv.linear(x, w1, triton_gemv=True, pdl=pdl), r_in, g, eps, pdl=pdl)
+                y = gemv.linear(xn, w2, triton_gemv=True, pdl=pdl)
+            return torch.cat([r.reshape(-1), y.reshape(-1)])
+
+        def ref(x=x, res=res, w1=w1, w2=w2, g=g):
+            be = TorchBackend()
+            xn, r = be.add_rms_norm(be.linear(x.float(), w1.float()), res.float(), g.float(), eps)
+            return torch.cat([r.reshape(-1), be.linear(xn, w2.float()).reshape(-1)])
+        cases.append((f"linear+add_rms_norm+linear M={m} K={k} N={n}", run, ref))
     return cases
 
 
@@ -316,7 +351,8 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
                 "prefetch": on("pdl_prefetch"), "mid": on("w4a16_mid_m")}
     if kernel == "dense_linear":
         # the pdl lever acts on the Triton GEMV only (cuBLAS ignores it): test it there
-        return {"triton_gemv": on("triton_gemv") or lever == "pdl", "pdl": on("pdl")}
+        out = {"triton_gemv": on("triton_gemv") or lever == "pdl", "pdl": on("pdl")}
+        return out | ({"fused_norm": on("fuse_norm")} if lever == "fuse_norm" else {})
     return {"fast_math": on("fast_math"), "pdl": on("pdl")}
 
 
@@ -341,7 +377,7 @@ def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callabl
         elif kernel == "rms_norm":
             cs = norm_cases(gen, dev, sh)
         elif kernel == "dense_linear":
-            cs = dense_linear_cases(gen, dev, sh)
+            cs = dense_linear_cases(gen, dev, sh) + (norm_gemv_cases(gen, dev, sh) if ctx.lever == "fuse_norm" else [])
         elif kernel == "silu_mul" and ctx.lever == "fuse_silu":
             cs = gate_up_silu_cases(gen, dev, sh)
         elif kernel == "silu_mul":

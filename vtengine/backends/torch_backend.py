@@ -56,6 +56,11 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
 
+    def fuses_norm(self, tokens: int, weight) -> bool:
+        """Whether the decoder takes the fused add + RMSNorm path (linear_add, norm_linear; the lever fuse_norm):
+        never in the reference."""
+        return False
+
     def gate_up_silu(self, x: torch.Tensor, weight) -> torch.Tensor:
         """The MLP's first half: silu_mul(linear(x, gate_up weight)), [T, I] (a backend may fuse the two)."""
         return self.silu_mul(self.linear(x, weight))

@@ -106,13 +106,19 @@ class DecoderModel:
         t = input_ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         h = self.embed[input_ids]
-        residual = None
+        residual, ss = None, None
+        # the lever fuse_norm: the residual add in the o and down GEMVs, RMSNorm in the qkv and gate_up GEMVs
+        fuse = bool(self.layers) and be.fuses_norm(t, self.layers[0].qkv)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
                 residual, x = h, be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+                qkv = be.linear(x, layer.qkv)
+            elif fuse:
+                qkv = be.norm_linear(residual, ss, layer.input_norm, cfg.rms_norm_eps, layer.qkv)
             else:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
-            q = be.qkv_epilogue(be.linear(x, layer.qkv), hq, hkv, positions, self.cos_sin, k_cache, v_cache,
+                qkv = be.linear(x, layer.qkv)
+            q = be.qkv_epilogue(qkv, hq, hkv, positions, self.cos_sin, k_cache, v_cache,
                                 ctx.slot_mapping, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
             if ctx.is_prefill and ctx.decode is not None:      # a mixed step: prefill rows, then decoding rows
                 tp = t - ctx.decode.context_lens.shape[0]
@@ -127,9 +133,18 @@ class DecoderModel:
             else:
                 attn = be.decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
                                            max_context_len=ctx.max_context_len)
+            if fuse:
+                residual, ss = be.linear_add(attn.reshape(t, hq * d), layer.o, residual)
+                act = be.norm_linear(residual, ss, layer.post_norm, cfg.rms_norm_eps, layer.gate_up, silu_mul=True)
+                residual, ss = be.linear_add(act, layer.down, residual)
+                continue
             h = be.linear(attn.reshape(t, hq * d), layer.o)
             x, residual = be.add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
             h = be.linear(be.gate_up_silu(x, layer.gate_up), layer.down)
+        if fuse:                        # the last down GEMV added the residual already
+            if ctx.last_token_idx is not None:
+                residual = residual[ctx.last_token_idx]
+            return be.rms_norm(residual, self.norm, cfg.rms_norm_eps)
         if ctx.last_token_idx is not None:
             h, residual = h[ctx.last_token_idx], residual[ctx.last_token_idx]
         x, _ = be.add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
