@@ -163,12 +163,17 @@ def test_fuse_norm_keeps_the_tokens_and_launches_no_add_rms_norm_at_decode():
     # only the 20-token prompt's prefill step (M > 16) ran add_rms_norm: one per layer boundary and the final norm
     layers = LLM(model="tiny", backend="torch").engine.model.cfg.num_hidden_layers
     assert adds == 2 * layers, norms
-    # prompts of 16 tokens in all prefill through the fused GEMVs too (their last tokens picked after the norm)
+    # prompts of 16 tokens in all prefill through the fused GEMVs too (their last tokens picked after the norm), in
+    # bf16 and through the W4A16 GEMM's dense route
     short = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
-    counters.reset()
-    fused = tokens(LLM(model="tiny", backend="triton", levers={"fuse_norm": True}).generate(short, params))
-    assert fused == tokens(LLM(model="tiny", backend="torch").generate(short, params))
-    assert not any("add_rms_norm" in v for st in counters.snapshot()["rms_norm"].values() for v in st["variants"])
+    for quant, kernel in (("bf16", "dense_linear"), ("mxfp4", "w4a16_gemm")):
+        counters.reset()
+        fused = tokens(LLM(model="tiny", quant=quant, backend="triton", levers={"fuse_norm": True}).generate(
+            short, params))
+        assert fused == tokens(LLM(model="tiny", quant=quant, backend="torch").generate(short, params)), quant
+        snap = counters.snapshot()
+        assert not any("add_rms_norm" in v for st in snap["rms_norm"].values() for v in st["variants"]), quant
+        assert any("'norm'" in v for st in snap[kernel].values() for v in st["variants"]), quant
 
 
 def test_cuda_graph_capture_is_refused_for_host_synchronising_backends():

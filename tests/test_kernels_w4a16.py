@@ -15,7 +15,7 @@ import torch
 
 from vtengine import counters
 from vtengine.kernels import INTERPRET
-from vtengine.kernels import w4a16
+from vtengine.kernels import epilogue, w4a16
 from vtengine.quant import QuantizedWeight, dequantize, quantize
 from vtengine.testing import fresh_generator, rel_l2
 
@@ -78,7 +78,7 @@ def test_split_k_and_explicit_tiles():
     assert snap["grids"] == {"1x2x2": 1} and snap["splits"] == {"2": 1}
     # the last program of each tile resets its counter: a second launch (a graph replay) reduces again, and the
     # partials are summed in split order, so it is bitwise the same
-    assert w4a16._LOCKS[str(x.device)].eq(0).all()
+    assert epilogue._LOCKS[str(x.device)].eq(0).all()
     assert torch.equal(run(x, q, True, config=dict(cfg, SPLIT_K=3)), run(x, q, True, config=dict(cfg, SPLIT_K=3)))
     assert torch.equal(y, run(x, q, True, config=cfg))
     # the prefill-style tile (A @ W^T) on a decode-size M agrees as well
@@ -324,3 +324,39 @@ def test_rot_decode_cuts_the_k_loops_static_instruction_count(tmp_path):
     assert pdl["pdl_prefetch"]["waits"] >= 1 and pdl["pdl_prefetch"]["prefetches"] > 0, pdl
     assert pdl["pdl_prefetch"]["loads"] == 0 and pdl["pdl"]["prefetches"] == 0 and pdl["pdl"]["loads"] == 0, pdl
 
+
+
+# -- the lever fuse_norm on the dense route: the residual add in the epilogue, RMSNorm of A in the prologue ----------
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 9])
+def test_residual_add_then_rmsnorm_across_two_w4a16_gemms(fmt, m):
+    """An o-like W4A16 GEMM + residual -> (r, per-tile sums of squares); the next one multiplies RMSNorm(r) * g,
+    plain and with SiLU-mul, split-K 1 and 2: against fp64 references over the dequantized weights; wrong sums (a
+    fault) fail; the grouped route refuses the fusion."""
+    gen, seed = fresh_generator()
+    k, n, i, eps = 128, 64, 32, 1e-6
+    x, q1 = make_case(m, n, k, fmt, gen)
+    _, q2 = make_case(m, 48, n, fmt, gen)
+    _, q3 = make_case(m, 2 * i, n, fmt, gen)
+    res = torch.randn(m, n, generator=gen).to(DEV, x.dtype)
+    g = (1 + 0.1 * torch.randn(n, generator=gen)).to(DEV, x.dtype)
+    r_ref = x.double() @ dequantize(q1, torch.float64).t() + res.double()
+    for split in (1, 2):
+        base = w4a16.dense_config(m, n, k, fmt)
+        if INTERPRET:
+            base = w4a16._interpreter_config(base, k, 32 if fmt == "mxfp4" else 16)
+        r, ss = w4a16.w4a16_linear_add(x, q1, res, dense=True, config=dict(base, SPLIT_K=split))
+        assert rel_l2(r, r_ref) < BOUND[ACT], f"seed {seed} {fmt} split {split}"
+        rd = r.double()
+        normed = rd * torch.rsqrt((rd ** 2).mean(-1, keepdim=True) + eps) * g.double()
+        assert torch.allclose(ss.sum(0)[:m].double(), (rd ** 2).sum(-1), rtol=1e-4), f"seed {seed}"
+        norm = epilogue.NormIn(ss, g, eps)
+        y = w4a16.w4a16_linear(r, q2, dense=True, norm=norm)
+        assert rel_l2(y, normed @ dequantize(q2, torch.float64).t()) < BOUND[ACT], f"seed {seed} {fmt}"
+        h3 = normed @ dequantize(q3, torch.float64).t()
+        y3 = w4a16.w4a16_linear(r, q3, dense=True, norm=norm, silu_mul=True)
+        assert rel_l2(y3, torch.nn.functional.silu(h3[:, :i]) * h3[:, i:]) < BOUND[ACT], f"seed {seed} {fmt}"
+        bad = w4a16.w4a16_linear(r, q2, dense=True, norm=epilogue.NormIn(4 * ss, g, eps))
+        assert rel_l2(bad, normed @ dequantize(q2, torch.float64).t()) > 0.3
+    with pytest.raises(ValueError, match="norm and residual fuse into the dense swap-AB tiles"):
+        w4a16.w4a16_linear(x, q1, dense=False, residual=res, ss_out=torch.zeros(4, 16, device=DEV))

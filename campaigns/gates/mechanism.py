@@ -95,8 +95,8 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"fused_gemms": fused, "silu_mul_launches": sum(st["launches"] for st in
                                                                snap.get("silu_mul", {}).values())}
     if lever == "fuse_norm":        # GEMVs that added the residual or applied RMSNorm; add_rms_norm launches left
-        fused = sum(n for st in snap.get("dense_linear", {}).values() for v, n in st["variants"].items()
-                    if "'norm'" in v or "'add_residual'" in v)
+        fused = sum(n for kernel in ("dense_linear", "w4a16_gemm") for st in snap.get(kernel, {}).values()
+                    for v, n in st["variants"].items() if "'norm'" in v or "'add_residual'" in v)
         return {"fused_gemvs": fused, "add_rms_norm_launches": sum(
             n for st in snap.get("rms_norm", {}).values() for v, n in st["variants"].items() if "add_rms_norm" in v)}
     if lever == "pdl":

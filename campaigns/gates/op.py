@@ -300,36 +300,50 @@ def dense_linear_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
 
 
 def norm_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
-    """The lever fuse_norm at decode sizes: an o-like GEMV plus the residual, then RMSNorm and the next GEMV; fused
-    (the add in the first GEMV's epilogue, the norm in the second's prologue) in a fuse_norm arm, the GEMV,
-    add_rms_norm and GEMV kernels otherwise. The new residual and the second output, flattened into one tensor."""
-    from vtengine.kernels import fused, gemv
+    """The lever fuse_norm at decode sizes, in the model dtype (the Triton GEMV) and in MXFP4 (the W4A16 GEMM's
+    dense route): an o-like projection plus the residual, then RMSNorm and the next projection; fused (the add in
+    the first one's epilogue, the norm in the second's prologue) in a fuse_norm arm, the projection, add_rms_norm
+    and projection kernels otherwise. The new residual and the second output, flattened into one tensor."""
+    from vtengine.kernels import fused, gemv, w4a16
+    from vtengine.kernels.epilogue import NormIn
     cases, eps = [], 1e-6
     for m, k, n in sh["gemm"]:
         if m > gemv.MAX_M:
             continue
         x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
         res = torch.randn(m, n, generator=gen).to(dev, sh["dtype"])
-        w1 = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dev, sh["dtype"])
-        w2 = (torch.randn(k, n, generator=gen) / n ** 0.5).to(dev, sh["dtype"])
         g = (1 + 0.1 * torch.randn(n, generator=gen)).to(dev, sh["dtype"])
+        dense = ((torch.randn(n, k, generator=gen) / k ** 0.5).to(dev, sh["dtype"]),
+                 (torch.randn(k, n, generator=gen) / n ** 0.5).to(dev, sh["dtype"]))
+        quant = (quantize(torch.randn(n, k, generator=gen).to(dev) / k ** 0.5, "mxfp4"),
+                 quantize(torch.randn(k, n, generator=gen).to(dev) / n ** 0.5, "mxfp4"))
+        for name, (w1, w2) in (("dense", dense), ("mxfp4", quant)):
+            q = name == "mxfp4"
 
-        def run(setting, fault, x=x, res=res, w1=w1, w2=w2, g=g):
-            r_in = torch.roll(res, 1, dims=1) if fault else res       # the fault: the residual one column off
-            pdl = setting["pdl"]
-            if setting.get("fused_norm"):
-                r, ss = gemv.linear_add(x, w1, r_in, pdl=pdl)
-                y = gemv.linear(r, w2, triton_gemv=True, pdl=pdl, norm=gemv.NormIn(ss, g, eps))
-            else:
-                xn, r = fused.add_rms_norm(gemv.linear(x, w1, triton_gemv=True, pdl=pdl), r_in, g, eps, pdl=pdl)
-                y = gemv.linear(xn, w2, triton_gemv=True, pdl=pdl)
-            return torch.cat([r.reshape(-1), y.reshape(-1)])
+            def proj(a, w, pdl, q=q, **kw):
+                if q:
+                    return w4a16.w4a16_linear(a, w, dense=True, pdl=pdl, **kw)
+                return gemv.linear(a, w, triton_gemv=True, pdl=pdl, **kw)
 
-        def ref(x=x, res=res, w1=w1, w2=w2, g=g):
-            be = TorchBackend()
-            xn, r = be.add_rms_norm(be.linear(x.float(), w1.float()), res.float(), g.float(), eps)
-            return torch.cat([r.reshape(-1), be.linear(xn, w2.float()).reshape(-1)])
-        cases.append((f"linear+add_rms_norm+linear M={m} K={k} N={n}", run, ref))
+            def run(setting, fault, x=x, res=res, w1=w1, w2=w2, g=g, q=q, proj=proj):
+                r_in = torch.roll(res, 1, dims=1) if fault else res       # the fault: the residual one column off
+                pdl = setting["pdl"]
+                if setting.get("fused_norm"):
+                    add = w4a16.w4a16_linear_add(x, w1, r_in, dense=True, pdl=pdl) if q else \
+                        gemv.linear_add(x, w1, r_in, pdl=pdl)
+                    y = proj(add[0], w2, pdl, norm=NormIn(add[1], g, eps))
+                    r = add[0]
+                else:
+                    xn, r = fused.add_rms_norm(proj(x, w1, pdl), r_in, g, eps, pdl=pdl)
+                    y = proj(xn, w2, pdl)
+                return torch.cat([r.reshape(-1), y.reshape(-1)])
+
+            def ref(x=x, res=res, w1=w1, w2=w2, g=g):
+                be = TorchBackend()
+                lin = (lambda a, w: be.linear(a, w)) if q else (lambda a, w: be.linear(a, w.float()))
+                xn, r = be.add_rms_norm(lin(x.float(), w1), res.float(), g.float(), eps)
+                return torch.cat([r.reshape(-1), lin(xn, w2).reshape(-1)])
+            cases.append((f"linear+add_rms_norm+linear {name} M={m} K={k} N={n}", run, ref))
     return cases
 
 

@@ -10,6 +10,7 @@ import torch
 from vtengine.backends import KERNEL_OPS
 from vtengine.backends.torch_backend import TorchBackend
 from vtengine.kernels import INTERPRET, attention, fused, gemv, w4a16
+from vtengine.kernels.epilogue import NormIn
 
 # Under the CPU interpreter each program runs one after another in Python: present a 2-SM machine to the split
 # heuristic, so decode still splits (nsplits_cap stays live) over a handful of programs instead of hundreds.
@@ -103,19 +104,30 @@ class TritonBackend(TorchBackend):
         return super().gate_up_silu(x, weight)
 
     def fuses_norm(self, tokens: int, weight) -> bool:
-        routed = self.kernels is None or {"dense_linear", "rms_norm"} <= set(self.kernels)
-        return (routed and self.levers.on("fuse_norm") and not isinstance(weight, QuantizedWeight)
-                and gemv.fusable(tokens, self.levers.on("triton_gemv")))
+        """The lever fuse_norm applies: GEMVs (bf16, triton_gemv on) or W4A16 GEMMs (the dense route) at M <= 16."""
+        if not self.levers.on("fuse_norm"):
+            return False
+        if isinstance(weight, QuantizedWeight):
+            return (self.kernels is None or {"w4a16_gemm", "rms_norm"} <= set(self.kernels)) and \
+                w4a16.fused_silu_supported(tokens, self.levers.on("marlin_dense"))
+        return (self.kernels is None or {"dense_linear", "rms_norm"} <= set(self.kernels)) and \
+            gemv.fusable(tokens, self.levers.on("triton_gemv"))
 
     def linear_add(self, x, weight, residual):
         """(round(x W^T + residual), its per-tile sums of squares): the new residual, for norm_linear."""
+        if isinstance(weight, QuantizedWeight):
+            return w4a16.w4a16_linear_add(x, weight, residual, **self._w4a16_levers())
         return gemv.linear_add(x, weight, residual, pdl=self.levers.on("pdl"))
 
     def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False):
-        """RMSNorm(residual) @ W^T with the norm in the GEMV's prologue (then silu_mul, fused with fuse_silu)."""
-        norm = gemv.NormIn(ss, norm_weight, eps, self.levers.on("fast_math"))
+        """RMSNorm(residual) @ W^T with the norm in the GEMM's prologue (then silu_mul, fused with fuse_silu)."""
+        norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"))
         fuse_silu = silu_mul and self.levers.on("fuse_silu")
-        y = gemv.linear(residual, weight, triton_gemv=True, pdl=self.levers.on("pdl"), norm=norm, silu_mul=fuse_silu)
+        if isinstance(weight, QuantizedWeight):
+            y = w4a16.w4a16_linear(residual, weight, norm=norm, silu_mul=fuse_silu, **self._w4a16_levers())
+        else:
+            y = gemv.linear(residual, weight, triton_gemv=True, pdl=self.levers.on("pdl"), norm=norm,
+                            silu_mul=fuse_silu)
         return self.silu_mul(y) if silu_mul and not fuse_silu else y
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

@@ -38,10 +38,12 @@ def compile_dense(decode: int, nvfp4: bool = False, split: bool = True, pdl: boo
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "y_ptr": "*bf16",
            "sorted_ids_ptr": "*bf16", "num_post_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
-           "stride_ym": "i32", "SPLIT_K": "i32"}
+           "stride_ym": "i32", "SPLIT_K": "i32", "res_ptr": "*bf16", "stride_res": "i32", "ss_out_ptr": "*fp32",
+           "ss_in_ptr": "*fp32", "n_ss_in": "i32", "g_ptr": "*bf16", "eps": "fp32"}
     const = dict(NVFP4=nvfp4, DECODE=decode, GATHER=False, SWAP_AB=True, BLOCK_M=CONFIG["BLOCK_M"],
                  BLOCK_N=CONFIG["BLOCK_N"], BLOCK_K=CONFIG["BLOCK_K"], SPLIT=split, EVEN_K=True,
-                 DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32", REPACKED=True, USE_PDL=pdl, PREFETCH=prefetch, SILU_MUL=False)
+                 DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32", REPACKED=True, USE_PDL=pdl, PREFETCH=prefetch, SILU_MUL=False,
+                 ADD_RES=False, NORM=False, SS_BLOCK=1, FAST_MATH=False)
     sig.update({k: "constexpr" for k in const})
     # what the JIT's specialisation tells a launch at Qwen3-8B shapes: 16-byte aligned pointers and N, K and the
     # strides divisible by 16 (M is never specialised)

@@ -13,8 +13,6 @@ launch (the engine's async_parity gate requires it). M > 16 (prefill) always tak
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import vtengine.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU hosts before triton is imported)
 
 import torch
@@ -24,30 +22,9 @@ import triton.language as tl
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, sm_count
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.w4a16 import _epilogue, _split_k_locks, _tile_rows
+from vtengine.kernels.epilogue import NormIn, _finish, _norm_inv, _split_k_locks, _tile_rows
 
 MAX_M = 16
-
-
-@triton.jit
-def _sum_sq_out(ss_ptr, vals, mask, pid_n, BLOCK_M: tl.constexpr):
-    """ADD_RES's second output: the tile's sum of squares of its stored (rounded) outputs per token, at
-    ss[pid_n, m]; rows past M and columns past N count 0."""
-    v = vals.to(tl.float32)
-    tl.store(ss_ptr + pid_n * BLOCK_M + tl.arange(0, BLOCK_M), tl.sum(tl.where(mask, v * v, 0.0), axis=0))
-
-
-@triton.jit
-def _finish(acc, y_ptrs, y_mask, res_ptrs, ss_ptr, pid_n, SILU_MUL: tl.constexpr, ADD_RES: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Store the output tile from the fp32 sums: SiLU-mul (SILU_MUL), or plus the residual (ADD_RES: the new
-    residual, rounded once, and its sums of squares for the next GEMV's RMSNorm), or as they are."""
-    if ADD_RES:
-        out = (acc + tl.load(res_ptrs, mask=y_mask, other=0.0).to(tl.float32)).to(y_ptrs.dtype.element_ty)
-        tl.store(y_ptrs, out, mask=y_mask)
-        _sum_sq_out(ss_ptr, out, y_mask, pid_n, BLOCK_M)
-    else:
-        tl.store(y_ptrs, _epilogue(acc, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptrs.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -80,13 +57,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     offs_n, n_mask = _tile_rows(pid_n, N, BLOCK_N, SILU_MUL)
     offs_n_ld = tl.where(n_mask, offs_n, 0)        # out-of-range rows re-read row 0; the store is masked
     if NORM:
-        t = tl.arange(0, SS_BLOCK)
-        ss = tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], other=0.0)
-        ms = tl.sum(ss, axis=0) / K
-        if FAST_MATH:
-            inv = tl.math.rsqrt(ms + eps)
-        else:
-            inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+        inv = _norm_inv(ss_in_ptr, n_ss_in, offs_m, K, eps, BLOCK_M, SS_BLOCK, FAST_MATH)
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
@@ -155,16 +126,6 @@ def fusable(m: int, triton_gemv: bool) -> bool:
     """Whether the fused forms (silu_mul, residual add, RMSNorm) apply: the Triton GEMV's route (the lever
     triton_gemv on), 1 <= M <= 16."""
     return triton_gemv and 1 <= m <= MAX_M
-
-
-@dataclass(frozen=True)
-class NormIn:
-    """The RMSNorm a GEMV applies to its input (lever ``fuse_norm``): the producer's sums of squares (linear_add's
-    second output, [tiles, MAX_M] fp32), the norm weight [K], eps, and the lever fast_math's rsqrt."""
-    ss: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    fast_math: bool = False
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, what: str) -> tuple[int, int, int]:

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from vtengine import counters
 from vtengine.kernels import H200_SMS, dot_dtype, sm_count
+from vtengine.kernels.epilogue import NormIn, _finish, _norm_inv, _split_k_locks, _tile_rows
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
 from vtengine.quant import BLOCK, QuantizedWeight
 
@@ -282,10 +283,13 @@ def _dequant_tile(words, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE
 def _w4a16_gemm_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, num_post_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, SPLIT_K,
+    res_ptr, stride_res, ss_out_ptr, ss_in_ptr, n_ss_in, g_ptr, eps,
     NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, REPACKED: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
+    ADD_RES: tl.constexpr = False, NORM: tl.constexpr = False, SS_BLOCK: tl.constexpr = 1,
+    FAST_MATH: tl.constexpr = False,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
@@ -309,7 +313,10 @@ def _w4a16_gemm_kernel(
     SILU_MUL (lever ``fuse_silu``, dense SWAP_AB only): W is gate_up [N = 2I, K] and y is silu(gate) * up [M, I].
     A program's tile holds BLOCK_N / 2 gate rows and the matching up rows (row j of the tile is gate row
     c + j for j < BLOCK_N / 2, up row I + c + j - BLOCK_N / 2 after), so its epilogue (the split-K reducer's, when
-    split) has both halves of every output it writes; the SiLU runs on the fp32 sums, not on bf16 roundings."""
+    split) has both halves of every output it writes; the SiLU runs on the fp32 sums, not on bf16 roundings.
+
+    ADD_RES and NORM (lever ``fuse_norm``, dense SWAP_AB only): the residual add in the epilogue, with each tile's
+    sums of squares, and RMSNorm of A as it is loaded, from the producer's sums (epilogue.py; as the GEMV does)."""
     SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
     EARLY: tl.constexpr = PREFETCH and USE_PDL and not GATHER
     if not EARLY:
@@ -355,6 +362,8 @@ def _w4a16_gemm_kernel(
             prefetch_l2(row_base + k0 // 8)
         pdl_wait(USE_PDL)
 
+    if NORM:
+        inv = _norm_inv(ss_in_ptr, n_ss_in, offs_m, K, eps, BLOCK_M, SS_BLOCK, FAST_MATH)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -369,6 +378,9 @@ def _w4a16_gemm_kernel(
             p = tl.load(w_ptrs, mask=kb[None, :], other=0)
             sc = tl.load(s_ptrs, mask=(k0 + offs_s * SCALE_BLOCK < k_hi)[None, :], other=0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + offs_k < k_hi)[None, :], other=0.0)
+        if NORM:
+            g = tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < k_hi, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * inv[:, None] * g[None, :]).to(a.dtype)
         w = _dequant_tile(p, sc, BLOCK_N, BLOCK_K, SCALE_BLOCK, NVFP4, DECODE, DOT_DTYPE)
         if not REPACKED:
             a = _pair_order(a, BLOCK_M, BLOCK_K)
@@ -396,8 +408,9 @@ def _w4a16_gemm_kernel(
     else:
         y_ptrs = y_ptr + rows_ld[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         y_mask = row_mask[:, None] & n_mask[None, :]
+    res_ptrs = res_ptr + rows_ld[None, :].to(tl.int64) * stride_res + offs_n[:, None]
     if not SPLIT:
-        tl.store(y_ptrs, _epilogue(acc, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptr.dtype.element_ty), mask=y_mask)
+        _finish(acc, y_ptrs, y_mask, res_ptrs, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
     else:
         ACC0: tl.constexpr = BLOCK_N if SWAP_AB else BLOCK_M
         ACC1: tl.constexpr = BLOCK_M if SWAP_AB else BLOCK_N
@@ -411,35 +424,8 @@ def _w4a16_gemm_kernel(
             total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
             for s in range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (ACC0 * ACC1) + offs_acc, cache_modifier=".cg")
-            tl.store(y_ptrs, _epilogue(total, SILU_MUL, ACC0, ACC1).to(y_ptr.dtype.element_ty), mask=y_mask)
+            _finish(total, y_ptrs, y_mask, res_ptrs, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, ACC0, ACC1)
             tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
-    """The W rows of output tile pid_n and their mask. SILU_MUL: W is gate_up [N = 2I, K]; tile row j < BLOCK_N / 2
-    is gate row c + j and row BLOCK_N / 2 + j the matching up row I + c + j (c = pid_n * BLOCK_N / 2), so the
-    tile's epilogue holds both halves of outputs c .. c + BLOCK_N / 2 - 1."""
-    if SILU_MUL:
-        HALF: tl.constexpr = BLOCK_N // 2
-        tile_j = tl.arange(0, BLOCK_N)
-        col = pid_n * HALF + tile_j % HALF                     # the output column (gate row) of tile row j
-        return tl.where(tile_j < HALF, col, N // 2 + col), col < N // 2
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        return offs_n, offs_n < N
-
-
-@triton.jit
-def _epilogue(acc, SILU_MUL: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """The output tile from the fp32 accumulator [R, C]: itself, or (SILU_MUL) silu(gate) * up of its two row
-    halves, [R / 2, C]."""
-    if SILU_MUL:
-        halves = tl.permute(tl.reshape(acc, [2, R // 2, C]), (1, 2, 0))      # [R / 2, C, 2]: (gate, up)
-        gate, up = tl.split(halves)
-        return gate / (1.0 + tl.exp(-gate)) * up
-    else:
-        return acc
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -642,26 +628,10 @@ def packed_words(q: QuantizedWeight) -> torch.Tensor:
     return p.view(torch.int32)
 
 
-_LOCKS: dict[str, torch.Tensor] = {}
-MAX_SPLIT_K_TILES = 8192
-
-
-def _split_k_locks(device, tiles: int) -> torch.Tensor:
-    """The split-K arrival counters of a device: zeroed once, reset to zero by the last program of each tile, so
-    the buffer is reusable by every later launch (and by CUDA-graph replays). Allocated at first use: make the
-    first split-K call outside graph capture."""
-    if tiles > MAX_SPLIT_K_TILES:
-        raise ValueError(f"w4a16: split-K over {tiles} output tiles; at most {MAX_SPLIT_K_TILES} (use SPLIT_K=1)")
-    key = str(device)
-    locks = _LOCKS.get(key)
-    if locks is None:
-        locks = _LOCKS[key] = torch.zeros(MAX_SPLIT_K_TILES, dtype=torch.int32, device=device)
-    return locks
-
-
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
                  out: torch.Tensor | None = None, pdl: bool = False, rot: bool = False,
-                 prefetch: bool = False, silu_mul: bool = False, mid: bool = False) -> torch.Tensor:
+                 prefetch: bool = False, silu_mul: bool = False, mid: bool = False, norm: NormIn | None = None,
+                 residual: torch.Tensor | None = None, ss_out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
     ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
@@ -672,7 +642,10 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     the lever pdl_prefetch (with PDL on the dense route, the W slice is prefetched to L2 before the wait).
     ``silu_mul`` (the lever fuse_silu): W is a gate_up weight [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I],
     in the GEMM's epilogue; the dense route at M <= 16 only (fused_silu_supported says when). ``mid``: the lever
-    w4a16_mid_m (the dense route's decode tiles for 16 < M <= MID_M, see dense_config)."""
+    w4a16_mid_m (the dense route's decode tiles for 16 < M <= MID_M, see dense_config). ``norm``, ``residual`` and
+    ``ss_out`` (the lever fuse_norm, the same tiles as silu_mul): x is RMSNorm'ed as it is loaded, from the
+    producer's sums of squares; y = round(x W^T + residual) and ss_out [tiles, BLOCK_M] its sums of squares
+    (w4a16_linear_add allocates them)."""
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
     if x.dim() != 2:
@@ -702,6 +675,15 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if silu_mul and not (dense and cfg["SWAP_AB"] and n % 2 == 0 and bn % 2 == 0):
         raise ValueError(f"w4a16_linear: silu_mul fuses into the dense swap-AB tiles (M <= 16) of a [2I, K] weight; "
                          f"got dense={dense}, M={m}, N={n}, SWAP_AB={cfg['SWAP_AB']}, BLOCK_N={bn}")
+    fused = norm is not None or residual is not None
+    if fused and not (dense and cfg["SWAP_AB"] and 1 <= m <= bm):
+        raise ValueError(f"w4a16_linear: norm and residual fuse into the dense swap-AB tiles (M <= 16); got "
+                         f"dense={dense}, M={m}, SWAP_AB={cfg['SWAP_AB']}")
+    if norm is not None and (norm.ss.dim() != 2 or norm.ss.shape[1] != bm or norm.weight.shape != (k,)):
+        raise ValueError(f"w4a16_linear: norm needs sums of squares [tiles, {bm}] and a weight [{k}], got "
+                         f"{tuple(norm.ss.shape)} and {tuple(norm.weight.shape)}")
+    if residual is not None and (ss_out is None or tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"w4a16_linear: residual must be [{m}, {n}] with unit column stride, with ss_out")
     n_out = n // 2 if silu_mul else n
     if bk % block or bk < 2 * block:
         raise ValueError(f"w4a16_linear: BLOCK_K={bk} must be a multiple of 2 x the {qweight.fmt} block ({block})")
@@ -743,18 +725,40 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     early = bool(prefetch) and on and dense
     if on:
         counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="w4a16_gemm")
+    res = residual if residual is not None else y       # unused pointers when a fusion is off
+    ss_in = norm.ss if norm is not None else ws
     _w4a16_gemm_kernel[grid](
         x, words, qweight.scales, qweight.global_scale, y, sorted_ids, num_post, ws, locks,
         m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), y.stride(0), split,
+        res, res.stride(0), ss_out if ss_out is not None else ws, ss_in, ss_in.shape[0] if norm is not None else 0,
+        norm.weight if norm is not None else x, norm.eps if norm is not None else 0.0,
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=even_k, DOT_DTYPE=dd,
         DOT_PREC="ieee" if dd == tl.float32 else "tf32", REPACKED=repacked,
-        USE_PDL=on, PREFETCH=early, SILU_MUL=bool(silu_mul), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
-        **launch_options(on),
+        USE_PDL=on, PREFETCH=early, SILU_MUL=bool(silu_mul), ADD_RES=residual is not None, NORM=norm is not None,
+        SS_BLOCK=triton.next_power_of_2(max(1, ss_in.shape[0])) if norm is not None else 1,
+        FAST_MATH=bool(norm is not None and norm.fast_math),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **launch_options(on),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
                     variant=(qweight.fmt, bm, bn, bk, split, "swap_ab" if cfg["SWAP_AB"] else "tile",
                              DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3),
                              cfg.get("TILES", "custom"))
-                    + (("silu_mul",) if silu_mul else ()))
+                    + (("silu_mul",) if silu_mul else ()) + (("norm",) if norm is not None else ())
+                    + (("add_residual",) if residual is not None else ()))
     return y
+
+
+def w4a16_linear_add(x: torch.Tensor, qweight: QuantizedWeight, residual: torch.Tensor,
+                     **levers) -> tuple[torch.Tensor, torch.Tensor]:
+    """(round(x W^T + residual), its sums of squares per output tile [tiles, BLOCK_M] fp32) on the dense route's
+    decode tiles (the lever fuse_norm; ``levers`` as w4a16_linear takes them, dense on)."""
+    m, n, k = x.shape[0], qweight.shape[0], qweight.shape[1]
+    cfg = levers.pop("config", None)
+    if cfg is None:
+        cfg = dense_config(m, n, k, qweight.fmt, sm_count(x.device), mid=levers.get("mid", False))
+        if vtengine.kernels.INTERPRET:
+            cfg = _interpreter_config(cfg, k, BLOCK[qweight.fmt])
+    ss = torch.empty((triton.cdiv(n, cfg["BLOCK_N"]), cfg["BLOCK_M"]), dtype=torch.float32, device=x.device)
+    y = w4a16_linear(x, qweight, config=cfg, residual=residual, ss_out=ss, **levers)
+    return y, ss

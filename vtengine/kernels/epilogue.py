@@ -1,0 +1,102 @@
+"""What the GEMMs of decode share after (and before) their K loop: the W4A16 GEMM (w4a16.py) and the bf16 GEMV
+(gemv.py) tile a gate_up weight the same way for SiLU-mul (lever ``fuse_silu``), add the residual and write the
+tiles' sums of squares in their epilogue and apply RMSNorm in their prologue (lever ``fuse_norm``), and sum
+split-K partials with one set of arrival counters per device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import vtengine.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU hosts before triton is imported)
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The W rows of output tile pid_n and their mask. SILU_MUL: W is gate_up [N = 2I, K]; tile row j < BLOCK_N / 2
+    is gate row c + j and row BLOCK_N / 2 + j the matching up row I + c + j (c = pid_n * BLOCK_N / 2), so the
+    tile's epilogue holds both halves of outputs c .. c + BLOCK_N / 2 - 1."""
+    if SILU_MUL:
+        HALF: tl.constexpr = BLOCK_N // 2
+        tile_j = tl.arange(0, BLOCK_N)
+        col = pid_n * HALF + tile_j % HALF                     # the output column (gate row) of tile row j
+        return tl.where(tile_j < HALF, col, N // 2 + col), col < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return offs_n, offs_n < N
+
+
+@triton.jit
+def _epilogue(acc, SILU_MUL: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """The output tile from the fp32 accumulator [R, C]: itself, or (SILU_MUL) silu(gate) * up of its two row
+    halves, [R / 2, C]."""
+    if SILU_MUL:
+        halves = tl.permute(tl.reshape(acc, [2, R // 2, C]), (1, 2, 0))      # [R / 2, C, 2]: (gate, up)
+        gate, up = tl.split(halves)
+        return gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        return acc
+
+
+@triton.jit
+def _sum_sq_out(ss_ptr, vals, mask, pid_n, BLOCK_M: tl.constexpr):
+    """ADD_RES's second output: the tile's sum of squares of its stored (rounded) outputs per token, at
+    ss[pid_n, m]; rows past M and columns past N count 0."""
+    v = vals.to(tl.float32)
+    tl.store(ss_ptr + pid_n * BLOCK_M + tl.arange(0, BLOCK_M), tl.sum(tl.where(mask, v * v, 0.0), axis=0))
+
+
+@triton.jit
+def _finish(acc, y_ptrs, y_mask, res_ptrs, ss_ptr, pid_n, SILU_MUL: tl.constexpr, ADD_RES: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store the output tile from the fp32 sums: SiLU-mul (SILU_MUL), or plus the residual (ADD_RES: the new
+    residual, rounded once, and its sums of squares for the next GEMV's RMSNorm), or as they are."""
+    if ADD_RES:
+        out = (acc + tl.load(res_ptrs, mask=y_mask, other=0.0).to(tl.float32)).to(y_ptrs.dtype.element_ty)
+        tl.store(y_ptrs, out, mask=y_mask)
+        _sum_sq_out(ss_ptr, out, y_mask, pid_n, BLOCK_M)
+    else:
+        tl.store(y_ptrs, _epilogue(acc, SILU_MUL, BLOCK_N, BLOCK_M).to(y_ptrs.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _norm_inv(ss_in_ptr, n_ss_in, offs_m, K, eps, BLOCK_M: tl.constexpr, SS_BLOCK: tl.constexpr,
+              FAST_MATH: tl.constexpr):
+    """NORM's prologue: rsqrt(mean(x^2) + eps) per token from the producer's n_ss_in tiles of sums of squares,
+    summed in a fixed order (the same bits whatever M, on every replay)."""
+    t = tl.arange(0, SS_BLOCK)
+    ss = tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], other=0.0)
+    ms = tl.sum(ss, axis=0) / K
+    if FAST_MATH:
+        return tl.math.rsqrt(ms + eps)
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+
+
+@dataclass(frozen=True)
+class NormIn:
+    """The RMSNorm a GEMV applies to its input (lever ``fuse_norm``): the producer's sums of squares (linear_add's
+    second output, [tiles, MAX_M] fp32), the norm weight [K], eps, and the lever fast_math's rsqrt."""
+    ss: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    fast_math: bool = False
+
+
+_LOCKS: dict[str, torch.Tensor] = {}
+MAX_SPLIT_K_TILES = 8192
+
+
+def _split_k_locks(device, tiles: int) -> torch.Tensor:
+    """The split-K arrival counters of a device: zeroed once, reset to zero by the last program of each tile, so
+    the buffer is reusable by every later launch (and by CUDA-graph replays). Allocated at first use: make the
+    first split-K call outside graph capture."""
+    if tiles > MAX_SPLIT_K_TILES:
+        raise ValueError(f"split-K over {tiles} output tiles; at most {MAX_SPLIT_K_TILES} (use SPLIT_K=1)")
+    key = str(device)
+    locks = _LOCKS.get(key)
+    if locks is None:
+        locks = _LOCKS[key] = torch.zeros(MAX_SPLIT_K_TILES, dtype=torch.int32, device=device)
+    return locks
