@@ -326,6 +326,29 @@ def test_rot_decode_cuts_the_k_loops_static_instruction_count(tmp_path):
 
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_w4a16_residual_add_then_rmsnorm_qwen3_8b(fmt):
+    """Qwen3-8B's o [4,096, 4,096] with the residual, then RMSNorm into qkv [6,144, 4,096] and gate_up with SiLU-mul,
+    on the PTX decodes (word and rotation), bf16, M = 1, 8, 16."""
+    gen, seed = fresh_generator()
+    h, eps = 4096, 1e-6
+    q_o, q_qkv = (quantize(torch.randn(n, h, generator=gen).to(DEV) * 0.05, fmt) for n in (h, 6144))
+    g = (1 + 0.1 * torch.randn(h, generator=gen)).to(DEV, torch.bfloat16)
+    for m in (1, 8, 16):
+        x, res = (torch.randn(m, h, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+        for rot in (False, True):
+            r, ss = w4a16.w4a16_linear_add(x, q_o, res, dense=True, rot=rot)
+            r_ref = x.double() @ dequantize(q_o, torch.float64).t() + res.double()
+            assert rel_l2(r, r_ref) < BOUND[torch.bfloat16], f"seed {seed} {fmt} M={m} rot={rot}"
+            rd = r.double()
+            normed = rd * torch.rsqrt((rd ** 2).mean(-1, keepdim=True) + eps) * g.double()
+            y = w4a16.w4a16_linear(r, q_qkv, dense=True, rot=rot, norm=epilogue.NormIn(ss, g, eps))
+            err = rel_l2(y, normed @ dequantize(q_qkv, torch.float64).t())
+            assert err < BOUND[torch.bfloat16], f"seed {seed} {fmt} M={m} rot={rot}: {err:.3e}"
+
+
 # -- the lever fuse_norm on the dense route: the residual add in the epilogue, RMSNorm of A in the prologue ----------
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 9])
