@@ -97,7 +97,7 @@ class TritonBackend(TorchBackend):
         if self.levers.on("fuse_silu"):
             if isinstance(weight, QuantizedWeight):
                 kw = self._w4a16_levers()
-                if w4a16.fused_silu_supported(x.shape[0], kw["dense"]):
+                if w4a16.fusable(x.shape[0], kw["dense"]):
                     return w4a16.w4a16_linear(x, weight, silu_mul=True, **kw)
             elif gemv.fusable(x.shape[0], self.levers.on("triton_gemv")):
                 return gemv.linear(x, weight, triton_gemv=True, pdl=self.levers.on("pdl"), silu_mul=True)
@@ -109,7 +109,7 @@ class TritonBackend(TorchBackend):
             return False
         if isinstance(weight, QuantizedWeight):
             return (self.kernels is None or {"w4a16_gemm", "rms_norm"} <= set(self.kernels)) and \
-                w4a16.fused_silu_supported(tokens, self.levers.on("marlin_dense"))
+                w4a16.fusable(tokens, self.levers.on("marlin_dense"))
         return (self.kernels is None or {"dense_linear", "rms_norm"} <= set(self.kernels)) and \
             gemv.fusable(tokens, self.levers.on("triton_gemv"))
 

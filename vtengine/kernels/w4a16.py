@@ -603,8 +603,9 @@ def _cached_copy(q: QuantizedWeight, attr: str, what: str, build) -> torch.Tenso
     return words
 
 
-def fused_silu_supported(m: int, dense: bool) -> bool:
-    """Whether w4a16_linear(..., silu_mul=True) applies: the dense route's swap-AB tiles, M <= 16 (decode)."""
+def fusable(m: int, dense: bool) -> bool:
+    """Whether the fused forms of w4a16_linear apply (silu_mul, and the residual add and norm of fuse_norm): the
+    dense route's swap-AB tiles, 1 <= M <= 16 (decode); gemv.fusable is the GEMV's."""
     return dense and 1 <= m <= 16
 
 
@@ -641,7 +642,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     (the rotation layout and its decode, DECODE 3, where the PTX decode runs; bit-identical output). ``prefetch``:
     the lever pdl_prefetch (with PDL on the dense route, the W slice is prefetched to L2 before the wait).
     ``silu_mul`` (the lever fuse_silu): W is a gate_up weight [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I],
-    in the GEMM's epilogue; the dense route at M <= 16 only (fused_silu_supported says when). ``mid``: the lever
+    in the GEMM's epilogue; the dense route at M <= 16 only (fusable says when). ``mid``: the lever
     w4a16_mid_m (the dense route's decode tiles for 16 < M <= MID_M, see dense_config). ``norm``, ``residual`` and
     ``ss_out`` (the lever fuse_norm, the same tiles as silu_mul): x is RMSNorm'ed as it is loaded, from the
     producer's sums of squares; y = round(x W^T + residual) and ss_out [tiles, BLOCK_M] its sums of squares
