@@ -323,6 +323,13 @@ def test_rot_decode_cuts_the_k_loops_static_instruction_count(tmp_path):
     pdl = json.loads(path.read_text())["pdl"]
     assert pdl["pdl_prefetch"]["waits"] >= 1 and pdl["pdl_prefetch"]["prefetches"] > 0, pdl
     assert pdl["pdl_prefetch"]["loads"] == 0 and pdl["pdl"]["prefetches"] == 0 and pdl["pdl"]["loads"] == 0, pdl
+    # the group-scale probe: each form compiled and its loop found; with no scale at all the loop is shorter than
+    # the rotation decode's (the HMUL2s gone), which is what the probe's other forms are measured against
+    probe = {x["form"]: x for x in json.loads(path.read_text())["probe"]}
+    assert set(probe) == {"unscaled", "per_group", "batched"}, probe
+    assert all(x["by_opcode"].get("HMMA", 0) >= 16 for x in probe.values()), probe
+    assert probe["unscaled"]["per_weight"] < rows[("mxfp4", "bf16_rot")]["per_weight"], probe
+    assert probe["per_group"]["by_opcode"].get("FFMA", 0) >= 32, probe["per_group"]
 
 
 

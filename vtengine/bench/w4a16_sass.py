@@ -9,6 +9,14 @@ nvdisasm. The K loop is the longest backward branch's body; weights per thread p
 (32 x num_warps). The counts are static (each instruction once, whatever its latency or predication) and belong to
 the Triton that compiled them (the H200 host runs another: its counts may differ; compare decodes within one run).
 
+The group-scale probe (``probe`` rows): can Triton apply the block scale once per (output, 32-K group) to the
+fp32 partial dot instead of per weight pair (the HMUL2s, 0.5 per weight)? That needs the weights decoded without a
+scale, so not in bf16 (value * 2**-126 underflows the fp32 products) but in fp16 (value * 2**-14), with fp16
+activations (read as fp16 here, as if the producer wrote them so). Three forms of one K step, the same rotation
+decode shape: ``unscaled`` (one dot, no scale at all: what the decode and the dot alone cost), ``per_group`` (each
+32-K group its own loads, dot and FFMA by its scale) and ``batched`` (one 3-D dot over the groups, scaled and
+summed). Not kernels the engine runs: the shapes a route through Triton would take, counted.
+
 Must run in a process whose Triton was imported with the interpreter off (vtengine selects the interpreter on a
 host without CUDA as it is imported): ``run()`` starts one with TRITON_INTERPRET=0.
 """
@@ -78,11 +86,7 @@ def k_loop(sass: list[str]) -> list[str]:
 
 
 def count(decode: int, nvfp4: bool = False) -> dict:
-    body = k_loop(disassemble(compile_dense(decode, nvfp4).asm["cubin"]))
-    weights = CONFIG["BLOCK_N"] * CONFIG["BLOCK_K"] // (32 * CONFIG["num_warps"])
-    ops = collections.Counter(op.split(".")[0] for op in body)
-    return {"instructions": len(body), "weights_per_thread": weights,
-            "per_weight": round(len(body) / weights, 3), "by_opcode": dict(ops.most_common())}
+    return _counted(k_loop(disassemble(compile_dense(decode, nvfp4).asm["cubin"])))
 
 
 def before_wait(sass: list[str]) -> dict[str, int]:
@@ -92,6 +96,110 @@ def before_wait(sass: list[str]) -> dict[str, int]:
     head = ops[:ops.index("ACQBULK")] if "ACQBULK" in ops else []
     return {"waits": ops.count("ACQBULK"), "prefetches": sum(op.startswith("CCTL.E.PF2") for op in head),
             "loads": sum(op.startswith(("LDG", "LDGSTS")) for op in head)}
+
+
+_PROBE = None
+
+
+def _probe_kernel():
+    """The probe's kernel, built on first use (this module imports triton lazily: see run())."""
+    global _PROBE
+    if _PROBE is not None:
+        return _PROBE
+    import triton
+    import triton.language as tl
+    from vtengine.kernels.w4a16 import _interleave8
+
+    # the rotation decode's shape (4 rotations, 4 LOP3s per word) with the fp16 mask: sign at 15 / 31, e1 e0 m at
+    # 11..9 / 27..25, so a pair is value * 2**-14 and needs no per-pair multiply
+    decode = tl.constexpr("""
+    {
+    .reg .b32 o, r2, r6, r8, r12;
+    and.b32 o, $8, 0x8E008E00;
+    mov.b32 {$0, $4}, o;
+    shf.l.wrap.b32 r12, $8, $8, 12;
+    and.b32 o, r12, 0x8E008E00;
+    mov.b32 {$1, $5}, o;
+    shf.l.wrap.b32 r2, $8, $8, 2;
+    shf.l.wrap.b32 r6, $8, $8, 6;
+    xor.b32 o, r2, r6;
+    and.b32 o, o, 0x8E008E00;
+    mov.b32 {$2, $6}, o;
+    shf.l.wrap.b32 r8, $8, $8, 8;
+    xor.b32 o, r2, r8;
+    and.b32 o, o, 0x8E008E00;
+    mov.b32 {$3, $7}, o;
+    }
+    """)
+
+    @triton.jit
+    def _fp16_tile(p):
+        e0, e1, e2, e3, e4, e5, e6, e7 = tl.inline_asm_elementwise(
+            decode, "=h,=h,=h,=h,=h,=h,=h,=h,r", [p], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        return _interleave8(e0, e1, e2, e3, e4, e5, e6, e7)
+
+    @triton.jit
+    def _group_scale_probe(x_ptr, w_ptr, s_ptr, y_ptr, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORM: tl.constexpr):
+        NSB: tl.constexpr = BLOCK_K // 32
+        GK: tl.constexpr = 32 if FORM == 1 else BLOCK_K            # K per load: a group, or the whole step
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, GK // 8)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, GK)[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if FORM == 1:
+                for g in tl.static_range(NSB):
+                    sc = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + k0 // 32 + g)
+                    s = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+                    w = _fp16_tile(tl.load(w_ptrs + k0 // 8 + g * 4))
+                    acc += tl.dot(w, tl.trans(tl.load(x_ptrs + k0 + g * 32))) * s[:, None]
+            else:
+                w = _fp16_tile(tl.load(w_ptrs + k0 // 8))
+                a = tl.load(x_ptrs + k0)
+                if FORM == 0:
+                    acc = tl.dot(w, tl.trans(a), acc)
+                else:
+                    sc = tl.load(s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + k0 // 32
+                                 + tl.arange(0, NSB)[None, :])
+                    s = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+                    w3 = tl.permute(tl.reshape(w, [BLOCK_N, NSB, 32]), (1, 0, 2))
+                    a3 = tl.permute(tl.reshape(a, [BLOCK_M, NSB, 32]), (1, 2, 0))
+                    s3 = tl.permute(tl.reshape(s, [BLOCK_N, NSB, 1]), (1, 0, 2))
+                    acc += tl.sum(tl.dot(w3, a3) * s3, axis=0)
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(tl.bfloat16))
+
+    _PROBE = _group_scale_probe
+    return _PROBE
+
+
+PROBE_FORMS = {"unscaled": 0, "per_group": 1, "batched": 2}
+
+
+def count_probe(form: str) -> dict:
+    """The group-scale probe's K loop (see the module docstring), compiled for sm_90 at CONFIG's tiles."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = _probe_kernel()
+    sig = {"x_ptr": "*fp16", "w_ptr": "*i32", "s_ptr": "*u8", "y_ptr": "*bf16", "K": "i32", "stride_xm": "i32",
+           "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+    const = dict(BLOCK_M=CONFIG["BLOCK_M"], BLOCK_N=CONFIG["BLOCK_N"], BLOCK_K=CONFIG["BLOCK_K"],
+                 FORM=PROBE_FORMS[form])
+    sig.update({k: "constexpr" for k in const})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n != "FORM" and sig[n] != "constexpr"}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"]))
+    return _counted(k_loop(disassemble(kernel.asm["cubin"])))
+
+
+def _counted(body: list[str]) -> dict:
+    weights = CONFIG["BLOCK_N"] * CONFIG["BLOCK_K"] // (32 * CONFIG["num_warps"])
+    ops = collections.Counter(op.split(".")[0] for op in body)
+    return {"instructions": len(body), "weights_per_thread": weights,
+            "per_weight": round(len(body) / weights, 3), "by_opcode": dict(ops.most_common())}
 
 
 def main(out_dir: str = "bench/results") -> dict:
@@ -111,6 +219,11 @@ def main(out_dir: str = "bench/results") -> dict:
                                                    .asm["cubin"]))
                      for name, pf in (("pdl", False), ("pdl_prefetch", True))}
     print(json.dumps(result["pdl"]), flush=True)
+    result["probe"] = []
+    for form in PROBE_FORMS:
+        row = {"form": form, **count_probe(form)}
+        result["probe"].append(row)
+        print(json.dumps({k: row[k] for k in ("form", "instructions", "per_weight")}), flush=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"w4a16-sass-{now.strftime('%Y-%m-%d')}"
@@ -125,6 +238,11 @@ def main(out_dir: str = "bench/results") -> dict:
     lines += ["", "Before the PDL wait (rotation decode, MXFP4): " + "; ".join(
         f"{name}: {v['prefetches']} L2 prefetches, {v['loads']} global loads, {v['waits']} wait(s)"
         for name, v in result["pdl"].items())]
+    lines += ["", "Group-scale probe (MXFP4 codes decoded to fp16 without a scale, fp16 activations; see the module "
+              "docstring):", "", "| form | instructions | per weight | top opcodes |", "|---|---|---|---|"]
+    for r in result["probe"]:
+        top = ", ".join(f"{k} {v}" for k, v in list(r["by_opcode"].items())[:8])
+        lines.append(f"| {r['form']} | {r['instructions']} | {r['per_weight']} | {top} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return result
 
