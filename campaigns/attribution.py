@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from vtengine.backends import KERNEL_OPS
+from vtengine.backends import KERNEL_OPS, WEIGHT_OPS, kernel_ops, weight_kernel
 
 ANNOTATION = "vt::"                     # record_function prefix of an engine kernel's range
 # device kernel name (prefix or pattern) -> engine kernel; the first match wins
@@ -64,21 +64,18 @@ def annotated(backend):
                 return fn(*args, **kwargs)
         return op
 
-    def wrap_linear(fn):                # `linear` serves two kernels: named by the weight at call time
-        from vtengine.quant import QuantizedWeight
-
-        def op(x, weight, *args, **kwargs):
-            kernel = "w4a16_gemm" if isinstance(weight, QuantizedWeight) else "dense_linear"
-            with record_function(ANNOTATION + kernel):
-                return fn(x, weight, *args, **kwargs)
+    def wrap_weighted(fn, name):        # a projection method serves two kernels: named by its weight per call
+        def op(*args, **kwargs):
+            with record_function(ANNOTATION + weight_kernel(name, args, kwargs)):
+                return fn(*args, **kwargs)
         return op
-    for kernel, ops in KERNEL_OPS.items():
-        for name in ops:
-            if name in saved:
+    for kernel in KERNEL_OPS:
+        for name in kernel_ops(kernel):
+            if name in saved or not hasattr(backend, name):
                 continue
             saved[name] = backend.__dict__.get(name)
             fn = getattr(backend, name)
-            setattr(backend, name, wrap_linear(fn) if name == "linear" else wrap(fn, kernel))
+            setattr(backend, name, wrap_weighted(fn, name) if name in WEIGHT_OPS else wrap(fn, kernel))
     try:
         yield backend
     finally:

@@ -421,6 +421,14 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
         raise CampaignConfigError(f"model preset needs keys 'name' and 'quant', got {sorted(model.keys())}")
     if model.quant not in QUANTS:
         raise CampaignConfigError(f"model.quant={model.quant!r} is not accepted; accepted: {', '.join(QUANTS)}")
+    from campaigns.gates import perturbable_kernel
+    from vtengine.faults import FaultError
+    try:                            # the self-checks break one of the lever's kernels that this model runs
+        perturbable_kernel(cfg.campaign.lever, str(model.quant))
+    except FaultError as e:
+        raise CampaignConfigError(f"model.quant={model.quant} for lever {cfg.campaign.lever}: {e}, so the gates' "
+                                  "self-checks could break nothing; accepted: weights the lever routes (mxfp4 or "
+                                  "nvfp4 for a W4A16 GEMM lever)") from None
     if cfg.tracking.enabled and (OmegaConf.is_missing(cfg.tracking, "uri") or not cfg.tracking.uri):
         raise CampaignConfigError(f"tracking={cfg.tracking.name} needs tracking.uri=<uri> (e.g. http://host:5000, "
                                   "postgresql://..., sqlite:///mlflow.db), or use tracking=local / tracking=off")

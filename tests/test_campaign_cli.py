@@ -114,6 +114,8 @@ def test_user_choices_override_the_host_defaults():
     (["campaign=gqa_swap", "grid=huge"], "unknown grid 'huge'; accepted: long_prompt, online, online_wide, rehearsal"),
     (["campaign=gqa_swap", "model=llama-70b"], "unknown model 'llama-70b'; accepted: "),
     (["campaign=gqa_swap", "model.quant=int8"], "model.quant='int8' is not accepted; accepted: bf16, mxfp4, nvfp4"),
+    (["campaign=marlin_dense", "model.quant=bf16"], "model.quant=bf16 for lever marlin_dense: none of the kernels "
+                                                     "['w4a16_gemm'] runs on bf16 weights"),
     (["campaign=gqa_swap", "campaign.arms.candidates=[7]"], "candidate arm 7 is not valid; accepted: true/false"),
     (["campaign=gqa_swap", "grid.concurrency=[1,2,3]"], "must have one entry per grid.concurrency [1, 2, 3]"),
     (["campaign=gqa_swap", "grid.concurrency=[2,2]", "grid.prompts_per_leg=[2,2]"], "repeats a value"),

@@ -195,6 +195,58 @@ def test_installing_and_mending_a_fault_restores_the_backend():
     assert be.rms_norm.__func__ is routed.__func__ and be.decode_attention.__func__ is own.__func__
 
 
+def test_a_projection_fault_breaks_the_fused_forms_once_and_only_its_own_weights():
+    """The projections run through linear, gate_up_silu (fuse_silu) and linear_add / norm_linear (fuse_norm): a fault
+    of dense_linear breaks each of them, once per call (gate_up_silu's unfused form calls linear: not twice), and
+    leaves W4A16 weights alone; a fault of w4a16_gemm the other way round. Before, the fused forms ran unbroken, so
+    fuse_norm's and fuse_silu's self-checks could pass on their unfused remains (the LM head) alone."""
+    from vtengine.backends.triton_backend import TritonBackend
+    from vtengine.levers import resolve
+    from vtengine.quant import quantize
+    torch.manual_seed(0)
+    k, n = 64, 64
+    x, res = torch.randn(2, k), torch.randn(2, n)
+    w, gu = torch.randn(n, k) / 8, torch.randn(2 * n, k) / 8
+    qw = quantize(torch.randn(n, k) / 8, "mxfp4")
+    g = 1 + torch.rand(k)
+    for fuse_silu in (False, True):
+        be = TritonBackend(resolve({"fuse_norm": True, "fuse_silu": fuse_silu, "triton_gemv": True}))
+        y, ss = be.linear_add(x, w, res)
+        calls = {"linear": lambda: be.linear(x, w), "gate_up_silu": lambda: be.gate_up_silu(x, gu),
+                 "linear_add": lambda: be.linear_add(x, w, res)[0],
+                 "norm_linear": lambda: be.norm_linear(y, ss, g, 1e-6, gu, silu_mul=True),
+                 "w4a16": lambda: be.linear(x, qw)}
+        clean = {name: call() for name, call in calls.items()}
+        install(be, Fault("perturb", "dense_linear", -2.0))
+        for name, call in calls.items():
+            want = clean[name] if name == "w4a16" else -clean[name]
+            assert torch.allclose(call(), want, atol=1e-6), (name, fuse_silu)
+        y2, ss2 = be.linear_add(x, w, res)
+        assert torch.allclose(ss2, ss)              # the squares of the negated residual: the same sums
+        install(be, Fault("perturb", "w4a16_gemm", -2.0))
+        assert torch.allclose(be.linear(x, qw), -clean["w4a16"]) and torch.allclose(be.linear(x, w), clean["linear"])
+        install(be, None)
+        assert all(torch.allclose(call(), clean[name]) for name, call in calls.items())
+
+
+def test_the_perturbed_kernel_is_one_the_model_runs():
+    """fuse_silu lists w4a16_gemm first: on bf16 weights that kernel never runs, and breaking it broke nothing (the
+    battery's self-check passed on the H200-bound bf16 campaign's CPU rehearsal). On W4A16 weights the GEMM goes
+    before dense_linear, which runs only the LM head there."""
+    from vtengine.faults import first_perturbable
+    assert first_perturbable(["w4a16_gemm", "dense_linear", "silu_mul"], "bf16") == "dense_linear"
+    assert first_perturbable(["dense_linear", "w4a16_gemm", "rms_norm"], "mxfp4") == "w4a16_gemm"
+    assert first_perturbable(["dense_linear", "w4a16_gemm", "rms_norm"], "bf16") == "dense_linear"
+    assert first_perturbable(["store_kv", "w4a16_gemm"], None) == "w4a16_gemm"
+    with pytest.raises(FaultError, match="on bf16 weights"):
+        first_perturbable(["store_kv", "w4a16_gemm"], "bf16")
+    for lever, quant, kernel in (("fuse_silu", "bf16", "dense_linear"), ("fuse_silu", "mxfp4", "w4a16_gemm"),
+                                 ("fuse_norm", "nvfp4", "w4a16_gemm"), ("marlin_dense", "mxfp4", "w4a16_gemm")):
+        ctx = context(lever=lever)
+        ctx.quant = quant
+        assert ctx.perturb_fault().kernel == kernel, (lever, quant)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 
@@ -296,12 +348,17 @@ def test_fuse_silu_op_and_mechanism_gates(quant):
     ctx = GateContext(lever="fuse_silu", arms=arms, model="tiny", quant=quant, device="cpu",
                       gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
     if quant == "mxfp4":
+        from vtengine import counters
         for arm in arms:
+            counters.reset()
             res = run_gate("op", ctx, arm)
             assert res.passed and res.self_check is True, res.details
             names = [c["case"] for c in res.details["cases"]]
             assert any(n.startswith("gate_up+silu_mul mxfp4") for n in names)
             assert any(n.startswith("gate_up+silu_mul float32") for n in names), names
+            # the ON arm's cases run the fused epilogue (the OFF arm's never do): what the op gate compares
+            fused = mechanism.probe("fuse_silu", counters.snapshot())["fused_gemms"]
+            assert (fused > 0) is arm.value, (arm.name, fused)
     off, on = mechanism_counts(ctx, "fused_gemms")
     assert on > 0 and off == 0
     ctx.release_engines()
@@ -314,10 +371,15 @@ def test_fuse_norm_op_and_mechanism_gates():
     arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
     ctx = GateContext(lever="fuse_norm", arms=arms, model="tiny", quant="bf16", device="cpu",
                       gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
+    from vtengine import counters
     for arm in arms:
+        counters.reset()
         res = run_gate("op", ctx, arm)
         assert res.passed and res.self_check is True, res.details
         assert any(c["case"].startswith("linear+add_rms_norm+linear") for c in res.details["cases"])
+        # the ON arm's cases run the fused pair of GEMVs (the OFF arm's never do): what the op gate compares
+        fused = mechanism.probe("fuse_norm", counters.snapshot())["fused_gemvs"]
+        assert (fused > 0) is arm.value, (arm.name, fused)
     off, on = mechanism_counts(ctx, "fused_gemvs")
     assert on > 0 and off == 0
     ctx.release_engines()

@@ -11,10 +11,11 @@ variable.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from vtengine.backends import KERNEL_OPS
+from vtengine.backends import KERNEL_OPS, WEIGHT_OPS, kernel_ops, weight_kernel
 
 KINDS = {
     "perturb": "the kernel's output scaled by (1 + size) on every call",
@@ -74,44 +75,66 @@ class Fault:
         return cls(kind=str(d.get("kind")), kernel=d.get("kernel"), size=float(d.get("size", 0.0)))
 
 
-def first_perturbable(kernels: list[str]) -> str:
-    """The first of a lever's kernels whose output can be perturbed (the lever's own route is broken there)."""
-    for k in kernels:
+def first_perturbable(kernels: list[str], quant: str | None = None) -> str:
+    """The first of a lever's kernels whose output can be perturbed (the lever's own route is broken there). With
+    the model's ``quant``, a kernel the model never runs is passed over: w4a16_gemm on bf16 weights; on W4A16
+    weights w4a16_gemm goes before dense_linear (which then runs the LM head alone)."""
+    order = list(kernels)
+    if quant == "bf16":
+        order = [k for k in order if k != "w4a16_gemm"]
+    elif quant and "w4a16_gemm" in order and "dense_linear" in order:
+        order.remove("w4a16_gemm")
+        order.insert(order.index("dense_linear"), "w4a16_gemm")
+    for k in order:
         if k in KERNEL_OPS and k not in ("store_kv", "argmax"):
             return k
-    raise FaultError(f"none of the kernels {kernels} has an output to perturb")
+    runs = f" runs on {quant} weights" if quant else ""
+    raise FaultError(f"none of the kernels {list(kernels)}{runs} with an output to perturb")
 
 
-def _perturbed(op: Callable, fault: Fault, quantized: bool | None) -> Callable:
-    factor = 1.0 + fault.size
+class _Outermost(threading.local):
+    """Which faulted op is running: a faulted op that calls another (gate_up_silu's unfused form calls linear)
+    breaks the kernel once, in the outer call."""
+    depth = 0
 
-    def scale(t):
-        return t * factor if t.is_floating_point() else t
 
+def _hits(name: str, fault: Fault, args: tuple, kwargs: dict) -> bool:
+    """Whether this call runs the faulted kernel: a projection method serves the W4A16 GEMM or the dense linear by
+    its weight; every other method its own kernel."""
+    return name not in WEIGHT_OPS or weight_kernel(name, args, kwargs) == fault.kernel
+
+
+def _once(name: str, op: Callable, fault: Fault, broken: Callable, state: _Outermost) -> Callable:
     def wrapped(*args, **kwargs):
-        out = op(*args, **kwargs)
-        if quantized is not None:           # `linear` carries both W4A16 and dense projections: only the lever's
-            from vtengine.quant import QuantizedWeight
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            if isinstance(weight, QuantizedWeight) != quantized:
-                return out
-        if isinstance(out, tuple):          # add_rms_norm returns (normed, residual): the kernel's output is both
-            return tuple(scale(t) for t in out)
-        return scale(out)
+        if state.depth or not _hits(name, fault, args, kwargs):
+            return op(*args, **kwargs)
+        state.depth += 1
+        try:
+            return broken(*args, **kwargs)
+        finally:
+            state.depth -= 1
     return wrapped
 
 
-def _repeated(op: Callable, quantized: bool | None, runs: int) -> Callable:
-    def wrapped(*args, **kwargs):
-        if quantized is not None:
-            from vtengine.quant import QuantizedWeight
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            if isinstance(weight, QuantizedWeight) != quantized:
-                return op(*args, **kwargs)
+def _perturbed(name: str, op: Callable, fault: Fault) -> Callable:
+    factor = 1.0 + fault.size
+
+    def broken(*args, **kwargs):
+        out = op(*args, **kwargs)
+        if name == "linear_add":            # (residual, its sums of squares): the squares follow the values
+            return out[0] * factor, out[1] * factor ** 2
+        if isinstance(out, tuple):          # add_rms_norm returns (normed, residual): the kernel's output is both
+            return tuple(t * factor if t.is_floating_point() else t for t in out)
+        return out * factor if out.is_floating_point() else out
+    return broken
+
+
+def _repeated(op: Callable, runs: int) -> Callable:
+    def broken(*args, **kwargs):
         for _ in range(runs - 1):
             op(*args, **kwargs)
         return op(*args, **kwargs)
-    return wrapped
+    return broken
 
 
 def _oob(op: Callable, ceiling: int) -> Callable:
@@ -161,13 +184,13 @@ def install(backend, fault: Fault | None, ceiling: int = 0) -> None:
     backend._fault_saved = {}
     if fault is None or fault.kind not in ("perturb", "slow", "oob"):
         return
-    quantized = {"w4a16_gemm": True, "dense_linear": False}.get(fault.kernel)
-    if fault.kind == "perturb":
-        wrap = {op: _perturbed(getattr(backend, op), fault, quantized) for op in KERNEL_OPS[fault.kernel]}
-    elif fault.kind == "slow":
-        wrap = {op: _repeated(getattr(backend, op), quantized, fault.runs) for op in KERNEL_OPS[fault.kernel]}
-    else:
+    if fault.kind == "oob":
         wrap = {"decode_attention": _oob(backend.decode_attention, ceiling)}
+    else:
+        state = _Outermost()
+        ops = {name: getattr(backend, name) for name in kernel_ops(fault.kernel) if hasattr(backend, name)}
+        wrap = {name: _once(name, op, fault, _perturbed(name, op, fault) if fault.kind == "perturb"
+                            else _repeated(op, fault.runs), state) for name, op in ops.items()}
     for op, fn in wrap.items():
         backend._fault_saved[op] = backend.__dict__.get(op)
         setattr(backend, op, fn)

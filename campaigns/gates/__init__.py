@@ -65,6 +65,15 @@ GATE_KV_BLOCKS = 1024                 # in-process gate engines: a small KV pool
 LONG_PROMPT_LEVERS = ("chunk_graphs",)
 
 
+def perturbable_kernel(lever: str, quant: str) -> str:
+    """The kernel the self-checks break for ``lever`` on ``quant`` weights: the first of its kernels this model runs
+    (vtengine/faults.first_perturbable); rms_norm for a lever that routes none (every model runs it every step).
+    FaultError when none of its kernels runs on these weights: the campaign could prove nothing."""
+    from vtengine import levers
+    from vtengine.faults import first_perturbable
+    return first_perturbable(list(levers.get(lever).affects) or ["rms_norm"], quant)
+
+
 @dataclass
 class GateContext:
     lever: str
@@ -145,11 +154,11 @@ class GateContext:
         return None
 
     def perturb_fault(self, size: float = -2.0):
-        """The lever's own kernel broken: its output scaled by 1 + size in every call (-2: negated). A lever that
-        routes no kernel (an engine-loop lever) gets rms_norm broken: every model runs it every step."""
-        from vtengine import levers
-        from vtengine.faults import Fault, first_perturbable
-        return Fault("perturb", first_perturbable(list(levers.get(self.lever).affects) or ["rms_norm"]), size)
+        """The lever's own kernel broken: its output scaled by 1 + size in every call (-2: negated); the first of its
+        kernels that this model runs (no W4A16 GEMM on bf16 weights). A lever that routes no kernel (an engine-loop
+        lever) gets rms_norm broken: every model runs it every step."""
+        from vtengine.faults import Fault
+        return Fault("perturb", perturbable_kernel(self.lever, self.quant), size)
 
     @contextmanager
     def synchronous(self, arm: Arm):
