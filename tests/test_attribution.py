@@ -104,4 +104,4 @@ def test_a_kernel_slowed_in_one_arm_is_the_one_the_attribution_names(slowed):
 def test_the_profile_gates_self_check_names_its_planted_slowdown(slowed):
     res = run_gate("profile", slowed, slowed.arms[0])
     assert res.passed and res.self_check is True
-    assert "decode_attention run twice per call" in res.details["self_check_fault"]
+    assert "decode_attention run 4 times per call" in res.details["self_check_fault"]       # on a CPU host
