@@ -9,6 +9,7 @@
 # servers stop, evidence is kept. Campaign steps run with resume=auto (unless they name a resume=): carry the
 # returned evidence back into records/campaigns/ and repeat the same step in the next call to continue it.
 # Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
+# Back here, `python scripts/absorb_results.py <files_at>/results.tgz` takes it in and commits it at once.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1

@@ -1,0 +1,93 @@
+"""Bring one GPU call's results into the checkout and commit them at once, so a session cut off later keeps them.
+
+    python scripts/absorb_results.py RESULTS_TGZ [--no-commit] [-m MESSAGE]
+
+RESULTS_TGZ is the tarball `scripts/h200_session.sh` leaves in $OUT (records, bench/results, op bounds, logs).
+- records/campaigns/<id>/: copied over the checkout's (a resumed campaign's evidence grows call by call); the
+  runner's pid file is left out.
+- bench/results/: files the checkout lacks are copied; a file whose name the checkout already holds with other
+  content (the decode bench names its output by date) is kept beside it as <stem>-<n><suffix>, never overwritten.
+- campaigns/gates/op_bounds.yaml: taken when it differs (bounds measured on the device).
+- the logs go to the directory printed at the end, outside the tree.
+Then `vtcampaign render` and, unless --no-commit, one commit of what changed ("Device results: ..."; amend it
+with the figures before the session ends).
+"""
+from __future__ import annotations
+
+import argparse
+import filecmp
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _place(src: Path, dest: Path) -> Path | None:
+    """Where ``src`` goes: ``dest``, else the first free <stem>-<n><suffix>; None when ``dest`` or one of those
+    already holds the same bytes (taken in an earlier call)."""
+    n, cand = 1, dest
+    while cand.exists():
+        if filecmp.cmp(src, cand, shallow=False):
+            return None
+        n += 1
+        cand = dest.with_name(f"{dest.stem}-{n}{dest.suffix}")
+    return cand
+
+
+def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
+    """(campaign ids taken, bench files taken, the logs' directory)."""
+    tmp = Path(tempfile.mkdtemp(prefix="vt-device-"))
+    with tarfile.open(tgz) as tar:
+        tar.extractall(tmp, filter="data")
+    campaigns, bench = [], []
+    for src in sorted((tmp / "records" / "campaigns").glob("*/evidence.json")):
+        cdir = src.parent
+        dest = root / "records" / "campaigns" / cdir.name
+        if dest.exists() and not filecmp.dircmp(cdir, dest).diff_files and filecmp.cmp(src, dest / src.name):
+            continue                                    # carried there from this checkout, unchanged
+        shutil.copytree(cdir, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("runner.pid", "*.pid"))
+        campaigns.append(cdir.name)
+    for src in sorted((tmp / "bench" / "results").glob("*")):
+        if not src.is_file():
+            continue
+        dest = _place(src, root / "bench" / "results" / src.name)
+        if dest is None:
+            continue
+        shutil.copy2(src, dest)
+        bench.append(dest.name)
+    bounds = tmp / "campaigns" / "gates" / "op_bounds.yaml"
+    if bounds.exists() and not filecmp.cmp(bounds, root / "campaigns" / "gates" / "op_bounds.yaml", shallow=False):
+        shutil.copy2(bounds, root / "campaigns" / "gates" / "op_bounds.yaml")
+    return campaigns, bench, tmp / "vt-logs"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("tgz", type=Path)
+    p.add_argument("--no-commit", action="store_true")
+    p.add_argument("-m", "--message", default=None)
+    args = p.parse_args(argv)
+    if not args.tgz.is_file():
+        p.error(f"{args.tgz}: no such file (the call's files_at folder holds results.tgz)")
+    campaigns, bench, logs = absorb(args.tgz)
+    print(f"campaigns: {campaigns or 'none new'}\nbench files: {bench or 'none new'}\nlogs: {logs}")
+    if campaigns:
+        subprocess.run([sys.executable, "-m", "campaigns.cli", "render"], cwd=ROOT, check=True)
+    if args.no_commit:
+        return 0
+    subprocess.run(["git", "add", "records", "bench/results", "campaigns/gates/op_bounds.yaml"], cwd=ROOT, check=True)
+    if subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=ROOT).returncode == 0:
+        print("nothing to commit")
+        return 0
+    msg = args.message or "Device results: " + ", ".join(campaigns + bench)[:200]
+    subprocess.run(["git", "commit", "-q", "-m", msg, "-m", "Committed as the call returned; figures follow."],
+                   cwd=ROOT, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""scripts/absorb_results.py: one GPU call's tarball into a checkout, nothing of the checkout's overwritten."""
+import importlib.util
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("absorb_results", ROOT / "scripts" / "absorb_results.py")
+absorb_results = importlib.util.module_from_spec(spec)
+sys.modules["absorb_results"] = absorb_results
+spec.loader.exec_module(absorb_results)
+
+
+def _tgz(path: Path, files: dict[str, str]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_new_evidence_and_bench_files_come_in_and_nothing_is_overwritten(tmp_path):
+    root = tmp_path / "repo"
+    (root / "records" / "campaigns" / "old").mkdir(parents=True)
+    (root / "records" / "campaigns" / "old" / "evidence.json").write_text(json.dumps({"legs": 1}))
+    (root / "bench" / "results").mkdir(parents=True)
+    (root / "bench" / "results" / "decode-2026-12-03.md").write_text("first call\n")
+    (root / "bench" / "results" / "same.md").write_text("kept\n")
+    (root / "campaigns" / "gates").mkdir(parents=True)
+    (root / "campaigns" / "gates" / "op_bounds.yaml").write_text("a: 1\n")
+    tgz = _tgz(tmp_path / "results.tgz", {
+        "records/campaigns/old/evidence.json": json.dumps({"legs": 1}),              # carried there unchanged
+        "records/campaigns/new/evidence.json": json.dumps({"legs": 40}),
+        "records/campaigns/new/runner.pid": "123\n",
+        "bench/results/decode-2026-12-03.md": "second call\n",                       # same name, new content
+        "bench/results/same.md": "kept\n",
+        "bench/results/w4a16-new.json": "{}\n",
+        "campaigns/gates/op_bounds.yaml": "a: 2\n",
+        "vt-logs/campaign-x.log": "log\n",
+    })
+    campaigns, bench, logs = absorb_results.absorb(tgz, root)
+    assert campaigns == ["new"]
+    assert json.loads((root / "records/campaigns/new/evidence.json").read_text()) == {"legs": 40}
+    assert not (root / "records/campaigns/new/runner.pid").exists()
+    assert sorted(bench) == ["decode-2026-12-03-2.md", "w4a16-new.json"]
+    assert (root / "bench/results/decode-2026-12-03.md").read_text() == "first call\n"
+    assert (root / "bench/results/decode-2026-12-03-2.md").read_text() == "second call\n"
+    assert (root / "campaigns/gates/op_bounds.yaml").read_text() == "a: 2\n"
+    assert (logs / "campaign-x.log").read_text() == "log\n" and not str(logs).startswith(str(root))
+    # the same tarball again: nothing new
+    assert absorb_results.absorb(tgz, root)[:2] == ([], [])
