@@ -112,6 +112,20 @@ def test_calibration_follows_the_campaign_shape(h200):
     assert cal.comparisons == 35 and f"c{2 * seen} from c{seen}" in cal.noise
 
 
+def test_the_mde_is_the_smallest_gain_that_flips_with_80_percent_power(h200):
+    """The minimum detectable effect every record quotes: the rule FLIPs that gain with >= 80% power and a gain
+    0.3% smaller below it; the power points bracketing the search give what a search of the whole range gives, to
+    its 0.25% step."""
+    binding, noise = h200
+    t = calibrate.template(shaped(binding[0]), byte_exact=True)
+    sims = 200
+    known = {g: calibrate.flip_rate(t, noise, sims, 0, g) for g in calibrate.POWER_GAINS}
+    mde = calibrate.minimum_detectable(t, noise, sims, 0, known=known)
+    assert mde is not None and calibrate.flip_rate(t, noise, sims, 0, mde) >= 0.8, (mde, known)
+    assert calibrate.flip_rate(t, noise, sims, 0, mde - 0.003) < 0.8, (mde, known)
+    assert abs(mde - calibrate.minimum_detectable(t, noise, sims, 0)) <= 0.0025
+
+
 def test_an_empty_noise_model_gives_no_calibration():
     from helpers import make_evidence
     ev = make_evidence({})

@@ -81,6 +81,26 @@ def test_an_engine_loop_lever_is_live_whatever_the_counters_listed(repo):
     assert {"async_scheduling", "chunked_prefill", "mixed_steps"} <= set(lever_context.live_levers(reg, set()))
 
 
+def test_live_levers_are_the_ones_whose_kernels_ran(repo):
+    """The live list a server's kernel counters give (what the runner records): a bf16 decode launches no W4A16
+    GEMM, so the W4A16-only levers (marlin_dense...) are inert there and their defaults moving leaves the verdict
+    FRESH, while a lever one of whose kernels ran (fuse_silu: silu_mul) stales it."""
+    reg = levers.registry(repo / "conf" / "lever")
+    ran = ("decode_attention", "prefill_attention", "rms_norm", "qkv_epilogue", "silu_mul", "dense_linear", "argmax")
+    snap = {k: {"route": {"launches": 3}} for k in ran} | {"w4a16_gemm": {"dense": {"launches": 0}}}
+    live = lever_context.live_levers(reg, lever_context.kernels_ran(snap))
+    w4a16_only = {n for n, lv in reg.items() if lv.affects and set(lv.affects) <= {"w4a16_gemm"}}
+    assert {"marlin_dense", "w4a16_rot"} <= w4a16_only
+    assert not w4a16_only & set(live), live
+    assert {"gqa_swap", "triton_gemv", "pdl", "fuse_silu", "async_scheduling"} <= set(live)
+    assert set(live) == set(reg) - w4a16_only
+    ev = recorded(repo, live=live)
+    set_default(repo, "marlin_dense", not reg["marlin_dense"].default)
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh
+    set_default(repo, "fuse_silu", not reg["fuse_silu"].default)
+    assert lever_context.freshness(ev, repo, *now(repo)).short() == "STALE (defaults: fuse_silu)"
+
+
 def test_the_levers_own_source_change_stales_it(repo):
     ev = recorded(repo)
     (repo / "vtengine" / "kernels" / "attention.py").write_text("SPLITS = 8\n")
