@@ -120,7 +120,7 @@ class TritonBackend(TorchBackend):
         return gemv.linear_add(x, weight, residual, pdl=self.levers.on("pdl"))
 
     def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False):
-        """RMSNorm(residual) @ W^T with the norm in the GEMM's prologue (then silu_mul, fused with fuse_silu)."""
+        """RMSNorm(residual) @ W^T with the norm inside the GEMM (then silu_mul, fused with fuse_silu)."""
         norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"))
         fuse_silu = silu_mul and self.levers.on("fuse_silu")
         if isinstance(weight, QuantizedWeight):

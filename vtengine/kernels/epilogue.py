@@ -1,6 +1,6 @@
 """What the GEMMs of decode share after (and before) their K loop: the W4A16 GEMM (w4a16.py) and the bf16 GEMV
 (gemv.py) tile a gate_up weight the same way for SiLU-mul (lever ``fuse_silu``), add the residual and write the
-tiles' sums of squares in their epilogue and apply RMSNorm in their prologue (lever ``fuse_norm``), and sum
+tiles' sums of squares in their epilogue and apply RMSNorm from those sums (lever ``fuse_norm``), and sum
 split-K partials with one set of arrival counters per device.
 """
 from __future__ import annotations

@@ -47,7 +47,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     the new residual (one rounding of the fp32 sums, where the separate kernels round the GEMV's output first),
     and ss[tile, m] the tile's sum of squares of it. NORM: x is such a residual and the GEMV multiplies
     RMSNorm(x) = x * rsqrt(mean(x^2) + eps) * g; mean(x^2) sums the n_ss_in tiles of the producer's ss in a fixed
-    order (no atomics: the same bits whatever M, on every replay), so no program reads the whole row."""
+    order (no atomics: the same bits whatever M, on every replay), so no program reads the whole row. The K loop
+    multiplies x by g alone (rounded to x's dtype, as RMSNorm's output is) and the token's rsqrt scales the fp32
+    sums once: with the whole norm on every A element the qkv GEMV's K step compiled to 537 SASS instructions
+    against 159 plain (sm_90, offline), and to 218 this way."""
     pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -73,13 +76,14 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
             k_ok = k0 + offs_k < k_hi
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            g = tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < k_hi, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * inv[:, None] * g[None, :]).to(a.dtype)
+        if NORM:                                    # x * g here, the token's rsqrt on the sums below
+            a = a * tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < k_hi, other=0.0)[None, :]
         acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl_launch_dependents(USE_PDL)
+    if NORM:
+        acc = acc * inv[None, :]
 
     if SILU_MUL:
         out_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)

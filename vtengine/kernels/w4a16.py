@@ -316,7 +316,8 @@ def _w4a16_gemm_kernel(
     split) has both halves of every output it writes; the SiLU runs on the fp32 sums, not on bf16 roundings.
 
     ADD_RES and NORM (lever ``fuse_norm``, dense SWAP_AB only): the residual add in the epilogue, with each tile's
-    sums of squares, and RMSNorm of A as it is loaded, from the producer's sums (epilogue.py; as the GEMV does)."""
+    sums of squares, and RMSNorm of A from the producer's sums: g as A is loaded, the token's rsqrt on the
+    fp32 sums after the K loop (epilogue.py; as the GEMV does)."""
     SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
     EARLY: tl.constexpr = PREFETCH and USE_PDL and not GATHER
     if not EARLY:
@@ -378,9 +379,8 @@ def _w4a16_gemm_kernel(
             p = tl.load(w_ptrs, mask=kb[None, :], other=0)
             sc = tl.load(s_ptrs, mask=(k0 + offs_s * SCALE_BLOCK < k_hi)[None, :], other=0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & (k0 + offs_k < k_hi)[None, :], other=0.0)
-        if NORM:
-            g = tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < k_hi, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * inv[:, None] * g[None, :]).to(a.dtype)
+        if NORM:                                # x * g here, the token's rsqrt on the sums below (see gemv.py)
+            a = a * tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < k_hi, other=0.0)[None, :]
         w = _dequant_tile(p, sc, BLOCK_N, BLOCK_K, SCALE_BLOCK, NVFP4, DECODE, DOT_DTYPE)
         if not REPACKED:
             a = _pair_order(a, BLOCK_M, BLOCK_K)
@@ -392,6 +392,8 @@ def _w4a16_gemm_kernel(
         s_ptrs += BLOCK_K // SCALE_BLOCK
         x_ptrs += BLOCK_K
     pdl_launch_dependents(USE_PDL)
+    if NORM:
+        acc = acc * inv[None, :]
 
     if NVFP4:
         if DECODE == 0:
@@ -644,7 +646,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     ``silu_mul`` (the lever fuse_silu): W is a gate_up weight [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I],
     in the GEMM's epilogue; the dense route at M <= 16 only (fusable says when). ``mid``: the lever
     w4a16_mid_m (the dense route's decode tiles for 16 < M <= MID_M, see dense_config). ``norm``, ``residual`` and
-    ``ss_out`` (the lever fuse_norm, the same tiles as silu_mul): x is RMSNorm'ed as it is loaded, from the
+    ``ss_out`` (the lever fuse_norm, the same tiles as silu_mul): x is RMSNorm'ed from the
     producer's sums of squares; y = round(x W^T + residual) and ss_out [tiles, BLOCK_M] its sums of squares
     (w4a16_linear_add allocates them)."""
     if not isinstance(qweight, QuantizedWeight):
