@@ -234,8 +234,17 @@ def test_fused_norm_inputs_are_checked():
         gemv.linear_add(x, w, rnd(2, 31, gen=gen))
     with pytest.raises(ValueError, match="the residual add fuses into the Triton GEMV at 1 <= M <= 16, got M=17"):
         gemv.linear_add(rnd(17, 64, gen=gen), w, rnd(17, 32, gen=gen))
-    with pytest.raises(ValueError, match=r"norm needs sums of squares \[tiles, 16\] and a weight \[64\]"):
+    with pytest.raises(ValueError, match=r"norm needs sums of squares fp32 \[tiles, 16\], row-major, got "
+                                         r"torch.float32 \(4, 8\)"):
         gemv.linear(x, w, triton_gemv=True, norm=gemv.NormIn(torch.zeros(4, 8, device=DEV), rnd(64, gen=gen), 1e-6))
+    with pytest.raises(ValueError, match=r"row-major, got torch.float32 \(4, 16\) strides \(1, 4\)"):
+        gemv.linear(x, w, triton_gemv=True, norm=gemv.NormIn(torch.zeros(16, 4, device=DEV).t(), rnd(64, gen=gen),
+                                                             1e-6))
+    with pytest.raises(ValueError, match=r"norm needs a contiguous weight \[64\], got \(64,\) strides \(2,\)"):
+        gemv.linear(x, w, triton_gemv=True, norm=gemv.NormIn(torch.zeros(4, 16, device=DEV),
+                                                             rnd(128, gen=gen)[::2], 1e-6))
+    with pytest.raises(ValueError, match=r"residual must be \[2, 32\] .* got \(2, 32\) torch.float64"):
+        gemv.linear_add(x, w, rnd(2, 32, gen=gen).double())
     with pytest.raises(ValueError, match="silu_mul and norm fuse into the Triton GEMV"):
         gemv.linear(x, w, triton_gemv=False, norm=gemv.NormIn(torch.zeros(4, 16, device=DEV), rnd(64, gen=gen), 1e-6))
 

@@ -85,6 +85,29 @@ class NormIn:
     fast_math: bool = False
 
 
+def check_fused(what: str, m: int, n: int, k: int, bm: int, tiles: int, norm: NormIn | None,
+                residual: torch.Tensor | None, ss_out: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """The launchers' checks of fuse_norm's operands (the kernels index them unmasked where the shapes promise):
+    norm's sums of squares fp32 [producer tiles, bm] row-major and its weight [k] contiguous; the residual [m, n]
+    of the output's dtype with unit column stride, with ss_out fp32 [tiles, bm] contiguous."""
+    if norm is not None:
+        ss, g = norm.ss, norm.weight
+        if ss.dim() != 2 or ss.shape[1] != bm or ss.dtype != torch.float32 or ss.stride() != (bm, 1):
+            raise ValueError(f"{what}: norm needs sums of squares fp32 [tiles, {bm}], row-major, got "
+                             f"{ss.dtype} {tuple(ss.shape)} strides {tuple(ss.stride())}")
+        if g.shape != (k,) or g.stride() != (1,):
+            raise ValueError(f"{what}: norm needs a contiguous weight [{k}], got {tuple(g.shape)} strides "
+                             f"{tuple(g.stride())}")
+    if residual is not None:
+        if tuple(residual.shape) != (m, n) or residual.dtype != dtype or residual.stride(1) != 1:
+            raise ValueError(f"{what}: residual must be [{m}, {n}] {dtype} with unit column stride, got "
+                             f"{tuple(residual.shape)} {residual.dtype} strides {tuple(residual.stride())}")
+        if ss_out is None or tuple(ss_out.shape) != (tiles, bm) or ss_out.dtype != torch.float32 or \
+                not ss_out.is_contiguous():
+            got = "none" if ss_out is None else f"{ss_out.dtype} {tuple(ss_out.shape)}"
+            raise ValueError(f"{what}: a residual needs ss_out fp32 [{tiles}, {bm}] contiguous, got {got}")
+
+
 _LOCKS: dict[str, torch.Tensor] = {}
 MAX_SPLIT_K_TILES = 8192
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, sm_count
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.epilogue import NormIn, _finish, _norm_inv, _split_k_locks, _tile_rows
+from vtengine.kernels.epilogue import NormIn, _finish, _norm_inv, _split_k_locks, _tile_rows, check_fused
 
 MAX_M = 16
 
@@ -182,9 +182,6 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pd
     m, k, n = _check(x, weight, "linear_add")
     if not fusable(m, True):
         raise ValueError(f"linear_add: the residual add fuses into the Triton GEMV at 1 <= M <= {MAX_M}, got M={m}")
-    if tuple(residual.shape) != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
-        raise ValueError(f"linear_add: residual must be [{m}, {n}] {x.dtype} with unit column stride, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = dict(config or gemv_config(n, k, sm_count(x.device)))
     ss = torch.empty((triton.cdiv(n, cfg["BLOCK_N"]), cfg["BLOCK_M"]), dtype=torch.float32, device=x.device)
@@ -204,10 +201,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
     if bm < m:
         raise ValueError(f"linear: config BLOCK_M={bm} is smaller than M={m}; the GEMV does not tile M (use "
                          f"BLOCK_M >= {m}, e.g. {MAX_M})")
-    if norm is not None and (norm.ss.dim() != 2 or norm.ss.shape[1] != bm or norm.weight.shape != (k,)):
-        raise ValueError(f"linear: norm needs sums of squares [tiles, {bm}] and a weight [{k}], got "
-                         f"{tuple(norm.ss.shape)} and {tuple(norm.weight.shape)}")
     grid = (triton.cdiv(n // 2, bn // 2) if silu_mul else triton.cdiv(n, bn), split)
+    check_fused("linear", m, n, k, bm, grid[0], norm, residual, ss_out, x.dtype)
     if split > 1:
         ws = torch.empty((grid[0], split, bn * bm), dtype=torch.float32, device=x.device)
         locks = _split_k_locks(x.device, grid[0])

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from vtengine import counters
 from vtengine.kernels import H200_SMS, dot_dtype, sm_count
-from vtengine.kernels.epilogue import NormIn, _finish, _norm_inv, _split_k_locks, _tile_rows
+from vtengine.kernels.epilogue import NormIn, _finish, _norm_inv, _split_k_locks, _tile_rows, check_fused
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
 from vtengine.quant import BLOCK, QuantizedWeight
 
@@ -682,11 +682,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if fused and not (dense and cfg["SWAP_AB"] and 1 <= m <= bm):
         raise ValueError(f"w4a16_linear: norm and residual fuse into the dense swap-AB tiles (M <= 16); got "
                          f"dense={dense}, M={m}, SWAP_AB={cfg['SWAP_AB']}")
-    if norm is not None and (norm.ss.dim() != 2 or norm.ss.shape[1] != bm or norm.weight.shape != (k,)):
-        raise ValueError(f"w4a16_linear: norm needs sums of squares [tiles, {bm}] and a weight [{k}], got "
-                         f"{tuple(norm.ss.shape)} and {tuple(norm.weight.shape)}")
-    if residual is not None and (ss_out is None or tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"w4a16_linear: residual must be [{m}, {n}] with unit column stride, with ss_out")
+    check_fused("w4a16_linear", m, n, k, bm, triton.cdiv(n, bn), norm, residual, ss_out, x.dtype)
     n_out = n // 2 if silu_mul else n
     if bk % block or bk < 2 * block:
         raise ValueError(f"w4a16_linear: BLOCK_K={bk} must be a multiple of 2 x the {qweight.fmt} block ({block})")
