@@ -6,8 +6,10 @@ and, for a gate's fault, the gate itself with its self-check; write the table of
 A mutation is an exact text replacement in one file (the audit stops with an error when the text is gone, so the
 list cannot silently go stale). "Caught by a test" means the named tests fail on the mutant; "caught by the gate's
 own run" means that a CPU campaign's gate on `tiny` either fails or reports its self-check NOT caught, so the
-campaign is INVALID rather than trusting the gate. CPU only: graph_parity and memcheck need CUDA, and their faults
-are checked on the GPU by `pytest -m gpu tests/test_gates_faults.py` and every binding campaign's self-checks.
+campaign is INVALID rather than trusting the gate. First, as a control, the named tests run on an unplanted copy: a
+test that fails there shows nothing when it fails on a mutant, and its mutations count as not caught. CPU only:
+graph_parity and memcheck need CUDA, and their faults are checked on the GPU by `pytest -m gpu
+tests/test_gates_faults.py` and every binding campaign's self-checks.
 """
 from __future__ import annotations
 
@@ -143,6 +145,154 @@ MUTATIONS = [
              "        pass\n",
              ["tests/test_gates_parity.py::test_async_parity_passes_and_its_fault_fails"],
              gate_note="the test is the gate's own run (and its self-check), against a real server on loopback"),
+    # -- added 2026-12-02: what came in after ef67bae ------------------------------------------------------------
+    Mutation("policy-min-effect-ignored", "policy: a separated point below 1 + min_effect (x1.001) counted as a WIN",
+             "campaigns/policy.py",
+             '    return s.ratio >= 1 + p.min_effect if s.separation == "WIN" else s.ratio <= 1 - p.min_effect\n',
+             '    return s.ratio >= 1 if s.separation == "WIN" else s.ratio <= 1 - p.min_effect\n',
+             ["tests/test_policy.py::test_a_byte_exact_lever_needs_only_the_minimum_effect"]),
+    Mutation("policy-aa-counts-small", "policy: an A/A grid counts separations below min_effect (a 0.5% offset fails it)",
+             "campaigns/policy.py",
+             "    return [s for s in ev.stats if counts(s, p)]\n",
+             '    return [s for s in ev.stats if s.separation != "NEUTRAL"]\n',
+             ["tests/test_policy.py::test_aa_counts_separations_the_lever_rule_would_count"]),
+    Mutation("calibrate-offset-dropped", "calibration: the A/A grids' between-server offset never applied in the "
+             "simulated campaigns", "campaigns/calibrate.py",
+             "                        v = _gain(axis.name, v * shift.get(axis.metric, 1.0) ** sign, gain)\n",
+             "                        v = _gain(axis.name, v, gain)\n",
+             ["tests/test_calibrate.py::test_server_offsets_raise_the_false_verdict_rates"]),
+    Mutation("calibrate-offset-unshrunk", "calibration: an A/A offset taken as the raw ratio of medians (not shrunk "
+             "by one standard error)", "campaigns/calibrate.py",
+             "    return math.exp(math.copysign(max(0.0, abs(d) - se), d))\n",
+             "    return math.exp(d)\n",
+             ["tests/test_calibrate.py::test_an_aa_grid_gives_its_server_offset_less_its_noise"]),
+    Mutation("calibrate-aa-own-null", "calibration: an A/A grid's own offset is part of its null",
+             "campaigns/calibrate.py",
+             "    return noise_model([ev] + sorted(same, key=lambda o: o.campaign_id), exclude_offsets=[ev.campaign_id])\n",
+             "    return noise_model([ev] + sorted(same, key=lambda o: o.campaign_id), exclude_offsets=[])\n",
+             ["tests/test_calibrate.py::test_server_offsets_raise_the_false_verdict_rates"]),
+    Mutation("calibrate-mde-bracket-swapped", "calibration: the power points bracket the MDE search the wrong way "
+             "round (a 2% point below 80% power read as enough)", "campaigns/calibrate.py",
+             "        if rate >= power:\n            hi = gain\n",
+             "        if rate < power:\n            hi = gain\n",
+             ["tests/test_calibrate.py::test_the_mde_is_the_smallest_gain_that_flips_with_80_percent_power"]),
+    Mutation("stale-live-default-ignored", "staleness: a live kernel lever's new default leaves the verdict FRESH "
+             "(only engine-loop levers stale it)", "campaigns/context.py",
+             "        if changed and name in live_anywhere:\n",
+             "        if changed and name in live_anywhere and not lever.affects:\n",
+             ["tests/test_context.py::test_fresh_until_a_live_lever_changes_its_default"]),
+    Mutation("stale-inert-lever-counts", "staleness: an inert lever's new default (marlin_dense on bf16) stales the "
+             "verdict", "campaigns/context.py",
+             "        if changed and name in live_anywhere:\n",
+             "        if changed:\n",
+             ["tests/test_context.py::test_an_inert_lever_changing_its_default_leaves_the_verdict_fresh"]),
+    Mutation("liveness-ignores-counters", "staleness: the recorded live levers ignore the kernel counters (every "
+             "lever live, so marlin_dense on bf16 stales)", "campaigns/context.py",
+             "    return sorted(name for name, lv in levers.items() if not lv.affects or set(lv.affects) & ran)\n",
+             "    return sorted(levers)\n",
+             ["tests/test_context.py::test_live_levers_are_the_ones_whose_kernels_ran"]),
+    Mutation("flip-stale-not-refused", "flip: a STALE FLIP is committed (check_flippable's refusal removed)",
+             "campaigns/runner.py",
+             "    if not fresh.fresh:\n        raise CampaignError(f\"{ev.campaign_id}: its FLIP is STALE",
+             "    if False:\n        raise CampaignError(f\"{ev.campaign_id}: its FLIP is STALE",
+             ["tests/test_context.py::test_a_stale_flip_is_refused"]),
+    Mutation("recheck-flip-no-stop", "recheck: a FLIP that moves a default does not stop the run (the rest runs on "
+             "the default it replaces)", "campaigns/recheck.py",
+             '                 "on the new default")\n            break\n',
+             '                 "on the new default")\n',
+             ["tests/test_recheck.py::test_a_flip_that_moves_a_default_stops_the_run"]),
+    Mutation("recheck-wide-grid-dropped", "recheck: a verdict decided on online_wide is re-run on the default grid",
+             "campaigns/recheck.py",
+             '        out.append(f"grid={cfg.grid.name}")',
+             '        pass',
+             ["tests/test_recheck.py::test_a_stale_aa_grid_is_rechecked_last_and_a_wide_grid_verdict_keeps_its_grid"]),
+    Mutation("server-order-baseline-first", "servers: the baseline's server always starts first (no order drawn "
+             "from the campaign id)", "campaigns/runner.py",
+             "    random.Random(ev.campaign_id).shuffle(arms)\n",
+             "",
+             ["tests/test_campaign_e2e.py::test_server_start_order_is_drawn_from_the_campaign_id"]),
+    Mutation("resume-auto-any-config", "resume=auto: resumes an unfinished campaign of another composed config",
+             "campaigns/runner.py",
+             "            if ev.status != \"complete\" and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]",
+             "            if ev.status != \"complete\" and ev.lever == cfg.campaign.lever]",
+             ["tests/test_campaign_e2e.py::test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_commit"]),
+    Mutation("resume-auto-any-commit", "resume=auto: resumes an unfinished campaign of another commit",
+             "campaigns/runner.py",
+             "    mine = [ev for ev in mine if ev.fingerprint.git_sha == now.git_sha]\n",
+             "",
+             ["tests/test_campaign_e2e.py::test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_commit"]),
+    Mutation("decide-keeps-stored", "vtcampaign decide: re-reads the stored decision instead of applying the policy",
+             "campaigns/cli.py",
+             "    after = policy.decide(ev)\n",
+             "    after = ev.decision\n",
+             ["tests/test_campaign_cli.py::test_decide_applies_the_policy_again_and_keeps_the_earlier_verdict"]),
+    Mutation("dirt-all-output", "policy: every changed file read as a run output (a dirty source tree binds)",
+             "campaigns/gitops.py",
+             "    return [f for f in files if not under(f, outputs)]\n",
+             "    return []\n",
+             ["tests/test_policy.py::test_only_run_outputs_changed_is_not_a_dirty_tree"]),
+    Mutation("walk-softmax-no-reset", "decode attention: a walking program's softmax state runs on across slices "
+             "(no reset at a slice's first tile)", "vtengine/kernels/attention.py",
+             '        m_i = tl.where(first, float("-inf"), m_i)\n        l_i = tl.where(first, 0.0, l_i)\n'
+             '        acc = tl.where(first, 0.0, acc)\n',
+             "",
+             ["tests/test_kernels_attention.py::test_decode_wave_grid_launches_fewer_programs_for_the_same_bits"],
+             gate_note="the op gate's CPU cases never walk (b <= 3, ctx <= 40: as many programs as slots), so its "
+             "CPU run passes this fault; its CUDA cases walk at batch 8 (per_q_head 1 program for 4 slots, gqa_swap "
+             "3 for 15)"),
+    Mutation("fuse-norm-residual-dropped", "fuse_norm: the GEMV epilogue stores x W^T without the residual",
+             "vtengine/kernels/epilogue.py",
+             "        out = (acc + tl.load(res_ptrs, mask=y_mask, other=0.0).to(tl.float32)).to(y_ptrs.dtype.element_ty)\n",
+             "        out = acc.to(y_ptrs.dtype.element_ty)\n",
+             ["tests/test_kernels_gemv.py::test_residual_add_then_rmsnorm_across_two_gemvs"],
+             gate="op", lever="fuse_norm"),
+    Mutation("fuse-norm-wrong-tile-ss", "fuse_norm: the norm prologue reads the first tile's sums of squares for "
+             "every tile", "vtengine/kernels/epilogue.py",
+             "    ss = tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], other=0.0)\n",
+             "    ss = tl.load(ss_in_ptr + 0 * t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], "
+             "other=0.0)\n",
+             ["tests/test_kernels_gemv.py::test_residual_add_then_rmsnorm_across_two_gemvs"],
+             gate="op", lever="fuse_norm"),
+    Mutation("fuse-norm-decoder-norm-weight", "fuse_norm: the decoder's gate_up GEMV normalises with the layer's "
+             "input norm, not its post-attention norm", "vtengine/models/decoder.py",
+             "                act = be.norm_linear(residual, ss, layer.post_norm, cfg.rms_norm_eps, layer.gate_up, "
+             "silu_mul=True)\n",
+             "                act = be.norm_linear(residual, ss, layer.input_norm, cfg.rms_norm_eps, layer.gate_up, "
+             "silu_mul=True)\n",
+             ["tests/test_engine.py::test_fuse_norm_keeps_the_tokens_and_launches_no_add_rms_norm_at_decode"],
+             gate_note="an engine fault, not a kernel's: caught by token equality with the torch oracle"),
+    Mutation("fuse-norm-mechanism-always", "mechanism: fuse_norm's probe passes whatever the counters say",
+             "campaigns/gates/mechanism.py",
+             '        return _some_or_none(pr["fused_gemvs"], value, "GEMVs added the residual or applied RMSNorm "\n',
+             '        return True, "anything goes"\n        return _some_or_none(pr["fused_gemvs"], value, "GEMVs '
+             'added the residual or applied RMSNorm "\n',
+             ["tests/test_gates_faults.py::test_fuse_norm_op_and_mechanism_gates"],
+             gate="mechanism", lever="fuse_norm"),
+    Mutation("op-fuse-norm-unfused", "op gate: fuse_norm's ON arm runs the unfused kernels (the fused pair is never "
+             "compared)", "campaigns/gates/op.py",
+             '        return out | ({"fused_norm": on("fuse_norm")} if lever == "fuse_norm" else {})\n',
+             "        return out\n",
+             ["tests/test_gates_faults.py::test_fuse_norm_op_and_mechanism_gates"],
+             gate_note="the test runs the gate on both arms and counts the fused launches"),
+    Mutation("op-fuse-silu-unfused", "op gate: fuse_silu's ON arm runs the GEMM then silu_mul (the fused epilogue is "
+             "never compared)", "campaigns/gates/op.py",
+             '        return {"pdl": on("pdl"), "fused": on("fuse_silu")}\n',
+             '        return {"pdl": on("pdl"), "fused": False}\n',
+             ["tests/test_gates_faults.py::test_fuse_silu_op_and_mechanism_gates"],
+             gate_note="the test runs the gate on both arms and counts the fused launches"),
+    Mutation("fault-kernel-ignores-quant", "self-checks: the deliberate fault breaks the lever's first kernel even "
+             "where the model never runs it (w4a16_gemm on bf16: fuse_silu's fault breaks nothing)",
+             "vtengine/faults.py",
+             '    if quant == "bf16":\n        order = [k for k in order if k != "w4a16_gemm"]\n',
+             '    if False:\n        order = [k for k in order if k != "w4a16_gemm"]\n',
+             ["tests/test_gates_faults.py::test_the_perturbed_kernel_is_one_the_model_runs"],
+             gate="battery", lever="fuse_silu"),
+    Mutation("fuse-silu-halves-swapped", "fuse_silu: the epilogue pairs the halves as silu(up) * gate",
+             "vtengine/kernels/epilogue.py",
+             "        gate, up = tl.split(halves)\n",
+             "        up, gate = tl.split(halves)\n",
+             ["tests/test_kernels_gemv.py::test_gate_up_with_silu_mul_in_the_gemv_epilogue"],
+             gate="op", lever="fuse_silu"),
 ]
 
 GATE_PROBE = r'''
@@ -151,7 +301,7 @@ from omegaconf import OmegaConf
 from campaigns.evidence import Arm
 from campaigns.gates import GateContext, run_gate
 lever, gate = sys.argv[1], sys.argv[2]
-values = {"gqa_swap": (False, True), "nsplits_cap": ("off", "auto")}[lever]
+values = {"nsplits_cap": ("off", "auto")}.get(lever, (False, True))
 arms = [Arm(str(values[0]).lower() if values[0] is not False else "off", values[0], "baseline"),
         Arm("on" if values[1] is True else str(values[1]), values[1], "candidate")]
 from vtengine import levers
@@ -167,7 +317,13 @@ print("GATE_PROBE " + json.dumps(out))
 
 
 def scratch_copy(dest: Path) -> None:
-    """The tracked files of HEAD plus the working tree's changes (what is being audited), without .git."""
+    """The tracked files of HEAD plus the working tree's changes (what is being audited), in a clone that shares
+    this repository's history (tests that judge freshness against the campaigns' commits and the engine epochs read
+    it: without it they fail whether or not a fault is planted)."""
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(ROOT), str(dest)], check=True)
+    subprocess.run(["git", "reset", "-q", sha], cwd=dest, check=True)     # index = HEAD; the files come next
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     for f in filter(None, (x.decode() for x in files)):
         src = ROOT / f
@@ -193,6 +349,27 @@ def run_tests(dest: Path, tests: list[str]) -> tuple[bool, str]:
     return r.returncode == 1, last
 
 
+def control(tests: list[str]) -> tuple[list[str], str]:
+    """The named tests on an unplanted scratch copy: they must pass there, or their failing on a mutant proves
+    nothing. Returns the node ids that failed (or errored) and pytest's last line."""
+    with tempfile.TemporaryDirectory(prefix="mut-control-") as tmp:
+        dest = Path(tmp)
+        scratch_copy(dest)
+        env = dict(os.environ, PYTHONPATH=str(dest), PYTHONDONTWRITEBYTECODE="1")
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *tests],
+                           cwd=dest, env=env, capture_output=True, text=True, timeout=3600)
+    lines = r.stdout.strip().splitlines()
+    failed = [ln.split()[1] for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    if r.returncode not in (0, 1) and not failed:         # collection or usage error: nothing is shown to pass
+        failed = list(tests)
+    return failed, (lines or ["?"])[-1]
+
+
+def _covers(test: str, failed: str) -> bool:
+    """Whether node id ``failed`` (a test, maybe parametrized) is among what ``test`` (a file or node id) runs."""
+    return failed == test or failed.startswith(test + "[") or failed.startswith(test + "::")
+
+
 def run_gate(dest: Path, lever: str, gate: str) -> tuple[bool, str]:
     """Caught when the gate fails, or reports its self-check NOT caught (the campaign is then INVALID)."""
     import json
@@ -214,15 +391,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="mutation names to run (default: all)")
     args = ap.parse_args(argv)
     todo = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    unknown = sorted(set(args.only or []) - {m.name for m in MUTATIONS})
+    if unknown:
+        raise SystemExit(f"unknown mutation(s) {unknown}; known: {[m.name for m in MUTATIONS]}")
+    t_all = time.time()
+    named = list(dict.fromkeys(t for m in todo for t in m.tests))
+    failing, control_out = control(named)
+    print(f"{'control (no fault planted)':<28} {control_out}" + (f"; failing: {failing}" if failing else ""),
+          flush=True)
     rows = []
     for m in todo:
         t0 = time.time()
+        spoilt = [f for f in failing if any(_covers(t, f) for t in m.tests)]
         with tempfile.TemporaryDirectory(prefix=f"mut-{m.name}-") as tmp:
             dest = Path(tmp)
             scratch_copy(dest)
             for path, old, new in [(m.path, m.old, m.new)] + m.extra:
                 apply(dest, path, old, new)
             by_test, test_out = run_tests(dest, m.tests)
+            if spoilt:                  # they fail without the fault too: their failing here shows nothing
+                by_test, test_out = False, f"{test_out}; but failing without the fault too: {', '.join(spoilt)}"
             by_gate, gate_out = run_gate(dest, m.lever, m.gate) if m.gate else (None, "")
         rows.append((m, by_test, test_out, by_gate, gate_out, time.time() - t0))
         print(f"{m.name:<28} test {'CAUGHT' if by_test else 'MISSED'}"
@@ -230,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
               + f" ({time.time() - t0:.0f} s)", flush=True)
     lines = [f"# Mutation audit ({datetime.date.today().isoformat()}, `python scripts/mutation_audit.py`, CPU)", "",
              "Each fault planted in a scratch copy; the named tests must fail, and a gate's own run on `tiny` must "
-             "fail or report its self-check not caught (the campaign is then INVALID).", "",
+             "fail or report its self-check not caught (the campaign is then INVALID). Control: the named tests on "
+             f"an unplanted copy: {control_out}" + (f", failing {', '.join(failing)}" if failing else "")
+             + f". {len(rows)} faults in {(time.time() - t_all) / 60:.0f} min on {len(os.sched_getaffinity(0))} CPU(s).", "",
              "| fault | file | caught by a test | caught by the gate's own run |", "|---|---|---|---|"]
     for m, by_test, test_out, by_gate, gate_out, _ in rows:
         gate_cell = (f"— ({m.gate_note})" if m.gate_note else "—") if by_gate is None else \
