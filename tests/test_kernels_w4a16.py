@@ -356,6 +356,27 @@ def test_gpu_w4a16_residual_add_then_rmsnorm_qwen3_8b(fmt):
             assert err < BOUND[torch.bfloat16], f"seed {seed} {fmt} M={m} rot={rot}: {err:.3e}"
 
 
+@gpu
+@needs_cuda
+def test_gpu_w4a16_fused_norm_is_batch_invariant_across_the_8_16_tiles():
+    """A token's fused o(+residual) -> qkv(norm) result does not depend on the tokens beside it, although M = 1 runs
+    tiles of BLOCK_M = 8 and M = 9 of 16, whose layouts order the sums of squares differently (the fp64 sums make
+    the order irrelevant): row 0 bitwise equal alone and among nine, both decodes."""
+    gen, seed = fresh_generator()
+    h, eps = 4096, 1e-6
+    q_o, q_qkv = (quantize(torch.randn(n, h, generator=gen).to(DEV) * 0.05, "mxfp4") for n in (h, 6144))
+    g = (1 + 0.1 * torch.randn(h, generator=gen)).to(DEV, torch.bfloat16)
+    x, res = (torch.randn(9, h, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+    for rot in (False, True):
+        outs = []
+        for m in (1, 9):
+            r, ss = w4a16.w4a16_linear_add(x[:m], q_o, res[:m], dense=True, rot=rot)
+            outs.append((r[0], w4a16.w4a16_linear(r, q_qkv, dense=True, rot=rot,
+                                                  norm=epilogue.NormIn(ss, g, eps))[0]))
+        assert torch.equal(outs[0][0], outs[1][0]), f"seed {seed} rot={rot}: the residual"
+        assert torch.equal(outs[0][1], outs[1][1]), f"seed {seed} rot={rot}: the normed projection"
+
+
 # -- the lever fuse_norm on the dense route: the residual add in the epilogue, RMSNorm of A in the prologue ----------
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 9])

@@ -44,9 +44,13 @@ def _epilogue(acc, SILU_MUL: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _sum_sq_out(ss_ptr, vals, mask, pid_n, BLOCK_M: tl.constexpr):
     """ADD_RES's second output: the tile's sum of squares of its stored (rounded) outputs per token, at
-    ss[pid_n, m]; rows past M and columns past N count 0."""
-    v = vals.to(tl.float32)
-    tl.store(ss_ptr + pid_n * BLOCK_M + tl.arange(0, BLOCK_M), tl.sum(tl.where(mask, v * v, 0.0), axis=0))
+    ss[pid_n, m]; rows past M and columns past N count 0. Summed in fp64, where the squares of bf16 values (16
+    significant bits) add exactly unless they span more than about 2**32: the order of the sum, which Triton's
+    layout sets and the W4A16 tiles' BLOCK_M (8 or 16 by batch size) changes, then cannot change the fp32 bits, so
+    a token's norm does not depend on the tokens beside it (batch invariance)."""
+    v = vals.to(tl.float64)
+    ss = tl.sum(tl.where(mask, v * v, 0.0), axis=0)
+    tl.store(ss_ptr + pid_n * BLOCK_M + tl.arange(0, BLOCK_M), ss.to(tl.float32))
 
 
 @triton.jit
@@ -66,10 +70,11 @@ def _finish(acc, y_ptrs, y_mask, res_ptrs, ss_ptr, pid_n, SILU_MUL: tl.constexpr
 def _norm_inv(ss_in_ptr, n_ss_in, offs_m, K, eps, BLOCK_M: tl.constexpr, SS_BLOCK: tl.constexpr,
               FAST_MATH: tl.constexpr):
     """NORM's prologue: rsqrt(mean(x^2) + eps) per token from the producer's n_ss_in tiles of sums of squares,
-    summed in a fixed order (the same bits whatever M, on every replay)."""
+    summed in fp64 (as _sum_sq_out: exact for sums within about 2**22 of each other, so the same fp32 bits
+    whatever the layout, the batch size or the replay)."""
     t = tl.arange(0, SS_BLOCK)
     ss = tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], other=0.0)
-    ms = tl.sum(ss, axis=0) / K
+    ms = tl.sum(ss.to(tl.float64), axis=0).to(tl.float32) / K
     if FAST_MATH:
         return tl.math.rsqrt(ms + eps)
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
