@@ -38,6 +38,22 @@ def mechanism_counts(ctx: GateContext, key: str) -> tuple:
     return tuple(ctx.cache[f"mechanism:{arm.name}"][0][key] for arm in ctx.arms)
 
 
+def op_cases_fused_on_only(ctx: GateContext, key: str) -> list[list[str]]:
+    """Run the op gate on both arms (each must pass and catch its faults) and return each arm's case names; the ON
+    arm's cases run the fused kernels (the probe's ``key`` count) and the OFF arm's never do: what the gate
+    compares."""
+    from vtengine import counters
+    out = []
+    for arm in ctx.arms:
+        counters.reset()
+        res = run_gate("op", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+        fused = mechanism.probe(ctx.lever, counters.snapshot())[key]
+        assert (fused > 0) is arm.value, (arm.name, fused)
+        out.append([c["case"] for c in res.details["cases"]])
+    return out
+
+
 @pytest.fixture(scope="module")
 def broken():
     """gqa_swap's candidate arm with its decode attention output negated in every layer; the baseline clean."""
@@ -348,17 +364,9 @@ def test_fuse_silu_op_and_mechanism_gates(quant):
     ctx = GateContext(lever="fuse_silu", arms=arms, model="tiny", quant=quant, device="cpu",
                       gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
     if quant == "mxfp4":
-        from vtengine import counters
-        for arm in arms:
-            counters.reset()
-            res = run_gate("op", ctx, arm)
-            assert res.passed and res.self_check is True, res.details
-            names = [c["case"] for c in res.details["cases"]]
+        for names in op_cases_fused_on_only(ctx, "fused_gemms"):
             assert any(n.startswith("gate_up+silu_mul mxfp4") for n in names)
             assert any(n.startswith("gate_up+silu_mul float32") for n in names), names
-            # the ON arm's cases run the fused epilogue (the OFF arm's never do): what the op gate compares
-            fused = mechanism.probe("fuse_silu", counters.snapshot())["fused_gemms"]
-            assert (fused > 0) is arm.value, (arm.name, fused)
     off, on = mechanism_counts(ctx, "fused_gemms")
     assert on > 0 and off == 0
     ctx.release_engines()
@@ -371,15 +379,8 @@ def test_fuse_norm_op_and_mechanism_gates():
     arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
     ctx = GateContext(lever="fuse_norm", arms=arms, model="tiny", quant="bf16", device="cpu",
                       gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
-    from vtengine import counters
-    for arm in arms:
-        counters.reset()
-        res = run_gate("op", ctx, arm)
-        assert res.passed and res.self_check is True, res.details
-        assert any(c["case"].startswith("linear+add_rms_norm+linear") for c in res.details["cases"])
-        # the ON arm's cases run the fused pair of GEMVs (the OFF arm's never do): what the op gate compares
-        fused = mechanism.probe("fuse_norm", counters.snapshot())["fused_gemvs"]
-        assert (fused > 0) is arm.value, (arm.name, fused)
+    for names in op_cases_fused_on_only(ctx, "fused_gemvs"):
+        assert any(n.startswith("linear+add_rms_norm+linear") for n in names)
     off, on = mechanism_counts(ctx, "fused_gemvs")
     assert on > 0 and off == 0
     ctx.release_engines()
