@@ -432,3 +432,21 @@ def test_w4a16_mid_m_mechanism_gate_sees_decode_tiles_past_16_tokens():
     mid = mechanism.probe("w4a16_mid_m", counters.snapshot())["mid_tiles"]
     assert mid > 0, counters.snapshot().get("w4a16_gemm")
     ctx.release_engines()
+
+
+def test_fuse_norm_op_references_hold_in_the_gpu_dtype():
+    """The op gate's references for fuse_norm in bf16 (the GPU's dtype; the CPU gate runs fp32): each case's reference
+    is the fp64 formula on the same inputs (the dense case's once read the MXFP4 case's flag and failed on bf16)."""
+    gen = torch.Generator().manual_seed(0)
+    sh = {**op._shapes("cpu"), "dtype": torch.bfloat16}
+    cases = op.norm_gemv_cases(gen, torch.device("cpu"), sh)
+    assert {n.split()[1] for n, _, _ in cases} == {"dense", "mxfp4"}
+    for name, _, ref in cases:
+        out = ref()
+        assert out.dtype == torch.float32 and torch.isfinite(out).all(), name
+    name, _, ref = next(c for c in cases if c[0].split()[1] == "dense")
+    x, res, w1, w2, g = (ref.__defaults__[i] for i in range(5))
+    r = x.double() @ w1.double().t() + res.double()
+    xn = r * torch.rsqrt((r ** 2).mean(-1, keepdim=True) + 1e-6) * g.double()
+    want = torch.cat([r.reshape(-1), (xn @ w2.double().t()).reshape(-1)])
+    assert torch.allclose(ref().double(), want, rtol=1e-4, atol=1e-4), name

@@ -338,7 +338,7 @@ def norm_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
                     y = proj(xn, w2, pdl)
                 return torch.cat([r.reshape(-1), y.reshape(-1)])
 
-            def ref(x=x, res=res, w1=w1, w2=w2, g=g):
+            def ref(x=x, res=res, w1=w1, w2=w2, g=g, q=q):
                 be = TorchBackend()
                 lin = (lambda a, w: be.linear(a, w)) if q else (lambda a, w: be.linear(a, w.float()))
                 xn, r = be.add_rms_norm(lin(x.float(), w1), res.float(), g.float(), eps)
