@@ -56,7 +56,7 @@ def op_cases_fused_on_only(ctx: GateContext, key: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def broken():
-    """gqa_swap's candidate arm with its decode attention output negated in every layer; the baseline clean."""
+    """gqa_swap's candidate arm with its decode attention output scaled by -0.5 in every layer; the baseline clean."""
     ctx = context(broken_arm="on")
     yield ctx
     ctx.release_engines()
@@ -450,3 +450,25 @@ def test_fuse_norm_op_references_hold_in_the_gpu_dtype():
     xn = r * torch.rsqrt((r ** 2).mean(-1, keepdim=True) + 1e-6) * g.double()
     want = torch.cat([r.reshape(-1), (xn @ w2.double().t()).reshape(-1)])
     assert torch.allclose(ref().double(), want, rtol=1e-4, atol=1e-4), name
+
+
+def test_a_quantized_models_every_projection_broken_changes_its_tokens(monkeypatch):
+    """fuse_silu on tiny MXFP4: the fault breaks every W4A16 GEMM. A negation cancels in pairs there (q.k, v then o,
+    gate_up then down: the H200 campaign's tokens came out unchanged and its near_tie self-check was not caught);
+    the gates' fault changes the tokens of both arms and both self-checks catch it. A fault that changes nothing
+    (scale 1) is not caught by the battery, although the arm's clean battery is not strict."""
+    from campaigns.gates import battery
+    from vtengine.faults import Fault
+    arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
+    ctx = GateContext(lever="fuse_silu", arms=arms, model="tiny", quant="mxfp4", device="cpu",
+                      gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
+    for arm in arms:
+        assert battery.ours(ctx, arm, fault=True) != battery.ours(ctx, arm), arm.name
+    res = run_gate("battery", ctx, arms[0])
+    assert res.self_check is True, res.details
+    assert run_gate("near_tie", ctx, arms[0]).self_check is True
+    monkeypatch.setattr(GateContext, "perturb_fault", lambda self: Fault("perturb", "w4a16_gemm", 0.0))
+    ctx.cache.pop(f"battery:{arms[1].name}#fault", None)
+    res = run_gate("battery", ctx, arms[1])
+    assert res.self_check is False and res.details["self_check_counts"]["unchanged_from_clean"] == 1, res.details
+    ctx.release_engines()

@@ -153,10 +153,12 @@ class GateContext:
             return Fault("slow", self.slowed[arm.name], size=float(self.slow_runs - 1))
         return None
 
-    def perturb_fault(self, size: float = -2.0):
-        """The lever's own kernel broken: its output scaled by 1 + size in every call (-2: negated); the first of its
-        kernels that this model runs (no W4A16 GEMM on bf16 weights). A lever that routes no kernel (an engine-loop
-        lever) gets rms_norm broken: every model runs it every step."""
+    def perturb_fault(self, size: float = -1.5):
+        """The lever's own kernel broken: its output scaled by 1 + size in every call (-1.5: by -0.5); the first of
+        its kernels that this model runs (no W4A16 GEMM on bf16 weights). A lever that routes no kernel (an
+        engine-loop lever) gets rms_norm broken: every model runs it every step. Not a plain negation: with every
+        projection broken (a quantized model's W4A16 GEMM) negations cancel in pairs (q.k, v then o, gate_up then
+        down) and the engine's tokens come out unchanged; -0.5 in a pair is 0.25, which no layer undoes."""
         from vtengine.faults import Fault
         return Fault("perturb", perturbable_kernel(self.lever, self.quant), size)
 

@@ -6,9 +6,10 @@ within the threshold, ``divergent`` the rest (must be 0 for a token-safe arm). T
 prompt is strict; a non-strict battery is excused by the policy when near_tie ratifies it.
 
 Fault (both gates): the arm's engine with its lever's own kernel broken (vtengine/faults.py: the kernel's output
-negated inside the forward, in every layer), run through the same battery. battery must count it not strict, and
-near_tie must find a divergence no near-tie explains. A gate that took its tokens from anywhere but the engine under
-test (the oracle, a cache of the clean run) would miss it.
+scaled by -0.5 inside the forward, in every layer), run through the same battery. battery must count it not strict
+and see tokens other than the clean run's (an arm that is not strict when clean, as a quantized model's, would
+otherwise "catch" a fault that changed nothing), and near_tie must find a divergence no near-tie explains. A gate
+that took its tokens from anywhere but the engine under test (the oracle, a cache of the clean run) would miss it.
 """
 from __future__ import annotations
 
@@ -92,7 +93,14 @@ def run_battery(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
             base = ours(ctx, ctx.baseline)
             byte_exact = base == mine
             details["tokens_equal_to_baseline_arm"] = byte_exact
-    return result("battery", arm, strict == len(gold), t0, counts=counts, details=details, byte_exact=byte_exact)
+    passed = strict == len(gold)
+    if fault:
+        # a fault the tokens do not show is not caught, unless the arm's "clean" run already carries this very
+        # fault (a product test's broken arm): then the two runs are one
+        unchanged = mine == ours(ctx, arm, False) and ctx._standing_fault(arm) != ctx.perturb_fault()
+        counts["unchanged_from_clean"] = int(unchanged)
+        passed = passed or unchanged
+    return result("battery", arm, passed, t0, counts=counts, details=details, byte_exact=byte_exact)
 
 
 def run_near_tie(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
