@@ -54,12 +54,13 @@ def _sum_sq_out(ss_ptr, vals, mask, pid_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, y_ptrs, y_mask, res_ptrs, ss_ptr, pid_n, SILU_MUL: tl.constexpr, ADD_RES: tl.constexpr,
+def _finish(acc, y_ptrs, y_mask, res, ss_ptr, pid_n, SILU_MUL: tl.constexpr, ADD_RES: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Store the output tile from the fp32 sums: SiLU-mul (SILU_MUL), or plus the residual (ADD_RES: the new
-    residual, rounded once, and its sums of squares for the next GEMV's RMSNorm), or as they are."""
+    """Store the output tile from the fp32 sums: SiLU-mul (SILU_MUL), or plus the residual (ADD_RES: ``res``, the
+    residual tile _residual_tile loaded before the K loop; the new residual, rounded once, and its sums of squares
+    for the next GEMV's RMSNorm), or as they are."""
     if ADD_RES:
-        out = (acc + tl.load(res_ptrs, mask=y_mask, other=0.0).to(tl.float32)).to(y_ptrs.dtype.element_ty)
+        out = (acc + res.to(tl.float32)).to(y_ptrs.dtype.element_ty)
         tl.store(y_ptrs, out, mask=y_mask)
         _sum_sq_out(ss_ptr, out, y_mask, pid_n, BLOCK_M)
     else:
@@ -67,13 +68,33 @@ def _finish(acc, y_ptrs, y_mask, res_ptrs, ss_ptr, pid_n, SILU_MUL: tl.constexpr
 
 
 @triton.jit
-def _norm_inv(ss_in_ptr, n_ss_in, offs_m, K, eps, BLOCK_M: tl.constexpr, SS_BLOCK: tl.constexpr,
-              FAST_MATH: tl.constexpr):
-    """NORM's prologue: rsqrt(mean(x^2) + eps) per token from the producer's n_ss_in tiles of sums of squares,
-    summed in fp64 (as _sum_sq_out: exact for sums within about 2**22 of each other, so the same fp32 bits
-    whatever the layout, the batch size or the replay)."""
-    t = tl.arange(0, SS_BLOCK)
-    ss = tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], other=0.0)
+def _residual_tile(res_ptrs, y_mask, ADD_RES: tl.constexpr):
+    """ADD_RES's residual tile, for _finish: loaded before the K loop, so its latency hides behind the weight stream
+    instead of sitting between the last sums and the store (the previous kernel wrote it: load it after any
+    griddepcontrol.wait). Without ADD_RES a placeholder nothing reads."""
+    if ADD_RES:
+        return tl.load(res_ptrs, mask=y_mask, other=0.0)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _norm_ss(ss_in_ptr, n_ss_in, offs_m, BLOCK_M: tl.constexpr, SS_BLOCK: tl.constexpr, NORM: tl.constexpr):
+    """NORM's operand: the producer's n_ss_in tiles of sums of squares [SS_BLOCK, BLOCK_M], loaded before the K
+    loop (after any griddepcontrol.wait) and reduced by _norm_inv after it, so the load's latency hides behind the
+    weight stream instead of delaying its start. Without NORM a placeholder nothing reads."""
+    if NORM:
+        t = tl.arange(0, SS_BLOCK)
+        return tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], other=0.0)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _norm_inv(ss, K, eps, FAST_MATH: tl.constexpr):
+    """NORM's scale: rsqrt(mean(x^2) + eps) per token from _norm_ss's tiles, summed in fp64 (as _sum_sq_out:
+    exact for sums within about 2**22 of each other, so the same fp32 bits whatever the layout, the batch size or
+    the replay)."""
     ms = tl.sum(ss.to(tl.float64), axis=0).to(tl.float32) / K
     if FAST_MATH:
         return tl.math.rsqrt(ms + eps)

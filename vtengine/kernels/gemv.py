@@ -22,7 +22,8 @@ import triton.language as tl
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, sm_count
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
-from vtengine.kernels.epilogue import NormIn, _finish, _norm_inv, _split_k_locks, _tile_rows, check_fused
+from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _residual_tile, _split_k_locks,
+                                       _tile_rows, check_fused)
 
 MAX_M = 16
 
@@ -50,7 +51,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     order (no atomics: the same bits whatever M, on every replay), so no program reads the whole row. The K loop
     multiplies x by g alone (rounded to x's dtype, as RMSNorm's output is) and the token's rsqrt scales the fp32
     sums once: with the whole norm on every A element the qkv GEMV's K step compiled to 537 SASS instructions
-    against 159 plain (sm_90, offline), and to 218 this way."""
+    against 159 plain (sm_90, offline), and to 218 this way. The operands the previous kernel wrote (the
+    producer's sums, the residual) are loaded before the K loop and used after it, so their latency hides behind
+    the weights: the split-K NORM kernel's code before its loop fell from 559 instructions to 306 (plain 244)."""
     pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,8 +62,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     rows = tl.where(row_mask, offs_m, 0)
     offs_n, n_mask = _tile_rows(pid_n, N, BLOCK_N, SILU_MUL)
     offs_n_ld = tl.where(n_mask, offs_n, 0)        # out-of-range rows re-read row 0; the store is masked
-    if NORM:
-        inv = _norm_inv(ss_in_ptr, n_ss_in, offs_m, K, eps, BLOCK_M, SS_BLOCK, FAST_MATH)
+    if SILU_MUL:
+        out_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + out_n[:, None]
+        y_mask = (out_n < N // 2)[:, None] & row_mask[None, :]
+    else:
+        y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        y_mask = n_mask[:, None] & row_mask[None, :]
+    # the fused operands the previous kernel wrote, loaded now and used after the K loop (latency hidden)
+    res = _residual_tile(res_ptr + rows[None, :].to(tl.int64) * stride_res + offs_n[:, None], y_mask, ADD_RES)
+    ss = _norm_ss(ss_in_ptr, n_ss_in, offs_m, BLOCK_M, SS_BLOCK, NORM)
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
@@ -83,18 +94,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
         x_ptrs += BLOCK_K
     pdl_launch_dependents(USE_PDL)
     if NORM:
-        acc = acc * inv[None, :]
+        acc = acc * _norm_inv(ss, K, eps, FAST_MATH)[None, :]
 
-    if SILU_MUL:
-        out_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + out_n[:, None]
-        y_mask = (out_n < N // 2)[:, None] & row_mask[None, :]
-    else:
-        y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
-        y_mask = n_mask[:, None] & row_mask[None, :]
-    res_ptrs = res_ptr + rows[None, :].to(tl.int64) * stride_res + offs_n[:, None]
     if not SPLIT:
-        _finish(acc, y_ptrs, y_mask, res_ptrs, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
+        _finish(acc, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
     else:
         ws_tile = ws_ptr + pid_n.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M)
         offs_acc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
@@ -105,7 +108,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
             total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
             for s in range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + offs_acc, cache_modifier=".cg")
-            _finish(total, y_ptrs, y_mask, res_ptrs, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
+            _finish(total, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 

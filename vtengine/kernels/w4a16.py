@@ -39,7 +39,8 @@ import triton.language as tl
 
 from vtengine import counters
 from vtengine.kernels import H200_SMS, dot_dtype, sm_count
-from vtengine.kernels.epilogue import NormIn, _finish, _norm_inv, _split_k_locks, _tile_rows, check_fused
+from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _residual_tile, _split_k_locks,
+                                       _tile_rows, check_fused)
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
 from vtengine.quant import BLOCK, QuantizedWeight
 
@@ -363,8 +364,19 @@ def _w4a16_gemm_kernel(
             prefetch_l2(row_base + k0 // 8)
         pdl_wait(USE_PDL)
 
-    if NORM:
-        inv = _norm_inv(ss_in_ptr, n_ss_in, offs_m, K, eps, BLOCK_M, SS_BLOCK, FAST_MATH)
+    if SILU_MUL:
+        out_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + out_n[:, None]
+        y_mask = (out_n < N // 2)[:, None] & row_mask[None, :]
+    elif SWAP_AB:
+        y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        y_mask = n_mask[:, None] & row_mask[None, :]
+    else:
+        y_ptrs = y_ptr + rows_ld[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        y_mask = row_mask[:, None] & n_mask[None, :]
+    # the fused operands the previous kernel wrote, loaded now and used after the K loop (latency hidden)
+    res = _residual_tile(res_ptr + rows_ld[None, :].to(tl.int64) * stride_res + offs_n[:, None], y_mask, ADD_RES)
+    ss = _norm_ss(ss_in_ptr, n_ss_in, offs_m, BLOCK_M, SS_BLOCK, NORM)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -393,26 +405,15 @@ def _w4a16_gemm_kernel(
         x_ptrs += BLOCK_K
     pdl_launch_dependents(USE_PDL)
     if NORM:
-        acc = acc * inv[None, :]
+        acc = acc * _norm_inv(ss, K, eps, FAST_MATH)[None, :]
 
     if NVFP4:
         if DECODE == 0:
             acc = acc * tl.load(gs_ptr)
         else:
             acc = acc * (tl.load(gs_ptr) * 512.0)   # the 2**9 left over from the 2**117 folded into the scales
-    if SILU_MUL:
-        out_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + out_n[:, None]
-        y_mask = (out_n < N // 2)[:, None] & row_mask[None, :]
-    elif SWAP_AB:
-        y_ptrs = y_ptr + rows_ld[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
-        y_mask = n_mask[:, None] & row_mask[None, :]
-    else:
-        y_ptrs = y_ptr + rows_ld[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        y_mask = row_mask[:, None] & n_mask[None, :]
-    res_ptrs = res_ptr + rows_ld[None, :].to(tl.int64) * stride_res + offs_n[:, None]
     if not SPLIT:
-        _finish(acc, y_ptrs, y_mask, res_ptrs, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
+        _finish(acc, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
     else:
         ACC0: tl.constexpr = BLOCK_N if SWAP_AB else BLOCK_M
         ACC1: tl.constexpr = BLOCK_M if SWAP_AB else BLOCK_N
@@ -426,7 +427,7 @@ def _w4a16_gemm_kernel(
             total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
             for s in range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (ACC0 * ACC1) + offs_acc, cache_modifier=".cg")
-            _finish(total, y_ptrs, y_mask, res_ptrs, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, ACC0, ACC1)
+            _finish(total, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, ACC0, ACC1)
             tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
