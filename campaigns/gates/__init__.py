@@ -134,7 +134,7 @@ class GateContext:
             llm = LLM(model=self.model, quant=self.quant, backend=self.backend, levers=self.lever_values(arm),
                       num_kv_blocks=GATE_KV_BLOCKS, max_num_seqs=32, triton_kernels=self.triton_kernels,
                       max_model_len=self.max_model_len)
-            standing = self._standing_fault(arm)
+            standing = self.standing_fault(arm)
             if standing is not None:                # a product test's broken or slowed arm: broken everywhere,
                 set_fault(llm.engine, standing)     # eager steps and captured graphs alike
                 runner = llm.engine.runner
@@ -144,7 +144,7 @@ class GateContext:
             self._engines[arm.name] = llm
         return self._engines[arm.name]
 
-    def _standing_fault(self, arm: Arm):
+    def standing_fault(self, arm: Arm):
         """The fault a product test planted in this arm for the whole campaign (broken_arm, slowed), or None."""
         from vtengine.faults import Fault
         if arm.name == self.broken_arm:
@@ -188,7 +188,7 @@ class GateContext:
         try:
             yield llm
         finally:
-            set_fault(llm.engine, self._standing_fault(arm))
+            set_fault(llm.engine, self.standing_fault(arm))
             runner.use_graphs = use_graphs
 
     @contextmanager

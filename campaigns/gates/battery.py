@@ -97,7 +97,7 @@ def run_battery(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     if fault:
         # a fault the tokens do not show is not caught, unless the arm's "clean" run already carries this very
         # fault (a product test's broken arm): then the two runs are one
-        unchanged = mine == ours(ctx, arm, False) and ctx._standing_fault(arm) != ctx.perturb_fault()
+        unchanged = mine == ours(ctx, arm, False) and ctx.standing_fault(arm) != ctx.perturb_fault()
         counts["unchanged_from_clean"] = int(unchanged)
         passed = passed or unchanged
     return result("battery", arm, passed, t0, counts=counts, details=details, byte_exact=byte_exact)
