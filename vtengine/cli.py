@@ -1,4 +1,5 @@
-"""`vtengine [--conf-dir DIR]`: levers | generate | serve | bench {kernels,decode,prefill,prefill-attention,w4a16-sass,serve}.
+"""`vtengine [--conf-dir DIR]`: levers | generate | serve |
+bench {kernels,decode,prefill,prefill-attention,w4a16-sass,fused-sass,serve}.
 
 ``--conf-dir`` (or VTENGINE_CONF_DIR) names a project's own conf/ over the packaged one (vtengine/confdirs.py).
 User errors (bad model, quant, lever value, request) print one line naming the bad value and exit 2.
@@ -73,6 +74,9 @@ def cmd_bench(args, rest: list[str]) -> int:
     if args.what == "w4a16-sass":
         from vtengine.bench import w4a16_sass
         return w4a16_sass.run(out_dir)
+    if args.what == "fused-sass":
+        from vtengine.bench import fused_sass
+        return fused_sass.run(out_dir)
     if args.what == "prefill-attention":
         from vtengine.bench import prefill_attention
         prefill_attention.main(out_dir)
@@ -112,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="OpenAI-compatible server (vtengine serve --help)", add_help=False)
 
     p = sub.add_parser("bench",
-                       help="benchmarks: kernels | decode | prefill | prefill-attention | w4a16-sass | serve")
-    p.add_argument("what", choices=["kernels", "decode", "prefill", "prefill-attention", "w4a16-sass", "serve"])
+                       help="benchmarks: kernels | decode | prefill | prefill-attention | w4a16-sass | fused-sass | "
+                            "serve")
+    p.add_argument("what", choices=["kernels", "decode", "prefill", "prefill-attention", "w4a16-sass", "fused-sass",
+                                    "serve"])
     p.add_argument("--out", default="bench/results", help="where kernels/decode/prefill write JSON + markdown")
     return ap
 
