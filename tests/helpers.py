@@ -126,3 +126,19 @@ def lever_repo(tmp_path: Path) -> Path:
     r.git.add(A=True)
     r.index.commit("project", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
     return root
+
+
+def static_sass(module: str, tmp_path: Path) -> dict:
+    """A static-SASS bench (``python -m <module> <dir>``: kernels compiled for sm_90 without a GPU) run into
+    tmp_path; its JSON. Skips where this Triton ships no nvdisasm."""
+    import json
+    import subprocess
+    import sys
+    import pytest
+    import triton
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip("this Triton ships no nvdisasm: the static count needs it")
+    r = subprocess.run([sys.executable, "-m", module, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    [path] = tmp_path.glob("*.json")
+    return json.loads(path.read_text())

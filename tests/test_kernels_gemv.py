@@ -257,18 +257,8 @@ def test_fused_operands_load_before_the_k_loop_and_sum_after(tmp_path):
     """The GEMV compiled for sm_90 on this host (no GPU): NORM's producer sums and ADD_RES's residual are loaded
     before the K loop, NORM's fp64 sum runs after it (on the H200 the sum before the loop and the residual load
     after it made the fused GEMVs slower than the kernels they replace), and the plain kernel has neither."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    import triton
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
-        pytest.skip("this Triton ships no nvdisasm: the static count needs it")
-    r = subprocess.run([sys.executable, "-m", "vtengine.bench.fused_sass", str(tmp_path)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    [path] = tmp_path.glob("fused-sass-*.json")
-    rows = {(x["form"], x["split"]): x for x in json.loads(path.read_text())["rows"]}
+    from helpers import static_sass
+    rows = {(x["form"], x["split"]): x for x in static_sass("vtengine.bench.fused_sass", tmp_path)["rows"]}
     for split in (False, True):
         plain, norm, add = rows[("plain", split)], rows[("norm", split)], rows[("add_res", split)]
         assert norm["pre_loads"] > plain["pre_loads"] and add["pre_loads"] > plain["pre_loads"], (split, rows)

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from vtengine.bench.w4a16_sass import _INSTR, disassemble
+from vtengine.bench.w4a16_sass import _INSTR, disassemble, entry, run_offline
 
 # gemv_config's tiles on the H200 for o / qkv (32 W rows x 256 K, 3 stages, 4 warps); SS_BLOCK: a 4,096-wide
 # producer's 128 tiles of sums
@@ -100,11 +98,8 @@ def main(out_dir: str = "bench/results") -> dict:
 
 def run(out_dir: str = "bench/results") -> int:
     """main() in a fresh process with the interpreter off; its exit status."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    return subprocess.run([sys.executable, "-m", "vtengine.bench.fused_sass", out_dir], env=env).returncode
+    return run_offline("vtengine.bench.fused_sass", out_dir)
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "0":
-        sys.exit(run(*(sys.argv[1:2] or [])))
-    main(*(sys.argv[1:2] or []))
+    entry("vtengine.bench.fused_sass", main, sys.argv)

@@ -247,13 +247,24 @@ def main(out_dir: str = "bench/results") -> dict:
     return result
 
 
+def run_offline(module: str, out_dir: str = "bench/results") -> int:
+    """``python -m <module> out_dir`` in a fresh process with the interpreter off (a static-SASS bench's main());
+    its exit status."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    return subprocess.run([sys.executable, "-m", module, out_dir], env=env).returncode
+
+
+def entry(module: str, main_fn, argv: list[str]) -> None:
+    """A static-SASS bench's ``__main__``: main_fn here when the interpreter is off, else in a fresh process."""
+    if os.environ.get("TRITON_INTERPRET") != "0":
+        sys.exit(run_offline(module, *(argv[1:2] or [])))
+    main_fn(*(argv[1:2] or []))
+
+
 def run(out_dir: str = "bench/results") -> int:
     """main() in a fresh process with the interpreter off; its exit status."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    return subprocess.run([sys.executable, "-m", "vtengine.bench.w4a16_sass", out_dir], env=env).returncode
+    return run_offline("vtengine.bench.w4a16_sass", out_dir)
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "0":
-        sys.exit(run(*(sys.argv[1:2] or [])))
-    main(*(sys.argv[1:2] or []))
+    entry("vtengine.bench.w4a16_sass", main, sys.argv)
