@@ -101,7 +101,8 @@ def _gate_cell(g: GateResult, ev: Evidence | None = None) -> dict[str, str]:
         "counts": ", ".join(f"{k} {_num(v)}" for k, v in sorted(g.counts.items())) or "—",
         "self_check": {True: "caught", False: "NOT caught", None: "—"}[g.self_check],
         "byte_exact": {True: "yes", False: "no", None: "—"}[g.byte_exact],
-        "duration": f"{g.duration_s:.1f} s",
+        "duration": f"{g.duration_s:.1f} s" + (f" ({g.details['self_check_s']:.1f} s self-check)"
+                                               if "self_check_s" in g.details else ""),
         "note": (g.reason or "").replace("|", "/").replace("\n", " "),
     }
 

@@ -466,6 +466,10 @@ def test_a_quantized_models_every_projection_broken_changes_its_tokens(monkeypat
         assert battery.ours(ctx, arm, fault=True) != battery.ours(ctx, arm), arm.name
     res = run_gate("battery", ctx, arms[0])
     assert res.self_check is True, res.details
+    # the gate's time is both runs', the faulted one's share named (the record shows it)
+    assert 0 < res.details["self_check_s"] < res.duration_s, (res.duration_s, res.details["self_check_s"])
+    from campaigns.records import _gate_cell
+    assert _gate_cell(res)["duration"] == f"{res.duration_s:.1f} s ({res.details['self_check_s']:.1f} s self-check)"
     assert run_gate("near_tie", ctx, arms[0]).self_check is True
     monkeypatch.setattr(GateContext, "perturb_fault", lambda self: Fault("perturb", "w4a16_gemm", 0.0))
     ctx.cache.pop(f"battery:{arms[1].name}#fault", None)

@@ -262,12 +262,16 @@ def skipped(gate: str, arm: Arm, reason: str) -> GateResult:
 
 def run_gate(name: str, ctx: GateContext, arm: Arm, self_check: bool = True) -> GateResult:
     """Run one gate on one arm, then its deliberate fault(s); their outcome becomes ``self_check`` (True only when
-    the faulted run failed, i.e. every fault was caught)."""
+    the faulted run failed, i.e. every fault was caught). ``duration_s`` is both runs' (what the campaign spent on
+    the gate); the faulted run's own share is details["self_check_s"]."""
     fn = GATES[name].load()
     res = fn(ctx, arm, fault=False)
     if res.skipped or not self_check:
         return res
+    t0 = time.perf_counter()
     faulted = fn(ctx, arm, fault=True)
+    res.details["self_check_s"] = round(time.perf_counter() - t0, 3)
+    res.duration_s = round(res.duration_s + res.details["self_check_s"], 3)
     res.self_check = not faulted.passed
     res.details["self_check_fault"] = faulted.details.get("fault", "")
     res.details["self_check_counts"] = faulted.counts
