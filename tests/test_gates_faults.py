@@ -476,3 +476,39 @@ def test_a_quantized_models_every_projection_broken_changes_its_tokens(monkeypat
     res = run_gate("battery", ctx, arms[1])
     assert res.self_check is False and res.details["self_check_counts"]["unchanged_from_clean"] == 1, res.details
     ctx.release_engines()
+
+
+def test_memcheck_runs_every_arm_side_by_side_once(tmp_path):
+    """The campaign's sanitized runs (each arm, clean and faulted) start together the first time one is asked for
+    and are read from then on: against a stand-in for compute-sanitizer (this host has none) that takes a second
+    per run and reports an error for the faulted spec, four runs finish in well under four seconds, each result
+    belongs to its own spec, and asking again runs nothing."""
+    import json
+    import time
+    from campaigns.gates import memcheck
+    tool = tmp_path / "compute-sanitizer"
+    log = tmp_path / "runs.log"
+    tool.write_text(f"""#!/usr/bin/env bash
+spec="${{@: -1}}"
+echo "$spec" >> {log}
+sleep 1
+echo MEMCHECK_TARGET_DONE
+case "$spec" in
+  *'"fault": true'*) echo "========= ERROR SUMMARY: 1 error" ;;
+  *) echo "========= ERROR SUMMARY: 0 errors" ;;
+esac
+""")
+    tool.chmod(0o755)
+    ctx = context(lever="gqa_swap")
+    ctx.gate_cfg.memcheck.model = "tiny"
+    t0 = time.perf_counter()
+    runs = memcheck.campaign_runs(ctx, str(tool))
+    took = time.perf_counter() - t0
+    assert set(runs) == {("off", False), ("off", True), ("on", False), ("on", True)}
+    assert took < 3.0, f"{took:.1f} s: the four runs did not overlap"
+    for (arm, fault), out in runs.items():
+        assert out["errors"] == (1 if fault else 0) and out["completed"] and out["seconds"] >= 1.0, (arm, fault, out)
+    specs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted((s["levers"]["gqa_swap"], s["fault"]) for s in specs) == [(False, False), (False, True),
+                                                                           (True, False), (True, True)]
+    assert memcheck.campaign_runs(ctx, str(tool)) is runs and len(log.read_text().splitlines()) == 4
