@@ -260,7 +260,7 @@ def cmd_calibrate(args) -> int:
 def cmd_flip(args) -> int:
     from campaigns.runner import CampaignError, check_flippable, status_dir
     from campaigns.gitops import flip_commit
-    from campaigns.records import render_all
+    from campaigns.records import render_all, render_summaries_flipped
     from vtengine import levers
     path = _campaign_evidence(args.out_dir, args.campaign_id)
     ev = load_evidence(path)
@@ -273,9 +273,9 @@ def cmd_flip(args) -> int:
     render_all(out_dir, summaries)
     cdir = path.parent
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
-    files += [summaries / "STATUS.md", summaries / "BENCHMARKS.md"]
     info = flip_commit(Path.cwd(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
-                       lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id)
+                       lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id,
+                       rendered=lambda copy: render_summaries_flipped(out_dir, summaries, ev.lever, copy))
     print(f"flip of {ev.lever} to {ev.decision.new_default} committed on {info['branch']} ({info['commit'][:7]}); "
           f"merge it to change the default")
     return 0

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import git
 
@@ -86,8 +86,12 @@ def flip_subject(lever: str, new_default: Any, campaign_id: str = "") -> str:
 
 
 def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iterable[Path | str], message: str,
-                lever_dir: Path | str = "conf/lever", campaign_id: str = "") -> dict[str, str]:
+                lever_dir: Path | str = "conf/lever", campaign_id: str = "",
+                rendered: Callable[[Path], Mapping[Path, str]] | None = None) -> dict[str, str]:
     """Commit the lever's new ``default:`` line plus ``files`` (records) on branch ``row/<lever>-flip``.
+
+    ``rendered``: called with a copy of the lever directory that holds the new default, it returns files (path ->
+    text) to commit instead of their working-tree copies: the summaries as they read once the branch is merged.
 
     ``lever_dir`` is the lever directory inside the repository (relative to its root, or absolute). The commit's
     parent is the current HEAD; its subject is ``flip_subject`` (at most 72 characters, as git tools expect) and
@@ -117,14 +121,16 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
         shutil.copytree(lever_dir, copy)
         set_default_in_file(lever, new_default, lever_dir=copy)
         new_lever_text = (copy / f"{lever}.yaml").read_bytes()
+        merged = {_rel(_in(Path(p), root), root): text.encode()
+                  for p, text in (rendered(copy) if rendered else {}).items()}
 
     blobs: dict[str, bytes] = {_rel(lever_file, root): new_lever_text}
     for f in files:
-        p = Path(f)
-        p = (p if p.is_absolute() else root / p).resolve()
+        p = _in(Path(f), root)
         if not p.is_file():
             raise GitOpsError(f"record file {p} does not exist")
         blobs[_rel(p, root)] = p.read_bytes()
+    blobs.update(merged)
 
     fd, index_path = tempfile.mkstemp(prefix="vtcampaign-index-")
     os.close(fd)
@@ -155,6 +161,10 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
     finally:
         os.unlink(index_path)
     return {"branch": branch, "commit": commit, "base": base, "previous": previous}
+
+
+def _in(path: Path, root: Path) -> Path:
+    return (path if path.is_absolute() else root / path).resolve()
 
 
 def _rel(path: Path, root: Path) -> str:

@@ -491,17 +491,49 @@ def render_all(out_dir: Path | str, records_dir: Path | str | None = None, lever
     summaries always read every campaign): a concluding campaign rebuilds its own, not every plot of the tree."""
     out_dir = Path(out_dir)
     records_dir = Path(records_dir) if records_dir is not None else out_dir.parent
-    evs, dirs = [], {}
-    for path in find_evidence(out_dir):
-        ev = load_evidence(path)
-        evs.append(ev)
-        dirs[ev.campaign_id] = path.parent
+    evs, dirs = _load_all(out_dir)
     written = []
     keep = None if only is None else set(only)
     for ev in evs:
         if keep is None or ev.campaign_id in keep:
             written += write_campaign(ev, dirs[ev.campaign_id], plot=plots)
-    fresh = _Freshness(lever_dir=lever_dir)
-    written.append(write_atomic(records_dir / "STATUS.md", render_status(evs, dirs, records_dir, lever_dir, fresh)))
-    written.append(write_atomic(records_dir / "BENCHMARKS.md", render_benchmarks(evs, dirs, records_dir, fresh)))
+    for path, text in _summaries(evs, dirs, records_dir, lever_dir).items():
+        written.append(write_atomic(path, text))
     return written
+
+
+def render_summaries(out_dir: Path | str, records_dir: Path | str, lever_dir: Path | None = None) -> dict[Path, str]:
+    """STATUS.md and BENCHMARKS.md (path -> text) of every campaign in ``out_dir``, against the lever files in
+    ``lever_dir`` (None: the ones in use), written nowhere: a flip commits them as they read once it is merged."""
+    evs, dirs = _load_all(Path(out_dir))
+    return _summaries(evs, dirs, Path(records_dir), lever_dir)
+
+
+def render_summaries_flipped(out_dir: Path | str, records_dir: Path | str, lever: str,
+                             edited_dir: Path) -> dict[Path, str]:
+    """render_summaries against the lever files in use with ``lever``'s replaced by the one in ``edited_dir`` (a
+    flip's copy holding the new default): a project's conf/lever/ may hold that lever alone."""
+    import shutil
+    import tempfile
+    from vtengine import levers as lever_registry
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, lv in lever_registry.registry().items():
+            shutil.copyfile(lv.path, Path(tmp) / f"{name}.yaml")
+        shutil.copyfile(Path(edited_dir) / f"{lever}.yaml", Path(tmp) / f"{lever}.yaml")
+        return render_summaries(out_dir, records_dir, Path(tmp))
+
+
+def _load_all(out_dir: Path) -> tuple[list[Evidence], dict[str, Path]]:
+    evs, dirs = [], {}
+    for path in find_evidence(out_dir):
+        ev = load_evidence(path)
+        evs.append(ev)
+        dirs[ev.campaign_id] = path.parent
+    return evs, dirs
+
+
+def _summaries(evs: list[Evidence], dirs: dict[str, Path], records_dir: Path,
+               lever_dir: Path | None) -> dict[Path, str]:
+    fresh = _Freshness(lever_dir=lever_dir)
+    return {records_dir / "STATUS.md": render_status(evs, dirs, records_dir, lever_dir, fresh),
+            records_dir / "BENCHMARKS.md": render_benchmarks(evs, dirs, records_dir, fresh)}

@@ -436,9 +436,9 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
     from campaigns.gitops import flip_commit
     check_flippable(ev)
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
-    files += [summaries / "STATUS.md", summaries / "BENCHMARKS.md"]
     info = flip_commit(repo, ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
-                       lever_dir=levers.lever_file(ev.lever).parent)
+                       lever_dir=levers.lever_file(ev.lever).parent,
+                       rendered=lambda copy: records.render_summaries_flipped(cdir.parent, summaries, ev.lever, copy))
     ev.flip = info
     _save(ev, cdir)
     console.print(f"flip committed on {info['branch']} ({info['commit'][:7]})")

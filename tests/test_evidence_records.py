@@ -263,3 +263,24 @@ def test_the_console_summary_reads_as_the_record(tmp_path, monkeypatch):
     assert "baseline (off)" in text and "candidate (on)" in text
     battery = next(line for line in text.splitlines() if "battery" in line)
     assert "RATIFIED" in battery and "FAIL" not in battery, battery
+
+
+def test_summaries_render_against_a_flipped_lever_file_without_writing(tmp_path):
+    """What a flip commits: STATUS as it reads once merged (the lever's new default in its row), rendered against
+    the lever files in use with that lever's replaced, written nowhere."""
+    from vtengine import levers
+    flip = make_evidence(TPUT_WIN, created="2026-11-30T09:00:00Z")
+    out = _campaigns(tmp_path, flip)
+    records.render_all(out, plots=False)
+    before = (tmp_path / "records" / "STATUS.md").read_text()
+    now = levers.get("gqa_swap").default
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    shutil.copyfile(levers.get("gqa_swap").path, edited / "gqa_swap.yaml")
+    levers.set_default_in_file("gqa_swap", not now, lever_dir=edited)
+    texts = records.render_summaries_flipped(out, tmp_path / "records", "gqa_swap", edited)
+    assert set(texts) == {tmp_path / "records" / "STATUS.md", tmp_path / "records" / "BENCHMARKS.md"}
+    assert _status_row(before, "gqa_swap")[1] == str(now).lower()
+    assert _status_row(texts[tmp_path / "records" / "STATUS.md"], "gqa_swap")[1] == str(not now).lower()
+    assert _status_row(texts[tmp_path / "records" / "STATUS.md"], "pdl")[1] == _status_row(before, "pdl")[1]
+    assert (tmp_path / "records" / "STATUS.md").read_text() == before

@@ -119,3 +119,22 @@ def test_flip_commit_refuses_bad_inputs(repo, tmp_path_factory):
     with pytest.raises(GitOpsError, match="record file .* does not exist"):
         flip_commit(root, "gqa_swap", True, [root / "records" / "missing.md"], PR_TEXT)
     assert "row/gqa_swap-flip" not in repo.heads
+
+
+def test_flip_commit_takes_the_summaries_as_they_read_once_merged(repo, tmp_path):
+    """``rendered`` gets a lever directory holding the new default and returns files to commit in place of their
+    working-tree copies (STATUS as it reads after the merge); the working tree keeps its own."""
+    root = Path(repo.working_tree_dir)
+    files = _records(root)
+    current = "default: true" in (root / "conf/lever/gqa_swap.yaml").read_text().splitlines()
+    seen = []
+
+    def rendered(lever_dir: Path) -> dict[Path, str]:
+        seen.append((lever_dir / "gqa_swap.yaml").read_text())
+        return {root / "records" / "STATUS.md": "# Lever status\n| gqa_swap | after the flip |\n"}
+
+    out = flip_commit(root, "gqa_swap", not current, files, PR_TEXT, rendered=rendered)
+    assert len(seen) == 1 and f"default: {str(not current).lower()}" in seen[0].splitlines()
+    committed = repo.commit(out["commit"]).tree["records/STATUS.md"].data_stream.read().decode()
+    assert committed == "# Lever status\n| gqa_swap | after the flip |\n"
+    assert (root / "records" / "STATUS.md").read_text() == "# Lever status\n"
