@@ -242,14 +242,15 @@ MUTATIONS = [
              "3 for 15)"),
     Mutation("fuse-norm-residual-dropped", "fuse_norm: the GEMV epilogue stores x W^T without the residual",
              "vtengine/kernels/epilogue.py",
-             "        out = (acc + tl.load(res_ptrs, mask=y_mask, other=0.0).to(tl.float32)).to(y_ptrs.dtype.element_ty)\n",
+             "        out = (acc + res.to(tl.float32)).to(y_ptrs.dtype.element_ty)\n",
              "        out = acc.to(y_ptrs.dtype.element_ty)\n",
              ["tests/test_kernels_gemv.py::test_residual_add_then_rmsnorm_across_two_gemvs"],
              gate="op", lever="fuse_norm"),
     Mutation("fuse-norm-wrong-tile-ss", "fuse_norm: the norm prologue reads the first tile's sums of squares for "
              "every tile", "vtengine/kernels/epilogue.py",
-             "    ss = tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], other=0.0)\n",
-             "    ss = tl.load(ss_in_ptr + 0 * t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], "
+             "        return tl.load(ss_in_ptr + t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], "
+             "other=0.0)\n",
+             "        return tl.load(ss_in_ptr + 0 * t[:, None] * BLOCK_M + offs_m[None, :], mask=(t < n_ss_in)[:, None], "
              "other=0.0)\n",
              ["tests/test_kernels_gemv.py::test_residual_add_then_rmsnorm_across_two_gemvs"],
              gate="op", lever="fuse_norm"),
