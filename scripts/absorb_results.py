@@ -9,8 +9,9 @@ RESULTS_TGZ is the tarball `scripts/h200_session.sh` leaves in $OUT (records, be
   content (the decode bench names its output by date) is kept beside it as <stem>-<n><suffix>, never overwritten.
 - campaigns/gates/op_bounds.yaml: taken when it differs (bounds measured on the device).
 - the logs go to the directory printed at the end, outside the tree.
-Then `vtcampaign render` and, unless --no-commit, one commit of what changed ("Device results: ..."; amend it
-with the figures before the session ends).
+Then `vtcampaign render` and, unless --no-commit, one commit of what changed ("Device results: ...", a subject of at
+most 72 characters, every name in the body; amend it with the figures while it is still HEAD: campaign ids and
+fingerprints name later commits, so history must not be rewritten past it).
 """
 from __future__ import annotations
 
@@ -83,10 +84,23 @@ def main(argv: list[str] | None = None) -> int:
     if subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=ROOT).returncode == 0:
         print("nothing to commit")
         return 0
-    msg = args.message or "Device results: " + ", ".join(campaigns + bench)[:200]
-    subprocess.run(["git", "commit", "-q", "-m", msg, "-m", "Committed as the call returned; figures follow."],
-                   cwd=ROOT, check=True)
+    names = campaigns + bench
+    msg = args.message or commit_subject(names)
+    body = "Committed as the call returned; figures follow.\n\n" + "\n".join(f"- {n}" for n in names)
+    subprocess.run(["git", "commit", "-q", "-m", msg, "-m", body], cwd=ROOT, check=True)
     return 0
+
+
+def commit_subject(names: list[str], limit: int = 72) -> str:
+    """'Device results: a, b' within ``limit`` characters (git tools cut longer subjects); the names that do not fit
+    are counted ('and 2 more') and listed in the body."""
+    subject = "Device results: " + ", ".join(names)
+    for shown in range(len(names), 0, -1):
+        rest = len(names) - shown
+        subject = "Device results: " + ", ".join(names[:shown]) + (f" and {rest} more" if rest else "")
+        if len(subject) <= limit:
+            return subject
+    return f"Device results: {len(names)} file{'' if len(names) == 1 else 's'}"
 
 
 if __name__ == "__main__":

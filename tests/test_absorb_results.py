@@ -53,3 +53,13 @@ def test_new_evidence_and_bench_files_come_in_and_nothing_is_overwritten(tmp_pat
     assert (logs / "campaign-x.log").read_text() == "log\n" and not str(logs).startswith(str(root))
     # the same tarball again: nothing new
     assert absorb_results.absorb(tgz, root)[:2] == ([], [])
+
+
+def test_commit_subjects_stay_within_72_characters():
+    """The subject names what fits in 72 characters and counts the rest (two of this session's subjects ran to
+    74 and 94 characters when every name went into it)."""
+    names = ["2026-12-02-fuse_norm-0a873f1", "decode-2026-12-02-2.json", "decode-2026-12-02-2.md"]
+    assert absorb_results.commit_subject(names) == "Device results: 2026-12-02-fuse_norm-0a873f1 and 2 more"
+    both = "Device results: decode-2026-12-02-2.json, decode-2026-12-02-2.md"
+    assert absorb_results.commit_subject(names[1:]) == both
+    assert absorb_results.commit_subject(["x" * 100]) == "Device results: 1 file"
