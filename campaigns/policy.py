@@ -168,25 +168,44 @@ def _widest_pooled(ev: Evidence, cand: str, p: PolicyConfig) -> PooledEffect | N
 
 def effect_note(ev: Evidence, cand: str, p: PolicyConfig) -> str:
     """What a KEEP measured, from the pooled interval of the primary axis that reaches furthest from 1:
-    'neutral' (every primary interval within ±neutral_margin), 'slower'/'faster' (the interval excludes 1, though
-    no point separated), else 'underpowered' (the grid cannot tell)."""
+    'neutral' (every primary interval within ±neutral_margin), 'slower'/'faster' (the interval excludes 1),
+    else 'underpowered' (the grid cannot tell); then the concurrencies where a primary axis separated (a KEEP
+    can hold LOSSes beside a WIN: a mixed lever), or that none did."""
     pe = _widest_pooled(ev, cand, p)
     if pe is None:
         return ""
     e, axes = pe.effect, " and ".join(map(_label, p.primary_axes))
     where = f"{_label(pe.axis)} ({e.confidence:.0%}, pooled over concurrencies)"
+    seps = separated_points(ev, cand, p)
     if all(1 / (1 + p.neutral_margin) <= x.effect.lo and x.effect.hi <= 1 + p.neutral_margin
            for x in ev.pooled if x.candidate == cand and x.axis in p.primary_axes):
         z = max(e.hi - 1, 1 / e.lo - 1)
-        return f"neutral: the effect is within ±{z:.1%} on {axes} ({e.confidence:.0%}, pooled over concurrencies)"
+        return (f"neutral: the effect is within ±{z:.1%} on {axes} ({e.confidence:.0%}, pooled over "
+                f"concurrencies)" + (f"; {seps}" if seps else ""))
     if e.hi < 1:
-        return (f"slower: the candidate costs {1 - e.hi:.1%} to {1 - e.lo:.1%} on {where}, though no point "
-                "separated")
+        return (f"slower: the candidate costs {1 - e.hi:.1%} to {1 - e.lo:.1%} on {where}"
+                + (f"; {seps}" if seps else ", though no point separated"))
     if e.lo > 1:
-        return (f"faster: the candidate gains {e.lo - 1:.1%} to {e.hi - 1:.1%} on {where}, though no point "
-                "separated, so the rule does not flip it")
+        return (f"faster: the candidate gains {e.lo - 1:.1%} to {e.hi - 1:.1%} on {where}"
+                + (f"; {seps}, not enough for the rule to flip it" if seps
+                   else ", though no point separated, so the rule does not flip it"))
     return (f"underpowered: the effect could be anywhere from {e.lo - 1:+.1%} to {e.hi - 1:+.1%} on {where}; "
-            f"the grid cannot call it neutral within ±{p.neutral_margin:.0%}")
+            f"the grid cannot call it neutral within ±{p.neutral_margin:.0%}" + (f"; {seps}" if seps else ""))
+
+
+def separated_points(ev: Evidence, cand: str, p: PolicyConfig) -> str:
+    """The concurrencies at which a primary axis separated by at least the minimum effect, by direction:
+    'mixed: LOSSes at c1, c2 and a WIN at c32', 'LOSSes at c1, c2', or '' when none did."""
+    stats = [s for s in ev.stats if s.candidate == cand and s.axis in p.primary_axes and counts(s, p)]
+    parts = []
+    for sep in ("LOSS", "WIN"):
+        cs = sorted({s.concurrency for s in stats if s.separation == sep})
+        if cs:
+            many = {"LOSS": "LOSSes", "WIN": "WINs"}[sep]
+            parts.append(f"{'a ' + sep if len(cs) == 1 else many} at " + ", ".join(f"c{c}" for c in cs))
+    if not parts:
+        return ""
+    return ("mixed: " if len(parts) == 2 else "") + " and ".join(parts)
 
 
 def _measured_byte_exact(ev: Evidence, cand: str | None = None) -> bool | None:

@@ -476,3 +476,17 @@ def test_aa_counts_separations_the_lever_rule_would_count(shift, expected):
                    for r in d.reasons)
     else:
         assert d.reasons[0].startswith("4 separated point(s) (TPOT at c1 LOSS ×0.980")
+
+
+def test_keep_of_a_mixed_lever_names_where_it_separated():
+    """A WIN at one concurrency beside LOSSes at the others is a KEEP (rule 5 needs no WIN): its note must say
+    where each separated, never that no point did (the split_rule record of 2026-12-02 read so)."""
+    ev = make_evidence({"median_tpot_ms": {"off": [10.0, 10.1, 10.2], "on": [11.0, 11.1, 11.2]}})
+    for leg in ev.legs:
+        if leg.concurrency == 8:
+            leg.metrics["median_tpot_ms"] = {"off": 10.0, "on": 9.0}[leg.arm] + 0.1 * leg.rep
+    ev = policy.conclude(ev)
+    assert verdict(ev) == "KEEP", ev.decision.reasons
+    note = ev.decision.effect_note
+    assert note.endswith("mixed: LOSSes at c1, c2, c4 and a WIN at c8"), note
+    assert "no point separated" not in note
