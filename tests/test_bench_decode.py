@@ -196,6 +196,17 @@ def test_profile_markdown_shows_the_device_timeline():
     assert "device timeline 4800.0 us/step: kernels 4768.0, idle 32.0 us/step (0.7%)" in md
 
 
+def test_timeline_warnings_bound_kernels_by_the_device_timeline():
+    """Async scheduling (2026-12-02, H200, MXFP4 c1): kernels 2,578 us/step, host step 2,171, device timeline
+    2,754. The host's step is no bound there: no warning. Kernels past the device timeline are a contradiction."""
+    assert kernel_profile.timeline_warnings(2578.0, 2171.0, 2754.0) == []
+    bad = kernel_profile.timeline_warnings(3000.0, 3100.0, 2754.0)
+    assert len(bad) == 1 and "exceeds the device timeline (2754 us/step)" in bad[0]
+    # no device timeline: the host's step is the only bound left, and the note says why it may not hold
+    assert kernel_profile.timeline_warnings(2578.0, 2700.0, None) == []
+    assert "async scheduling" in kernel_profile.timeline_warnings(2578.0, 2171.0, None)[0]
+
+
 def test_short_kernel_name():
     s = kernel_profile.short_kernel_name
     assert s("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, "

@@ -151,7 +151,8 @@ class KernelRow(Record):
 
     - kernel: the readable name (``short_kernel_name``); name_full: the trace's.
     - us_per_step: its time summed over the recorded steps / steps; launches_per_step likewise for its count.
-    - share_of_step: us_per_step / the profile's step_us_measured (set once the step time is known).
+    - share_of_step: us_per_step / the profile's device_step_us where the trace has one (with async scheduling the
+      host's step is shorter than the device's), else / step_us_measured.
     """
     kernel: str
     name_full: str
