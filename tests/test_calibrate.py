@@ -78,6 +78,20 @@ def test_the_wide_grid_has_no_more_false_flips_than_the_default_one(h200):
     assert null1.count("FLIP") / SIMS > rates["narrow"][0], (null1.count("FLIP") / SIMS, rates)
 
 
+def test_the_span_grid_meets_the_default_grids_error_rates(h200):
+    """grid=online_span: c1, c8, c64 x 5 reps, for levers whose effect grows with the batch when a session cannot
+    buy the wide grid. Its own calibration (noise pooled per concurrency, c64 from the wide campaigns' legs) must
+    hold the same bars as the default grid."""
+    binding, noise = h200
+    assert noise.at(64)[0] == 64, noise.legs()                # the c64 noise is measured, not borrowed
+    t = calibrate.template(shaped(binding[0], grid="online_span"), byte_exact=True)
+    assert t.config["grid"]["concurrency"] == [1, 8, 64] and t.config["grid"]["reps"] == 5
+    null, _ = calibrate.verdicts(t, noise, SIMS, seed=0)
+    false_flip, false_reject = null.count("FLIP") / SIMS, null.count("REJECT-PERFORMANCE") / SIMS
+    assert false_flip <= 0.05 and false_reject <= 0.05, (false_flip, false_reject)
+    assert calibrate.flip_rate(t, noise, SIMS, seed=0, gain=0.05) >= 0.80
+
+
 def test_the_noise_model_is_within_arm_not_across_arms(h200):
     """marlin_dense's arms differ by x1.6: residuals about each arm's own mean stay at the few-percent noise, where
     residuals about a mean across both arms would be +-25%."""
