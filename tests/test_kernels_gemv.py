@@ -265,3 +265,19 @@ def test_fused_operands_load_before_the_k_loop_and_sum_after(tmp_path):
         assert norm["pre"] < plain["pre"] + 120, ("the fp64 sum moved before the K loop", norm, plain)
         assert norm["post"] > plain["post"] + 150, ("the fp64 sum is not after the K loop", norm, plain)
         assert add["post_loads"] == plain["post_loads"], ("the residual is loaded after the K loop", add, plain)
+
+
+def test_the_bench_fused_forms_compute_what_the_engine_does():
+    """`python -m vtengine.bench.w4a16 OUT --bf16-only` times fuse_norm's GEMV forms beside the plain one: their
+    operands must pass the kernels' checks and the forms compute RMSNorm-then-GEMV and GEMV-plus-residual."""
+    from vtengine.bench.w4a16 import fused_gemv_forms
+    gen = torch.Generator().manual_seed(0)
+    m, k, n = 3, 64, 48
+    forms = fused_gemv_forms(m, k, n, torch.device("cpu"), gen, dtype=torch.float32)    # the interpreter: fp32
+    norm, residual = forms["operands"]
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    inv = (norm.ss[:, :m].double().sum(0) / k + norm.eps).rsqrt()
+    want = ((x.double() * norm.weight.double()) @ w.double().t()) * inv[:, None]
+    assert rel_l2(forms["norm"][0](x, w)(), want) < 1e-5
+    assert rel_l2(forms["add_res"][0](x, w)(), x.double() @ w.double().t() + residual.double()) < 1e-5
+    assert forms["norm"][1] == k * 2 + norm.ss.numel() * 4 and forms["add_res"][1] > m * n * 2
