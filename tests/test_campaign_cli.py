@@ -111,7 +111,8 @@ def test_user_choices_override_the_host_defaults():
     (["campaign=gqa_swap", "grid.reps=abc"], "bad value for grid.reps ('grid.reps=abc')"),
     (["campaign=gqa_swap", "grid.repz=3"], "unknown key 'grid.repz' in override 'grid.repz=3'; accepted keys of "
                                            "grid: name, binding, concurrency, reps"),
-    (["campaign=gqa_swap", "grid=huge"], "unknown grid 'huge'; accepted: long_prompt, online, online_span, online_wide, rehearsal"),
+    (["campaign=gqa_swap", "grid=huge"],
+     "unknown grid 'huge'; accepted: long_prompt, online, online_span, online_wide, rehearsal"),
     (["campaign=gqa_swap", "model=llama-70b"], "unknown model 'llama-70b'; accepted: "),
     (["campaign=gqa_swap", "model.quant=int8"], "model.quant='int8' is not accepted; accepted: bf16, mxfp4, nvfp4"),
     (["campaign=marlin_dense", "model.quant=bf16"], "model.quant=bf16 for lever marlin_dense: none of the kernels "
