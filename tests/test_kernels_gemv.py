@@ -99,6 +99,10 @@ def test_gpu_gemv_bf16_qwen3_8b_shapes(k, n):
         x = rnd(m, k, gen=gen, dtype=bf)
         y = gemv.linear(x, w, triton_gemv=True, out=poisoned(m, n, bf))
         assert rel_l2(y, REF.linear(x.double(), w.double())) < 8e-3, f"seed {seed} m {m}"
+        # the levers pdl and pdl_prefetch move when a program waits and what it asks of L2 first: same bits
+        for pf in (False, True):
+            y_pdl = gemv.linear(x, w, triton_gemv=True, pdl=True, prefetch=pf, out=poisoned(m, n, bf))
+            assert torch.equal(y_pdl, y), f"seed {seed} m {m}: pdl (prefetch={pf}) changed the output"
     x = rnd(8, k, gen=gen, dtype=bf)
     batched = gemv.linear(x, w, triton_gemv=True)
     assert torch.equal(gemv.linear(x[3:4], w, triton_gemv=True)[0], batched[3]), f"seed {seed}: batch variance"
@@ -253,18 +257,32 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
-def test_fused_operands_load_before_the_k_loop_and_sum_after(tmp_path):
-    """The GEMV compiled for sm_90 on this host (no GPU): NORM's producer sums and ADD_RES's residual are loaded
-    before the K loop, NORM's fp64 sum runs after it (on the H200 the sum before the loop and the residual load
-    after it made the fused GEMVs slower than the kernels they replace), and the plain kernel has neither."""
+@pytest.fixture(scope="module")
+def gemv_sass(tmp_path_factory):
+    """`vtengine bench fused-sass` run once: the GEMV compiled for sm_90 on this host (no GPU), cut at its loop."""
     from helpers import static_sass
-    rows = {(x["form"], x["split"]): x for x in static_sass("vtengine.bench.fused_sass", tmp_path)["rows"]}
+    return static_sass("vtengine.bench.fused_sass", tmp_path_factory.mktemp("fused_sass"))
+
+
+def test_fused_operands_load_before_the_k_loop_and_sum_after(gemv_sass):
+    """NORM's producer sums and ADD_RES's residual are loaded before the K loop, NORM's fp64 sum runs after it (on
+    the H200 the sum before the loop and the residual load after it made the fused GEMVs slower than the kernels
+    they replace), and the plain kernel has neither."""
+    rows = {(x["form"], x["split"]): x for x in gemv_sass["rows"]}
     for split in (False, True):
         plain, norm, add = rows[("plain", split)], rows[("norm", split)], rows[("add_res", split)]
         assert norm["pre_loads"] > plain["pre_loads"] and add["pre_loads"] > plain["pre_loads"], (split, rows)
         assert norm["pre"] < plain["pre"] + 120, ("the fp64 sum moved before the K loop", norm, plain)
         assert norm["post"] > plain["post"] + 150, ("the fp64 sum is not after the K loop", norm, plain)
         assert add["post_loads"] == plain["post_loads"], ("the residual is loaded after the K loop", add, plain)
+
+
+def test_pdl_prefetch_asks_l2_for_weights_before_the_wait_and_loads_nothing_there(gemv_sass):
+    """The lever pdl_prefetch on the GEMV: L2 prefetches of W sit before griddepcontrol.wait, and no global load
+    does (x, the residual and the producer's sums are the previous kernel's output); plain PDL has neither."""
+    pdl = gemv_sass["pdl"]
+    assert pdl["pdl_prefetch"]["waits"] >= 1 and pdl["pdl_prefetch"]["prefetches"] > 0, pdl
+    assert pdl["pdl_prefetch"]["loads"] == 0 and pdl["pdl"]["prefetches"] == 0 and pdl["pdl"]["loads"] == 0, pdl
 
 
 def test_the_bench_fused_forms_compute_what_the_engine_does():

@@ -87,8 +87,8 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"variants": _variants(snap, "decode_attention") + _variants(snap, "prefill_attention")}
     if lever == "triton_gemv":
         return {"routes": _routes(snap, "dense_linear"), "grids": _grids(snap, "dense_linear")[:8]}
-    if lever == "pdl_prefetch":
-        return {"w4a16_launches": _routes(snap, "pdl_prefetch")}
+    if lever == "pdl_prefetch":     # PDL launches of the W4A16 GEMM and the bf16 GEMV: prefetch first, or wait first
+        return {"launches": _routes(snap, "pdl_prefetch"), "kernels": _variants(snap, "pdl_prefetch")}
     if lever == "fuse_silu":        # fused gate_up launches (W4A16 GEMM or bf16 GEMV), the separate silu_mul kernel's
         fused = sum(n for kernel in ("w4a16_gemm", "dense_linear") for st in snap.get(kernel, {}).values()
                     for v, n in st["variants"].items() if "'silu_mul'" in v)
@@ -166,8 +166,8 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
                                                        f"({pr['add_rms_norm_launches']} add_rms_norm launches)")
     if lever == "pdl_prefetch":
         want = ["prefetch"] if value else ["wait_first"]
-        return pr["w4a16_launches"] == want, (f"PDL launches of the W4A16 GEMM {pr['w4a16_launches']}, expected {want}"
-                                              " (needs pdl on, on sm_90+: the interpreter has no PDL)")
+        return pr["launches"] == want, (f"PDL launches of {pr['kernels']} {pr['launches']}, expected {want} (needs "
+                                        "pdl on, on sm_90+: the interpreter has no PDL)")
     if lever == "pdl":
         want = ["pdl"] if value else ["plain"]
         return pr["launches"] == want, f"kernel launches {pr['launches']} (kernels {pr['kernels']}), expected {want}"

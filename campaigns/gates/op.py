@@ -291,7 +291,8 @@ def dense_linear_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
         def run(setting, fault, x=x, w=w):
             return gemv.linear(x, torch.roll(w, 1, dims=1) if fault else w,
                                out=_poisoned_like((x.shape[0], w.shape[0]), x.dtype, x.device),
-                               triton_gemv=setting["triton_gemv"], pdl=setting["pdl"])
+                               triton_gemv=setting["triton_gemv"], pdl=setting["pdl"],
+                               prefetch=setting.get("prefetch", False))
 
         def ref(x=x, w=w):
             return TorchBackend().linear(x.float(), w.float())
@@ -364,8 +365,9 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         return {"dense": on("marlin_dense"), "pdl": on("pdl") or lever == "pdl_prefetch", "rot": on("w4a16_rot"),
                 "prefetch": on("pdl_prefetch"), "mid": on("w4a16_mid_m")}
     if kernel == "dense_linear":
-        # the pdl lever acts on the Triton GEMV only (cuBLAS ignores it): test it there
-        out = {"triton_gemv": on("triton_gemv") or lever == "pdl", "pdl": on("pdl")}
+        # the pdl levers act on the Triton GEMV only (cuBLAS ignores them): test them there, pdl_prefetch with pdl
+        out = {"triton_gemv": on("triton_gemv") or lever in ("pdl", "pdl_prefetch"),
+               "pdl": on("pdl") or lever == "pdl_prefetch", "prefetch": on("pdl_prefetch")}
         return out | ({"fused_norm": on("fuse_norm")} if lever == "fuse_norm" else {})
     return {"fast_math": on("fast_math"), "pdl": on("pdl")}
 

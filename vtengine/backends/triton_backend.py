@@ -88,10 +88,14 @@ class TritonBackend(TorchBackend):
         return dict(dense=on("marlin_dense"), pdl=on("pdl"), rot=on("w4a16_rot"), prefetch=on("pdl_prefetch"),
                     mid=on("w4a16_mid_m"))
 
+    def _gemv_levers(self) -> dict:
+        """The bf16 GEMV's lever arguments (PDL, and with it the weight prefetch before the wait)."""
+        return dict(pdl=self.levers.on("pdl"), prefetch=self.levers.on("pdl_prefetch"))
+
     def linear(self, x, weight):
         if isinstance(weight, QuantizedWeight):
             return w4a16.w4a16_linear(x, weight, **self._w4a16_levers())
-        return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), pdl=self.levers.on("pdl"))
+        return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), **self._gemv_levers())
 
     def gate_up_silu(self, x, weight):
         if self.levers.on("fuse_silu"):
@@ -100,7 +104,7 @@ class TritonBackend(TorchBackend):
                 if w4a16.fusable(x.shape[0], kw["dense"]):
                     return w4a16.w4a16_linear(x, weight, silu_mul=True, **kw)
             elif gemv.fusable(x.shape[0], self.levers.on("triton_gemv")):
-                return gemv.linear(x, weight, triton_gemv=True, pdl=self.levers.on("pdl"), silu_mul=True)
+                return gemv.linear(x, weight, triton_gemv=True, silu_mul=True, **self._gemv_levers())
         return super().gate_up_silu(x, weight)
 
     def fuses_norm(self, tokens: int, weight) -> bool:
@@ -117,7 +121,7 @@ class TritonBackend(TorchBackend):
         """(round(x W^T + residual), its per-tile sums of squares): the new residual, for norm_linear."""
         if isinstance(weight, QuantizedWeight):
             return w4a16.w4a16_linear_add(x, weight, residual, **self._w4a16_levers())
-        return gemv.linear_add(x, weight, residual, pdl=self.levers.on("pdl"))
+        return gemv.linear_add(x, weight, residual, **self._gemv_levers())
 
     def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False):
         """RMSNorm(residual) @ W^T with the norm inside the GEMM (then silu_mul, fused with fuse_silu)."""
@@ -126,8 +130,8 @@ class TritonBackend(TorchBackend):
         if isinstance(weight, QuantizedWeight):
             y = w4a16.w4a16_linear(residual, weight, norm=norm, silu_mul=fuse_silu, **self._w4a16_levers())
         else:
-            y = gemv.linear(residual, weight, triton_gemv=True, pdl=self.levers.on("pdl"), norm=norm,
-                            silu_mul=fuse_silu)
+            y = gemv.linear(residual, weight, triton_gemv=True, norm=norm, silu_mul=fuse_silu,
+                            **self._gemv_levers())
         return self.silu_mul(y) if silu_mul and not fuse_silu else y
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

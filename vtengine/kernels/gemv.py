@@ -21,7 +21,7 @@ import triton.language as tl
 
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, sm_count
-from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
+from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
 from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _residual_tile, _split_k_locks,
                                        _tile_rows, check_fused)
 
@@ -34,7 +34,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
                  SILU_MUL: tl.constexpr = False, ADD_RES: tl.constexpr = False, NORM: tl.constexpr = False,
-                 SS_BLOCK: tl.constexpr = 1, FAST_MATH: tl.constexpr = False):
+                 SS_BLOCK: tl.constexpr = 1, FAST_MATH: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                 PREFETCH_STEPS: tl.constexpr = 4, W_BYTES: tl.constexpr = 2):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K), or (cdiv(N / 2, BLOCK_N / 2), SPLIT_K) under SILU_MUL. Accumulates
     [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T over the program's K slice in fp32. SPLIT: partials go to a workspace,
     the last program of a tile to arrive (counter, acq_rel) sums them in split order and writes y, then resets the
@@ -53,8 +54,17 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     sums once: with the whole norm on every A element the qkv GEMV's K step compiled to 537 SASS instructions
     against 159 plain (sm_90, offline), and to 218 this way. The operands the previous kernel wrote (the
     producer's sums, the residual) are loaded before the K loop and used after it, so their latency hides behind
-    the weights: the split-K NORM kernel's code before its loop fell from 559 instructions to 306 (plain 244)."""
-    pdl_wait(USE_PDL)
+    the weights: the split-K NORM kernel's code before its loop fell from 559 instructions to 306 (plain 244).
+
+    USE_PDL (lever ``pdl``): the program waits for the previous kernel before its first read of what that kernel
+    wrote (x, the residual, the producer's sums) and lets the next kernel launch once its K loop is issued.
+    PREFETCH (lever ``pdl_prefetch``, with USE_PDL): before that wait the program asks L2 for the first
+    PREFETCH_STEPS K steps of its W rows (W_BYTES per element), so a GEMV launched early streams weights while the
+    kernel before it drains; the launcher sizes the steps to about 64 KB per program, so the programs of one wave
+    prefetch well under the 50 MB L2 of an H200 (a whole gate_up slice, 512 KB per program, would not fit)."""
+    EARLY: tl.constexpr = PREFETCH and USE_PDL
+    if not EARLY:
+        pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -69,13 +79,22 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     else:
         y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         y_mask = n_mask[:, None] & row_mask[None, :]
-    # the fused operands the previous kernel wrote, loaded now and used after the K loop (latency hidden)
-    res = _residual_tile(res_ptr + rows[None, :].to(tl.int64) * stride_res + offs_n[:, None], y_mask, ADD_RES)
-    ss = _norm_ss(ss_in_ptr, n_ss_in, offs_m, BLOCK_M, SS_BLOCK, NORM)
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     offs_k = tl.arange(0, BLOCK_K)
+    if EARLY:
+        # the program's first PREFETCH_STEPS K steps of W, asked of L2 before the wait: LINES 128-byte lines per
+        # row and step (weights never depend on the kernel before; what it wrote is read only after the wait)
+        LINES: tl.constexpr = (BLOCK_K * W_BYTES + 127) // 128
+        lines = tl.arange(0, LINES) * (128 // W_BYTES)
+        row_base = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + lines[None, :]
+        for k0 in range(k_lo, tl.minimum(k_hi, k_lo + PREFETCH_STEPS * BLOCK_K), BLOCK_K):
+            prefetch_l2(row_base + k0)
+        pdl_wait(USE_PDL)
+    # the fused operands the previous kernel wrote, loaded now and used after the K loop (latency hidden)
+    res = _residual_tile(res_ptr + rows[None, :].to(tl.int64) * stride_res + offs_n[:, None], y_mask, ADD_RES)
+    ss = _norm_ss(ss_in_ptr, n_ss_in, offs_m, BLOCK_M, SS_BLOCK, NORM)
     w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -129,6 +148,15 @@ def gemv_config(n: int, k: int, num_sms: int) -> dict:
     return dict(BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=stages)
 
 
+PREFETCH_BYTES = 64 * 1024     # W a program asks of L2 before its PDL wait (the lever pdl_prefetch)
+
+
+def prefetch_steps(block_n: int, block_k: int, w_bytes: int) -> int:
+    """K steps of W a program prefetches under pdl_prefetch: about PREFETCH_BYTES, at least one step (132 SMs x 2
+    programs x 64 KB = 17 MB, a third of an H200's L2)."""
+    return max(1, PREFETCH_BYTES // (block_n * block_k * w_bytes))
+
+
 def fusable(m: int, triton_gemv: bool) -> bool:
     """Whether the fused forms (silu_mul, residual add, RMSNorm) apply: the Triton GEMV's route (the lever
     triton_gemv on), 1 <= M <= 16."""
@@ -152,14 +180,15 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype, what: st
 
 def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool = False,
            out: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False,
-           norm: NormIn | None = None) -> torch.Tensor:
+           norm: NormIn | None = None, prefetch: bool = False) -> torch.Tensor:
     """y = x @ weight^T for x [M, K] and weight [N, K] of x's dtype; y [M, N].
 
     ``triton_gemv`` is the lever: True and M <= 16 -> the Triton split-K GEMV, otherwise cuBLAS. ``pdl``: the lever
     pdl for the Triton launch. ``out`` receives y when given (tests poison it). ``config`` overrides the tiles.
     ``silu_mul`` (the lever fuse_silu): weight is gate_up [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I], in
     the GEMV's epilogue. ``norm`` (the lever fuse_norm): x is a residual from linear_add and the GEMV multiplies
-    RMSNorm(x) instead. Both on the Triton route only (fusable says when)."""
+    RMSNorm(x) instead. Both on the Triton route only (fusable says when). ``prefetch``: the lever pdl_prefetch (with
+    PDL, the first K steps of W are asked of L2 before the wait)."""
     m, k, n = _check(x, weight, "linear")
     if (silu_mul or norm is not None) and not fusable(m, triton_gemv):
         raise ValueError(f"linear: silu_mul and norm fuse into the Triton GEMV (triton_gemv on, 1 <= M <= {MAX_M}); "
@@ -174,12 +203,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
             return torch.matmul(x, weight.t(), out=out)
         return x @ weight.t()
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, weight, y, config, pdl, silu_mul=silu_mul, norm=norm)
+    _launch(x, weight, y, config, pdl, silu_mul=silu_mul, norm=norm, prefetch=prefetch)
     return y
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pdl: bool = False,
-               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: dict | None = None, prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(round(x @ weight^T + residual), its sums of squares per output tile [tiles, MAX_M] fp32): the new residual
     and what the next GEMV's ``norm`` needs (the lever fuse_norm). The Triton route only: 1 <= M <= 16."""
     m, k, n = _check(x, weight, "linear_add")
@@ -188,13 +217,13 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pd
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = dict(config or gemv_config(n, k, sm_count(x.device)))
     ss = torch.empty((triton.cdiv(n, cfg["BLOCK_N"]), cfg["BLOCK_M"]), dtype=torch.float32, device=x.device)
-    _launch(x, weight, y, cfg, pdl, residual=residual, ss_out=ss)
+    _launch(x, weight, y, cfg, pdl, residual=residual, ss_out=ss, prefetch=prefetch)
     return y, ss
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict | None, pdl: bool,
             silu_mul: bool = False, norm: NormIn | None = None, residual: torch.Tensor | None = None,
-            ss_out: torch.Tensor | None = None) -> None:
+            ss_out: torch.Tensor | None = None, prefetch: bool = False) -> None:
     m, k = x.shape
     n = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -213,6 +242,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
         ws, locks = y, y                                # unused pointers
     dd = dot_dtype(x)
     on = use_pdl(pdl, "dense_linear", x.device)
+    early = bool(prefetch) and on
+    if on:
+        counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="dense_linear")
     res = residual if residual is not None else y       # unused pointers when a fusion is off
     ss_in = norm.ss if norm is not None else ws
     _gemv_kernel[grid](x, w, y, ws, locks, m, n, k, x.stride(0), w.stride(0), y.stride(0), split,
@@ -223,7 +255,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
                        DOT_DTYPE=dd, DOT_PREC="ieee" if dd == tl.float32 else "tf32", USE_PDL=on,
                        SILU_MUL=bool(silu_mul), ADD_RES=residual is not None, NORM=norm is not None,
                        SS_BLOCK=triton.next_power_of_2(max(1, ss_in.shape[0])) if norm is not None else 1,
-                       FAST_MATH=bool(norm is not None and norm.fast_math), num_warps=cfg.get("num_warps", 4),
+                       FAST_MATH=bool(norm is not None and norm.fast_math), PREFETCH=early,
+                       PREFETCH_STEPS=prefetch_steps(bn, bk, w.element_size()), W_BYTES=w.element_size(),
+                       num_warps=cfg.get("num_warps", 4),
                        num_stages=cfg.get("num_stages", 4), **launch_options(on))
     counters.record("dense_linear", "triton_gemv", grid=grid, splits=split,
                     variant=(bn, bk, split) + (("silu_mul",) if silu_mul else ()) + (("norm",) if norm else ())
