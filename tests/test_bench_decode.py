@@ -194,6 +194,11 @@ def test_profile_markdown_shows_the_device_timeline():
                                          share_of_step=4768.0 / 4204.0)])
     md = report.render_markdown(DecodeResult.from_dict({"engine": [], "profiles": [p.to_dict()]}))
     assert "device timeline 4800.0 us/step: kernels 4768.0, idle 32.0 us/step (0.7%)" in md
+    # shares written before share_basis existed are of the host's step; a device-based profile says so
+    assert "| % of step |" in md and "(device)" not in md
+    p.share_basis = "device"
+    md = report.render_markdown(DecodeResult.from_dict({"engine": [], "profiles": [p.to_dict()]}))
+    assert "| % of step (device) |" in md
 
 
 def test_timeline_warnings_bound_kernels_by_the_device_timeline():

@@ -130,8 +130,8 @@ def _profile_section(p) -> list[str]:
                   " between kernels and between steps", ""]
     if p.warning:
         lines += [f"**warning**: {p.warning}", ""]
-    lines += ["| kernel | us/step | launches/step | % of step" + (" (device)" if p.device_step_us else "") + " |",
-              "|---|---|---|---|"]
+    lines += ["| kernel | us/step | launches/step | % of step" + (" (device)" if p.share_basis == "device" else "")
+              + " |", "|---|---|---|---|"]
     for k in p.kernels[:MD_TOP_KERNELS]:
         lines.append(f"| `{k.kernel}` | {k.us_per_step:.1f} | {k.launches_per_step:.2f} | "
                      f"{100 * k.share_of_step:.1f}% |")

@@ -152,7 +152,8 @@ class KernelRow(Record):
     - kernel: the readable name (``short_kernel_name``); name_full: the trace's.
     - us_per_step: its time summed over the recorded steps / steps; launches_per_step likewise for its count.
     - share_of_step: us_per_step / the profile's device_step_us where the trace has one (with async scheduling the
-      host's step is shorter than the device's), else / step_us_measured.
+      host's step is shorter than the device's), else / step_us_measured: the profile's share_basis says which
+      (files written before it divided by step_us_measured).
     """
     kernel: str
     name_full: str
@@ -227,6 +228,7 @@ class KernelProfile(Record):
     byte_floors: list[ByteFloor] | None = None
     device_step_us: float | None = None
     device_idle_us_per_step: float | None = None
+    share_basis: str | None = None          # "device" (device_step_us) or "host"; files before it: the host's
 
 
 @dataclass
