@@ -87,10 +87,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
         # the program's first PREFETCH_STEPS K steps of W, asked of L2 before the wait: LINES 128-byte lines per
         # row and step (weights never depend on the kernel before; what it wrote is read only after the wait)
         LINES: tl.constexpr = (BLOCK_K * W_BYTES + 127) // 128
+        # (a line's column clamped to K - 1: a last, partial K step never asks for an address past its row)
         lines = tl.arange(0, LINES) * (128 // W_BYTES)
-        row_base = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + lines[None, :]
+        rows_w = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn
         for k0 in range(k_lo, tl.minimum(k_hi, k_lo + PREFETCH_STEPS * BLOCK_K), BLOCK_K):
-            prefetch_l2(row_base + k0)
+            prefetch_l2(rows_w + tl.minimum(k0 + lines, K - 1)[None, :])
         pdl_wait(USE_PDL)
     # the fused operands the previous kernel wrote, loaded now and used after the K loop (latency hidden)
     res = _residual_tile(res_ptr + rows[None, :].to(tl.int64) * stride_res + offs_n[:, None], y_mask, ADD_RES)
