@@ -186,6 +186,17 @@ def test_kernel_table_self_time_and_device_events():
     assert kernel_profile.device_step_us(nested, steps=2) is None
 
 
+def test_device_busy_time_counts_overlapping_kernels_once():
+    """Under PDL a kernel's interval starts before the one before it ends: busy time is their union, so the idle
+    time (timeline less busy) cannot go negative."""
+    ev = lambda ts, dur: {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur}     # noqa: E731
+    trace = [ev(0.0, 10.0), ev(8.0, 10.0), ev(30.0, 5.0), ev(31.0, 2.0)]                    # [0, 18) and [30, 35)
+    assert kernel_profile.device_busy_us(trace, steps=1) == 23.0
+    assert kernel_profile.device_step_us(trace, steps=1) == 35.0
+    assert sum(e["dur"] for e in trace) == 27.0                                              # the sum counts 4 twice
+    assert kernel_profile.device_busy_us([], steps=1) is None
+
+
 def test_profile_markdown_shows_the_device_timeline():
     p = KernelProfile(model="m", quant="bf16", batch=8, activity="cuda", steps=16, context_len=1024,
                       step_us_measured=4204.0, kernel_us_per_step=4768.0, gap_us_per_step=-564.0,
@@ -207,6 +218,9 @@ def test_timeline_warnings_bound_kernels_by_the_device_timeline():
     assert kernel_profile.timeline_warnings(2578.0, 2171.0, 2754.0) == []
     bad = kernel_profile.timeline_warnings(3000.0, 3100.0, 2754.0)
     assert len(bad) == 1 and "exceeds the device timeline (2754 us/step)" in bad[0]
+    # kernels that overlap (PDL): the warning says by how much, from the union of their intervals
+    assert "overlap by 300 us/step (PDL launches early)" in kernel_profile.timeline_warnings(3000.0, 3100.0, 2754.0,
+                                                                                            2700.0)[0]
     # no device timeline: the host's step is the only bound left, and the note says why it may not hold
     assert kernel_profile.timeline_warnings(2578.0, 2700.0, None) == []
     assert "async scheduling" in kernel_profile.timeline_warnings(2578.0, 2171.0, None)[0]

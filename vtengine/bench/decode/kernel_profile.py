@@ -99,20 +99,40 @@ def device_step_us(trace_events: list[dict], steps: int) -> float | None:
     return (max(float(e["ts"]) + float(e["dur"]) for e in acts) - min(float(e["ts"]) for e in acts)) / steps
 
 
-def timeline_warnings(kernel_us: float, step_us: float, device_us: float | None) -> list[str]:
-    """One stream cannot be busy longer than its own timeline: kernel time past the device's step period (or,
-    without one, past the host's step) means CUPTI's times inside graph replays are off. The host's step alone is
-    no bound with async scheduling, where the host returns while a step is in flight: there only a missing device
-    timeline is worth a note."""
+def timeline_warnings(kernel_us: float, step_us: float, device_us: float | None,
+                      busy_us: float | None = None) -> list[str]:
+    """Kernel time summed past the device's step period (or, without one, past the host's step): kernels that
+    overlap (under PDL a kernel starts before the one before it ends; ``busy_us``, the union of their intervals,
+    says by how much) or CUPTI's times inside graph replays are off. The host's step alone is no bound with async
+    scheduling, where the host returns while a step is in flight: there only a missing device timeline is worth a
+    note."""
     if device_us is not None:
         if kernel_us > 1.05 * device_us:
+            overlap = f" overlap by {kernel_us - busy_us:.0f} us/step (PDL launches early) or" if busy_us else ""
             return [f"kernel time {kernel_us:.0f} us/step exceeds the device timeline ({device_us:.0f} us/step): "
-                    "the device times are not trustworthy"]
+                    f"kernels{overlap} the device times are not trustworthy"]
         return []
     if kernel_us > 1.05 * step_us:
         return [f"kernel time {kernel_us:.0f} us/step exceeds the host's step ({step_us:.0f} us) and the trace has "
                 "no device timeline: with async scheduling that is expected, else the device times are off"]
     return []
+
+
+def device_busy_us(trace_events: list[dict], steps: int) -> float | None:
+    """The device's busy time per step: the union of its activities' intervals among ``trace_events`` over
+    ``steps`` (kernels that overlap, as under PDL, count once). The timeline less it is the idle time. None without
+    device activity."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace_events
+                   if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS)
+    if not spans or steps < 1:
+        return None
+    busy, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    return (busy + hi - lo) / steps
 
 
 def _decode_step(eng, batch: int) -> float:
@@ -204,14 +224,15 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
     if len(marks) != steps:                             # kept, not raised: the table is still worth having
         warnings.append(f"the trace holds {len(marks)} profiled steps, {steps} were asked")
     rows: list[KernelRow] = []
-    device_us = None
+    device_us = busy_us = None
     if marks:
         # only activity inside the recorded steps (a step ends on the sampler's sync, so its kernels are done);
         # Kineto puts device and host times on one clock
         lo, hi = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
         window = [e for e in events if lo <= e.get("ts", lo - 1) <= hi]
-        rows = kernel_table(window, steps, on_device)
+        rows = kernel_table(window, len(marks), on_device)      # per recorded step, as the timeline below
         device_us = device_step_us(window, len(marks)) if on_device else None
+        busy_us = device_busy_us(window, len(marks)) if on_device else None
         if not rows:
             warnings.append("no activity inside the recorded steps' time window: the whole trace is counted")
     rows = rows or kernel_table(events, steps, on_device)
@@ -229,14 +250,15 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
                         warm_steps=warm_steps, context_len=prompt_len + warm_steps + PROFILER_WARM_STEPS,
                         step_us_measured=step_us, kernel_us_per_step=kernel_us, gap_us_per_step=step_us - kernel_us,
                         device_step_us=device_us,
-                        device_idle_us_per_step=None if device_us is None else device_us - kernel_us,
+                        device_idle_us_per_step=None if device_us is None
+                        else device_us - (busy_us if busy_us is not None else kernel_us),
                         share_basis="device" if device_us else "host",
                         num_kernel_names=len(rows), kernels=rows[:JSON_MAX_KERNELS])
     if len(rows) > JSON_MAX_KERNELS:
         rest = rows[JSON_MAX_KERNELS:]
         out.kernels_other = KernelsOther(names=len(rest), us_per_step=sum(r.us_per_step for r in rest))
     if on_device:
-        warnings += timeline_warnings(kernel_us, step_us, device_us)
+        warnings += timeline_warnings(kernel_us, step_us, device_us, busy_us)
     if warnings:
         out.warning = "; ".join(warnings)
     return out

@@ -138,8 +138,9 @@ def _profile_section(p) -> list[str]:
     rest = p.kernels[MD_TOP_KERNELS:]
     other_us = sum(k.us_per_step for k in rest) + (p.kernels_other.us_per_step if p.kernels_other else 0.0)
     if other_us:
+        basis = p.device_step_us if p.share_basis == "device" else p.step_us_measured      # as the rows above
         lines.append(f"| ({p.num_kernel_names - MD_TOP_KERNELS} others) | {other_us:.1f} | | "
-                     f"{100 * other_us / p.step_us_measured:.1f}% |")
+                     f"{100 * other_us / basis:.1f}% |")
     lines.append("")
     if p.byte_floors:
         lines += ["Each kind of bytes against its own floor (bytes / copy bandwidth):", "",

@@ -198,9 +198,10 @@ class KernelProfile(Record):
     - kernel_us_per_step: the sum of every kernel name's us_per_step (those past the cut included);
       gap_us_per_step = step_us_measured - kernel_us_per_step: launch gaps, idle device time and host work.
     - device_step_us (CUDA only): the device timeline's period per recorded step (kernel_profile.device_step_us);
-      device_idle_us_per_step = device_step_us - kernel_us_per_step: the device waiting between kernels and between
-      steps, which async scheduling exists to remove (the host-side step time cannot show it: with a step in
-      flight the host returns early).
+      device_idle_us_per_step = device_step_us - the device's busy time (the union of its kernels' intervals, so
+      kernels overlapping under PDL count once; files before that subtracted kernel_us_per_step): the device
+      waiting between kernels and between steps, which async scheduling exists to remove (the host-side step time
+      cannot show it: with a step in flight the host returns early).
     - activity: "cuda" (device kernels, memcpy, memset) or "cpu" (CPU ops by self time, a CPU stand-in).
     - context_len: the context at the first recorded step (prompt + warm steps + the profiler's 2 warm-up steps).
     - steps_asked vs steps: the recorded steps asked for and found in the trace; warning: why the figures may be off.
