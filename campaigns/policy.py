@@ -182,13 +182,14 @@ def effect_note(ev: Evidence, cand: str, p: PolicyConfig) -> str:
         z = max(e.hi - 1, 1 / e.lo - 1)
         return (f"neutral: the effect is within ±{z:.1%} on {axes} ({e.confidence:.0%}, pooled over "
                 f"concurrencies)" + (f"; {seps}" if seps else ""))
+    none = ", though no point separated" + (f" by the minimum effect {p.min_effect:.1%}" if p.min_effect else "")
     if e.hi < 1:
         return (f"slower: the candidate costs {1 - e.hi:.1%} to {1 - e.lo:.1%} on {where}"
-                + (f"; {seps}" if seps else ", though no point separated"))
+                + (f"; {seps}" if seps else none))
     if e.lo > 1:
+        why = ("the LOSSes keep the rule from flipping it" if "LOSS" in seps else "too few for the rule to flip it")
         return (f"faster: the candidate gains {e.lo - 1:.1%} to {e.hi - 1:.1%} on {where}"
-                + (f"; {seps}, not enough for the rule to flip it" if seps
-                   else ", though no point separated, so the rule does not flip it"))
+                + (f"; {seps}: {why}" if seps else none + ", so the rule does not flip it"))
     return (f"underpowered: the effect could be anywhere from {e.lo - 1:+.1%} to {e.hi - 1:+.1%} on {where}; "
             f"the grid cannot call it neutral within ±{p.neutral_margin:.0%}" + (f"; {seps}" if seps else ""))
 
@@ -197,12 +198,16 @@ def separated_points(ev: Evidence, cand: str, p: PolicyConfig) -> str:
     """The concurrencies at which a primary axis separated by at least the minimum effect, by direction:
     'mixed: LOSSes at c1, c2 and a WIN at c32', 'LOSSes at c1, c2', or '' when none did."""
     stats = [s for s in ev.stats if s.candidate == cand and s.axis in p.primary_axes and counts(s, p)]
+    both = {s.concurrency for s in stats if s.separation == "LOSS"} & {s.concurrency for s in stats
+                                                                        if s.separation == "WIN"}
     parts = []
     for sep in ("LOSS", "WIN"):
-        cs = sorted({s.concurrency for s in stats if s.separation == sep})
-        if cs:
+        mine = sorted({(s.concurrency, s.axis) for s in stats if s.separation == sep})
+        # a concurrency that separated both ways (one primary axis each) names its axis
+        points = list(dict.fromkeys(f"c{c} ({_label(a)})" if c in both else f"c{c}" for c, a in mine))
+        if points:
             many = {"LOSS": "LOSSes", "WIN": "WINs"}[sep]
-            parts.append(f"{'a ' + sep if len(cs) == 1 else many} at " + ", ".join(f"c{c}" for c in cs))
+            parts.append(f"{'a ' + sep if len(points) == 1 else many} at " + ", ".join(points))
     if not parts:
         return ""
     return ("mixed: " if len(parts) == 2 else "") + " and ".join(parts)

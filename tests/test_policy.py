@@ -490,3 +490,15 @@ def test_keep_of_a_mixed_lever_names_where_it_separated():
     note = ev.decision.effect_note
     assert note.endswith("mixed: LOSSes at c1, c2, c4 and a WIN at c8"), note
     assert "no point separated" not in note
+
+
+def test_a_concurrency_that_separated_both_ways_names_its_axes():
+    """Total tok/s LOSSes everywhere and a TPOT WIN at c8: c8 is listed on both sides, each with its axis."""
+    ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}})
+    for leg in ev.legs:
+        if leg.concurrency == 8:
+            leg.metrics["median_tpot_ms"] = {"off": 10.0, "on": 9.0}[leg.arm] + 0.1 * leg.rep
+    ev = policy.conclude(ev)
+    assert verdict(ev) == "KEEP", ev.decision.reasons
+    note = ev.decision.effect_note
+    assert note.endswith("mixed: LOSSes at c1, c2, c4, c8 (total tok/s) and a WIN at c8 (TPOT)"), note
