@@ -181,6 +181,15 @@ def test_pdl_prefetch_expectation_can_fail(value, routes, ok):
     assert mechanism.expected("pdl_prefetch", value, mechanism.probe("pdl_prefetch", snap))[0] is ok
 
 
+def test_pdl_prefetch_names_the_kernel_that_waited_first():
+    """The W4A16 GEMM prefetched and the bf16 GEMV did not: the gate fails, and its message says which kernel."""
+    snap = {"pdl_prefetch": {"prefetch": {"launches": 3, "grids": {}, "splits": {}, "variants": {"w4a16_gemm": 3}},
+                             "wait_first": {"launches": 2, "grids": {}, "splits": {},
+                                            "variants": {"dense_linear": 2}}}}
+    ok, why = mechanism.expected("pdl_prefetch", True, mechanism.probe("pdl_prefetch", snap))
+    assert not ok and "'dense_linear': ['wait_first']" in why and "'w4a16_gemm': ['prefetch']" in why, why
+
+
 def _check_rot(value, decodes, ok):
     assert mechanism.expected("w4a16_rot", value, {"decodes": decodes})[0] is ok
     snap = {"w4a16_gemm": {"dense": {"launches": 2, "grids": {}, "splits": {},

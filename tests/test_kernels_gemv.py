@@ -90,7 +90,8 @@ def test_gemv_bad_inputs_are_clear_errors():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096),
+                                 (4160, 4096)])   # K not a multiple of BLOCK_K: the prefetch's last step is partial
 def test_gpu_gemv_bf16_qwen3_8b_shapes(k, n):
     gen, seed = fresh_generator()
     bf = torch.bfloat16
@@ -121,6 +122,8 @@ def test_gpu_gemv_gate_up_silu_mul_qwen3_8b():
         ref = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
         y = gemv.linear(x, w, triton_gemv=True, silu_mul=True, out=poisoned(m, i, bf))
         assert rel_l2(y, ref) < 8e-3, f"seed {seed} m {m}"
+        y_pf = gemv.linear(x, w, triton_gemv=True, silu_mul=True, pdl=True, prefetch=True, out=poisoned(m, i, bf))
+        assert torch.equal(y_pf, y), f"seed {seed} m {m}: pdl_prefetch changed the SiLU-mul output"
 
 
 def test_gemv_out_is_checked_on_both_routes_and_block_m_must_cover_m():
@@ -226,6 +229,11 @@ def test_gpu_residual_add_then_rmsnorm_qwen3_8b():
         r_ref = x.double() @ w_o.double().t() + res.double()
         assert rel_l2(r, r_ref) < 8e-3, f"seed {seed} m {m}"
         y = gemv.linear(r, w_qkv, triton_gemv=True, norm=gemv.NormIn(ss, g, eps))
+        # pdl_prefetch moves only the weights' first touch before the wait: the fused forms keep their bits
+        r_pf, ss_pf = gemv.linear_add(x, w_o, res, pdl=True, prefetch=True)
+        assert torch.equal(r_pf, r) and torch.equal(ss_pf, ss), f"seed {seed} m {m}: prefetch changed linear_add"
+        assert torch.equal(gemv.linear(r, w_qkv, triton_gemv=True, norm=gemv.NormIn(ss, g, eps), pdl=True,
+                                       prefetch=True), y), f"seed {seed} m {m}: prefetch changed the norm form"
         rd = r.double()
         normed = rd * torch.rsqrt((rd ** 2).mean(-1, keepdim=True) + eps) * g.double()
         assert rel_l2(y, normed @ w_qkv.double().t()) < 8e-3, f"seed {seed} m {m}"

@@ -88,7 +88,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
     if lever == "triton_gemv":
         return {"routes": _routes(snap, "dense_linear"), "grids": _grids(snap, "dense_linear")[:8]}
     if lever == "pdl_prefetch":     # PDL launches of the W4A16 GEMM and the bf16 GEMV: prefetch first, or wait first
-        return {"launches": _routes(snap, "pdl_prefetch"), "kernels": _variants(snap, "pdl_prefetch")}
+        return {"launches": _routes(snap, "pdl_prefetch"),
+                "kernels": {k: sorted(r for r, st in snap.get("pdl_prefetch", {}).items() if k in st["variants"])
+                            for k in _variants(snap, "pdl_prefetch")}}
     if lever == "fuse_silu":        # fused gate_up launches (W4A16 GEMM or bf16 GEMV), the separate silu_mul kernel's
         fused = sum(n for kernel in ("w4a16_gemm", "dense_linear") for st in snap.get(kernel, {}).values()
                     for v, n in st["variants"].items() if "'silu_mul'" in v)
@@ -166,7 +168,7 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
                                                        f"({pr['add_rms_norm_launches']} add_rms_norm launches)")
     if lever == "pdl_prefetch":
         want = ["prefetch"] if value else ["wait_first"]
-        return pr["launches"] == want, (f"PDL launches of {pr['kernels']} {pr['launches']}, expected {want} (needs "
+        return pr["launches"] == want, (f"PDL launches by kernel {pr['kernels']}, expected {want} for each (needs "
                                         "pdl on, on sm_90+: the interpreter has no PDL)")
     if lever == "pdl":
         want = ["pdl"] if value else ["plain"]
