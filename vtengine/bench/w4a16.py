@@ -189,6 +189,10 @@ def gemv_variants(n: int, k: int, num_sms: int) -> list:
     return out
 
 
+# where the engine uses each fuse_norm form: RMSNorm into qkv and gate_up, the residual add in o and down
+FUSED_FORMS = {"qkv_proj": ("norm",), "gate_up_proj": ("norm",), "o_proj": ("add_res",), "down_proj": ("add_res",)}
+
+
 def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16) -> dict:
     """The lever fuse_norm's two GEMV forms at one shape, to time beside the plain one: ``norm`` (RMSNorm of x from a
     producer's sums of squares, the norm weight loaded with x) and ``add_res`` (plus a residual, writing its sums of
@@ -242,7 +246,7 @@ def bench_bf16(res: dict, k: int, n: int, copy_gbs: float, l2: int, gen, sweep: 
             r["config"] = gemv.gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
             res["rows"].append(r)
         forms = fused_gemv_forms(m, k, n, torch.device("cuda"), gen)
-        for form in ("norm", "add_res"):
+        for form in FUSED_FORMS.get(SHAPE_NAMES.get((k, n)), ()):
             fn_for, extra = forms[form]
             r = _try(errs, f"triton_gemv {form} M={m}", lambda: timed(f"triton_gemv_{form}_bf16", m, fn_for, extra))
             if r:
