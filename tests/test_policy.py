@@ -478,27 +478,28 @@ def test_aa_counts_separations_the_lever_rule_would_count(shift, expected):
         assert d.reasons[0].startswith("4 separated point(s) (TPOT at c1 LOSS ×0.980")
 
 
-def test_keep_of_a_mixed_lever_names_where_it_separated():
-    """A WIN at one concurrency beside LOSSes at the others is a KEEP (rule 5 needs no WIN): its note must say
-    where each separated, never that no point did (the split_rule record of 2026-12-02 read so)."""
-    ev = make_evidence({"median_tpot_ms": {"off": [10.0, 10.1, 10.2], "on": [11.0, 11.1, 11.2]}})
+def keep_note_with_a_tpot_win_at_c8(values: dict) -> str:
+    """Evidence from ``values`` with the candidate's TPOT 10% better at c8 alone, concluded: it must be a KEEP;
+    its effect note."""
+    ev = make_evidence(values)
     for leg in ev.legs:
         if leg.concurrency == 8:
             leg.metrics["median_tpot_ms"] = {"off": 10.0, "on": 9.0}[leg.arm] + 0.1 * leg.rep
     ev = policy.conclude(ev)
     assert verdict(ev) == "KEEP", ev.decision.reasons
-    note = ev.decision.effect_note
+    return ev.decision.effect_note
+
+
+def test_keep_of_a_mixed_lever_names_where_it_separated():
+    """A WIN at one concurrency beside LOSSes at the others is a KEEP (rule 5 needs no WIN): its note must say
+    where each separated, never that no point did (the split_rule record of 2026-12-02 read so)."""
+    note = keep_note_with_a_tpot_win_at_c8({"median_tpot_ms": {"off": [10.0, 10.1, 10.2], "on": [11.0, 11.1, 11.2]}})
     assert note.endswith("mixed: LOSSes at c1, c2, c4 and a WIN at c8"), note
     assert "no point separated" not in note
 
 
 def test_a_concurrency_that_separated_both_ways_names_its_axes():
     """Total tok/s LOSSes everywhere and a TPOT WIN at c8: c8 is listed on both sides, each with its axis."""
-    ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}})
-    for leg in ev.legs:
-        if leg.concurrency == 8:
-            leg.metrics["median_tpot_ms"] = {"off": 10.0, "on": 9.0}[leg.arm] + 0.1 * leg.rep
-    ev = policy.conclude(ev)
-    assert verdict(ev) == "KEEP", ev.decision.reasons
-    note = ev.decision.effect_note
+    note = keep_note_with_a_tpot_win_at_c8(
+        {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}})
     assert note.endswith("mixed: LOSSes at c1, c2, c4, c8 (total tok/s) and a WIN at c8 (TPOT)"), note
