@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
 def commit_subject(names: list[str], limit: int = 72) -> str:
     """'Device results: a, b' within ``limit`` characters (git tools cut longer subjects); the names that do not fit
     are counted ('and 2 more') and listed in the body."""
-    subject = "Device results: " + ", ".join(names)
     for shown in range(len(names), 0, -1):
         rest = len(names) - shown
         subject = "Device results: " + ", ".join(names[:shown]) + (f" and {rest} more" if rest else "")

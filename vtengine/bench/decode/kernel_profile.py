@@ -250,8 +250,7 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
                         warm_steps=warm_steps, context_len=prompt_len + warm_steps + PROFILER_WARM_STEPS,
                         step_us_measured=step_us, kernel_us_per_step=kernel_us, gap_us_per_step=step_us - kernel_us,
                         device_step_us=device_us,
-                        device_idle_us_per_step=None if device_us is None
-                        else device_us - (busy_us if busy_us is not None else kernel_us),
+                        device_idle_us_per_step=None if device_us is None else device_us - busy_us,
                         share_basis="device" if device_us else "host",
                         num_kernel_names=len(rows), kernels=rows[:JSON_MAX_KERNELS])
     if len(rows) > JSON_MAX_KERNELS:
