@@ -254,12 +254,12 @@ MUTATIONS = [
              "other=0.0)\n",
              ["tests/test_kernels_gemv.py::test_residual_add_then_rmsnorm_across_two_gemvs"],
              gate="op", lever="fuse_norm"),
-    Mutation("fuse-norm-decoder-norm-weight", "fuse_norm: the decoder's gate_up GEMV normalises with the layer's "
-             "input norm, not its post-attention norm", "vtengine/models/decoder.py",
-             "                act = be.norm_linear(residual, ss, layer.post_norm, cfg.rms_norm_eps, layer.gate_up, "
-             "silu_mul=True)\n",
-             "                act = be.norm_linear(residual, ss, layer.input_norm, cfg.rms_norm_eps, layer.gate_up, "
-             "silu_mul=True)\n",
+    Mutation("fuse-norm-decoder-norm-weight", "fuse_norm: the o GEMV hands the gate_up GEMV its residual times the "
+             "layer's input norm, not its post-attention norm", "vtengine/models/decoder.py",
+             "                residual, ss, gained = be.linear_add(attn.reshape(t, hq * d), layer.o, residual, "
+             "layer.post_norm)\n",
+             "                residual, ss, gained = be.linear_add(attn.reshape(t, hq * d), layer.o, residual, "
+             "layer.input_norm)\n",
              ["tests/test_engine.py::test_fuse_norm_keeps_the_tokens_and_launches_no_add_rms_norm_at_decode"],
              gate_note="an engine fault, not a kernel's: caught by token equality with the torch oracle"),
     Mutation("fuse-norm-mechanism-always", "mechanism: fuse_norm's probe passes whatever the counters say",

@@ -158,6 +158,9 @@ def test_fuse_norm_keeps_the_tokens_and_launches_no_add_rms_norm_at_decode():
     assert got == want
     variants = [v for st in snap["dense_linear"].values() for v in st["variants"]]
     assert any("'add_residual'" in v for v in variants) and any("'norm'" in v for v in variants)
+    # the adds hand the norm GEMVs x * g (the down GEMV of the last layer feeds the separate final norm: no gain)
+    assert any("'gain_out'" in v for v in variants) and any("'gained'" in v for v in variants), variants
+    assert any("'add_residual'" in v and "'gain_out'" not in v for v in variants), variants
     norms = {v: n for st in snap["rms_norm"].values() for v, n in st["variants"].items()}
     adds = sum(n for v, n in norms.items() if "add_rms_norm" in v)
     # only the 20-token prompt's prefill step (M > 16) ran add_rms_norm: one per layer boundary and the final norm

@@ -236,17 +236,21 @@ def test_a_projection_fault_breaks_the_fused_forms_once_and_only_its_own_weights
     g = 1 + torch.rand(k)
     for fuse_silu in (False, True):
         be = TritonBackend(resolve({"fuse_norm": True, "fuse_silu": fuse_silu, "triton_gemv": True}))
-        y, ss = be.linear_add(x, w, res)
+        y, ss, none = be.linear_add(x, w, res)
+        _, _, yg = be.linear_add(x, w, res, g)
+        assert none is None and yg is not None
         calls = {"linear": lambda: be.linear(x, w), "gate_up_silu": lambda: be.gate_up_silu(x, gu),
                  "linear_add": lambda: be.linear_add(x, w, res)[0],
+                 "linear_add gained": lambda: be.linear_add(x, w, res, g)[2],
                  "norm_linear": lambda: be.norm_linear(y, ss, g, 1e-6, gu, silu_mul=True),
+                 "norm_linear gained": lambda: be.norm_linear(y, ss, g, 1e-6, gu, silu_mul=True, gained=yg),
                  "w4a16": lambda: be.linear(x, qw)}
         clean = {name: call() for name, call in calls.items()}
         install(be, Fault("perturb", "dense_linear", -2.0))
         for name, call in calls.items():
             want = clean[name] if name == "w4a16" else -clean[name]
             assert torch.allclose(call(), want, atol=1e-6), (name, fuse_silu)
-        y2, ss2 = be.linear_add(x, w, res)
+        y2, ss2, _ = be.linear_add(x, w, res)
         assert torch.allclose(ss2, ss)              # the squares of the negated residual: the same sums
         install(be, Fault("perturb", "w4a16_gemm", -2.0))
         assert torch.allclose(be.linear(x, qw), -clean["w4a16"]) and torch.allclose(be.linear(x, w), clean["linear"])

@@ -215,6 +215,39 @@ def test_residual_add_then_rmsnorm_across_two_gemvs(m):
                            gemv.linear(r, w2, triton_gemv=True, norm=gemv.NormIn(ss, g, eps))[m - 1]), f"seed {seed}"
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=[gpu, needs_cuda])])
+@pytest.mark.parametrize("m", [1, 5])
+def test_gained_handoff_gives_the_norm_forms_bits(m, dtype):
+    """linear_add_gain hands the next GEMV round(r * g): its residual and sums are linear_add's bits, its third
+    output is r * g rounded once, and the next GEMV (gained: no multiply in its K loop) gives the bits of the norm
+    form that multiplies in the loop, split-K 1 and 2, plain and SiLU-mul; the wrong gain handed on (a fault) fails.
+    bf16 on the GPU only: Triton's CPU interpreter gets bf16 arithmetic wrong (the in-loop product gives ~1e36)."""
+    gen, seed = fresh_generator()
+    k, n, eps = 96, 80, 1e-6
+    x, res = rnd(m, k, gen=gen, dtype=dtype), rnd(m, n, gen=gen, dtype=dtype)
+    w1 = (rnd(n, k, gen=gen) / k ** 0.5).to(dtype)
+    g = (1 + 0.1 * rnd(n, gen=gen)).to(dtype)
+    w2, w3 = (rnd(40, n, gen=gen) / n ** 0.5).to(dtype), (rnd(48, n, gen=gen) / n ** 0.5).to(dtype)
+    for split in (1, 2):
+        cfg = dict(gemv.gemv_config(n, k, 132), SPLIT_K=split)
+        r, ss = gemv.linear_add(x, w1, res, config=cfg)
+        r_g, ss_g, xg = gemv.linear_add_gain(x, w1, res, g, config=cfg)
+        assert torch.equal(r_g, r) and torch.equal(ss_g, ss), f"seed {seed} split {split}"
+        assert torch.equal(xg, (r.float() * g.float()).to(dtype)), f"seed {seed} split {split}"
+        for w, silu in ((w2, False), (w3, True)):
+            c2 = dict(gemv.gemv_config(w.shape[0], n, 132), SPLIT_K=split)
+            y = gemv.linear(r, w, triton_gemv=True, norm=gemv.NormIn(ss, g, eps), silu_mul=silu, config=c2)
+            y_g = gemv.linear(xg, w, triton_gemv=True, norm=gemv.NormIn(ss, g, eps, gained=True), silu_mul=silu,
+                              config=c2, out=poisoned(m, w.shape[0] // (2 if silu else 1), dtype))
+            assert torch.equal(y_g, y), f"seed {seed} split {split} silu {silu}: the gained form changed the bits"
+        _, _, xg_bad = gemv.linear_add_gain(x, w1, res, torch.flip(g, (0,)).contiguous(), config=cfg)
+        bad = gemv.linear(xg_bad, w2, triton_gemv=True, norm=gemv.NormIn(ss, g, eps, gained=True))
+        good = gemv.linear(r, w2, triton_gemv=True, norm=gemv.NormIn(ss, g, eps))
+        assert rel_l2(bad, good) > 0.02, f"seed {seed}: a wrong gain handed on went unseen"
+    with pytest.raises(ValueError, match=r"gain must be a contiguous \[80\]"):
+        gemv.linear_add_gain(x, w1, res, g[:40])
+
 @gpu
 @needs_cuda
 def test_gpu_residual_add_then_rmsnorm_qwen3_8b():
@@ -229,6 +262,10 @@ def test_gpu_residual_add_then_rmsnorm_qwen3_8b():
         r_ref = x.double() @ w_o.double().t() + res.double()
         assert rel_l2(r, r_ref) < 8e-3, f"seed {seed} m {m}"
         y = gemv.linear(r, w_qkv, triton_gemv=True, norm=gemv.NormIn(ss, g, eps))
+        # the engine's hand-off (the add writes r * g, the qkv K loop stays plain): the same bits
+        _, _, xg = gemv.linear_add_gain(x, w_o, res, g)
+        assert torch.equal(gemv.linear(xg, w_qkv, triton_gemv=True, norm=gemv.NormIn(ss, g, eps, gained=True)),
+                           y), f"seed {seed} m {m}: the gained form changed the bits"
         # pdl_prefetch moves only the weights' first touch before the wait: the fused forms keep their bits
         r_pf, ss_pf = gemv.linear_add(x, w_o, res, pdl=True, prefetch=True)
         assert torch.equal(r_pf, r) and torch.equal(ss_pf, ss), f"seed {seed} m {m}: prefetch changed linear_add"
@@ -283,6 +320,13 @@ def test_fused_operands_load_before_the_k_loop_and_sum_after(gemv_sass):
         assert norm["pre"] < plain["pre"] + 120, ("the fp64 sum moved before the K loop", norm, plain)
         assert norm["post"] > plain["post"] + 150, ("the fp64 sum is not after the K loop", norm, plain)
         assert add["post_loads"] == plain["post_loads"], ("the residual is loaded after the K loop", add, plain)
+        # what the engine runs: the add hands on x * g, so the norm GEMV's K loop is the plain one
+        gained, gain = rows[("norm_gained", split)], rows[("add_res_gain", split)]
+        # (same loads; the instruction count moves by a dozen with the scheduling around it, the norm's by 26-57)
+        assert gained["loop_loads"] == plain["loop_loads"] < norm["loop_loads"], ("g is read in the K loop", rows)
+        assert abs(gained["loop"] - plain["loop"]) <= 15 and gained["loop"] < norm["loop"], rows
+        assert gained["post"] >= plain["post"] + 150 and gain["pre_loads"] > add["pre_loads"], rows
+        assert abs(gain["loop"] - plain["loop"]) <= 15 and gain["post_loads"] == plain["post_loads"], rows
 
 
 def test_pdl_prefetch_asks_l2_for_weights_before_the_wait_and_loads_nothing_there(gemv_sass):
@@ -300,10 +344,16 @@ def test_the_bench_fused_forms_compute_what_the_engine_does():
     gen = torch.Generator().manual_seed(0)
     m, k, n = 3, 64, 48
     forms = fused_gemv_forms(m, k, n, torch.device("cpu"), gen, dtype=torch.float32)    # the interpreter: fp32
-    norm, residual = forms["operands"]
+    norm, residual, gain = forms["operands"]
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     inv = (norm.ss[:, :m].double().sum(0) / k + norm.eps).rsqrt()
     want = ((x.double() * norm.weight.double()) @ w.double().t()) * inv[:, None]
     assert rel_l2(forms["norm"][0](x, w)(), want) < 1e-5
     assert rel_l2(forms["add_res"][0](x, w)(), x.double() @ w.double().t() + residual.double()) < 1e-5
     assert forms["norm"][1] == k * 2 + norm.ss.numel() * 4 and forms["add_res"][1] > m * n * 2
+    # the engine's forms: x already times g (only the rsqrt left), and the add that also writes residual * gain
+    assert rel_l2(forms["norm_gained"][0](x, w)(), (x.double() @ w.double().t()) * inv[:, None]) < 1e-5
+    r = x.double() @ w.double().t() + residual.double()
+    assert rel_l2(forms["add_res_gain"][0](x, w)(), r) < 1e-5
+    _, _, xg = gemv.linear_add_gain(x, w, residual, gain)
+    assert rel_l2(xg, r * gain.double()) < 1e-5

@@ -402,6 +402,8 @@ def test_residual_add_then_rmsnorm_across_two_w4a16_gemms(fmt, m):
         assert rel_l2(bad, normed @ dequantize(q2, torch.float64).t()) > 0.3
     with pytest.raises(ValueError, match="norm and residual fuse into the dense swap-AB tiles"):
         w4a16.w4a16_linear(x, q1, dense=False, residual=res, ss_out=torch.zeros(4, 16, device=DEV))
+    with pytest.raises(ValueError, match=r"norm.gained=True is the bf16 GEMV's form"):
+        w4a16.w4a16_linear(r, q2, dense=True, norm=epilogue.NormIn(ss, g, eps, gained=True))
     with pytest.raises(ValueError, match=r"a residual needs ss_out fp32 \[\d+, \d+\] contiguous, got none"):
         w4a16.w4a16_linear(x, q1, dense=True, residual=res)
     with pytest.raises(ValueError, match=r"a residual needs ss_out fp32 .* got torch.float32 \(1, 1\)"):

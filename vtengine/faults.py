@@ -121,8 +121,8 @@ def _perturbed(name: str, op: Callable, fault: Fault) -> Callable:
 
     def broken(*args, **kwargs):
         out = op(*args, **kwargs)
-        if name == "linear_add":            # (residual, its sums of squares): the squares follow the values
-            return out[0] * factor, out[1] * factor ** 2
+        if name == "linear_add":            # (residual, its sums of squares, residual * gain or None): the squares
+            return out[0] * factor, out[1] * factor ** 2, None if out[2] is None else out[2] * factor   # follow
         if isinstance(out, tuple):          # add_rms_norm returns (normed, residual): the kernel's output is both
             return tuple(t * factor if t.is_floating_point() else t for t in out)
         return out * factor if out.is_floating_point() else out

@@ -303,8 +303,9 @@ def dense_linear_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
 def norm_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     """The lever fuse_norm at decode sizes, in the model dtype (the Triton GEMV) and in MXFP4 (the W4A16 GEMM's
     dense route): an o-like projection plus the residual, then RMSNorm and the next projection; fused (the add in
-    the first one's epilogue, the norm in the second's prologue) in a fuse_norm arm, the projection, add_rms_norm
-    and projection kernels otherwise. The new residual and the second output, flattened into one tensor."""
+    the first one's epilogue, with the GEMV's x * g, the norm's rsqrt in the second's epilogue) in a fuse_norm arm,
+    the projection, add_rms_norm and projection kernels otherwise. The new residual and the second output, flattened
+    into one tensor."""
     from vtengine.kernels import fused, gemv, w4a16
     from vtengine.kernels.epilogue import NormIn
     cases, eps = [], 1e-6
@@ -329,11 +330,12 @@ def norm_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
             def run(setting, fault, x=x, res=res, w1=w1, w2=w2, g=g, q=q, proj=proj):
                 r_in = torch.roll(res, 1, dims=1) if fault else res       # the fault: the residual one column off
                 pdl = setting["pdl"]
-                if setting.get("fused_norm"):
-                    add = w4a16.w4a16_linear_add(x, w1, r_in, dense=True, pdl=pdl) if q else \
-                        gemv.linear_add(x, w1, r_in, pdl=pdl)
-                    y = proj(add[0], w2, pdl, norm=NormIn(add[1], g, eps))
-                    r = add[0]
+                if setting.get("fused_norm") and q:
+                    r, ss = w4a16.w4a16_linear_add(x, w1, r_in, dense=True, pdl=pdl)
+                    y = proj(r, w2, pdl, norm=NormIn(ss, g, eps))
+                elif setting.get("fused_norm"):                 # as the engine: the add hands on x * g
+                    r, ss, xg = gemv.linear_add_gain(x, w1, r_in, g, pdl=pdl)
+                    y = proj(xg, w2, pdl, norm=NormIn(ss, g, eps, gained=True))
                 else:
                     xn, r = fused.add_rms_norm(proj(x, w1, pdl), r_in, g, eps, pdl=pdl)
                     y = proj(xn, w2, pdl)

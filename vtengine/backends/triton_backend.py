@@ -117,21 +117,27 @@ class TritonBackend(TorchBackend):
         return (self.kernels is None or {"dense_linear", "rms_norm"} <= set(self.kernels)) and \
             gemv.fusable(tokens, self.levers.on("triton_gemv"))
 
-    def linear_add(self, x, weight, residual):
-        """(round(x W^T + residual), its per-tile sums of squares): the new residual, for norm_linear."""
+    def linear_add(self, x, weight, residual, gain=None):
+        """(round(x W^T + residual), its per-tile sums of squares, round(that residual * gain) or None): the new
+        residual for norm_linear and, on the bf16 GEMV when the next norm's weight ``gain`` is given, its input with
+        the gain applied (so that GEMV's K loop is the plain one); the W4A16 GEMM returns None there."""
         if isinstance(weight, QuantizedWeight):
-            return w4a16.w4a16_linear_add(x, weight, residual, **self._w4a16_levers())
-        return gemv.linear_add(x, weight, residual, **self._gemv_levers())
+            return *w4a16.w4a16_linear_add(x, weight, residual, **self._w4a16_levers()), None
+        if gain is None:
+            return *gemv.linear_add(x, weight, residual, **self._gemv_levers()), None
+        return gemv.linear_add_gain(x, weight, residual, gain, **self._gemv_levers())
 
-    def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False):
-        """RMSNorm(residual) @ W^T with the norm inside the GEMM (then silu_mul, fused with fuse_silu)."""
-        norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"))
+    def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False, gained=None):
+        """RMSNorm(residual) @ W^T with the norm inside the GEMM (then silu_mul, fused with fuse_silu). ``gained``:
+        linear_add's residual * norm_weight, the bf16 GEMV's input instead of the residual."""
         fuse_silu = silu_mul and self.levers.on("fuse_silu")
         if isinstance(weight, QuantizedWeight):
+            norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"))
             y = w4a16.w4a16_linear(residual, weight, norm=norm, silu_mul=fuse_silu, **self._w4a16_levers())
         else:
-            y = gemv.linear(residual, weight, triton_gemv=True, norm=norm, silu_mul=fuse_silu,
-                            **self._gemv_levers())
+            norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"), gained=gained is not None)
+            y = gemv.linear(residual if gained is None else gained, weight, triton_gemv=True, norm=norm,
+                            silu_mul=fuse_silu, **self._gemv_levers())
         return self.silu_mul(y) if silu_mul and not fuse_silu else y
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

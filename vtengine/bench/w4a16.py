@@ -190,7 +190,9 @@ def gemv_variants(n: int, k: int, num_sms: int) -> list:
 
 
 # where the engine uses each fuse_norm form: RMSNorm into qkv and gate_up, the residual add in o and down
-FUSED_FORMS = {"qkv_proj": ("norm",), "gate_up_proj": ("norm",), "o_proj": ("add_res",), "down_proj": ("add_res",)}
+# (the _gain forms are what the engine runs on bf16: the add hands the norm GEMV x * g, so its K loop is the plain one)
+FUSED_FORMS = {"qkv_proj": ("norm", "norm_gained"), "gate_up_proj": ("norm", "norm_gained"),
+               "o_proj": ("add_res", "add_res_gain"), "down_proj": ("add_res", "add_res_gain")}
 
 
 def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16) -> dict:
@@ -198,21 +200,29 @@ def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16) 
     producer's sums of squares, the norm weight loaded with x) and ``add_res`` (plus a residual, writing its sums of
     squares), each as (fn_for(x, w) -> call, bytes moved beyond the plain call's), for x and weights of ``dtype``;
     ``operands`` holds (NormIn, residual) for references. The operands pass the kernels' checks. The decode bench
-    says the fused step's GEMVs cost 9% more than the plain ones on bf16 (2026-12-02); these say which form."""
+    says the fused step's GEMVs cost 9% more than the plain ones on bf16 (2026-12-02); these say which form. The
+    engine's forms: ``norm_gained`` (x is already x * g: only the rsqrt after the K loop) and ``add_res_gain`` (also
+    writing round(residual * gain) for it)."""
     from vtengine.kernels import gemv, sm_count
     from vtengine.kernels.epilogue import NormIn
     prod_tiles = -(-k // 32)                           # the producer's output tiles (its N = this K), 32 rows each
     ss = (torch.rand(prod_tiles, gemv.MAX_M, device=device, generator=gen) + 0.5) * (32 / 3)
     g = (torch.rand(k, device=device, generator=gen) + 0.5).to(dtype)
     norm = NormIn(ss, g, 1e-6)
+    gained = NormIn(ss, g, 1e-6, gained=True)
     residual = torch.randn(m, n, device=device, generator=gen).to(dtype)
+    gain = (torch.rand(n, device=device, generator=gen) + 0.5).to(dtype)
     tiles = -(-n // gemv.gemv_config(n, k, sm_count(device))["BLOCK_N"])
     return {
         "norm": (lambda x, w: lambda: gemv.linear(x, w, triton_gemv=True, norm=norm),
                  k * 2 + ss.numel() * 4),
         "add_res": (lambda x, w: lambda: gemv.linear_add(x, w, residual)[0],
                     m * n * 2 + tiles * gemv.MAX_M * 4),
-        "operands": (norm, residual),
+        "norm_gained": (lambda x, w: lambda: gemv.linear(x, w, triton_gemv=True, norm=gained),
+                        ss.numel() * 4),
+        "add_res_gain": (lambda x, w: lambda: gemv.linear_add_gain(x, w, residual, gain)[0],
+                         2 * m * n * 2 + n * 2 + tiles * gemv.MAX_M * 4),
+        "operands": (norm, residual, gain),
     }
 
 
@@ -496,7 +506,8 @@ def mid_markdown(result: dict) -> str:
 # -- report ----------------------------------------------------------------------------------------------------
 METHODS = ["mxfp4_dense", "mxfp4_dense_rot", "mxfp4_grouped", "nvfp4_dense", "nvfp4_dense_rot", "nvfp4_grouped",
            "mxfp4_dense_tuned", "nvfp4_dense_tuned",
-           "cublas_bf16", "triton_gemv_bf16", "triton_gemv_norm_bf16", "triton_gemv_add_res_bf16",
+           "cublas_bf16", "triton_gemv_bf16", "triton_gemv_norm_bf16", "triton_gemv_norm_gained_bf16",
+           "triton_gemv_add_res_bf16", "triton_gemv_add_res_gain_bf16",
            f"tinygemm_int4_g{TINYGEMM_GROUP}"]
 
 

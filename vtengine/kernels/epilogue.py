@@ -104,11 +104,14 @@ def _norm_inv(ss, K, eps, FAST_MATH: tl.constexpr):
 @dataclass(frozen=True)
 class NormIn:
     """The RMSNorm a GEMV applies to its input (lever ``fuse_norm``): the producer's sums of squares (linear_add's
-    second output, [tiles, MAX_M] fp32), the norm weight [K], eps, and the lever fast_math's rsqrt."""
+    second output, [tiles, MAX_M] fp32), the norm weight [K], eps, and the lever fast_math's rsqrt. ``gained``: the
+    GEMV's x is already x * weight (gemv.linear_add_gain's third output), so its K loop does not multiply by it
+    (the bf16 GEMV only; the W4A16 GEMM multiplies in its K loop)."""
     ss: torch.Tensor
     weight: torch.Tensor
     eps: float
     fast_math: bool = False
+    gained: bool = False
 
 
 def check_fused(what: str, m: int, n: int, k: int, bm: int, tiles: int, norm: NormIn | None,

@@ -28,14 +28,33 @@ from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _re
 MAX_M = 16
 
 
+@triton.jit
+def _gain_tile(gain_ptrs, GAIN_OUT: tl.constexpr):
+    """GAIN_OUT's column tile of the next norm's gain (a weight: loadable before any PDL wait), or a placeholder."""
+    if GAIN_OUT:
+        return tl.load(gain_ptrs).to(tl.float32)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _store_gained(acc, res, gain, xg_ptrs, y_mask, GAIN_OUT: tl.constexpr):
+    """GAIN_OUT's second output: round(round(acc + res) * gain), the stored residual (as _finish rounds it) times
+    the next norm's gain, rounded once (exact in fp32: two 8-bit significands)."""
+    if GAIN_OUT:
+        out = (acc + res.to(tl.float32)).to(xg_ptrs.dtype.element_ty).to(tl.float32)
+        tl.store(xg_ptrs, (out * gain[:, None]).to(xg_ptrs.dtype.element_ty), mask=y_mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_ym, SPLIT_K,
-                 res_ptr, stride_res, ss_out_ptr, ss_in_ptr, n_ss_in, g_ptr, eps,
+                 res_ptr, stride_res, ss_out_ptr, ss_in_ptr, n_ss_in, g_ptr, eps, gain_ptr, xg_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
                  SILU_MUL: tl.constexpr = False, ADD_RES: tl.constexpr = False, NORM: tl.constexpr = False,
                  SS_BLOCK: tl.constexpr = 1, FAST_MATH: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                 PREFETCH_STEPS: tl.constexpr = 4, W_BYTES: tl.constexpr = 2):
+                 PREFETCH_STEPS: tl.constexpr = 4, W_BYTES: tl.constexpr = 2, GAINED: tl.constexpr = False,
+                 GAIN_OUT: tl.constexpr = False):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K), or (cdiv(N / 2, BLOCK_N / 2), SPLIT_K) under SILU_MUL. Accumulates
     [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T over the program's K slice in fp32. SPLIT: partials go to a workspace,
     the last program of a tile to arrive (counter, acq_rel) sums them in split order and writes y, then resets the
@@ -55,6 +74,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     against 159 plain (sm_90, offline), and to 218 this way. The operands the previous kernel wrote (the
     producer's sums, the residual) are loaded before the K loop and used after it, so their latency hides behind
     the weights: the split-K NORM kernel's code before its loop fell from 559 instructions to 306 (plain 244).
+    GAIN_OUT (with ADD_RES): the producer also stores round(y * gain) [M, N], the next norm's x * g, from the
+    rounded residual it stores (the gain's column tile is loaded before the K loop). GAINED (with NORM): x is that
+    product, so the K loop is the plain one and only the token's rsqrt remains, after it; the bits are those of
+    NORM alone (a bf16 product of bf16 operands rounds once either way). On the H200 the x * g in the K loop cost
+    the gate_up GEMV 49.2 -> 57.8 us and the qkv one 16.7 -> 17.9 us (bench/results/w4a16-2026-12-02-*).
 
     USE_PDL (lever ``pdl``): the program waits for the previous kernel before its first read of what that kernel
     wrote (x, the residual, the producer's sums) and lets the next kernel launch once its K loop is issued.
@@ -96,6 +120,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     # the fused operands the previous kernel wrote, loaded now and used after the K loop (latency hidden)
     res = _residual_tile(res_ptr + rows[None, :].to(tl.int64) * stride_res + offs_n[:, None], y_mask, ADD_RES)
     ss = _norm_ss(ss_in_ptr, n_ss_in, offs_m, BLOCK_M, SS_BLOCK, NORM)
+    gain = _gain_tile(gain_ptr + offs_n_ld, GAIN_OUT)
     w_ptrs = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -107,7 +132,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
             k_ok = k0 + offs_k < k_hi
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             a = tl.load(x_ptrs, mask=row_mask[:, None] & k_ok[None, :], other=0.0)
-        if NORM:                                    # x * g here, the token's rsqrt on the sums below
+        if NORM and not GAINED:                     # x * g here, the token's rsqrt on the sums below
             a = a * tl.load(g_ptr + k0 + offs_k, mask=k0 + offs_k < k_hi, other=0.0)[None, :]
         acc = tl.dot(w.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), acc, input_precision=DOT_PREC)
         w_ptrs += BLOCK_K
@@ -118,6 +143,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
 
     if not SPLIT:
         _finish(acc, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
+        _store_gained(acc, res, gain, xg_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y_mask,
+                      GAIN_OUT)
     else:
         ws_tile = ws_ptr + pid_n.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M)
         offs_acc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
@@ -129,6 +156,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
             for s in range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + offs_acc, cache_modifier=".cg")
             _finish(total, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
+            _store_gained(total, res, gain, xg_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
+                          y_mask, GAIN_OUT)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -188,8 +217,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
     pdl for the Triton launch. ``out`` receives y when given (tests poison it). ``config`` overrides the tiles.
     ``silu_mul`` (the lever fuse_silu): weight is gate_up [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I], in
     the GEMV's epilogue. ``norm`` (the lever fuse_norm): x is a residual from linear_add and the GEMV multiplies
-    RMSNorm(x) instead. Both on the Triton route only (fusable says when). ``prefetch``: the lever pdl_prefetch (with
-    PDL, the first K steps of W are asked of L2 before the wait)."""
+    RMSNorm(x) instead (``norm.gained``: x is linear_add_gain's residual * g, the norm's rsqrt alone remains). Both
+    on the Triton route only (fusable says when). ``prefetch``: the lever pdl_prefetch (with PDL, the first K steps
+    of W are asked of L2 before the wait)."""
     m, k, n = _check(x, weight, "linear")
     if (silu_mul or norm is not None) and not fusable(m, triton_gemv):
         raise ValueError(f"linear: silu_mul and norm fuse into the Triton GEMV (triton_gemv on, 1 <= M <= {MAX_M}); "
@@ -212,19 +242,37 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, pd
                config: dict | None = None, prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(round(x @ weight^T + residual), its sums of squares per output tile [tiles, MAX_M] fp32): the new residual
     and what the next GEMV's ``norm`` needs (the lever fuse_norm). The Triton route only: 1 <= M <= 16."""
-    m, k, n = _check(x, weight, "linear_add")
+    y, ss, _ = _linear_add(x, weight, residual, None, pdl, config, prefetch, "linear_add")
+    return y, ss
+
+
+def linear_add_gain(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gain: torch.Tensor,
+                    pdl: bool = False, config: dict | None = None,
+                    prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear_add's (residual, sums of squares) and round(residual * gain) [M, N]: the next RMSNorm's weight
+    ``gain`` [N] applied, so the next GEMV takes it with ``NormIn(..., gained=True)`` and its K loop stays plain."""
+    return _linear_add(x, weight, residual, gain, pdl, config, prefetch, "linear_add_gain")
+
+
+def _linear_add(x, weight, residual, gain, pdl, config, prefetch, what):
+    m, k, n = _check(x, weight, what)
     if not fusable(m, True):
-        raise ValueError(f"linear_add: the residual add fuses into the Triton GEMV at 1 <= M <= {MAX_M}, got M={m}")
+        raise ValueError(f"{what}: the residual add fuses into the Triton GEMV at 1 <= M <= {MAX_M}, got M={m}")
+    if gain is not None and (gain.shape != (n,) or gain.stride() != (1,) or gain.dtype != x.dtype):
+        raise ValueError(f"{what}: gain must be a contiguous [{n}] {x.dtype} (the next RMSNorm's weight), got "
+                         f"{tuple(gain.shape)} {gain.dtype} strides {tuple(gain.stride())}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    xg = torch.empty_like(y) if gain is not None else None
     cfg = dict(config or gemv_config(n, k, sm_count(x.device)))
     ss = torch.empty((triton.cdiv(n, cfg["BLOCK_N"]), cfg["BLOCK_M"]), dtype=torch.float32, device=x.device)
-    _launch(x, weight, y, cfg, pdl, residual=residual, ss_out=ss, prefetch=prefetch)
-    return y, ss
+    _launch(x, weight, y, cfg, pdl, residual=residual, ss_out=ss, prefetch=prefetch, gain=gain, gained_out=xg)
+    return y, ss, xg
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict | None, pdl: bool,
             silu_mul: bool = False, norm: NormIn | None = None, residual: torch.Tensor | None = None,
-            ss_out: torch.Tensor | None = None, prefetch: bool = False) -> None:
+            ss_out: torch.Tensor | None = None, prefetch: bool = False, gain: torch.Tensor | None = None,
+            gained_out: torch.Tensor | None = None) -> None:
     m, k = x.shape
     n = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -251,15 +299,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
     _gemv_kernel[grid](x, w, y, ws, locks, m, n, k, x.stride(0), w.stride(0), y.stride(0), split,
                        res, res.stride(0), ss_out if ss_out is not None else ws, ss_in,
                        ss_in.shape[0] if norm is not None else 0, norm.weight if norm is not None else w,
-                       norm.eps if norm is not None else 0.0,
+                       norm.eps if norm is not None else 0.0, gain if gain is not None else w,
+                       gained_out if gained_out is not None else y,
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=k % (bk * split) == 0,
                        DOT_DTYPE=dd, DOT_PREC="ieee" if dd == tl.float32 else "tf32", USE_PDL=on,
                        SILU_MUL=bool(silu_mul), ADD_RES=residual is not None, NORM=norm is not None,
                        SS_BLOCK=triton.next_power_of_2(max(1, ss_in.shape[0])) if norm is not None else 1,
                        FAST_MATH=bool(norm is not None and norm.fast_math), PREFETCH=early,
                        PREFETCH_STEPS=prefetch_steps(bn, bk, w.element_size()), W_BYTES=w.element_size(),
+                       GAINED=bool(norm is not None and norm.gained), GAIN_OUT=gain is not None,
                        num_warps=cfg.get("num_warps", 4),
                        num_stages=cfg.get("num_stages", 4), **launch_options(on))
     counters.record("dense_linear", "triton_gemv", grid=grid, splits=split,
                     variant=(bn, bk, split) + (("silu_mul",) if silu_mul else ()) + (("norm",) if norm else ())
-                    + (("add_residual",) if residual is not None else ()))
+                    + (("add_residual",) if residual is not None else ()) + (("gain_out",) if gain is not None else ())
+                    + (("gained",) if norm is not None and norm.gained else ()))

@@ -683,6 +683,9 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if fused and not (dense and cfg["SWAP_AB"] and 1 <= m <= bm):
         raise ValueError(f"w4a16_linear: norm and residual fuse into the dense swap-AB tiles (M <= 16); got "
                          f"dense={dense}, M={m}, SWAP_AB={cfg['SWAP_AB']}")
+    if norm is not None and norm.gained:
+        raise ValueError("w4a16_linear: norm.gained=True is the bf16 GEMV's form (gemv.linear_add_gain); the W4A16 "
+                         "GEMM applies the norm weight in its K loop: pass the residual with gained=False")
     check_fused("w4a16_linear", m, n, k, bm, triton.cdiv(n, bn), norm, residual, ss_out, x.dtype)
     n_out = n // 2 if silu_mul else n
     if bk % block or bk < 2 * block:

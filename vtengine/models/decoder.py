@@ -106,15 +106,17 @@ class DecoderModel:
         t = input_ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         h = self.embed[input_ids]
-        residual, ss = None, None
+        residual, ss, gained = None, None, None
         # the lever fuse_norm: the residual add in the o and down GEMVs, RMSNorm in the qkv and gate_up GEMVs
         fuse = bool(self.layers) and be.fuses_norm(t, self.layers[0].qkv)
+        # the norm each down GEMV's residual feeds: the next layer's input norm (the final norm stays separate)
+        next_norm = {id(a): b.input_norm for a, b in zip(self.layers, self.layers[1:])}
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
                 residual, x = h, be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
                 qkv = be.linear(x, layer.qkv)
             elif fuse:
-                qkv = be.norm_linear(residual, ss, layer.input_norm, cfg.rms_norm_eps, layer.qkv)
+                qkv = be.norm_linear(residual, ss, layer.input_norm, cfg.rms_norm_eps, layer.qkv, gained=gained)
             else:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
                 qkv = be.linear(x, layer.qkv)
@@ -134,9 +136,12 @@ class DecoderModel:
                 attn = be.decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
                                            max_context_len=ctx.max_context_len)
             if fuse:
-                residual, ss = be.linear_add(attn.reshape(t, hq * d), layer.o, residual)
-                act = be.norm_linear(residual, ss, layer.post_norm, cfg.rms_norm_eps, layer.gate_up, silu_mul=True)
-                residual, ss = be.linear_add(act, layer.down, residual)
+                # each add also hands the next GEMV its input times the next norm's weight (None where it cannot)
+                residual, ss, gained = be.linear_add(attn.reshape(t, hq * d), layer.o, residual, layer.post_norm)
+                act = be.norm_linear(residual, ss, layer.post_norm, cfg.rms_norm_eps, layer.gate_up, silu_mul=True,
+                                     gained=gained)
+                following = next_norm.get(id(layer))
+                residual, ss, gained = be.linear_add(act, layer.down, residual, following)
                 continue
             h = be.linear(attn.reshape(t, hq * d), layer.o)
             x, residual = be.add_rms_norm(h, residual, layer.post_norm, cfg.rms_norm_eps)
