@@ -195,6 +195,10 @@ FUSED_FORMS = {"qkv_proj": ("norm", "norm_gained"), "gate_up_proj": ("norm", "no
                "o_proj": ("add_res", "add_res_gain"), "down_proj": ("add_res", "add_res_gain")}
 
 
+# the GEMV with PDL: no prefetch, and the bytes per program asked of L2 before the wait
+PDL_GEMV_ROWS = {"pdl": 0, "pdl_pf8k": 8 * 1024, "pdl_pf16k": 16 * 1024, "pdl_pf64k": 64 * 1024}
+
+
 def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16) -> dict:
     """The lever fuse_norm's two GEMV forms at one shape, to time beside the plain one: ``norm`` (RMSNorm of x from a
     producer's sums of squares, the norm weight loaded with x) and ``add_res`` (plus a residual, writing its sums of
@@ -255,6 +259,14 @@ def bench_bf16(res: dict, k: int, n: int, copy_gbs: float, l2: int, gen, sweep: 
         if r:
             r["config"] = gemv.gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
             res["rows"].append(r)
+        # PDL between the back-to-back GEMVs of the graph, and pdl_prefetch's L2 prefetch of W before the wait at
+        # three sizes per program (the lever's is gemv.PREFETCH_BYTES, 64 KB: on the decode step it lost PDL's gain)
+        for name, pf in PDL_GEMV_ROWS.items():
+            r = _try(errs, f"triton_gemv {name} M={m}", lambda: timed(
+                f"triton_gemv_{name}_bf16", m,
+                lambda x, w: lambda: gemv.linear(x, w, triton_gemv=True, pdl=True, prefetch=pf)))
+            if r:
+                res["rows"].append(r)
         forms = fused_gemv_forms(m, k, n, torch.device("cuda"), gen)
         for form in FUSED_FORMS.get(SHAPE_NAMES.get((k, n)), ()):
             fn_for, extra = forms[form]
@@ -507,7 +519,8 @@ def mid_markdown(result: dict) -> str:
 METHODS = ["mxfp4_dense", "mxfp4_dense_rot", "mxfp4_grouped", "nvfp4_dense", "nvfp4_dense_rot", "nvfp4_grouped",
            "mxfp4_dense_tuned", "nvfp4_dense_tuned",
            "cublas_bf16", "triton_gemv_bf16", "triton_gemv_norm_bf16", "triton_gemv_norm_gained_bf16",
-           "triton_gemv_add_res_bf16", "triton_gemv_add_res_gain_bf16",
+           "triton_gemv_add_res_bf16", "triton_gemv_add_res_gain_bf16", "triton_gemv_pdl_bf16",
+           "triton_gemv_pdl_pf8k_bf16", "triton_gemv_pdl_pf16k_bf16", "triton_gemv_pdl_pf64k_bf16",
            f"tinygemm_int4_g{TINYGEMM_GROUP}"]
 
 

@@ -181,10 +181,20 @@ def gemv_config(n: int, k: int, num_sms: int) -> dict:
 PREFETCH_BYTES = 64 * 1024     # W a program asks of L2 before its PDL wait (the lever pdl_prefetch)
 
 
-def prefetch_steps(block_n: int, block_k: int, w_bytes: int) -> int:
-    """K steps of W a program prefetches under pdl_prefetch: about PREFETCH_BYTES, at least one step (132 SMs x 2
-    programs x 64 KB = 17 MB, a third of an H200's L2)."""
-    return max(1, PREFETCH_BYTES // (block_n * block_k * w_bytes))
+def prefetch_steps(block_n: int, block_k: int, w_bytes: int, size: int = PREFETCH_BYTES) -> int:
+    """K steps of W a program prefetches under pdl_prefetch: about ``size`` bytes, at least one step (132 SMs x 2
+    programs x 64 KB = 17 MB, a third of an H200's L2). On the H200 (2026-12-02) the 64 KB form took all of PDL's
+    gain on the bf16 decode step back (c1 4.687 -> 4.865 ms): the bench's ``prefetch=<bytes>`` rows try smaller."""
+    return max(1, size // (block_n * block_k * w_bytes))
+
+
+def _prefetch_bytes(prefetch: bool | int) -> int:
+    """``prefetch`` as bytes per program: True means PREFETCH_BYTES (the lever), False 0, an int that many."""
+    if isinstance(prefetch, bool):
+        return PREFETCH_BYTES if prefetch else 0
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a bool or a byte count >= 0, got {prefetch!r}")
+    return prefetch
 
 
 def fusable(m: int, triton_gemv: bool) -> bool:
@@ -210,7 +220,7 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype, what: st
 
 def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool = False,
            out: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False,
-           norm: NormIn | None = None, prefetch: bool = False) -> torch.Tensor:
+           norm: NormIn | None = None, prefetch: bool | int = False) -> torch.Tensor:
     """y = x @ weight^T for x [M, K] and weight [N, K] of x's dtype; y [M, N].
 
     ``triton_gemv`` is the lever: True and M <= 16 -> the Triton split-K GEMV, otherwise cuBLAS. ``pdl``: the lever
@@ -219,7 +229,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
     the GEMV's epilogue. ``norm`` (the lever fuse_norm): x is a residual from linear_add and the GEMV multiplies
     RMSNorm(x) instead (``norm.gained``: x is linear_add_gain's residual * g, the norm's rsqrt alone remains). Both
     on the Triton route only (fusable says when). ``prefetch``: the lever pdl_prefetch (with PDL, the first K steps
-    of W are asked of L2 before the wait)."""
+    of W are asked of L2 before the wait; an int: about that many bytes per program, for benches)."""
     m, k, n = _check(x, weight, "linear")
     if (silu_mul or norm is not None) and not fusable(m, triton_gemv):
         raise ValueError(f"linear: silu_mul and norm fuse into the Triton GEMV (triton_gemv on, 1 <= M <= {MAX_M}); "
@@ -291,7 +301,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
         ws, locks = y, y                                # unused pointers
     dd = dot_dtype(x)
     on = use_pdl(pdl, "dense_linear", x.device)
-    early = bool(prefetch) and on
+    pf_bytes = _prefetch_bytes(prefetch)
+    early = pf_bytes > 0 and on
     if on:
         counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="dense_linear")
     res = residual if residual is not None else y       # unused pointers when a fusion is off
@@ -306,7 +317,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
                        SILU_MUL=bool(silu_mul), ADD_RES=residual is not None, NORM=norm is not None,
                        SS_BLOCK=triton.next_power_of_2(max(1, ss_in.shape[0])) if norm is not None else 1,
                        FAST_MATH=bool(norm is not None and norm.fast_math), PREFETCH=early,
-                       PREFETCH_STEPS=prefetch_steps(bn, bk, w.element_size()), W_BYTES=w.element_size(),
+                       PREFETCH_STEPS=prefetch_steps(bn, bk, w.element_size(), pf_bytes),
+                       W_BYTES=w.element_size(),
                        GAINED=bool(norm is not None and norm.gained), GAIN_OUT=gain is not None,
                        num_warps=cfg.get("num_warps", 4),
                        num_stages=cfg.get("num_stages", 4), **launch_options(on))
