@@ -260,7 +260,7 @@ def bench_bf16(res: dict, k: int, n: int, copy_gbs: float, l2: int, gen, sweep: 
             r["config"] = gemv.gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
             res["rows"].append(r)
         # PDL between the back-to-back GEMVs of the graph, and pdl_prefetch's L2 prefetch of W before the wait at
-        # three sizes per program (the lever's is gemv.PREFETCH_BYTES, 64 KB: on the decode step it lost PDL's gain)
+        # three sizes per program (the lever's is gemv.PREFETCH_BYTES, 16 KB; 64 KB lost PDL's gain on the decode step)
         for name, pf in PDL_GEMV_ROWS.items():
             r = _try(errs, f"triton_gemv {name} M={m}", lambda: timed(
                 f"triton_gemv_{name}_bf16", m,

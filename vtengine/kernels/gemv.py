@@ -84,7 +84,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     wrote (x, the residual, the producer's sums) and lets the next kernel launch once its K loop is issued.
     PREFETCH (lever ``pdl_prefetch``, with USE_PDL): before that wait the program asks L2 for the first
     PREFETCH_STEPS K steps of its W rows (W_BYTES per element), so a GEMV launched early streams weights while the
-    kernel before it drains; the launcher sizes the steps to about 64 KB per program, so the programs of one wave
+    kernel before it drains; the launcher sizes the steps to about 16 KB per program (one step), so the programs of one wave
     prefetch well under the 50 MB L2 of an H200 (a whole gate_up slice, 512 KB per program, would not fit)."""
     EARLY: tl.constexpr = PREFETCH and USE_PDL
     if not EARLY:
@@ -178,13 +178,14 @@ def gemv_config(n: int, k: int, num_sms: int) -> dict:
     return dict(BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=stages)
 
 
-PREFETCH_BYTES = 64 * 1024     # W a program asks of L2 before its PDL wait (the lever pdl_prefetch)
+PREFETCH_BYTES = 16 * 1024     # W a program asks of L2 before its PDL wait (the lever pdl_prefetch): one K step
 
 
 def prefetch_steps(block_n: int, block_k: int, w_bytes: int, size: int = PREFETCH_BYTES) -> int:
-    """K steps of W a program prefetches under pdl_prefetch: about ``size`` bytes, at least one step (132 SMs x 2
-    programs x 64 KB = 17 MB, a third of an H200's L2). On the H200 (2026-12-02) the 64 KB form took all of PDL's
-    gain on the bf16 decode step back (c1 4.687 -> 4.865 ms): the bench's ``prefetch=<bytes>`` rows try smaller."""
+    """K steps of W a program prefetches under pdl_prefetch: about ``size`` bytes, at least one step. On the H200
+    (2026-12-02) 64 KB (4 steps; 132 SMs x 2 programs x 64 KB = 17 MB, a third of the L2) took all of PDL's gain on
+    the bf16 decode step back (c1 4.687 -> 4.865 ms); the GEMV bench (2026-12-03) timed o_proj at M = 1 in 12.8 µs
+    plain, 12.1 with PDL, 11.8 with 8 or 16 KB prefetched and 13.7 with 64 KB, so the lever asks for one step."""
     return max(1, size // (block_n * block_k * w_bytes))
 
 
