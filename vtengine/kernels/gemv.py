@@ -84,8 +84,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     wrote (x, the residual, the producer's sums) and lets the next kernel launch once its K loop is issued.
     PREFETCH (lever ``pdl_prefetch``, with USE_PDL): before that wait the program asks L2 for the first
     PREFETCH_STEPS K steps of its W rows (W_BYTES per element), so a GEMV launched early streams weights while the
-    kernel before it drains; the launcher sizes the steps to about 16 KB per program (one step), so the programs of one wave
-    prefetch well under the 50 MB L2 of an H200 (a whole gate_up slice, 512 KB per program, would not fit)."""
+    kernel before it drains; the launcher sizes the steps to about 16 KB per program (one step), so the programs of
+    one wave prefetch well under the 50 MB L2 of an H200 (a whole gate_up slice, 512 KB per program, would not fit)."""
     EARLY: tl.constexpr = PREFETCH and USE_PDL
     if not EARLY:
         pdl_wait(USE_PDL)
