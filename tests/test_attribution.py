@@ -78,6 +78,18 @@ def test_table_splits_the_measured_delta_and_says_what_is_left():
     assert "83% of its byte floor" in text and "100 µs/step outside kernels" in text
 
 
+def test_table_compares_cpu_windows_by_their_step_medians():
+    """A stall in one of the baseline's three steps inflates its mean rms_norm past the candidate's; the medians
+    (what step_medians keeps) still show the candidate's rms_norm grew."""
+    base = {"batch": 1, "step_us": 5000.0, "kernels": {"rms_norm": 1260.0}, "kernels_median": {"rms_norm": 300.0}}
+    cand = {"batch": 1, "step_us": 6500.0, "kernels": {"rms_norm": 1750.0}, "kernels_median": {"rms_norm": 1750.0}}
+    rows, _ = attribution.table(base, cand, None, None)
+    assert [(r.kernel, r.base_us, r.cand_us) for r in rows] == [("rms_norm", 300.0, 1750.0)]
+    del base["kernels_median"]                                      # one window without medians: both by means
+    rows, _ = attribution.table(base, cand, None, None)
+    assert [(r.kernel, r.base_us, r.cand_us) for r in rows] == [("rms_norm", 1260.0, 1750.0)]
+
+
 @pytest.fixture(scope="module")
 def slowed():
     """gqa_swap's arms on `tiny` under the interpreter; the candidate's rms_norm runs 6 times per call (twice was
