@@ -66,6 +66,20 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
     return campaigns, bench, tmp / "vt-logs"
 
 
+def pending(root: Path = ROOT) -> list[str]:
+    """Campaign ids and bench files the checkout holds uncommitted: what an earlier absorb of the same tarball took
+    in before it stopped short of its commit (a failed render), so that the retry still renders and names them."""
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "records/campaigns",
+                          "bench/results"], cwd=root, check=True, capture_output=True, text=True).stdout
+    names = []
+    for line in out.splitlines():
+        parts = Path(line[3:].strip('"')).parts
+        name = parts[2] if parts[0] == "records" and len(parts) > 3 else parts[-1] if parts[0] == "bench" else None
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("tgz", type=Path)
@@ -76,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.tgz}: no such file (the call's files_at folder holds results.tgz)")
     campaigns, bench, logs = absorb(args.tgz)
     print(f"campaigns: {campaigns or 'none new'}\nbench files: {bench or 'none new'}\nlogs: {logs}")
-    if campaigns:
+    left = [n for n in pending() if n not in campaigns + bench]
+    if left:
+        print(f"uncommitted from an earlier absorb, taken too: {left}")
+    if campaigns or any((ROOT / "records" / "campaigns" / n).is_dir() for n in left):
         subprocess.run([sys.executable, "-m", "campaigns.cli", "render"], cwd=ROOT, check=True)
     if args.no_commit:
         return 0
@@ -84,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=ROOT).returncode == 0:
         print("nothing to commit")
         return 0
-    names = campaigns + bench
+    names = campaigns + bench + left
     msg = args.message or commit_subject(names)
     body = "Committed as the call returned; figures follow.\n\n" + "\n".join(f"- {n}" for n in names)
     subprocess.run(["git", "commit", "-q", "-m", msg, "-m", body], cwd=ROOT, check=True)

@@ -2,6 +2,7 @@
 import importlib.util
 import io
 import json
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -63,3 +64,24 @@ def test_commit_subjects_stay_within_72_characters():
     both = "Device results: decode-2026-12-02-2.json, decode-2026-12-02-2.md"
     assert absorb_results.commit_subject(names[1:]) == both
     assert absorb_results.commit_subject(["x" * 100]) == "Device results: 1 file"
+
+
+def test_a_retry_after_a_failed_render_still_names_what_the_first_try_took(tmp_path):
+    """The first absorb copied a campaign and then stopped (its render failed); the retry finds nothing new in the
+    tarball, and pending() names what the checkout holds uncommitted so that the commit is not "0 files"."""
+    root = tmp_path / "repo"
+    (root / "records" / "campaigns" / "old").mkdir(parents=True)
+    (root / "records" / "campaigns" / "old" / "evidence.json").write_text("{}")
+    (root / "bench" / "results").mkdir(parents=True)
+    (root / "bench" / "results" / "a.md").write_text("a\n")
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, check=True, capture_output=True)     # noqa: E731
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "root")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "records")
+    assert absorb_results.pending(root) == []
+    tgz = _tgz(tmp_path / "results.tgz", {"records/campaigns/new/evidence.json": "{}",
+                                          "records/campaigns/new/record.md": "r\n", "bench/results/b.md": "b\n"})
+    assert absorb_results.absorb(tgz, root)[:2] == (["new"], ["b.md"])
+    assert absorb_results.absorb(tgz, root)[:2] == ([], [])
+    assert absorb_results.pending(root) == ["b.md", "new"]
