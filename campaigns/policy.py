@@ -158,6 +158,14 @@ def headline(ev: Evidence, cand: str, p: PolicyConfig, verdict: str = "") -> str
     return f"{_label(best.axis)} ×{best.ratio:.3f} at c{best.concurrency} ({separation_label(best, p)})"
 
 
+def fix_headline(ev: Evidence, cand: str, p: PolicyConfig, gates: list[str]) -> str:
+    """A correctness fix's figure: the gates that went RED -> GREEN, then its speed as a pooled interval (a fix
+    flips on correctness, so a point ratio, most often NEUTRAL, would read as the reason)."""
+    head = "RED → GREEN on " + ", ".join(gates)
+    pooled = _widest_pooled(ev, cand, p)
+    return head + (f"; speed {fmt_effect(pooled)}" if pooled is not None else "")
+
+
 def _widest_pooled(ev: Evidence, cand: str, p: PolicyConfig) -> PooledEffect | None:
     """The primary axis whose pooled interval reaches furthest from 1 (the one that decides neutral or not)."""
     mine = [pe for pe in ev.pooled if pe.candidate == cand and pe.axis in p.primary_axes]
@@ -458,7 +466,8 @@ def _decide_candidate(ev: Evidence, cand: Arm, p: PolicyConfig) -> Decision:
         lead = red_green if key in ("NON-BINDING", "FLIP-CORRECTNESS") else []
         return Decision(verdict=verdict, rule=rule_text(key, p), reasons=lead + why + notes, candidate=cand.name,
                         byte_exact=f.byte_exact, token_safe=f.token_safe,
-                        headline=headline(ev, cand.name, p, verdict),
+                        headline=(fix_headline(ev, cand.name, p, sorted(f.fix)) if key == "FLIP-CORRECTNESS"
+                                  else headline(ev, cand.name, p, verdict)),
                         effect_note=effect_note(ev, cand.name, p) if verdict == "KEEP" else "", **fields)
     raise AssertionError("rule_keep always fires")
 

@@ -390,6 +390,12 @@ def test_correctness_fix_is_red_first():
     assert d.verdict == "FLIP" and d.rule.startswith("4. FLIP (correctness fix)") and d.new_default is True
     assert "battery, near_tie" in d.rule
     assert any(r.startswith("battery: RED on off (prompts 16, strict 9) → GREEN on on") for r in d.reasons)
+    # the gates lead, the speed follows as a pooled interval, never a point ratio (the first H200 recheck's title
+    # read "TPOT ×0.999 at c4 (NEUTRAL)", as if that were why it flipped), also where the grid has a WIN
+    assert d.headline.startswith("RED → GREEN on battery, near_tie; speed ") and " at c" not in d.headline
+    d = make_evidence(TPUT_WIN, gate_results=g, policy_cfg=fix).decision
+    assert d.verdict == "FLIP" and d.headline.startswith("RED → GREEN on battery, near_tie; speed total tok/s ×1.0")
+    assert "pooled (" in d.headline and " at c" not in d.headline
     # bf16 on the H200: the fixed battery still has near-ties, every one ratified; it counts as passing, and says so
     g = gates(byte_exact=False, **{"battery@off": {"passed": False, "counts": {"divergent": 16}},
                                    "near_tie@off": {"passed": False, "counts": {"divergences": 16}},
