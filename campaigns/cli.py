@@ -298,10 +298,12 @@ def cmd_decide(args) -> int:
     before = ev.decision
     after = policy.decide(ev)
     kept = [r for r in before.reasons if not r.startswith(REDECIDED)]
-    if (after.verdict, after.reasons, after.new_default) == (before.verdict, kept, before.new_default):
+    if (after.verdict, after.reasons, after.new_default, after.headline) == (before.verdict, kept, before.new_default,
+                                                                             before.headline):
         print(f"{ev.campaign_id}: {before.verdict}, unchanged by this checkout's policy")
         return 0
     sha = repo_state(Path.cwd()).short_sha
+    after.reasons += [r for r in before.reasons if r.startswith(REDECIDED)]       # the history of earlier reads
     after.reasons.append(f"{REDECIDED} on {utc_now()[:10]} with the policy at {sha}; it had read {before.verdict}"
                          + (f" ({'; '.join(kept[:2])})" if kept else ""))
     ev.decision = after

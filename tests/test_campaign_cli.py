@@ -172,6 +172,14 @@ def test_decide_applies_the_policy_again_and_keeps_the_earlier_verdict(tmp_path,
     assert "FLIP" in (out / ev.campaign_id / "record.md").read_text().splitlines()[0]
     assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 0
     assert "FLIP, unchanged" in capsys.readouterr().out
+    # a headline an older policy wrote differently is read again too (verdict and reasons the same)
+    ev2 = load_evidence(out / ev.campaign_id / "evidence.json")
+    fresh_headline, ev2.decision.headline = ev2.decision.headline, "TPOT x0.999 at c4 (NEUTRAL)"
+    save_evidence(ev2, out / ev.campaign_id)
+    assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 0
+    assert f"FLIP -> FLIP ({fresh_headline})" in capsys.readouterr().out
+    reads = load_evidence(out / ev.campaign_id / "evidence.json").decision.reasons[-2:]
+    assert "it had read NON-BINDING" in reads[0] and "it had read FLIP" in reads[1]      # both reads kept
     ev.status, ev.campaign_id = "in-progress", "2026-01-02-gqa_swap-abc1234"
     save_evidence(ev, out / ev.campaign_id)
     assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 2
