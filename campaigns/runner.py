@@ -452,6 +452,15 @@ def check_flippable(ev: Evidence) -> None:
                             "FLIP changes a default")
     if not d.binding:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is not binding; nothing to commit")
+    lever = levers.get(ev.lever)
+    now, base, new = (("on" if v else "off") if isinstance(v, bool) else v
+                      for v in (lever.default, lever.parse(ev.baseline.value), lever.parse(d.new_default)))
+    if now == new:
+        raise CampaignError(f"{ev.campaign_id}: {ev.lever}'s default is already {now}; nothing to flip")
+    if now != base:
+        raise CampaignError(f"{ev.campaign_id}: its FLIP measured {new} against the baseline {base}, but "
+                            f"{ev.lever}'s default is now {now}: it says nothing about the engine users run. Re-run "
+                            f"it against today's default: `vtcampaign run campaign={settings(ev).campaign.name}`")
     fresh = lever_context.freshness(ev, confdirs.SOURCE_ROOT)
     if not fresh.fresh:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "

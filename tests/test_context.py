@@ -178,11 +178,11 @@ def test_a_stale_flip_is_refused(tmp_path):
     """commit=true and `vtcampaign flip` refuse a stale FLIP, naming why (here: pdl recorded on, but its default
     is off, and its kernels ran)."""
     from campaigns.runner import CampaignError, check_flippable
-    ev = make_evidence(TPUT_WIN)
+    ev = make_evidence(TPUT_WIN, lever="fuse_norm")          # baseline off: fuse_norm's default today
     reg = levers.registry()
     for arm in ev.arms:
-        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "gqa_swap": arm.value, "pdl": True}
-        ev.live_levers[arm.name] = ["gqa_swap", "pdl"]
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "fuse_norm": arm.value, "pdl": True}
+        ev.live_levers[arm.name] = ["fuse_norm", "pdl"]
     ev.lever_digests = lever_context.tree_digests(reg, ROOT)
     with pytest.raises(CampaignError, match=r"STALE \(pdl's default is now off; the campaign ran with on"):
         check_flippable(ev)
@@ -196,6 +196,21 @@ def test_a_stale_flip_is_refused(tmp_path):
         ev.context[arm.name]["pdl"] = False
     ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
     check_flippable(ev)
+
+
+def test_a_flip_is_refused_once_the_default_is_not_its_baseline():
+    """A fresh FLIP whose default was flipped already (async_device_mirror's recheck), or one measured against a
+    baseline the default has left since (gqa_swap off -> on, measured when off was the default), commits nothing."""
+    from campaigns.runner import CampaignError, check_flippable
+    ev = make_evidence(TPUT_WIN)                                  # gqa_swap off -> on; gqa_swap's default is on
+    with pytest.raises(CampaignError, match="gqa_swap's default is already on; nothing to flip"):
+        check_flippable(ev)
+    ev = make_evidence(TPUT_WIN, lever="nsplits_cap", candidates=(8,))
+    ev.arms[0].value, ev.decision.new_default = 4, 8                 # measured 8 against 4; the default is off
+    ev.decision.verdict, ev.decision.binding = "FLIP", True
+    with pytest.raises(CampaignError, match=r"measured 8 against the baseline 4, but nsplits_cap's default is now "
+                                            r"off: .*`vtcampaign run campaign=nsplits_cap`"):
+        check_flippable(ev)
 
 
 def test_an_engine_epoch_stales_what_was_measured_before_it(repo):
