@@ -52,15 +52,19 @@ def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
     lever = levers.get(cfg.campaign.lever)
     kind = "aa" if cfg.aa else "lever"
     arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates), aa=cfg.aa)
-    ignore = (str(out_dir.relative_to(repo)) if out_dir.is_relative_to(repo) else "",
-              *RUN_OUTPUTS)
-    fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=tuple(i for i in ignore if i),
+    fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=_not_dirt(repo, out_dir),
                      pinned={levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()})
     cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha, kind)
     ev = new_evidence(OmegaConf.to_container(cfg, resolve=True), fpr, arms, cid, kind=kind)
     # the lever sources measured: a later change to them makes the verdict STALE (campaigns/context.py)
     ev.lever_digests = lever_context.tree_digests(levers.registry(), confdirs.SOURCE_ROOT)
     return ev
+
+
+def _not_dirt(repo: Path, out_dir: Path) -> tuple[str, ...]:
+    """What a campaign writes itself (its evidence, the run outputs): never counted as a dirty tree."""
+    own = str(out_dir.relative_to(repo)) if out_dir.is_relative_to(repo) else ""
+    return tuple(i for i in (own, *RUN_OUTPUTS) if i)
 
 
 def _save(ev: Evidence, cdir: Path) -> None:
@@ -160,7 +164,7 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
         ev = load_evidence(cdir)
         if ev.lever != cfg.campaign.lever:
             raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
-        _check_resumable(ev, cfg, repo)
+        _check_resumable(ev, cfg, repo, out_dir)
         ev.status = "in-progress"
         console.print(f"[bold]resuming[/] {ev.campaign_id}: {len(ev.gates)} gate results and {len(ev.legs)} legs kept")
     else:
@@ -309,17 +313,36 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
     return max(mine, key=lambda ev: (ev.created, ev.campaign_id)).campaign_id if mine else None
 
 
-def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path) -> None:
-    """New legs must compare like with like: the same composed config and the same commit as the first run."""
+# what must match between a campaign's first run and its resumption, with how a difference reads
+_SAME_ON_RESUME = (("device_name", "device"), ("torch_version", "torch"), ("triton_version", "triton"),
+                   ("cuda_version", "CUDA"), ("python_version", "Python"))
+
+
+def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | None = None) -> None:
+    """New legs must compare like with like: the same composed config, the same commit, the same tree (clean, or
+    dirty in the same files), device and versions as the first run. The host may differ (a fresh device machine
+    per command is the normal way to spread a grid)."""
     if config_hash(cfg) != ev.fingerprint.config_hash:
         raise CampaignError(f"resume={cfg.resume!r}: the composed config differs from the campaign's (its overrides "
                             f"were recorded in {ev.campaign_id}/evidence.json under 'config'); resume with the same "
                             "campaign and overrides, or start a new campaign")
-    now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, ev.fingerprint.config_hash,
-                     ignore_dirty=RUN_OUTPUTS)
-    if now.git_sha != ev.fingerprint.git_sha:
-        raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at {ev.fingerprint.git_short_sha}, the checkout "
+    then = ev.fingerprint
+    now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, then.config_hash,
+                     ignore_dirty=_not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
+    if now.git_sha != then.git_sha:
+        raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at {then.git_short_sha}, the checkout "
                             f"is now at {now.git_short_sha}; legs from two commits would not compare")
+    if sorted(now.dirty_files) != sorted(then.dirty_files):
+        def tree(f):
+            return f"dirty in {', '.join(sorted(f))}" if f else "clean"
+        raise CampaignError(f"resume={cfg.resume!r}: the campaign ran on a tree {tree(then.dirty_files)}, the "
+                            f"checkout is {tree(now.dirty_files)}; legs from two trees would not compare (commit or "
+                            "stash the change, or start a new campaign)")
+    differ = [f"{label} {getattr(then, k)} then, {getattr(now, k)} now" for k, label in _SAME_ON_RESUME
+              if getattr(then, k) != getattr(now, k)]
+    if differ:
+        raise CampaignError(f"resume={cfg.resume!r}: {'; '.join(differ)}; legs measured on two setups would not "
+                            "compare: resume where it ran, or start a new campaign")
 
 
 def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], self_check: bool) -> None:

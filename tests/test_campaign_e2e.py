@@ -164,6 +164,35 @@ def test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_c
     assert _unfinished(cfg, repo, out) is None                  # run_campaign then starts a new one
 
 
+def test_a_resume_refuses_another_tree_device_or_versions(tmp_path):
+    """Legs added on resume must compare with the kept ones: a campaign begun on a clean tree does not resume on an
+    edited one (naming the file), nor with another torch or device; its own evidence under out_dir is no dirt, and
+    the same setup on another host resumes."""
+    import dataclasses
+
+    from campaigns.config import config_hash
+    from campaigns.fingerprint import collect
+    from campaigns.runner import CampaignError, _check_resumable
+    from helpers import make_evidence
+    from vtengine import levers
+    repo = temp_repo(tmp_path)
+    cfg = compose(["campaign=gqa_swap", "tracking=off", "resume=x"], cuda=False)
+    out = repo / "records" / "campaigns"
+    ev = make_evidence(lever="gqa_swap", campaign_id="x")
+    ev.fingerprint = collect(repo, "cpu", levers.get("gqa_swap").env, ev.arms, config_hash(cfg))
+    ev.fingerprint = dataclasses.replace(ev.fingerprint, hostname="another-host")
+    (out / "x").mkdir(parents=True)
+    (out / "x" / "evidence.json").write_text("{}")           # the campaign's own, untracked evidence
+    _check_resumable(ev, cfg, repo, out)                     # same tree, device and versions: resumes
+    (repo / "README.md").write_text("edited\n")
+    with pytest.raises(CampaignError, match=r"ran on a tree clean, the checkout is dirty in README.md"):
+        _check_resumable(ev, cfg, repo, out)
+    (repo / "README.md").write_text("campaign sandbox\n")
+    ev.fingerprint = dataclasses.replace(ev.fingerprint, torch_version="2.11.0+cu130")
+    with pytest.raises(CampaignError, match=r"torch 2.11.0\+cu130 then, .* now; legs measured on two setups"):
+        _check_resumable(ev, cfg, repo, out)
+
+
 def test_inert_lever_makes_the_campaign_invalid(tmp_path):
     repo = temp_repo(tmp_path)
     cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=false", "tracking=off", "campaign.gates=[mechanism]"],
