@@ -407,7 +407,21 @@ def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
                                   max_model_len=max_len, fault_injection=True)
 
 
+def void_leg(ev: Evidence) -> str | None:
+    """The first invalid leg, described, or None. An invalid leg voids the grid (the policy's rule 3: no verdict of
+    it binds): the grid stops there, and a resumed campaign runs no more legs, rather than spend device time on a
+    grid that cannot bind."""
+    bad = next((leg for leg in ev.legs if not leg.valid), None)
+    if bad is None:
+        return None
+    return (f"leg c={bad.concurrency} rep={bad.rep} arm {bad.arm} is INVALID ({'; '.join(bad.reasons)}): an invalid "
+            "leg voids the grid, so no more legs run; find the cause in the servers' logs and start a new campaign")
+
+
 def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
+    if (why := void_leg(ev)) is not None:
+        console.print(f"[red]{why}[/]")
+        return
     g = cfg.grid
     info = __import__("campaigns.loadgen", fromlist=["get_model_info"]).get_model_info(
         next(iter(handles.values())).url)
@@ -430,6 +444,9 @@ def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
                                f"total {m.get('total_token_throughput', 0):.1f} tok/s  "
                                f"TPOT {m.get('median_tpot_ms', 0):.2f} ms  TTFT {m.get('median_ttft_ms', 0):.1f} ms")
             prog.advance(task)
+            if not leg.valid:
+                prog.console.print(f"[red]{void_leg(ev)}[/]")
+                return
 
 
 def _track(cfg: DictConfig, ev: Evidence, cdir: Path) -> None:

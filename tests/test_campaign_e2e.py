@@ -193,6 +193,32 @@ def test_a_resume_refuses_another_tree_device_or_versions(tmp_path):
         _check_resumable(ev, cfg, repo, out)
 
 
+def test_an_invalid_leg_stops_the_grid_and_a_resume_runs_no_more_legs(tmp_path, monkeypatch):
+    """The grid of a campaign that holds an invalid leg is void: resumed, it runs nothing (no server is even asked:
+    the handles here are empty), says why, and the policy reads NON-BINDING naming the leg."""
+    import io
+
+    from rich.console import Console
+
+    from campaigns import policy
+    from campaigns.runner import _run_grid, void_leg
+    said = io.StringIO()
+    monkeypatch.setattr(runner, "console", Console(file=said, width=400))
+    from helpers import make_evidence
+    cfg = compose(["campaign=gqa_swap", "tracking=off"], cuda=False)
+    ev = make_evidence(reps=5)
+    assert void_leg(ev) is None
+    bad = ev.legs[3]
+    bad.valid, bad.reasons = False, ["2 of 6 requests returned fewer than 128 tokens"]
+    ev.legs = ev.legs[:4]                                       # stopped right after it
+    _run_grid(ev, tmp_path, cfg, handles={})
+    assert f"leg c={bad.concurrency} rep={bad.rep} arm {bad.arm} is INVALID (2 of 6 requests" in said.getvalue()
+    assert len(ev.legs) == 4
+    d = policy.decide(ev)
+    assert d.verdict == "NON-BINDING"
+    assert any(r.startswith("void grid: 1 invalid leg(s)") and "fewer than 128 tokens" in r for r in d.reasons)
+
+
 def test_inert_lever_makes_the_campaign_invalid(tmp_path):
     repo = temp_repo(tmp_path)
     cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=false", "tracking=off", "campaign.gates=[mechanism]"],
