@@ -115,6 +115,12 @@ def same_code(repo_root: Path | str, sha: str, paths: list[str]) -> bool:
     return True
 
 
+def missing_sources(lever, root: Path | str) -> list[str]:
+    """The paths a lever file declares that are no file under ``root``: a typo there would hash as an absent file
+    for ever, and the lever's verdicts could never go STALE from their own sources."""
+    return [p for p in lever.paths if not (Path(root) / p).is_file()]
+
+
 def tree_digests(levers: dict, root: Path | str) -> dict[str, str]:
     """Each lever's source digest from the working tree under ``root``."""
     root = Path(root)

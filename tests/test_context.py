@@ -236,3 +236,24 @@ def test_an_engine_epoch_stales_what_was_measured_before_it(repo):
     (repo / "conf" / "epochs.yaml").write_text("- commit: abc\n  why: no date\n")
     with pytest.raises(ValueError, match="entry 0.*needs exactly commit, date and a non-empty why"):
         lever_context.freshness(old, repo, *now(repo))
+
+
+def test_every_lever_file_names_source_files_that_exist():
+    """Each lever's `paths:` are files of this checkout (a typo would keep its verdicts FRESH for ever)."""
+    assert {n: lever_context.missing_sources(lv, ROOT) for n, lv in levers.registry().items()
+            if lever_context.missing_sources(lv, ROOT)} == {}
+
+
+def test_a_campaign_refuses_a_lever_whose_paths_are_not_files(tmp_path, monkeypatch):
+    """The preflight names the lever file and the missing paths (here the source root moved to an empty folder,
+    so none of gqa_swap's files are there)."""
+    from campaigns.config import compose
+    from campaigns.runner import CampaignError, _preflight
+    from helpers import temp_repo
+    from vtengine import confdirs
+    repo = temp_repo(tmp_path)
+    monkeypatch.setattr(confdirs, "SOURCE_ROOT", tmp_path / "empty")
+    cfg = compose(["campaign=gqa_swap", "tracking=off"], cuda=False)
+    with pytest.raises(CampaignError, match=r"gqa_swap.yaml: paths \['vtengine/kernels/attention.py'.* are no file "
+                                            r"under .*empty; list the lever's own source files"):
+        _preflight(cfg, repo, repo / "records" / "campaigns")

@@ -93,6 +93,39 @@ def test_bad_lever_file_schema(tmp_path):
         levers.registry(tmp_path)
 
 
+GOOD = {"name": "x", "env": "VT_X", "type": "choice", "default": "off", "values": ["off", "a"],
+        "affects": ["decode_attention"], "summary": "what it changes"}
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("affects", "decode_attention", r"affects must be a list of engine kernel names, not 'decode_attention'; "
+                                    r"accepted: \['argmax', "),
+    ("affects", ["decode_atention"], r"affects names unknown kernel\(s\) \['decode_atention'\]; accepted: "),
+    ("summary", 5, "summary must be a sentence saying what the lever changes, not 5"),
+    ("default", "b", r"default 'b' is not valid; accepted: 'off', 'a'"),
+    ("values", [], "values must be a non-empty list"),
+])
+def test_lever_file_fields_are_checked_by_type_and_meaning(tmp_path, field, value, message):
+    """Each field is checked for what it must be, with the value and what is accepted named: a string where a
+    list of kernels belongs used to load, and counted as no kernel at all."""
+    levers.registry(_write(tmp_path / "ok", GOOD))                      # the good file loads
+    with pytest.raises(LeverError, match=message):
+        levers.registry(_write(tmp_path / "bad", {**GOOD, field: value}))
+
+
+def test_a_bool_default_must_be_among_its_values(tmp_path):
+    bad = {**GOOD, "type": "bool", "default": True, "values": [False]}
+    with pytest.raises(LeverError, match=r"lever 'x': default True is not among its values \[False\]"):
+        levers.registry(_write(tmp_path, bad))
+
+
+def _write(d, data):
+    import yaml
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "x.yaml").write_text(yaml.safe_dump(data))
+    return d
+
+
 VT_NAME = re.compile(r"VT_[A-Z0-9_]+")
 PACKAGE_DIRS = [Path(vtengine.__file__).parent, Path(campaigns.__file__).parent]      # the imported packages
 PLANTED = "VT_NOT_A_LEVER"

@@ -46,8 +46,23 @@ class Lever:
             raise LeverError(f"lever {self.name!r}: type {self.type!r} is not one of {list(LEVER_TYPES)}")
         if not self.env.startswith("VT_"):
             raise LeverError(f"lever {self.name!r}: env {self.env!r} must start with 'VT_'")
+        if not isinstance(self.summary, str) or not self.summary.strip():
+            raise LeverError(f"lever {self.name!r}: summary must be a sentence saying what the lever changes, "
+                             f"not {self.summary!r}")
+        if not isinstance(self.values, list) or not self.values:
+            raise LeverError(f"lever {self.name!r}: values must be a non-empty list, not {self.values!r}")
+        from vtengine.backends import KERNEL_OPS         # the engine kernels counters and faults know by name
+        if not isinstance(self.affects, list) or not all(isinstance(k, str) for k in self.affects):
+            raise LeverError(f"lever {self.name!r}: affects must be a list of engine kernel names, not "
+                             f"{self.affects!r}; accepted: {sorted(KERNEL_OPS)}")
+        unknown = [k for k in self.affects if k not in KERNEL_OPS]
+        if unknown:
+            raise LeverError(f"lever {self.name!r}: affects names unknown kernel(s) {unknown}; accepted: "
+                             f"{sorted(KERNEL_OPS)}")
         object.__setattr__(self, "default", self.parse(self.default, source="default"))
         object.__setattr__(self, "values", [self.parse(v, source="values") for v in self.values])
+        if self.default not in self.values:
+            raise LeverError(f"lever {self.name!r}: default {self.default!r} is not among its values {self.values}")
 
     def accepted(self) -> str:
         if self.type == "bool":
