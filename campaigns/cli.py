@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from vtengine.levers import LeverError
 
 USER_ERRORS = (CampaignConfigError, EvidenceError, GitOpsError, ConfDirError, LeverError, RecheckError)
 DEFAULT_OUT_DIR = "records/campaigns"
-DEFAULT_URI = "sqlite:///mlflow.db"
+DEFAULT_URI = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"      # as campaigns.tracking's
 
 
 class UsageError(ValueError):
@@ -360,7 +361,11 @@ def cmd_log(args) -> int:
     from campaigns.tracking import log_evidence
     path = Path(args.evidence)
     ev = load_evidence(path)
-    run_id = log_evidence(ev, args.tracking_uri, campaign_dir=path if path.is_dir() else path.parent)
+    try:
+        run_id = log_evidence(ev, args.tracking_uri, campaign_dir=path if path.is_dir() else path.parent)
+    except Exception as e:          # an unreachable server, a bad URI: MLflow's own errors, of many types
+        raise UsageError(f"could not log {ev.campaign_id} to {args.tracking_uri!r}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}; the evidence is unchanged") from None
     print(f"logged {ev.campaign_id} to {args.tracking_uri} (experiment vtcampaign/{ev.lever}, parent run {run_id})")
     return 0
 

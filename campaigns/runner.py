@@ -261,9 +261,9 @@ def _conclude(run: _Run) -> None:
         records.render_all(run.out_dir, summaries, only=[ev.campaign_id])
     else:                           # one job of a sweep: its own records; the sweep renders the summaries once
         records.write_campaign(ev, run.cdir)
-    _track(cfg, ev, run.cdir)
     if ev.decision and ev.decision.verdict == "FLIP" and cfg.commit:
         _flip(ev, run.cdir, run.repo, summaries)
+    _track(cfg, ev, run.cdir)           # last: a tracking store out of reach costs nothing but the logging
     (run.cdir / "runner.pid").unlink(missing_ok=True)
     _summary(ev, run.cdir, time.perf_counter() - run.t_start)
 
@@ -463,7 +463,13 @@ def _track(cfg: DictConfig, ev: Evidence, cdir: Path) -> None:
     except ImportError as e:
         console.print(f"[yellow]MLflow tracking unavailable ({e}); evidence kept at {cdir}[/]")
         return
-    run_id = tracking.log_campaign(ev, cdir, uri=str(cfg.tracking.uri))
+    try:
+        run_id = tracking.log_campaign(ev, cdir, uri=str(cfg.tracking.uri))
+    except Exception as e:          # MLflow raises many types (connection, bad URI, store schema): all just a warning
+        msg = str(e).splitlines()[0] if str(e) else ""
+        console.print(f"[yellow]MLflow logging to {cfg.tracking.uri} failed ({type(e).__name__}: {msg}); the "
+                      f"evidence is kept: `vtcampaign log {cdir / 'evidence.json'} --tracking-uri <uri>` later[/]")
+        return
     console.print(f"MLflow: {cfg.tracking.uri} run {run_id}")
 
 

@@ -17,13 +17,15 @@ resumed campaign or a re-render without duplicating runs.
 """
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
 from campaigns.evidence import Evidence, parse_utc
 
-DEFAULT_URI = "sqlite:///mlflow.db"
+# MLflow's own environment variable first (where a team's tracking server is named), else a local sqlite store
+DEFAULT_URI = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
 CAMPAIGN_TAG = "vtcampaign.campaign_id"
 KIND_TAG = "vtcampaign.kind"
 ARTIFACTS = ("evidence.json", "record.md", "pr.md", "grid.png")

@@ -115,3 +115,34 @@ def test_experiments_open_on_runs_and_ingested_runs_keep_the_campaigns_own_times
         assert arm.info.end_time - arm.info.start_time == 5000
     for gate in _runs(store, "gate"):
         assert gate.info.end_time - gate.info.start_time == 1500           # duration_s 1.5 in the builder
+
+
+def test_a_tracking_store_out_of_reach_is_a_clear_error_and_loses_nothing(store, capsys, tmp_path, monkeypatch):
+    """`vtcampaign log` to a URI MLflow cannot use says so in one line (no traceback); a campaign's own logging
+    only warns (the evidence, the records and a commit=true flip come first), naming the command to log it later."""
+    import io
+
+    from rich.console import Console
+
+    from campaigns import runner
+    from campaigns.config import compose
+    ev, cdir = store["ev"], store["cdir"]
+    (tmp_path / "a-file").write_text("not a directory\n")
+    for uri in ("bogus://nowhere", f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}"):
+        assert main(["log", str(cdir / "evidence.json"), "--tracking-uri", uri]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vtcampaign: error: could not log {ev.campaign_id} to {uri!r}: ") and err.count("\n") == 1
+    said = io.StringIO()
+    monkeypatch.setattr(runner, "console", Console(file=said, width=400))
+    cfg = compose(["campaign=gqa_swap", "tracking=remote", "tracking.uri=bogus://nowhere"], cuda=False)
+    runner._track(cfg, ev, cdir)                                    # returns: a warning, not an exception
+    assert "MLflow logging to bogus://nowhere failed (" in said.getvalue()
+    assert f"`vtcampaign log {cdir / 'evidence.json'} --tracking-uri <uri>` later" in said.getvalue()
+
+
+def test_mlflow_tracking_uri_names_the_default_store(monkeypatch):
+    from campaigns.config import compose
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    assert compose(["campaign=gqa_swap"], cuda=False).tracking.uri == "http://tracking.example:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert compose(["campaign=gqa_swap"], cuda=False).tracking.uri == "sqlite:///mlflow.db"
