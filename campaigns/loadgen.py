@@ -72,6 +72,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)   # gaps between consecutive content chunks
     latency: float = 0.0                    # request start -> last content chunk (E2EL)
     output_tokens: int = 0                  # usage.completion_tokens
+    server_prompt_tokens: int | None = None  # usage.prompt_tokens: what the server read (None: it did not say)
     chunk_tokens: int = 0                   # tokens counted from the chunks' token_ids
     num_chunks: int = 0                     # content chunks (chunks with a choice)
 
@@ -200,6 +201,11 @@ def _failure(r: RequestResult | None, output_len: int) -> str:
 
 
 def _validate(r: RequestResult, output_len: int) -> str:
+    if r.server_prompt_tokens is None:
+        return "usage carried no prompt_tokens: the prompt the server read is unknown"
+    if r.server_prompt_tokens != r.prompt_len:
+        return (f"usage.prompt_tokens = {r.server_prompt_tokens}, expected {r.prompt_len} (the server added or cut "
+                "prompt tokens: the leg's token totals would be miscounted)")
     if r.output_tokens != output_len:
         return f"usage.completion_tokens = {r.output_tokens}, expected {output_len}"
     if r.chunk_tokens != output_len:
@@ -252,6 +258,8 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
                     r.chunk_tokens += len(data["choices"][0].get("token_ids") or [])
                 elif data.get("usage"):
                     r.output_tokens = int(data["usage"].get("completion_tokens") or 0)
+                    if data["usage"].get("prompt_tokens") is not None:
+                        r.server_prompt_tokens = int(data["usage"]["prompt_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         r.error = f"{type(e).__name__}: {e}"
         return r

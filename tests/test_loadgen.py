@@ -36,7 +36,7 @@ def _result(prompt_len, ttft, gaps, tokens=None):
     tokens = len(gaps) + 1 if tokens is None else tokens
     return RequestResult(prompt_len=prompt_len, success=True, ttft=ttft, itl=list(gaps),
                          latency=ttft + sum(gaps), output_tokens=tokens, chunk_tokens=len(gaps) + 1,
-                         num_chunks=len(gaps) + 1)
+                         num_chunks=len(gaps) + 1, server_prompt_tokens=prompt_len)
 
 
 def test_metric_definitions_match_vllm():
@@ -94,6 +94,21 @@ def test_a_missing_result_makes_the_leg_invalid(results, missing):
     assert m.total_output_tokens == 8 and m.request_throughput == 2.0
 
 
+@pytest.mark.parametrize("server_prompt_tokens,reason", [
+    (5, "usage.prompt_tokens = 5, expected 4 (the server added or cut prompt tokens"),      # a BOS added
+    (3, "usage.prompt_tokens = 3, expected 4 (the server added or cut prompt tokens"),      # truncated
+    (None, "usage carried no prompt_tokens: the prompt the server read is unknown"),
+])
+def test_a_prompt_the_server_read_otherwise_makes_the_leg_invalid(server_prompt_tokens, reason):
+    """The leg's input-token total is the client's count: a server that read another prompt length would make the
+    total tok/s wrong, so its usage must confirm every prompt's length."""
+    bad = _result(4, 0.1, [0.01] * 3)
+    bad.server_prompt_tokens = server_prompt_tokens
+    m = compute_metrics([_result(4, 0.1, [0.01] * 3), bad], 1.0, concurrency=2, output_len=4, prompts=[[1] * 4] * 2)
+    assert not m.valid and len(m.failures) == 1 and m.failures[0].startswith(f"request 1: {reason}")
+    assert m.total_input_tokens == 4
+
+
 def test_more_results_than_prompts_make_the_leg_invalid():
     m = compute_metrics([_result(4, 0.1, [0.01] * 3)] * 3, 1.0, concurrency=2, output_len=4, prompts=[[1] * 4] * 2)
     assert not m.valid
@@ -105,7 +120,7 @@ def _counted(output_tokens, chunk_tokens, num_chunks):
     """A successful request whose usage, chunk token ids and content chunks say what the arguments say."""
     return RequestResult(prompt_len=4, success=True, ttft=0.1, itl=[0.01] * (num_chunks - 1),
                          latency=0.1 + 0.01 * (num_chunks - 1), output_tokens=output_tokens,
-                         chunk_tokens=chunk_tokens, num_chunks=num_chunks)
+                         chunk_tokens=chunk_tokens, num_chunks=num_chunks, server_prompt_tokens=4)
 
 
 @pytest.mark.parametrize("output_tokens,chunk_tokens,num_chunks,reason", [
