@@ -284,3 +284,22 @@ def test_summaries_render_against_a_flipped_lever_file_without_writing(tmp_path)
     assert _status_row(texts[tmp_path / "records" / "STATUS.md"], "gqa_swap")[1] == str(not now).lower()
     assert _status_row(texts[tmp_path / "records" / "STATUS.md"], "pdl")[1] == _status_row(before, "pdl")[1]
     assert (tmp_path / "records" / "STATUS.md").read_text() == before
+
+
+def test_the_record_shows_each_arms_gpu_clock_and_says_when_they_differ():
+    """Per concurrency each arm's median SM clock with its range; a point where the arms ran more than 5% apart (the
+    H200's power limit at c64 clocked async scheduling's busier arm at 1,590 against 1,965 MHz) says which arm ran
+    slower, so a ratio there is read with its clock."""
+    ev = make_evidence(TPUT_WIN)
+    for leg in ev.legs:
+        mhz = 1590.0 if (leg.concurrency == 8 and leg.arm == "on") else 1980.0 - 15.0 * leg.rep
+        leg.gpu_samples = [{"sm_clock_mhz": 345.0}, {"sm_clock_mhz": mhz}, {"sm_clock_mhz": mhz}]
+    rows = {r["c"]: r for r in records.clock_rows(ev)}
+    assert rows[1]["arms"] == "baseline (off) 1,965 [1,950–1,980]; candidate (on) 1,965 [1,950–1,980]"
+    assert rows[1]["note"] == ""
+    assert rows[8]["note"].startswith("arms 19% apart: candidate (on) ran slower clocks (power-limited")
+    text = records.render_record(ev)
+    assert "| 8 | baseline (off) 1,965 [1,950–1,980]; candidate (on) 1,590 [1,590–1,590] | arms 19% apart" in text
+    ev.legs[0].valid = False                                 # an invalid leg's clock does not count
+    ev.legs[0].gpu_samples = [{"sm_clock_mhz": 100.0}]
+    assert "100" not in records.clock_rows(ev)[0]["arms"]
