@@ -59,11 +59,23 @@ def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
     arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates), aa=cfg.aa)
     fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=_not_dirt(repo, out_dir),
                      pinned={levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()})
+    check_tree(fpr, cfg)
     cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha, kind)
     ev = new_evidence(OmegaConf.to_container(cfg, resolve=True), fpr, arms, cid, kind=kind)
     # the lever sources measured: a later change to them makes the verdict STALE (campaigns/context.py)
     ev.lever_digests = lever_context.tree_digests(levers.registry(), confdirs.SOURCE_ROOT)
     return ev
+
+
+def check_tree(fpr, cfg: DictConfig) -> None:
+    """A campaign that could bind (a binding grid on CUDA) refuses a dirty tree unless allow_dirty=true: its
+    verdict must name the code it measured, and a dirty one could only end NON-BINDING after minutes of device
+    time. A rehearsal (CPU, or a rehearsal grid) runs on a work in progress."""
+    if fpr.dirty and not cfg.allow_dirty and fpr.device_type == "cuda" and cfg.grid.binding:
+        files = ", ".join(fpr.dirty_files[:8]) + (f" and {len(fpr.dirty_files) - 8} more"
+                                                   if len(fpr.dirty_files) > 8 else "")
+        raise CampaignError(f"the git tree is dirty ({files}): a binding campaign must measure committed code. "
+                            "Commit or stash the change, or pass allow_dirty=true (the verdict is then NON-BINDING)")
 
 
 def _not_dirt(repo: Path, out_dir: Path) -> tuple[str, ...]:

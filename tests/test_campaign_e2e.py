@@ -367,3 +367,25 @@ def test_server_start_order_is_drawn_from_the_campaign_id():
     orders = [[a.name for a in runner.server_order(ev(cid))] for cid in ids]
     assert orders == [[a.name for a in runner.server_order(ev(cid))] for cid in ids]
     assert {tuple(o) for o in orders} == {("off", "on"), ("on", "off")}
+
+
+def test_a_binding_campaign_refuses_a_dirty_tree_unless_allowed(tmp_path):
+    """On CUDA with a binding grid a dirty tree is refused before any device time is spent, naming the files and
+    allow_dirty; with allow_dirty=true, on a CPU host, or with a rehearsal grid it runs (and cannot bind)."""
+    import dataclasses
+
+    from campaigns.fingerprint import collect
+    from campaigns.runner import CampaignError, check_tree
+    from vtengine import levers
+    repo = temp_repo(tmp_path)
+    (repo / "README.md").write_text("edited\n")
+    cfg = compose(["campaign=gqa_swap", "grid=online", "tracking=off"], cuda=False)
+    fpr = collect(repo, "cpu", levers.get("gqa_swap").env, [], "0" * 64)
+    assert fpr.dirty and fpr.dirty_files == ["README.md"]
+    check_tree(fpr, cfg)                                                 # a CPU host: a rehearsal at most
+    gpu = dataclasses.replace(fpr, device_type="cuda")
+    with pytest.raises(CampaignError, match=r"the git tree is dirty \(README.md\): a binding campaign .* "
+                                            r"allow_dirty=true \(the verdict is then NON-BINDING\)"):
+        check_tree(gpu, cfg)
+    check_tree(gpu, compose(["campaign=gqa_swap", "grid=online", "allow_dirty=true"], cuda=False))
+    check_tree(gpu, compose(["campaign=gqa_swap", "grid=rehearsal"], cuda=False))
