@@ -68,6 +68,15 @@ def fmt_lever_value(v: Any) -> str:
     return "—" if v is None else str(v)
 
 
+def _env_value(ev: Evidence, arm, env_name: str) -> str:
+    """The value of ``env_name`` that gives ``arm``'s setting: what its server ran with, else the value spelled for
+    the env (a bool as 1/0)."""
+    ran = ev.fingerprint.arms_env.get(arm.name, {}).get(env_name)
+    if ran is not None:
+        return ran
+    return ("1" if arm.value else "0") if isinstance(arm.value, bool) else str(arm.value)
+
+
 def fmt_interval(e: EffectSize | None) -> str:
     return "—" if e is None else f"×{e.ratio:.3f} [{e.lo:.3f}, {e.hi:.3f}]"
 
@@ -265,7 +274,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
     elif d.verdict == "FLIP":
         default_line = (f"`{ev.lever}` flips {fmt_lever_value(ev.baseline.value)} → "
                         f"{fmt_lever_value(d.new_default)} in conf/lever/{ev.lever}.yaml; "
-                        f"opt out with `{env_name}=0`.")
+                        f"roll back with `{env_name}={_env_value(ev, ev.baseline, env_name)}`.")
     else:
         default_line = (f"`{ev.lever}` stays {fmt_lever_value(ev.baseline.value)} "
                         f"(conf/lever/{ev.lever}.yaml unchanged); try the candidate with "

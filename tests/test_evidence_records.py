@@ -120,11 +120,15 @@ def test_record_and_pr_carry_the_ritual_sections():
     assert f"Rule: “{ev.decision.rule}”" in rec
     assert "Peak GPU memory: baseline (off) 21.50 GiB, candidate (on) 19.25 GiB." in rec
     assert rec.rstrip().endswith("**Default.** `gqa_swap` flips false → true in conf/lever/gqa_swap.yaml; "
-                                 "opt out with `VT_DECODE_GQA_SWAP=0`.")
+                                 "roll back with `VT_DECODE_GQA_SWAP=off`.")   # the baseline server's env
     assert pr.splitlines()[0] == "row/gqa_swap: default off → on — total tok/s ×1.099 at c1 (WIN)"
     heads = [ln for ln in pr.splitlines() if ln.startswith("## ")]
     assert heads == ["## Correctness", "## Mechanism", "## Binding", "## Verdict", "## Residual"]
-    assert "`VT_DECODE_GQA_SWAP=0` always opts out" in pr and "split count next." in pr
+    assert "`VT_DECODE_GQA_SWAP=0` always means off" in pr and "split count next." in pr
+    # a flip away from on rolls back with on, not with the "=0" every record used to print
+    assert records._env_value(ev, ev.candidates[0], "VT_DECODE_GQA_SWAP") == "on"
+    ev.fingerprint.arms_env = {}                                   # evidence without the servers' env: spelled
+    assert [records._env_value(ev, a, "VT_DECODE_GQA_SWAP") for a in ev.arms] == ["0", "1"]
     assert "ratified by near_tie (max gap 12.5 mnats <= 500)" in pr
 
 
