@@ -68,6 +68,24 @@ def fmt_lever_value(v: Any) -> str:
     return "—" if v is None else str(v)
 
 
+def mechanism_proof(g: GateResult, kernels: list[str]) -> str:
+    """What the mechanism gate saw on one arm, as a reader checks it: its finding, the probe's routes and grids,
+    then per kernel the lever affects, each route's launches and its most frequent grids ("decode_attention
+    gqa_swap: 180 launches, grids 4x8x17 x180"). '' when the gate recorded none of these."""
+    det = g.details or {}
+    probe, counters = det.get("probe") or {}, det.get("counters") or {}
+    parts = [str(det["why"])] if det.get("why") else []
+    if probe.get("routes"):
+        parts.append("probe route " + ", ".join(map(str, probe["routes"]))
+                     + (", grid " + ", ".join(map(str, probe["grids"])) if probe.get("grids") else ""))
+    for kernel in kernels:
+        for route, c in sorted((counters.get(kernel) or {}).items()):
+            grids = sorted((c.get("grids") or {}).items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+            parts.append(f"{kernel} {route}: {c.get('launches', 0)} launches"
+                         + (", grids " + ", ".join(f"{k} x{n}" for k, n in grids) if grids else ""))
+    return "; ".join(parts)
+
+
 def _env_value(ev: Evidence, arm, env_name: str) -> str:
     """The value of ``env_name`` that gives ``arm``'s setting: what its server ran with, else the value spelled for
     the env (a bool as 1/0)."""
@@ -260,7 +278,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
 
     mech = [g for g in ev.gates if g.gate == "mechanism"]
     mechanism = [{"arm": arm_label(ev, g.arm), "result": _gate_cell(g, ev)["result"],
-                  "counts": _gate_cell(g, ev)["counts"],
+                  "counts": mechanism_proof(g, lever.affects if lever else []) or _gate_cell(g, ev)["counts"],
                   "details": json.dumps(g.details, sort_keys=True) if g.details else "",
                   "reason": g.reason} for g in mech]
 

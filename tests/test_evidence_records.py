@@ -307,3 +307,19 @@ def test_the_record_shows_each_arms_gpu_clock_and_says_when_they_differ():
     ev.legs[0].valid = False                                 # an invalid leg's clock does not count
     ev.legs[0].gpu_samples = [{"sm_clock_mhz": 100.0}]
     assert "100" not in records.clock_rows(ev)[0]["arms"]
+
+
+def test_the_mechanism_line_shows_routes_and_grids_not_their_counts():
+    """The record's mechanism line is the proof a reader checks (RITUAL: the route and launch grid at the new
+    default), not 'grids 1, routes 1'."""
+    from campaigns.evidence import GateResult
+    g = GateResult(gate="mechanism", arm="on", passed=True, counts={"grids": 1, "routes": 1}, details={
+        "why": "decode_attention routes ['gqa_swap'], expected ['gqa_swap']",
+        "probe": {"grids": ["4x8x17"], "routes": ["gqa_swap"]},
+        "counters": {"decode_attention": {"gqa_swap": {"grids": {"4x8x17": 180, "4x8x9": 6}, "launches": 186}},
+                     "rms_norm": {"fast_math": {"grids": {"132": 72}, "launches": 72}}}})
+    assert records.mechanism_proof(g, ["decode_attention"]) == (
+        "decode_attention routes ['gqa_swap'], expected ['gqa_swap']; probe route gqa_swap, grid 4x8x17; "
+        "decode_attention gqa_swap: 186 launches, grids 4x8x17 x180, 4x8x9 x6")
+    g.details = {}
+    assert records.mechanism_proof(g, ["decode_attention"]) == ""          # the counts then, as before
