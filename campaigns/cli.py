@@ -195,7 +195,8 @@ def cmd_status(args) -> int:
 
     by = _evidence_by_lever(args.out_dir)
     table = Table(title="levers (default: conf/lever/*.yaml; last campaign: " + args.out_dir + ")")
-    for col in ("lever", "default", "env", "resolved", "byte-exact", "last campaign", "verdict", "fresh"):
+    for col in ("lever", "measured on", "default", "env", "resolved", "byte-exact", "last campaign", "verdict",
+                "fresh"):
         table.add_column(col)
     try:
         resolved = levers.resolve()
@@ -207,16 +208,16 @@ def cmd_status(args) -> int:
     stale = []
     for name, lever in sorted(registry.items()):
         done = [e for e in by.get(name, []) if e.decision is not None and e.kind == "lever"]
-        binding = latest_binding(done)
-        last = binding.get(name) or (done[-1] if done else None)
-        fresh = lever_context.freshness(last, root, registry, digests) if last else None
-        if fresh is not None and not fresh.fresh and last.decision.binding:
-            stale.append((last, fresh))
-        table.add_row(name, str(lever.default), lever.env,
-                      f"{resolved.values[name]} ({resolved.sources[name]})",
-                      {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
-                      last.campaign_id if last else "—", last.decision.verdict if last else "—",
-                      fresh.label if fresh else "—")
+        # one row per model (and pinned levers) the lever was decided on; else its latest rehearsal, or none
+        for key, last in sorted(latest_binding(done).items()) or [("", done[-1] if done else None)]:
+            fresh = lever_context.freshness(last, root, registry, digests) if last else None
+            if fresh is not None and not fresh.fresh and last.decision.binding:
+                stale.append((last, fresh))
+            table.add_row(name, key[len(name) + 4:] if key else "—", str(lever.default), lever.env,
+                          f"{resolved.values[name]} ({resolved.sources[name]})",
+                          {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
+                          last.campaign_id if last else "—", last.decision.verdict if last else "—",
+                          fresh.label if fresh else "—")
     for ev in latest_aa([e for evs in by.values() for e in evs]).values():      # the grid's self-checks
         fresh = lever_context.freshness(ev, root, registry, digests)
         if not fresh.fresh:
@@ -324,7 +325,7 @@ def cmd_recheck(args) -> int:
             print("recheck: no stale binding verdict")
         for e in state["entries"]:
             took = f"~{e['took_s'] / 60:.1f} min" if e.get("took_s") else "time unknown"
-            print(f"{e['status']:<8} {e['lever']:<13} {e['stale']} ({took} last time)  ->  vtcampaign run "
+            print(f"{e['status']:<8} {e.get('key', e['lever']):<13} {e['stale']} ({took} last time)  ->  vtcampaign run "
                   f"{' '.join(e['overrides'])}{' ' + ' '.join(args.overrides) if args.overrides else ''}  "
                   f"({'; '.join(e['why'])})")
         todo = [e for e in state["entries"] if e["status"] != "done"]

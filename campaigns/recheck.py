@@ -47,18 +47,23 @@ def _latest(evs: list[Evidence], kind: str) -> dict[str, Evidence]:
 
 
 def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
-    """Each lever's latest complete, binding lever campaign."""
+    """The latest complete, binding lever campaign per plan key (lever, model, pinned levers)."""
     return _latest(evs, "lever")
 
 
 def plan_key(ev: Evidence) -> str:
-    """The plan's name for what a campaign measured: its lever, or "A/A <model> (<quant>)" for a grid self-check
-    (one per model: it measures the grid and the engine, not a lever)."""
-    if ev.kind != "aa":
-        return ev.lever
+    """The name of what a campaign measured, one verdict per name: "<lever> on <model> (<quant>)" with its pinned
+    levers ("pdl on qwen3-8b (mxfp4)", "async_device_mirror on qwen3-8b (bf16) with async_scheduling=true"), or
+    "A/A <model> (<quant>)" for a grid self-check. A lever decided on two models holds two verdicts: a bf16
+    campaign does not hide (nor recheck) the MXFP4 one."""
     from campaigns.config import settings
-    model = settings(ev).model
-    return f"A/A {model.get('name', '?')} ({model.get('quant', '?')})"
+    cfg = settings(ev)
+    model = f"{cfg.model.get('name', '?')} ({cfg.model.get('quant', '?')})"
+    if ev.kind == "aa":
+        return f"A/A {model}"
+    pins = dict(cfg.campaign.with_levers or {})
+    return (f"{ev.lever} on {model}"
+            + (" with " + ", ".join(f"{k}={_text(v)}" for k, v in sorted(pins.items())) if pins else ""))
 
 
 def latest_aa(evs: list[Evidence]) -> dict[str, Evidence]:
@@ -67,7 +72,8 @@ def latest_aa(evs: list[Evidence]) -> dict[str, Evidence]:
     return _latest(evs, "aa")
 
 
-def stale_verdicts(out_dir: Path | str, root: Path | str | None = None) -> list[tuple[Evidence, lever_context.Freshness]]:
+def stale_verdicts(out_dir: Path | str,
+                   root: Path | str | None = None) -> list[tuple[Evidence, lever_context.Freshness]]:
     from vtengine import levers
     root = Path(root) if root is not None else confdirs.SOURCE_ROOT
     registry = levers.registry()
@@ -87,7 +93,7 @@ def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | s
     root = Path(root) if root is not None else confdirs.SOURCE_ROOT
     registry = levers.registry()
     latest = latest_binding([load_evidence(p) for p in find_evidence(out_dir)])
-    contexts = {name: lever_context.context_of(ev, root, registry) for name, ev in latest.items()}
+    contexts = [(ev.lever, lever_context.context_of(ev, root, registry)) for ev in latest.values()]
 
     def dependents(lever: str) -> int:
         """Other verdicts the lever is live in: listed live there, or its kernels ran there (a lever newer than
@@ -95,7 +101,7 @@ def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | s
         own = registry.get(lever)
         mine = set(own.affects) if own is not None else set()
         n = 0
-        for name, ctx in contexts.items():
+        for name, ctx in contexts:
             live = {x for names in ctx.live.values() for x in names}
             ran = {k for x in live if x in registry for k in registry[x].affects}
             n += name != lever and (lever in live or (own is not None and not own.affects) or bool(mine & ran))
@@ -161,8 +167,14 @@ def took_s(ev: Evidence) -> float | None:
     return max(0.0, (end - start).total_seconds())
 
 
+def _key(e: dict) -> str:
+    """A plan entry's verdict key (entries saved before verdicts were keyed by model carry the lever only)."""
+    return e.get("key", e["lever"])
+
+
 def _entry(ev: Evidence, f: lever_context.Freshness, registry: dict) -> dict:
-    return {"lever": plan_key(ev), "stale": ev.campaign_id, "why": f.reasons, "overrides": overrides_for(ev, registry),
+    return {"key": plan_key(ev), "lever": ev.lever if ev.kind == "lever" else plan_key(ev), "stale": ev.campaign_id,
+            "why": f.reasons, "overrides": overrides_for(ev, registry),
             "new": None, "status": "pending", "took_s": took_s(ev)}
 
 
@@ -190,18 +202,18 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
         for e in state["entries"]:
             if e["status"] != "pending":
                 continue
-            if e["lever"] not in stale_now:
+            if _key(e) not in stale_now:
                 e["status"], e["verdict"] = "done", "FRESH without it (measured outside this plan)"
             else:                               # still stale, maybe from a later campaign: its reasons and arms
-                e.update(_entry(*stale_now[e["lever"]], registry))
-        open_levers = {e["lever"] for e in state["entries"] if e["status"] != "done"}
-        state["entries"] += [_entry(ev, f, registry) for ev, f in current if plan_key(ev) not in open_levers]
+                e.update(_entry(*stale_now[_key(e)], registry))
+        open_keys = {_key(e) for e in state["entries"] if e["status"] != "done"}
+        state["entries"] += [_entry(ev, f, registry) for ev, f in current if plan_key(ev) not in open_keys]
         # what is done stays as history, a campaign stopped midway resumes first, and what is left to run follows
         # today's order (a verdict that joined may be one that others depend on: it goes before them)
         rank = {plan_key(ev): i for i, (ev, _f) in enumerate(current)}
         phase = {"done": 0, "running": 1}
         state["entries"].sort(key=lambda e: (phase.get(e["status"], 2),
-                                             rank.get(e["lever"], len(rank)) if e["status"] == "pending" else 0))
+                                             rank.get(_key(e), len(rank)) if e["status"] == "pending" else 0))
     else:
         state = {"entries": [_entry(ev, f, registry) for ev, f in current]}
     save_state(out_dir, state)
@@ -228,7 +240,7 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
                 save_state(out_dir, state)
                 continue
             overrides.append(f"resume={entry['new']}")
-        echo(f"recheck {entry['lever']}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
+        echo(f"recheck {_key(entry)}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
              f"running {' '.join(overrides)}")
 
         def started(cid: str, entry=entry) -> None:

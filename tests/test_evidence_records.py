@@ -183,11 +183,14 @@ def test_render_of_one_campaign_leaves_the_others_files_alone(tmp_path):
     assert "fast_math" in (tmp_path / "records" / "STATUS.md").read_text()
 
 
-def _status_row(status: str, lever: str) -> list[str]:
+def _status_row(status: str, lever: str, on: str | None = None) -> list[str]:
+    """The lever's STATUS row (of the model ``on``, when given) without its "measured on" cell."""
     table = status.split("## Refuted levers")[0]
-    rows = [ln for ln in table.splitlines() if ln.startswith(f"| {lever} |")]
-    assert len(rows) == 1, rows                    # keyed: exactly one row per lever
-    return [c.strip() for c in rows[0].strip("|").split("|")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in table.splitlines()
+            if ln.startswith(f"| {lever} |")]
+    rows = [r for r in rows if on is None or r[1] == on]
+    assert len(rows) == 1, rows                    # keyed: exactly one row per lever and model
+    return rows[0][:1] + rows[0][2:]
 
 
 def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
@@ -228,6 +231,16 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     gqa = (tmp_path / "records" / "BENCHMARKS.md").read_text().split("## gqa_swap")[1]
     assert "2026-11-30-gqa_swap-abc1234" in gqa and "| 8 | candidate (on) | 111.0 | 101.0 | 1.099 WIN |" in gqa
     assert len(find_evidence(out)) == 4
+
+    # The same lever decided on another model holds its own row; the bf16 verdict stays beside it.
+    other = make_evidence(LOSS, created="2026-12-01T10:00:00Z", campaign_id="2026-12-01-gqa_swap-def5678")
+    other.config["model"]["quant"] = "mxfp4"
+    _campaigns(tmp_path, other)
+    records.render_all(out, plots=False)
+    status = (tmp_path / "records" / "STATUS.md").read_text()
+    assert _status_row(status, "gqa_swap", on="qwen3-8b (bf16)")[5] == "FLIP"
+    assert _status_row(status, "gqa_swap", on="qwen3-8b (mxfp4)")[5] == "REJECT-PERFORMANCE"
+    shutil.rmtree(out / other.campaign_id)
 
     # A refutation that a later campaign of the same lever and arm superseded leaves the refuted section.
     rerun = make_evidence(NEUTRAL, lever="fast_math", created="2026-12-02T09:00:00Z",

@@ -27,20 +27,22 @@ def proj(tmp_path):
 
 
 def verdict(root: Path, lever: str, created: str, aa: bool = False, grid: str | None = None, values=None,
-            **context) -> str:
+            quant: str = "bf16", **context) -> str:
     """A binding FLIP of ``lever`` measured at HEAD with today's defaults except ``context`` (lever -> value, in
     both arms), the bf16 levers live; saved under records/. ``aa``: an A/A grid instead, both arms at the lever's
     default; ``grid``: the binding grid's name. Returns its campaign id."""
     reg = levers.registry()
-    ev = make_evidence(values or TPUT_WIN, lever=lever, created=created, campaign_id=None if not aa else
-                       f"{created[:10]}-{lever}-aa-abc1234")
+    ev = make_evidence(values or TPUT_WIN, lever=lever, created=created,
+                       campaign_id=(f"{created[:10]}-{lever}-aa-abc1234" if aa else
+                                    f"{created[:10]}-{lever}-{quant}-abc1234" if quant != "bf16" else None))
     if aa:
         ev.kind = "aa"
         for arm in ev.arms:
             arm.value = reg[lever].default
     if grid:
         ev.config["grid"]["name"] = grid
-        ev.__dict__.pop("_settings", None)
+    ev.config["model"]["quant"] = quant
+    ev.__dict__.pop("_settings", None)
     sha = git.Repo(root).head.commit.hexsha
     ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
     for arm in ev.arms:
@@ -62,6 +64,16 @@ def test_the_plan_lists_the_stale_verdicts_with_their_overrides(proj):
     assert entry["overrides"] == ["campaign=gqa_swap", "model=qwen3-8b", "model.quant=bf16"]
     assert recheck.load_state(proj / "records") == state
     assert entry["took_s"] == 5.0               # created 10:00:00, its last leg ended 10:00:05
+
+
+def test_a_lever_decided_on_two_models_holds_two_verdicts(proj):
+    """A later bf16 campaign neither hides nor freshens the MXFP4 verdict of the same lever: each is keyed by its
+    model, and the plan rechecks the stale one on its own model."""
+    old = verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", quant="mxfp4", pdl=True)     # stale (pdl is off now)
+    verdict(proj, "gqa_swap", "2026-11-30T11:00:00Z")                                    # later, bf16, fresh
+    (entry,) = recheck.plan(proj / "records", root=proj)["entries"]
+    assert (entry["key"], entry["lever"], entry["stale"]) == ("gqa_swap on qwen3-8b (mxfp4)", "gqa_swap", old)
+    assert "model.quant=mxfp4" in entry["overrides"]
 
 
 def test_a_saved_plan_drops_what_is_fresh_now_and_adds_what_went_stale(proj):
