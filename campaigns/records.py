@@ -543,20 +543,27 @@ def render_benchmarks(evs: list[Evidence], campaign_dirs: dict[str, Path], recor
     fresh = fresh or _Freshness()
     done = [e for e in _chronological(evs) if e.status == "complete" and e.decision is not None and e.stats
             and e.kind == "lever"]
+    from campaigns.recheck import latest_binding
     sections = []
     for lever in sorted({e.lever for e in done}):
         mine = [e for e in done if e.lever == lever]
-        binding = [e for e in mine if e.decision.binding]
-        ev = (binding or mine)[-1]
-        sections.append({
-            "lever": lever, "binding": bool(binding), "campaign_id": ev.campaign_id,
-            "link": _link(ev, campaign_dirs, records_dir), "verdict": ev.decision.verdict,
-            "model": _model(ev), "fresh": _fresh_cell(fresh(ev)),
-            "device": ev.fingerprint.device_name, "date": ev.date, "baseline": arm_label(ev, ev.baseline.name),
-            "calibration": calibrate.sentence(ev.calibration) if ev.calibration else "not calibrated",
-            "rows": _grid_rows(ev),
-        })
+        # the latest binding grid per model (and pinned levers), else the latest non-binding one
+        picks = sorted(latest_binding(mine).items()) or [("", mine[-1])]
+        for key, ev in picks:
+            sections.append(_bench_section(lever, key, ev, fresh, campaign_dirs, records_dir))
     return render_template("BENCHMARKS.md.j2", sections=sections)
+
+
+def _bench_section(lever: str, key: str, ev: Evidence, fresh, campaign_dirs: dict[str, Path],
+                   records_dir: Path) -> dict[str, Any]:
+    return {
+        "lever": key or lever, "binding": bool(key), "campaign_id": ev.campaign_id,
+        "link": _link(ev, campaign_dirs, records_dir), "verdict": ev.decision.verdict,
+        "model": _model(ev), "fresh": _fresh_cell(fresh(ev)),
+        "device": ev.fingerprint.device_name, "date": ev.date, "baseline": arm_label(ev, ev.baseline.name),
+        "calibration": calibrate.sentence(ev.calibration) if ev.calibration else "not calibrated",
+        "rows": _grid_rows(ev),
+    }
 
 
 def render_all(out_dir: Path | str, records_dir: Path | str | None = None, lever_dir: Path | None = None,

@@ -240,6 +240,8 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     status = (tmp_path / "records" / "STATUS.md").read_text()
     assert _status_row(status, "gqa_swap", on="qwen3-8b (bf16)")[5] == "FLIP"
     assert _status_row(status, "gqa_swap", on="qwen3-8b (mxfp4)")[5] == "REJECT-PERFORMANCE"
+    heads = [ln for ln in (tmp_path / "records" / "BENCHMARKS.md").read_text().splitlines() if ln.startswith("## ")]
+    assert "## gqa_swap on qwen3-8b (bf16)" in heads and "## gqa_swap on qwen3-8b (mxfp4)" in heads
     shutil.rmtree(out / other.campaign_id)
 
     # A refutation that a later campaign of the same lever and arm superseded leaves the refuted section.
