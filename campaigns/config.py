@@ -270,7 +270,11 @@ def _explain(e: Exception, overrides: list[str], conf_dir: Path) -> str:
     for o in overrides:                                     # a group option that has no file
         group, _, choice = o.partition("=")
         if group in ("campaign", "model", "grid", "gate", "tracking") and choice not in options(group, conf_dir):
-            return f"unknown {group} {choice!r}; accepted: {', '.join(options(group, conf_dir))} (conf/{group}/*.yaml)"
+            known = options(group, conf_dir)
+            if "," in choice and all(c.strip() in known for c in choice.split(",")):
+                return (f"{group}={choice} lists several options: a sweep runs them, one campaign each: "
+                        f"vtcampaign run -m {' '.join(overrides)}")
+            return f"unknown {group} {choice!r}; accepted: {', '.join(known)} (conf/{group}/*.yaml)"
     if "You must specify 'campaign'" in text or (isinstance(e, MissingMandatoryValue) and "campaign" in text):
         return f"no campaign chosen; add campaign=<name>, accepted: {', '.join(options('campaign', conf_dir))}"
     err = cause if isinstance(cause, (ValidationError, ConfigKeyError)) else e

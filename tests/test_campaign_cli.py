@@ -125,6 +125,9 @@ def test_user_choices_override_the_host_defaults():
     (["campaign=gqa_swap", "allow_dirty=maybe"], "bad value for allow_dirty"),
     (["campaign=gqa_swap", "grid.reps"], "bad override syntax"),
     (["campaign=gqa_swap", "+foo=1"], "unknown top-level key(s) ['foo']; accepted: campaign, model, grid"),
+    (["campaign=gqa_swap,pdl"], "campaign=gqa_swap,pdl lists several options: a sweep runs them, one campaign "
+                                "each: vtcampaign run -m campaign=gqa_swap,pdl"),
+    (["campaign=gqa_swap,nope"], "unknown campaign 'gqa_swap,nope'; accepted: "),
 ])
 def test_bad_overrides_give_one_clear_line(overrides, expected, capsys):
     with pytest.raises(CampaignConfigError, match=None) as err:
