@@ -38,12 +38,28 @@ from vtengine.confdirs import ConfDirError
 from vtengine.levers import LeverError
 
 USER_ERRORS = (CampaignConfigError, EvidenceError, GitOpsError, ConfDirError, LeverError, RecheckError)
-DEFAULT_OUT_DIR = "records/campaigns"
+DEFAULT_OUT_DIR = "records/campaigns"       # under the project root: the git work tree the command runs in
+
+
+def project_root(cwd: Path | None = None) -> Path:
+    """The top of the git work tree that holds ``cwd`` (as git finds it), else ``cwd``: a command run from a
+    sub-folder reads and writes the project's records/, not a records/ of its own."""
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    try:
+        import git
+        return Path(git.Repo(cwd, search_parent_directories=True).working_tree_dir)
+    except Exception:           # not in a repository (or git missing): the folder itself
+        return cwd
 DEFAULT_URI = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"      # as campaigns.tracking's
 
 
 class UsageError(ValueError):
     """A CLI usage problem the user can fix; printed as one line, exit code 2."""
+
+
+def _out_dir_arg(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--out-dir", default=None,
+                     help=f"the campaigns folder (default: {DEFAULT_OUT_DIR} under the project root)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,40 +75,40 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. campaign=gqa_swap grid.reps=5")
     run.add_argument("--dry-run", action="store_true", help="print the composed config and the plan; run nothing")
     st = sub.add_parser("status", help="levers, defaults, resolved values and last verdicts")
-    st.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    _out_dir_arg(st)
     cal = sub.add_parser("calibrate", help="the grid rule's error rates for every binding campaign")
-    cal.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    _out_dir_arg(cal)
     cal.add_argument("--sims", type=int, default=1000, help="simulated campaigns per rate (default 1000)")
     cal.add_argument("--seed", type=int, default=0)
     fl = sub.add_parser("flip", help="commit a binding, fresh FLIP on row/<lever>-flip")
     fl.add_argument("campaign_id")
-    fl.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    _out_dir_arg(fl)
     de = sub.add_parser("decide", help="apply this checkout's policy again to a complete campaign's evidence",
                         description="Decide a complete campaign again from its stored legs, gates and statistics "
                                     "with the policy code of this checkout (after a fix to the policy); the "
                                     "record keeps the earlier verdict in the reasons. Nothing is measured again.")
     de.add_argument("campaign_id")
-    de.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    _out_dir_arg(de)
     rc = sub.add_parser("recheck", help="re-run the campaigns of the stale binding verdicts, one after another",
                         description="Re-run every stale binding verdict's campaign (vtcampaign status lists them) "
                                     "on today's defaults, resumably; extra arguments are Hydra overrides for every "
                                     "campaign (e.g. tracking=off).")
     rc.add_argument("overrides", nargs="*")
-    rc.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    _out_dir_arg(rc)
     rc.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
     rc.add_argument("--restart", action="store_true", help="drop a saved plan and plan anew")
     rc.add_argument("--frozen", action="store_true",
                     help="work through the saved plan as it is (a copy without the repository's history, e.g. a "
                          "GPU host, cannot judge freshness: plan where the history is, carry the plan there)")
     rd = sub.add_parser("render", help="rebuild records from evidence files")
-    rd.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    _out_dir_arg(rd)
     rd.add_argument("--no-plots", action="store_true", help="skip grid.png")
     lg = sub.add_parser("log", help="ingest an evidence file into MLflow")
     lg.add_argument("evidence", help="path to records/campaigns/<id>/evidence.json (or its directory)")
     lg.add_argument("--tracking-uri", default=DEFAULT_URI)
     pr = sub.add_parser("pr", help="print the PR text of a campaign")
     pr.add_argument("campaign_id")
-    pr.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    _out_dir_arg(pr)
     ui = sub.add_parser("ui", help="the MLflow UI on the tracking store")
     ui.add_argument("--tracking-uri", default=DEFAULT_URI)
     ui.add_argument("--port", type=int, default=5000)
@@ -116,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if getattr(args, "out_dir", "") is None:
+        args.out_dir = str(project_root() / DEFAULT_OUT_DIR)
     try:
         if args.cmd in ("run", "recheck"):
             flags = [x for x in extra if x.startswith("-")]
@@ -148,6 +166,12 @@ def cmd_run(overrides: list[str], dry_run: bool) -> int:
         print(f"# plan: {camp.lever} on {cfg.device} ({binding}), {arms} arms, gates {list(camp.gates)}, "
               f"{legs} legs ({len(grid.concurrency)} concurrencies x {grid.reps} reps x {arms} arms), "
               f"model {cfg.model.name} ({cfg.model.quant}), tracking {cfg.tracking.name}")
+        if cfg.resume:
+            from campaigns.runner import CampaignError, resume_plan
+            try:
+                print("# " + resume_plan(cfg, project_root()))
+            except CampaignError as e:
+                raise UsageError(str(e)) from None
         return 0
     try:
         from campaigns.runner import run_campaign
@@ -158,7 +182,7 @@ def cmd_run(overrides: list[str], dry_run: bool) -> int:
                          "`vtcampaign run ... --dry-run` shows the composed config") from None
     from campaigns.runner import CampaignError
     try:
-        run_campaign(cfg)
+        run_campaign(cfg, repo=project_root())
     except CampaignError as e:
         raise UsageError(str(e)) from None
     except KeyboardInterrupt:
@@ -271,11 +295,11 @@ def cmd_flip(args) -> int:
     except CampaignError as e:
         raise UsageError(str(e)) from None
     out_dir = Path(args.out_dir).resolve()
-    summaries = status_dir(Path.cwd(), out_dir)
+    summaries = status_dir(project_root(), out_dir)
     render_all(out_dir, summaries)
     cdir = path.parent
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
-    info = flip_commit(Path.cwd(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
+    info = flip_commit(project_root(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
                        lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id,
                        rendered=lambda copy: render_summaries_flipped(out_dir, summaries, ev.lever, copy))
     print(f"flip of {ev.lever} to {ev.decision.new_default} committed on {info['branch']} ({info['commit'][:7]}); "
@@ -304,14 +328,14 @@ def cmd_decide(args) -> int:
                                                                              before.headline):
         print(f"{ev.campaign_id}: {before.verdict}, unchanged by this checkout's policy")
         return 0
-    sha = repo_state(Path.cwd()).short_sha
+    sha = repo_state(project_root()).short_sha
     after.reasons += [r for r in before.reasons if r.startswith(REDECIDED)]       # the history of earlier reads
     after.reasons.append(f"{REDECIDED} on {utc_now()[:10]} with the policy at {sha}; it had read {before.verdict}"
                          + (f" ({'; '.join(kept[:2])})" if kept else ""))
     ev.decision = after
     save_evidence(ev, path.parent)
     out_dir = Path(args.out_dir).resolve()
-    render_all(out_dir, status_dir(Path.cwd(), out_dir), only=[ev.campaign_id])
+    render_all(out_dir, status_dir(project_root(), out_dir), only=[ev.campaign_id])
     print(f"{ev.campaign_id}: {before.verdict} -> {after.verdict} ({after.headline})")
     return 0
 
@@ -338,7 +362,7 @@ def cmd_recheck(args) -> int:
     def run_one(overrides, on_start):
         cfg = compose(overrides + [f"out_dir={args.out_dir}"])
         try:
-            return run_campaign(cfg, on_start=on_start)
+            return run_campaign(cfg, repo=project_root(), on_start=on_start)
         except CampaignError as e:
             raise UsageError(str(e)) from None
     try:

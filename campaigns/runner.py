@@ -335,6 +335,30 @@ _SAME_ON_RESUME = (("device_name", "device"), ("torch_version", "torch"), ("trit
                    ("cuda_version", "CUDA"), ("python_version", "Python"))
 
 
+def resume_plan(cfg: DictConfig, repo: Path | str) -> str:
+    """What ``resume=`` would do, for --dry-run: the campaign it takes (resume=auto: the newest unfinished one of
+    this config at this commit, or none), the legs done and left; the checks a real resume makes, made."""
+    repo = Path(repo).resolve()
+    out_dir = (repo / cfg.out_dir).resolve()
+    cid = _unfinished(cfg, repo, out_dir) if cfg.resume == "auto" else str(cfg.resume)
+    if cid is None:
+        return "resume=auto: no unfinished campaign of this config at this commit; a new one would start"
+    cdir = out_dir / cid
+    if not (cdir / "evidence.json").exists():
+        known = sorted(p.parent.name for p in out_dir.glob("*/evidence.json"))
+        raise CampaignError(f"resume={cfg.resume!r}: no evidence at {cdir}; campaigns here: {known}")
+    ev = load_evidence(cdir)
+    if ev.lever != cfg.campaign.lever:
+        raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
+    _check_resumable(ev, cfg, repo, out_dir)
+    g = cfg.grid
+    planned = len(gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order)))
+    done = len(ev.done_legs())
+    void = void_leg(ev)
+    return (f"resume {cid} ({ev.status}): {len(ev.gates)} gate results kept, {done} of {planned} legs done, "
+            f"{planned - done} left" + (f"; but {void}" if void else ""))
+
+
 def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | None = None) -> None:
     """New legs must compare like with like: the same composed config, the same commit, the same tree (clean, or
     dirty in the same files), device and versions as the first run. The host may differ (a fresh device machine

@@ -226,3 +226,44 @@ def test_summaries_of_a_run_elsewhere_stay_next_to_its_records(tmp_path):
     repo = tmp_path / "repo"
     assert status_dir(repo, repo / "records" / "campaigns") == (repo / "records").resolve()
     assert status_dir(repo, tmp_path / "scratch") == (tmp_path / "scratch").resolve()
+
+
+def test_commands_run_from_a_subfolder_use_the_projects_records(tmp_path, monkeypatch, capsys):
+    """`vtcampaign status` (and every command's default --out-dir) reads records/campaigns at the top of the git
+    work tree, as git finds it, not a records/ of the folder the command runs in."""
+    from helpers import temp_repo
+    repo = temp_repo(tmp_path)
+    ev = make_evidence(TPUT_WIN)
+    save_evidence(ev, repo / "records" / "campaigns" / ev.campaign_id)
+    (repo / "vtengine").mkdir()
+    monkeypatch.chdir(repo / "vtengine")
+    assert main(["pr", ev.campaign_id]) == 0
+    assert capsys.readouterr().out.startswith("row/gqa_swap")
+    from campaigns.cli import project_root
+    assert project_root() == repo and project_root(tmp_path) == tmp_path       # outside a repository: itself
+
+
+def test_dry_run_with_resume_says_what_is_left_and_checks_the_id(tmp_path, monkeypatch, capsys):
+    """--dry-run with resume= names the campaign it would take, the legs done and left, and refuses what a real
+    resume refuses (an unknown id)."""
+    import dataclasses
+
+    import git
+
+    from campaigns.config import config_hash
+    from campaigns.fingerprint import collect
+    from helpers import temp_repo
+    from vtengine import levers
+    repo = temp_repo(tmp_path)
+    monkeypatch.chdir(repo)
+    cfg = compose(["campaign=gqa_swap", "tracking=off", "resume=auto"], cuda=False)
+    ev = make_evidence(reps=2, concurrency=(1, 2), campaign_id="2026-12-03-gqa_swap-abc1234")
+    ev.status, ev.legs = "in-progress", ev.legs[:3]
+    ev.fingerprint = dataclasses.replace(collect(repo, "cpu", levers.get("gqa_swap").env, ev.arms, config_hash(cfg)),
+                                         git_sha=git.Repo(repo).head.commit.hexsha)
+    save_evidence(ev, repo / "records" / "campaigns" / ev.campaign_id)
+    assert main(["run", "campaign=gqa_swap", "tracking=off", "resume=auto", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# resume 2026-12-03-gqa_swap-abc1234 (in-progress): 16 gate results kept, 3 of 8 legs done, 5 left" in out
+    assert main(["run", "campaign=gqa_swap", "tracking=off", "resume=nope", "--dry-run"]) == 2
+    assert "resume='nope': no evidence at" in _error_line(capsys)
