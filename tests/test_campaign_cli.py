@@ -267,3 +267,17 @@ def test_dry_run_with_resume_says_what_is_left_and_checks_the_id(tmp_path, monke
     assert "# resume 2026-12-03-gqa_swap-abc1234 (in-progress): 16 gate results kept, 3 of 8 legs done, 5 left" in out
     assert main(["run", "campaign=gqa_swap", "tracking=off", "resume=nope", "--dry-run"]) == 2
     assert "resume='nope': no evidence at" in _error_line(capsys)
+
+
+def test_vtengine_levers_lists_each_levers_last_verdict(tmp_path, monkeypatch, capsys):
+    """DESIGN: `vtengine levers` lists every lever with its resolved value and last verdict (per model)."""
+    from helpers import temp_repo
+    from vtengine import cli as engine_cli
+    repo = temp_repo(tmp_path)
+    ev = make_evidence(TPUT_WIN)
+    save_evidence(ev, repo / "records" / "campaigns" / ev.campaign_id)
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("COLUMNS", "400")
+    assert engine_cli.main(["levers"]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("│ gqa_swap "))
+    assert "FLIP on qwen3-8b (bf16), 2026-11-30" in row

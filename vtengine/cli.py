@@ -29,13 +29,38 @@ def cmd_levers(args) -> int:
     resolved = levers.resolve(_lever_args(args.lever))
     dirs = ", ".join(str(d / "lever") for d in confdirs.search_dirs())
     table = Table(title=f"vtengine levers (config > env > conf/lever default; files from {dirs})")
-    for col in ("lever", "env", "default", "value", "source", "affects", "summary"):
+    verdicts = _last_verdicts()
+    for col in ("lever", "env", "default", "value", "source", "last verdict", "affects", "summary"):
         table.add_column(col, overflow="fold")
     for name, lv in levers.registry().items():
         table.add_row(name, lv.env, str(lv.default), str(resolved.values[name]), resolved.sources[name],
-                      ", ".join(lv.affects), lv.summary)
+                      verdicts.get(name, "—"), ", ".join(lv.affects), lv.summary)
     Console(width=max(120, Console().width)).print(table)
+    if verdicts is _NO_RECORDS:
+        print("(last verdicts: no records/campaigns under the project root; `vtcampaign status` says more)")
     return 0
+
+
+_NO_RECORDS: dict[str, str] = {}
+
+
+def _last_verdicts() -> dict[str, str]:
+    """Each lever's latest binding verdict per model, from the project's records/campaigns ("FLIP on qwen3-8b
+    (bf16), 2026-12-03"), when the campaign manager is installed beside the engine; freshness is
+    `vtcampaign status`'s."""
+    try:
+        from campaigns.cli import DEFAULT_OUT_DIR, project_root
+        from campaigns.evidence import find_evidence, load_evidence
+        from campaigns.recheck import latest_binding
+    except ImportError:
+        return _NO_RECORDS
+    out_dir = project_root() / DEFAULT_OUT_DIR
+    if not out_dir.is_dir():
+        return _NO_RECORDS
+    out: dict[str, list[str]] = {}
+    for key, ev in sorted(latest_binding([load_evidence(p) for p in find_evidence(out_dir)]).items()):
+        out.setdefault(ev.lever, []).append(f"{ev.decision.verdict} {key[len(ev.lever) + 1:]}, {ev.date}")
+    return {k: "; ".join(v) for k, v in out.items()}
 
 
 def cmd_generate(args) -> int:
