@@ -30,18 +30,17 @@ def cmd_levers(args) -> int:
     dirs = ", ".join(str(d / "lever") for d in confdirs.search_dirs())
     table = Table(title=f"vtengine levers (config > env > conf/lever default; files from {dirs})")
     verdicts = _last_verdicts()
-    for col in ("lever", "env", "default", "value", "source", "last verdict", "affects", "summary"):
+    cols = ("lever", "env", "default", "value", "source") + (("last verdict",) if verdicts else ()) + (
+        "affects", "summary")
+    for col in cols:
         table.add_column(col, overflow="fold")
     for name, lv in levers.registry().items():
         table.add_row(name, lv.env, str(lv.default), str(resolved.values[name]), resolved.sources[name],
-                      verdicts.get(name, "—"), ", ".join(lv.affects), lv.summary)
-    Console(width=max(120, Console().width)).print(table)
-    if verdicts is _NO_RECORDS:
-        print("(last verdicts: no records/campaigns under the project root; `vtcampaign status` says more)")
+                      *((verdicts.get(name, "—"),) if verdicts else ()), ", ".join(lv.affects), lv.summary)
+    Console(width=max(160 if verdicts else 120, Console().width)).print(table)
+    if not verdicts:
+        print("(no binding verdicts under the project root's records/campaigns; `vtcampaign status` says more)")
     return 0
-
-
-_NO_RECORDS: dict[str, str] = {}
 
 
 def _last_verdicts() -> dict[str, str]:
@@ -53,10 +52,10 @@ def _last_verdicts() -> dict[str, str]:
         from campaigns.evidence import find_evidence, load_evidence
         from campaigns.recheck import latest_binding
     except ImportError:
-        return _NO_RECORDS
+        return {}
     out_dir = project_root() / DEFAULT_OUT_DIR
     if not out_dir.is_dir():
-        return _NO_RECORDS
+        return {}
     out: dict[str, list[str]] = {}
     for key, ev in sorted(latest_binding([load_evidence(p) for p in find_evidence(out_dir)]).items()):
         out.setdefault(ev.lever, []).append(f"{ev.decision.verdict} {key[len(ev.lever) + 1:]}, {ev.date}")
