@@ -198,6 +198,9 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
     current = order(stale_verdicts(out_dir, root), out_dir, root)
     state = {} if restart else load_state(out_dir)
     if state.get("entries") and any(e["status"] != "done" for e in state["entries"]):
+        for e in state["entries"]:          # a plan saved before verdicts were keyed by model: key it by its verdict
+            if "key" not in e and (Path(out_dir) / e["stale"] / "evidence.json").is_file():
+                e["key"] = plan_key(load_evidence(Path(out_dir) / e["stale"]))
         stale_now = {plan_key(ev): (ev, f) for ev, f in current}
         for e in state["entries"]:
             if e["status"] != "pending":

@@ -213,3 +213,16 @@ def test_frozen_works_through_the_saved_plan_as_it_is(proj, capsys):
     assert recheck.plan(out, frozen=True) == saved
     with pytest.raises(recheck.RecheckError, match="cannot be combined with --restart"):
         recheck.plan(out, restart=True, frozen=True)
+
+
+def test_a_plan_saved_before_verdicts_were_keyed_by_model_keeps_its_entries(proj):
+    """Entries of a plan saved with the lever as their only name are keyed from their stale campaign, so they stay
+    pending (not marked done as 'FRESH without it') and are not planned twice."""
+    stale = verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    out = proj / "records"
+    state = recheck.plan(out, root=proj)
+    for e in state["entries"]:
+        del e["key"]
+    recheck.save_state(out, state)
+    (entry,) = recheck.plan(out, root=proj)["entries"]
+    assert (entry["key"], entry["stale"], entry["status"]) == ("gqa_swap on qwen3-8b (bf16)", stale, "pending")
