@@ -191,7 +191,9 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
         arm_end = max((_ms(leg.ended) for leg in arm_legs if leg.ended), default=end)
         run = c.create_run(exp, start_time=arm_start, run_name=f"arm {arm.name}", tags={
             **child, KIND_TAG: "arm-summary", "arm": arm.name, "role": arm.role, "value": str(arm.value)})
-        _log(c, run.info.run_id, metrics=arm_summary_metrics(ev, arm.name), timestamp=start or 0,
+        peak = ([("peak_memory_gib", float(ev.peak_memory_gib[arm.name]), 0)]
+                if arm.name in ev.peak_memory_gib else [])        # the record's memory axis, per arm
+        _log(c, run.info.run_id, metrics=arm_summary_metrics(ev, arm.name) + peak, timestamp=start or 0,
              params={"lever_value": str(arm.value), "env": " ".join(f"{k}={v}" for k, v in
                                                                      sorted(fp.arms_env.get(arm.name, {}).items()))})
         c.set_terminated(run.info.run_id, "FINISHED", end_time=arm_end)

@@ -19,6 +19,7 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     ev = make_evidence(TPUT_WIN)
+    ev.peak_memory_gib = {"off": 21.5, "on": 19.25}
     ev.legs[0].gpu_samples = [{"sm_clock_mhz": 1980.0, "temp_c": 41.0}, {"sm_clock_mhz": 1965.0, "temp_c": 44.0}]
     cdir = root / "campaigns" / ev.campaign_id
     save_evidence(ev, cdir)
@@ -76,6 +77,7 @@ def test_arm_summaries_log_medians_at_step_concurrency(store):
                                           if leg.arm == arm and leg.concurrency == cc) for cc in (1, 2, 4, 8)}
         assert {m.step: m.value for m in hist} == expected
     assert arms["on"].data.params["env"] == "VT_DECODE_GQA_SWAP=on"
+    assert {a: r.data.metrics["peak_memory_gib"] for a, r in arms.items()} == ev.peak_memory_gib
 
 
 def test_relogging_replaces_instead_of_duplicating(store):
