@@ -273,11 +273,17 @@ def _conclude(run: _Run) -> None:
         records.render_all(run.out_dir, summaries, only=[ev.campaign_id])
     else:                           # one job of a sweep: its own records; the sweep renders the summaries once
         records.write_campaign(ev, run.cdir)
+    refused = None
     if ev.decision and ev.decision.verdict == "FLIP" and cfg.commit:
-        _flip(ev, run.cdir, run.repo, summaries)
+        try:
+            _flip(ev, run.cdir, run.repo, summaries)
+        except CampaignError as e:      # stale, or the default moved: the campaign is complete all the same
+            refused = e
     _track(cfg, ev, run.cdir)           # last: a tracking store out of reach costs nothing but the logging
     (run.cdir / "runner.pid").unlink(missing_ok=True)
     _summary(ev, run.cdir, time.perf_counter() - run.t_start)
+    if refused is not None:             # commit=true asked for a flip it did not get: the command fails, saying why
+        raise CampaignError(f"commit=true: no flip committed: {refused}")
 
 
 def _other_evidence(out_dir: Path, own: str) -> list[Evidence]:

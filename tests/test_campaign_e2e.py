@@ -16,7 +16,7 @@ from campaigns import records, runner
 from campaigns.config import compose
 from campaigns.evidence import load_evidence
 from campaigns.runner import run_campaign
-from helpers import temp_repo
+from helpers import TPUT_WIN, temp_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(1200)
@@ -389,3 +389,24 @@ def test_a_binding_campaign_refuses_a_dirty_tree_unless_allowed(tmp_path):
         check_tree(gpu, cfg)
     check_tree(gpu, compose(["campaign=gqa_swap", "grid=online", "allow_dirty=true"], cuda=False))
     check_tree(gpu, compose(["campaign=gqa_swap", "grid=rehearsal"], cuda=False))
+
+
+def test_commit_true_on_a_flip_it_cannot_commit_completes_the_campaign_then_fails(tmp_path):
+    """commit=true on a FLIP whose default is already applied (a recheck of a flipped lever): the campaign is
+    complete, its records written, its runner.pid gone, and only then the command fails, saying why."""
+    from campaigns.runner import CampaignError, _conclude, _Run
+    from helpers import make_evidence
+    from vtengine import levers
+    repo = temp_repo(tmp_path)
+    cfg = compose(["campaign=gqa_swap", "tracking=off", "commit=true"], cuda=False)
+    ev = make_evidence(TPUT_WIN)                                  # gqa_swap off -> on; its default is on already
+    reg = levers.registry()
+    ev.context = {a.name: {**{n: lv.default for n, lv in reg.items()}, "gqa_swap": a.value} for a in ev.arms}
+    cdir = repo / "records" / "campaigns" / ev.campaign_id
+    cdir.mkdir(parents=True)
+    (cdir / "runner.pid").write_text("1\n")
+    run = _Run(cfg, repo, repo / "records" / "campaigns", cdir, ev, None, [], {}, time.perf_counter())
+    with pytest.raises(CampaignError, match="commit=true: no flip committed: .*gqa_swap's default is already on"):
+        _conclude(run)
+    assert load_evidence(cdir).status == "complete" and ev.decision.verdict == "FLIP"
+    assert (cdir / "record.md").is_file() and not (cdir / "runner.pid").exists()
