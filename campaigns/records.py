@@ -418,9 +418,10 @@ def _link(ev: Evidence, campaign_dirs: dict[str, Path], records_dir: Path, name:
 
 
 def _superseded(ev: Evidence, done: list[Evidence]) -> bool:
-    """A refutation stops being listed once a later campaign of the same lever and arm reaches another verdict
-    (e.g. the bug behind a REJECT was fixed and the lever re-ran); its record stays in records/campaigns/."""
-    later = [e for e in done if e.lever == ev.lever and e.decision.candidate == ev.decision.candidate
+    """A refutation stops being listed once a later campaign of the same lever, model and arm reaches another
+    verdict (e.g. the bug behind a REJECT was fixed and the lever re-ran); its record stays in records/campaigns/."""
+    from campaigns.recheck import plan_key
+    later = [e for e in done if plan_key(e) == plan_key(ev) and e.decision.candidate == ev.decision.candidate
              and (e.created, e.campaign_id) > (ev.created, ev.campaign_id)]
     return any(e.decision.verdict != ev.decision.verdict for e in later)
 
@@ -490,12 +491,18 @@ def _pins(ev: Evidence) -> str:
 def _status_rest(done: list[Evidence], lever_runs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path,
                  fresh, rows: list[dict]) -> str:
     """STATUS.md from its lever rows: the refuted levers and the grid's A/A self-checks follow."""
-    refuted = [{
-        "lever": e.lever, "arm": e.decision.candidate or "?", "verdict": e.decision.verdict,
-        "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
-        "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"),
-    } for e in lever_runs if e.decision.verdict in REFUTED and not _superseded(e, lever_runs)]
     from campaigns.recheck import latest_aa, plan_key
+    # the latest refutation of each lever, arm and model (with its pins): a re-run that refuted it again replaces
+    # the row (gqa_swap off was listed three times), one that reached another verdict removes it
+    latest_refuted: dict[tuple[str, str], Evidence] = {}
+    for e in lever_runs:
+        if e.decision.verdict in REFUTED and not _superseded(e, lever_runs):
+            latest_refuted[(plan_key(e), e.decision.candidate or "?")] = e
+    refuted = [{
+        "lever": e.lever, "on": plan_key(e)[len(e.lever) + 4:], "arm": e.decision.candidate or "?",
+        "verdict": e.decision.verdict, "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
+        "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"),
+    } for _key, e in sorted(latest_refuted.items())]
     latest = latest_aa(done)
     aa = [{
         "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
