@@ -175,13 +175,7 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
         OmegaConf.update(cfg, "resume", found, force_add=True)
     if cfg.resume:
         cdir = out_dir / str(cfg.resume)
-        if not (cdir / "evidence.json").exists():
-            known = sorted(p.parent.name for p in out_dir.glob("*/evidence.json"))
-            raise CampaignError(f"resume={cfg.resume!r}: no evidence at {cdir}; campaigns here: {known}")
-        ev = load_evidence(cdir)
-        if ev.lever != cfg.campaign.lever:
-            raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
-        _check_resumable(ev, cfg, repo, out_dir)
+        ev = _resumable(cfg, cdir, repo, out_dir)
         ev.status = "in-progress"
         console.print(f"[bold]resuming[/] {ev.campaign_id}: {len(ev.gates)} gate results and {len(ev.legs)} legs kept")
     else:
@@ -349,7 +343,17 @@ def resume_plan(cfg: DictConfig, repo: Path | str) -> str:
     cid = _unfinished(cfg, repo, out_dir) if cfg.resume == "auto" else str(cfg.resume)
     if cid is None:
         return "resume=auto: no unfinished campaign of this config at this commit; a new one would start"
-    cdir = out_dir / cid
+    ev = _resumable(cfg, out_dir / cid, repo, out_dir)
+    g = cfg.grid
+    planned = len(gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order)))
+    done = len(ev.done_legs())
+    void = void_leg(ev)
+    return (f"resume {cid} ({ev.status}): {len(ev.gates)} gate results kept, {done} of {planned} legs done, "
+            f"{planned - done} left" + (f"; but {void}" if void else ""))
+
+
+def _resumable(cfg: DictConfig, cdir: Path, repo: Path, out_dir: Path) -> Evidence:
+    """The evidence in ``cdir``, once it is shown to be a campaign ``cfg`` may resume here."""
     if not (cdir / "evidence.json").exists():
         known = sorted(p.parent.name for p in out_dir.glob("*/evidence.json"))
         raise CampaignError(f"resume={cfg.resume!r}: no evidence at {cdir}; campaigns here: {known}")
@@ -357,12 +361,7 @@ def resume_plan(cfg: DictConfig, repo: Path | str) -> str:
     if ev.lever != cfg.campaign.lever:
         raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
     _check_resumable(ev, cfg, repo, out_dir)
-    g = cfg.grid
-    planned = len(gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order)))
-    done = len(ev.done_legs())
-    void = void_leg(ev)
-    return (f"resume {cid} ({ev.status}): {len(ev.gates)} gate results kept, {done} of {planned} legs done, "
-            f"{planned - done} left" + (f"; but {void}" if void else ""))
+    return ev
 
 
 def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | None = None) -> None:
