@@ -349,7 +349,8 @@ def cmd_recheck(args) -> int:
             print("recheck: no stale binding verdict")
         for e in state["entries"]:
             took = f"~{e['took_s'] / 60:.1f} min" if e.get("took_s") else "time unknown"
-            print(f"{e['status']:<8} {e.get('key', e['lever']):<13} {e['stale']} ({took} last time)  ->  vtcampaign run "
+            key = e.get("key", e["lever"])
+            print(f"{e['status']:<8} {key:<13} {e['stale']} ({took} last time)  ->  vtcampaign run "
                   f"{' '.join(e['overrides'])}{' ' + ' '.join(args.overrides) if args.overrides else ''}  "
                   f"({'; '.join(e['why'])})")
         todo = [e for e in state["entries"] if e["status"] != "done"]

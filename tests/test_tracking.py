@@ -133,7 +133,8 @@ def test_a_tracking_store_out_of_reach_is_a_clear_error_and_loses_nothing(store,
     for uri in ("bogus://nowhere", f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}"):
         assert main(["log", str(cdir / "evidence.json"), "--tracking-uri", uri]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"vtcampaign: error: could not log {ev.campaign_id} to {uri!r}: ") and err.count("\n") == 1
+        assert err.startswith(f"vtcampaign: error: could not log {ev.campaign_id} to {uri!r}: ")
+        assert err.count("\n") == 1
     said = io.StringIO()
     monkeypatch.setattr(runner, "console", Console(file=said, width=400))
     cfg = compose(["campaign=gqa_swap", "tracking=remote", "tracking.uri=bogus://nowhere"], cuda=False)
