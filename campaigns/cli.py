@@ -214,7 +214,7 @@ def cmd_status(args) -> int:
     from rich.table import Table
 
     from campaigns import context as lever_context
-    from campaigns.recheck import latest_aa, latest_binding, plan_key
+    from campaigns.recheck import latest_aa, latest_binding, measured_on, plan_key
     from vtengine import confdirs, levers
 
     by = _evidence_by_lever(args.out_dir)
@@ -237,7 +237,7 @@ def cmd_status(args) -> int:
             fresh = lever_context.freshness(last, root, registry, digests) if last else None
             if fresh is not None and not fresh.fresh and last.decision.binding:
                 stale.append((last, fresh))
-            table.add_row(name, key[len(name) + 4:] if key else "—", str(lever.default), lever.env,
+            table.add_row(name, measured_on(last) if key else "—", str(lever.default), lever.env,
                           f"{resolved.values[name]} ({resolved.sources[name]})",
                           {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
                           last.campaign_id if last else "—", last.decision.verdict if last else "—",

@@ -51,19 +51,21 @@ def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
     return _latest(evs, "lever")
 
 
-def plan_key(ev: Evidence) -> str:
-    """The name of what a campaign measured, one verdict per name: "<lever> on <model> (<quant>)" with its pinned
-    levers ("pdl on qwen3-8b (mxfp4)", "async_device_mirror on qwen3-8b (bf16) with async_scheduling=true"), or
-    "A/A <model> (<quant>)" for a grid self-check. A lever decided on two models holds two verdicts: a bf16
-    campaign does not hide (nor recheck) the MXFP4 one."""
+def measured_on(ev: Evidence) -> str:
+    """What a campaign measured on: "<model> (<quant>)" and its pinned levers ("qwen3-8b (bf16) with
+    async_scheduling=true")."""
     from campaigns.config import settings
     cfg = settings(ev)
     model = f"{cfg.model.get('name', '?')} ({cfg.model.get('quant', '?')})"
-    if ev.kind == "aa":
-        return f"A/A {model}"
-    pins = dict(cfg.campaign.with_levers or {})
-    return (f"{ev.lever} on {model}"
-            + (" with " + ", ".join(f"{k}={_text(v)}" for k, v in sorted(pins.items())) if pins else ""))
+    pins = dict(cfg.campaign.with_levers or {}) if ev.kind != "aa" else {}
+    return model + (" with " + ", ".join(f"{k}={_text(v)}" for k, v in sorted(pins.items())) if pins else "")
+
+
+def plan_key(ev: Evidence) -> str:
+    """The name of what a campaign measured, one verdict per name: "<lever> on <measured_on>" ("pdl on qwen3-8b
+    (mxfp4)"), or "A/A <model> (<quant>)" for a grid self-check. A lever decided on two models holds two verdicts:
+    a bf16 campaign does not hide (nor recheck) the MXFP4 one."""
+    return f"A/A {measured_on(ev)}" if ev.kind == "aa" else f"{ev.lever} on {measured_on(ev)}"
 
 
 def latest_aa(evs: list[Evidence]) -> dict[str, Evidence]:

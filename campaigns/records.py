@@ -452,7 +452,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
     levers = fresh.levers
     done = [e for e in _chronological(evs) if e.status == "complete" and e.decision is not None]
     lever_runs = [e for e in done if e.kind == "lever"]
-    from campaigns.recheck import latest_binding
+    from campaigns.recheck import latest_aa, latest_binding, measured_on, plan_key
     rows = []
     for name in sorted(set(levers) | {e.lever for e in lever_runs}):
         lever = levers.get(name)
@@ -462,36 +462,6 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
         binding = sorted(latest_binding(mine).items())
         for _key, last in binding or [("", mine[-1] if mine else None)]:
             rows.append(_status_row(name, lever, last, fresh, campaign_dirs, records_dir))
-    return _status_rest(done, lever_runs, campaign_dirs, records_dir, fresh, rows)
-
-
-def _status_row(name: str, lever, last: Evidence | None, fresh, campaign_dirs: dict[str, Path],
-                records_dir: Path) -> dict[str, Any]:
-    return {
-        "lever": name,
-        "on": (_model(last) + (f" with {_pins(last)}" if _pins(last) else "")) if last else "—",
-        "default": fmt_lever_value(lever.default) if lever else "(no lever file)",
-        "env": lever.env if lever else "—",
-        "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
-        "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",
-        "verdict": last.decision.verdict if last else "—",
-        "fresh": _fresh_cell(fresh(last)) if last else "—",
-        "stale_why": [] if not last or fresh(last).fresh else [r.replace("|", "/") for r in fresh(last).reasons],
-        "headline": (f"{arm_label(last, last.decision.candidate)}: {last.decision.headline}"
-                     + (f"; {_effect_note(last)}" if _effect_note(last) else "")
-                     if last else "—").replace("|", "/"),
-        "calibration": (calibrate.sentence(last.calibration) if last and last.calibration else "—"),
-    }
-
-
-def _pins(ev: Evidence) -> str:
-    return ", ".join(f"{k}={fmt_lever_value(v)}" for k, v in sorted(dict(settings(ev).campaign.with_levers).items()))
-
-
-def _status_rest(done: list[Evidence], lever_runs: list[Evidence], campaign_dirs: dict[str, Path], records_dir: Path,
-                 fresh, rows: list[dict]) -> str:
-    """STATUS.md from its lever rows: the refuted levers and the grid's A/A self-checks follow."""
-    from campaigns.recheck import latest_aa, plan_key
     # the latest refutation of each lever, arm and model (with its pins): a re-run that refuted it again replaces
     # the row (gqa_swap off was listed three times), one that reached another verdict removes it
     latest_refuted: dict[tuple[str, str], Evidence] = {}
@@ -499,7 +469,7 @@ def _status_rest(done: list[Evidence], lever_runs: list[Evidence], campaign_dirs
         if e.decision.verdict in REFUTED and not _superseded(e, lever_runs):
             latest_refuted[(plan_key(e), e.decision.candidate or "?")] = e
     refuted = [{
-        "lever": e.lever, "on": plan_key(e)[len(e.lever) + 4:], "arm": e.decision.candidate or "?",
+        "lever": e.lever, "on": measured_on(e), "arm": e.decision.candidate or "?",
         "verdict": e.decision.verdict, "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
         "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"),
     } for _key, e in sorted(latest_refuted.items())]
@@ -515,6 +485,26 @@ def _status_rest(done: list[Evidence], lever_runs: list[Evidence], campaign_dirs
                       if latest.get(plan_key(e)) is e and not fresh(e).fresh else []),
     } for e in done if e.kind == "aa"]
     return render_template("STATUS.md.j2", rows=rows, refuted=refuted, aa=aa)
+
+
+def _status_row(name: str, lever, last: Evidence | None, fresh, campaign_dirs: dict[str, Path],
+                records_dir: Path) -> dict[str, Any]:
+    from campaigns.recheck import measured_on
+    return {
+        "lever": name,
+        "on": measured_on(last) if last else "—",
+        "default": fmt_lever_value(lever.default) if lever else "(no lever file)",
+        "env": lever.env if lever else "—",
+        "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
+        "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",
+        "verdict": last.decision.verdict if last else "—",
+        "fresh": _fresh_cell(fresh(last)) if last else "—",
+        "stale_why": [] if not last or fresh(last).fresh else [r.replace("|", "/") for r in fresh(last).reasons],
+        "headline": (f"{arm_label(last, last.decision.candidate)}: {last.decision.headline}"
+                     + (f"; {_effect_note(last)}" if _effect_note(last) else "")
+                     if last else "—").replace("|", "/"),
+        "calibration": (calibrate.sentence(last.calibration) if last and last.calibration else "—"),
+    }
 
 
 def _model(ev: Evidence) -> str:

@@ -50,15 +50,15 @@ def _last_verdicts() -> dict[str, str]:
     try:
         from campaigns.cli import DEFAULT_OUT_DIR, project_root
         from campaigns.evidence import find_evidence, load_evidence
-        from campaigns.recheck import latest_binding
+        from campaigns.recheck import latest_binding, measured_on
     except ImportError:
         return {}
     out_dir = project_root() / DEFAULT_OUT_DIR
     if not out_dir.is_dir():
         return {}
     out: dict[str, list[str]] = {}
-    for key, ev in sorted(latest_binding([load_evidence(p) for p in find_evidence(out_dir)]).items()):
-        out.setdefault(ev.lever, []).append(f"{ev.decision.verdict} {key[len(ev.lever) + 1:]}, {ev.date}")
+    for _key, ev in sorted(latest_binding([load_evidence(p) for p in find_evidence(out_dir)]).items()):
+        out.setdefault(ev.lever, []).append(f"{ev.decision.verdict} on {measured_on(ev)}, {ev.date}")
     return {k: "; ".join(v) for k, v in out.items()}
 
 
