@@ -28,13 +28,13 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                         "fast_math": True, "fuse_norm": False, "fuse_silu": True,
                         "gqa_swap": True, "marlin_dense": True, "mixed_steps": False, "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False,
-                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": False,
+                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": True,
                         "w4a16_rot": True}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
     assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "decode_wave_grid",
                                                   "fast_math", "fuse_silu", "gqa_swap", "marlin_dense", "triton_gemv",
-                                                  "w4a16_rot"]
+                                                  "w4a16_mid_m", "w4a16_rot"]
 
 
 def test_resolution_order_config_over_env_over_default():
