@@ -295,9 +295,12 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     ctx = context_of(ev, root, levers_now)
     reasons, causes = [], []
     live_anywhere = {name for names in ctx.live.values() for name in names}
+    pins = pinned_levers(ev, levers_now)
     for name, lever in sorted(levers_now.items()):
         if name == ev.lever and ev.kind == "lever":
             continue
+        if name in pins and all(vals.get(name) == pins[name] for vals in ctx.values.values()):
+            continue        # pinned: part of what the verdict claims ("pdl_prefetch with pdl=true"), not its context
         was = {arm: vals.get(name) for arm, vals in ctx.values.items() if name in vals}
         if not was:
             # A lever added since the campaign, still at its off default, is the code path the campaign ran (levers
@@ -331,6 +334,18 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     reasons += epochs
     causes += [_epoch_cause(r) for r in epochs]
     return Freshness(fresh=not reasons, reasons=reasons, causes=causes)
+
+
+def pinned_levers(ev: Evidence, levers_now: dict | None = None) -> dict[str, Any]:
+    """The levers the campaign pinned for both arms (``campaign.with_levers``), parsed: its verdict is a statement
+    about the engine with them at these values. An A/A campaign's pins are its context, like any other lever's."""
+    if ev.kind == "aa":
+        return {}
+    from campaigns.config import settings
+    from vtengine import levers as lever_registry
+    levers_now = lever_registry.registry() if levers_now is None else levers_now
+    pins = dict(settings(ev).campaign.with_levers or {})
+    return {name: levers_now[name].parse(v) for name, v in pins.items() if name in levers_now}
 
 
 def _epoch_cause(reason: str) -> str:

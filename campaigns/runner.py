@@ -553,6 +553,13 @@ def check_flippable(ev: Evidence) -> None:
         raise CampaignError(f"{ev.campaign_id}: its FLIP measured {new} against the baseline {base}, but "
                             f"{ev.lever}'s default is now {now}: it says nothing about the engine users run. Re-run "
                             f"it against today's default: `vtcampaign run campaign={settings(ev).campaign.name}`")
+    off_default = {name: v for name, v in lever_context.pinned_levers(ev).items() if v != levers.get(name).default}
+    if off_default:
+        pins = ", ".join(f"{n}={records.fmt_lever_value(v)} (its default: "
+                         f"{records.fmt_lever_value(levers.get(n).default)})" for n, v in sorted(off_default.items()))
+        raise CampaignError(f"{ev.campaign_id}: its FLIP was measured with {pins} pinned: it says what {ev.lever} "
+                            "does where those levers are set so, not in the engine users run by default. Flip the "
+                            "pinned lever first (its own campaign), or measure without the pin")
     fresh = lever_context.freshness(ev, confdirs.SOURCE_ROOT)
     if not fresh.fresh:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "

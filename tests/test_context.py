@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import git
@@ -196,6 +197,37 @@ def test_a_stale_flip_is_refused(tmp_path):
         ev.context[arm.name]["pdl"] = False
     ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
     check_flippable(ev)
+
+
+def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_the_default(monkeypatch):
+    """pdl_prefetch measured with pdl pinned on: pdl's off default does not stale the verdict (it claims what
+    pdl_prefetch does with pdl on), but the FLIP cannot change the default users run while pdl is off; an unpinned
+    pdl recorded on is context and does stale it."""
+    from campaigns.runner import CampaignError, check_flippable
+    ev = make_evidence(TPUT_WIN, lever="pdl_prefetch")
+    ev.config["campaign"]["with_levers"] = {"pdl": True}
+    ev.__dict__.pop("_settings", None)
+    reg = levers.registry()
+    for arm in ev.arms:
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "pdl_prefetch": arm.value, "pdl": True}
+        ev.live_levers[arm.name] = ["pdl", "pdl_prefetch"]
+    ev.lever_digests = lever_context.tree_digests(reg, ROOT)
+    ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
+    assert lever_context.pinned_levers(ev) == {"pdl": True}
+    assert lever_context.freshness(ev, ROOT).fresh
+    with pytest.raises(CampaignError, match=r"measured with pdl=true \(its default: false\) pinned: .*Flip the "
+                                            r"pinned lever first"):
+        check_flippable(ev)
+    # the same pin at pdl's default is no obstacle (async_device_mirror with async_scheduling=true)
+    real_get = levers.get
+    with monkeypatch.context() as m:
+        m.setattr(levers, "get", lambda n: replace(real_get(n), default=True) if n == "pdl" else real_get(n))
+        check_flippable(ev)
+    # not pinned, the same recorded pdl=on is the campaign's context, and pdl's off default stales it
+    ev.config["campaign"]["with_levers"] = {}
+    ev.__dict__.pop("_settings", None)
+    f = lever_context.freshness(ev, ROOT)
+    assert not f.fresh and f.reasons[0].startswith("pdl's default is now off"), f.reasons
 
 
 def test_a_flip_is_refused_once_the_default_is_not_its_baseline():
