@@ -332,7 +332,9 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
                                   f"{', '.join(sorted(known))} (conf/lever/*.yaml)")
     lever = known[camp.lever]
     try:
-        baseline = lever.default if camp.arms.baseline is None else lever.parse(camp.arms.baseline, "baseline arm")
+        # the default an engine that sets nothing runs: the file's, or the value an on preset gives the lever
+        default = lever_registry.effective_defaults(known)[camp.lever]
+        baseline = default if camp.arms.baseline is None else lever.parse(camp.arms.baseline, "baseline arm")
         if camp.arms.candidates is None:
             # the lever's other values: once a FLIP changes the default, the same campaign measures the way back
             candidates = [v for v in lever.values if v != baseline]
@@ -367,6 +369,10 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
         if name == camp.lever:
             raise CampaignConfigError(f"campaign.with_levers pins {name!r}, the campaign's own lever; its values are "
                                       "the arms (campaign.arms)")
+        if name in lever.sets:
+            raise CampaignConfigError(f"campaign.with_levers pins {name!r}, which the campaign's lever {lever.name!r} "
+                                      f"sets (a preset: {name}={lever.sets[name]} when on); a pin would make its arms "
+                                      "differ in less than the preset. Measure that lever in its own campaign")
         try:
             pinned[name] = known[name].parse(raw, "campaign.with_levers value")
         except lever_registry.LeverError as e:

@@ -296,6 +296,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     reasons, causes = [], []
     live_anywhere = {name for names in ctx.live.values() for name in names}
     pins = pinned_levers(ev, levers_now)
+    defaults = lever_registry.effective_defaults(levers_now)    # with the on presets' values
     for name, lever in sorted(levers_now.items()):
         if name == ev.lever and ev.kind == "lever":
             continue
@@ -306,15 +307,15 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
             # A lever added since the campaign, still at its off default, is the code path the campaign ran (levers
             # arrive default-off, their off value the engine as it was); a changed source file of the verdict's
             # own lever is caught below. At an on default it is a new engine the verdict never measured.
-            if (name in live_anywhere or ctx.source == "unknown") and lever.is_on(lever.default):
-                reasons.append(f"{name}: added since the campaign, with its default {_text(lever.default)}, which "
+            if (name in live_anywhere or ctx.source == "unknown") and lever.is_on(defaults[name]):
+                reasons.append(f"{name}: added since the campaign, with its default {_text(defaults[name])}, which "
                                "the campaign never ran")
                 causes.append(f"new {name}")
             continue
-        changed = sorted({_text(v) for v in was.values() if v != lever.default})
+        changed = sorted({_text(v) for v in was.values() if v != defaults[name]})
         if changed and name in live_anywhere:
             how = f"{name}'s kernels ran there" if lever.affects else f"{name} shapes every step"
-            reasons.append(f"{name}'s default is now {_text(lever.default)}; the campaign ran with "
+            reasons.append(f"{name}'s default is now {_text(defaults[name])}; the campaign ran with "
                            f"{', '.join(changed)} and {how}")
             causes.append(f"default {name}")
     own = levers_now.get(ev.lever)

@@ -137,7 +137,9 @@ def overrides_for(ev: Evidence, registry: dict) -> list[str]:
     if cfg.grid.binding and cfg.grid.name != "online":
         out.append(f"grid={cfg.grid.name}")       # a verdict decided on another binding grid (online_wide) keeps it
     lever = registry[ev.lever]
-    cands = [a.value for a in ev.candidates if a.value != lever.default] if ev.kind != "aa" else []
+    from vtengine import levers
+    default = levers.effective_defaults(registry)[ev.lever]
+    cands = [a.value for a in ev.candidates if a.value != default] if ev.kind != "aa" else []
     if cands:
         out.append("campaign.arms.candidates=[" + ",".join(_text(v) for v in cands) + "]")
     pins = dict(camp.with_levers)
@@ -270,5 +272,5 @@ def _moves_a_default(ev: Evidence) -> bool:
     d = ev.decision
     if ev.kind != "lever" or d is None or d.verdict != "FLIP" or not d.binding:
         return False
-    lever = levers.registry().get(ev.lever)
-    return lever is not None and d.new_default != lever.default
+    defaults = levers.effective_defaults()
+    return ev.lever in defaults and d.new_default != defaults[ev.lever]

@@ -453,6 +453,8 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
     done = [e for e in _chronological(evs) if e.status == "complete" and e.decision is not None]
     lever_runs = [e for e in done if e.kind == "lever"]
     from campaigns.recheck import latest_aa, latest_binding, measured_on, plan_key
+    from vtengine.levers import effective_defaults
+    defaults = effective_defaults(levers)        # what an engine that sets nothing runs (an on preset's values)
     rows = []
     for name in sorted(set(levers) | {e.lever for e in lever_runs}):
         lever = levers.get(name)
@@ -461,7 +463,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
         # (and pinned levers) the lever was decided on, else its latest rehearsal
         binding = sorted(latest_binding(mine).items())
         for _key, last in binding or [("", mine[-1] if mine else None)]:
-            rows.append(_status_row(name, lever, last, fresh, campaign_dirs, records_dir))
+            rows.append(_status_row(name, lever, defaults.get(name), last, fresh, campaign_dirs, records_dir))
     # the latest refutation of each lever, arm and model (with its pins): a re-run that refuted it again replaces
     # the row (gqa_swap off was listed three times), one that reached another verdict removes it
     latest_refuted: dict[tuple[str, str], Evidence] = {}
@@ -487,13 +489,13 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
     return render_template("STATUS.md.j2", rows=rows, refuted=refuted, aa=aa)
 
 
-def _status_row(name: str, lever, last: Evidence | None, fresh, campaign_dirs: dict[str, Path],
+def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, campaign_dirs: dict[str, Path],
                 records_dir: Path) -> dict[str, Any]:
     from campaigns.recheck import measured_on
     return {
         "lever": name,
         "on": measured_on(last) if last else "—",
-        "default": fmt_lever_value(lever.default) if lever else "(no lever file)",
+        "default": fmt_lever_value(default) if lever else "(no lever file)",
         "env": lever.env if lever else "—",
         "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
         "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",

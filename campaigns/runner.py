@@ -544,19 +544,19 @@ def check_flippable(ev: Evidence) -> None:
                             "FLIP changes a default")
     if not d.binding:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is not binding; nothing to commit")
-    lever = levers.get(ev.lever)
+    lever, defaults = levers.get(ev.lever), levers.effective_defaults()
     now, base, new = (("on" if v else "off") if isinstance(v, bool) else v
-                      for v in (lever.default, lever.parse(ev.baseline.value), lever.parse(d.new_default)))
+                      for v in (defaults[ev.lever], lever.parse(ev.baseline.value), lever.parse(d.new_default)))
     if now == new:
         raise CampaignError(f"{ev.campaign_id}: {ev.lever}'s default is already {now}; nothing to flip")
     if now != base:
         raise CampaignError(f"{ev.campaign_id}: its FLIP measured {new} against the baseline {base}, but "
                             f"{ev.lever}'s default is now {now}: it says nothing about the engine users run. Re-run "
                             f"it against today's default: `vtcampaign run campaign={settings(ev).campaign.name}`")
-    off_default = {name: v for name, v in lever_context.pinned_levers(ev).items() if v != levers.get(name).default}
+    off_default = {name: v for name, v in lever_context.pinned_levers(ev).items() if v != defaults[name]}
     if off_default:
-        pins = ", ".join(f"{n}={records.fmt_lever_value(v)} (its default: "
-                         f"{records.fmt_lever_value(levers.get(n).default)})" for n, v in sorted(off_default.items()))
+        pins = ", ".join(f"{n}={records.fmt_lever_value(v)} (its default: {records.fmt_lever_value(defaults[n])})"
+                         for n, v in sorted(off_default.items()))
         raise CampaignError(f"{ev.campaign_id}: its FLIP was measured with {pins} pinned: it says what {ev.lever} "
                             "does where those levers are set so, not in the engine users run by default. Flip the "
                             "pinned lever first (its own campaign), or measure without the pin")

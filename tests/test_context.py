@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import git
@@ -219,9 +218,9 @@ def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_t
                                             r"pinned lever first"):
         check_flippable(ev)
     # the same pin at pdl's default is no obstacle (async_device_mirror with async_scheduling=true)
-    real_get = levers.get
+    real = levers.effective_defaults
     with monkeypatch.context() as m:
-        m.setattr(levers, "get", lambda n: replace(real_get(n), default=True) if n == "pdl" else real_get(n))
+        m.setattr(levers, "effective_defaults", lambda reg=None: {**real(reg), "pdl": True})
         check_flippable(ev)
     # not pinned, the same recorded pdl=on is the campaign's context, and pdl's off default stales it
     ev.config["campaign"]["with_levers"] = {}

@@ -196,3 +196,66 @@ def test_on_is_a_lookup_that_never_reads_the_lever_files(monkeypatch):
     assert r.on("gqa_swap") is True and r.on("pdl") is False
     with pytest.raises(LeverError, match="unknown lever 'nope'"):
         r.on("nope")
+
+
+PRESET_LEVERS = {
+    "a": {"name": "a", "env": "VT_A", "type": "choice", "default": "off", "values": ["off", 4, 8], "affects": [],
+          "paths": ["a.py"], "summary": "chunk size"},
+    "b": {"name": "b", "env": "VT_B", "type": "bool", "default": False, "values": [False, True],
+          "affects": ["prefill_attention"], "paths": ["b.py"], "summary": "packed grid"},
+    "p": {"name": "p", "env": "VT_P", "type": "bool", "default": False, "values": [False, True],
+          "sets": {"a": 4, "b": True}, "affects": ["prefill_attention"], "paths": ["a.py", "b.py"],
+          "summary": "a and b together"},
+}
+
+
+def _write_all(d, files):
+    import yaml
+    d.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (d / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    return d
+
+
+def test_a_preset_sets_its_levers_below_config_and_env(tmp_path, monkeypatch):
+    """A preset on gives its levers its values where nothing else sets them (config > env > preset > file), says
+    so in the sources, and effective_defaults() reports them once the preset's default is on."""
+    d = _write_all(tmp_path, PRESET_LEVERS)
+    monkeypatch.setattr(levers, "registry", lambda lever_dir=None, _r=levers.registry: _r(d))
+    r = levers.resolve(environ={})
+    assert (r.values["a"], r.values["b"], r.sources["a"]) == ("off", False, "default")
+    r = levers.resolve({"p": True}, environ={})
+    assert (r.values["a"], r.values["b"]) == (4, True) and r.sources["a"] == r.sources["b"] == "preset p"
+    r = levers.resolve({"p": True, "a": 8}, environ={"VT_B": "0"})
+    assert (r.values["a"], r.sources["a"], r.values["b"], r.sources["b"]) == (8, "config", False, "env")
+    assert r.as_env() == {"VT_A": "8", "VT_B": "off", "VT_P": "on"}
+    reg = levers.registry()
+    assert levers.effective_defaults(reg) == {"a": "off", "b": False, "p": False}
+    levers.set_default_in_file("p", True, lever_dir=d)
+    assert levers.effective_defaults(levers.registry()) == {"a": 4, "b": True, "p": True}
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"p": {"type": "choice", "values": ["off", "on"], "default": "off"}}, "a preset .* must be of type bool"),
+    ({"p": {"sets": {"c": 1}}}, r"lever 'p' \(sets\): 'c' is not another lever"),
+    ({"p": {"sets": {"a": 5}}}, r"lever 'a' \(VT_A\): value set by the preset 'p' 5 is not valid"),
+    ({"p": {"affects": []}}, r"affects must list the kernels of the levers it sets, \['prefill_attention'\]"),
+    ({"p": {"paths": ["a.py"]}}, r"paths must include the source files of the levers it sets; missing \['b.py'\]"),
+    ({"q": {**PRESET_LEVERS["p"], "name": "q", "env": "VT_Q", "sets": {"p": True}, "paths": ["a.py", "b.py"]}},
+     "'p' is a preset itself; presets do not nest"),
+])
+def test_a_preset_file_is_checked_against_the_levers_it_sets(tmp_path, edit, message):
+    files = {name: {**data, **edit.get(name, {})} for name, data in PRESET_LEVERS.items()}
+    files.update({name: data for name, data in edit.items() if name not in files})
+    with pytest.raises(LeverError, match=message):
+        levers.registry(_write_all(tmp_path, files))
+
+
+def test_two_presets_on_that_disagree_are_an_error_naming_both(tmp_path, monkeypatch):
+    q = {**PRESET_LEVERS["p"], "name": "q", "env": "VT_Q", "sets": {"a": 8}, "affects": []}
+    d = _write_all(tmp_path, {**PRESET_LEVERS, "q": q})
+    monkeypatch.setattr(levers, "registry", lambda lever_dir=None, _r=levers.registry: _r(d))
+    assert levers.resolve({"q": True}, environ={}).values["a"] == 8
+    with pytest.raises(LeverError, match=r"levers 'p' and 'q' are both on and set 'a' to 4 and 8"):
+        levers.resolve({"p": True, "q": True}, environ={})
+    assert levers.resolve({"p": True, "q": True, "a": 4}, environ={}).values["a"] == 4     # explicit settles it

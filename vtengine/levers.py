@@ -1,7 +1,11 @@
 """Performance levers: one YAML file each under conf/lever/, the only place a default lives.
 
-Resolution order for every lever: explicit engine config > ``VT_*`` environment variable > file default.
-The strings "0", "false" and "off" always mean off, whatever the lever's type. The files come from the packaged
+Resolution order for every lever: explicit engine config > ``VT_*`` environment variable > a preset lever that
+sets it > file default. A preset (a bool lever with ``sets: {lever: value}``) names one step of the engine that
+needs several levers at once (``mixed_prefill``: 512-token chunks, mixed steps, chunk graphs, packed prefill
+attention): when it is on, the levers it sets take its values unless a config or env sets them. A campaign decides
+it like any lever, and a flip of it moves them all. The strings "0", "false" and "off" always mean off, whatever
+the lever's type. The files come from the packaged
 conf/ with a project's own conf/lever/ over them (vtengine/confdirs.py).
 """
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Lever:
     summary: str
     paths: list[str] = field(default_factory=list)      # its source files (repository-relative): a change stales
     inapplicable: dict[str, str] = field(default_factory=dict)   # gate -> why it cannot apply to this lever
+    sets: dict[str, Any] = field(default_factory=dict)           # a preset: these levers take these values when on
     path: Path | None = field(default=None, compare=False)
 
     def __post_init__(self):
@@ -63,6 +68,12 @@ class Lever:
         object.__setattr__(self, "values", [self.parse(v, source="values") for v in self.values])
         if self.default not in self.values:
             raise LeverError(f"lever {self.name!r}: default {self.default!r} is not among its values {self.values}")
+        if not isinstance(self.sets, dict):
+            raise LeverError(f"lever {self.name!r}: sets must map lever names to the values it gives them, not "
+                             f"{self.sets!r}")
+        if self.sets and self.type != "bool":
+            raise LeverError(f"lever {self.name!r}: a preset (sets: ...) must be of type bool, not {self.type!r}: "
+                             "it sets its levers when on")
 
     def accepted(self) -> str:
         if self.type == "bool":
@@ -118,7 +129,7 @@ def _load_file(path: Path) -> Lever:
     except yaml.YAMLError as e:
         raise LeverError(f"lever file {path.name}: not valid YAML: {e}") from None
     required = ("name", "env", "type", "default", "values", "affects", "summary")
-    optional = ("paths", "inapplicable")
+    optional = ("paths", "inapplicable", "sets")
     if not isinstance(data, dict):
         raise LeverError(f"lever file {path.name}: expected a mapping with keys {list(required)}")
     missing = [k for k in required if k not in data]
@@ -144,7 +155,55 @@ def _registry(files: tuple[tuple[str, float], ...]) -> dict[str, Lever]:
     envs = [lv.env for lv in levers.values()]
     if len(set(envs)) != len(envs):
         raise LeverError(f"two levers share an env variable: {envs}")
+    for lever in levers.values():
+        _check_preset(lever, levers)
     return levers
+
+
+def _check_preset(lever: Lever, levers: dict[str, Lever]) -> None:
+    """A preset's levers exist, are not presets themselves, accept the values it gives them; and the preset declares
+    their kernels and source files as its own (the op gate tests its kernels, staleness watches its files)."""
+    if not lever.sets:
+        return
+    where = f"lever {lever.name!r} (sets)"
+    for name, raw in lever.sets.items():
+        if name not in levers or name == lever.name:
+            raise LeverError(f"{where}: {name!r} is not another lever; known levers: {sorted(levers)}")
+        if levers[name].sets:
+            raise LeverError(f"{where}: {name!r} is a preset itself; presets do not nest")
+        lever.sets[name] = levers[name].parse(raw, source=f"value set by the preset {lever.name!r}")
+    kernels = sorted({k for name in lever.sets for k in levers[name].affects})
+    if sorted(set(lever.affects)) != kernels:
+        raise LeverError(f"{where}: affects must list the kernels of the levers it sets, {kernels}, not "
+                         f"{sorted(lever.affects)}")
+    missing = sorted({p for name in lever.sets for p in levers[name].paths} - set(lever.paths))
+    if missing:
+        raise LeverError(f"{where}: paths must include the source files of the levers it sets; missing {missing}")
+
+
+def apply_presets(levers: Mapping[str, Lever], values: dict[str, Any], sources: dict[str, str]) -> None:
+    """In place: every on preset gives its levers its values where they are at their file default. Two on presets
+    that give one lever different values are an error naming both."""
+    by: dict[str, str] = {}
+    for preset in sorted(levers.values(), key=lambda lv: lv.name):
+        if not preset.sets or values.get(preset.name) in OFF_VALUES:
+            continue
+        for name, value in preset.sets.items():
+            if sources.get(name) not in ("default", f"preset {by.get(name)}"):
+                continue                    # set by a config or an env: those win over a preset
+            if name in by and values[name] != value:
+                raise LeverError(f"levers {by[name]!r} and {preset.name!r} are both on and set {name!r} to "
+                                 f"{values[name]!r} and {value!r}; set {name} explicitly, or one of them off")
+            values[name], sources[name], by[name] = value, f"preset {preset.name}", preset.name
+
+
+def effective_defaults(levers: Mapping[str, Lever] | None = None) -> dict[str, Any]:
+    """Every lever's value in an engine that sets none: the file defaults, with the on presets applied (the
+    default a verdict is compared with, and a campaign's baseline)."""
+    levers = registry() if levers is None else levers
+    values = {name: lv.default for name, lv in levers.items()}
+    apply_presets(levers, values, {name: "default" for name in levers})
+    return values
 
 
 def _files(paths) -> tuple[tuple[str, float], ...]:
@@ -216,6 +275,7 @@ def resolve(explicit: Mapping[str, Any] | None = None, environ: Mapping[str, str
     values, sources = {}, {}
     for name, lever in levers.items():
         values[name], sources[name] = lever.resolve(explicit.get(name), environ)
+    apply_presets(levers, values, sources)
     return ResolvedLevers(values, sources)
 
 

@@ -117,8 +117,10 @@ class GateContext:
         # the runner gives the grid's servers the same value, so served and in-process decode split alike
         if self.device == "cuda":
             return None
-        chunk = self.with_levers.get("chunked_prefill")
-        if self.lever in LONG_PROMPT_LEVERS and isinstance(chunk, int):
+        from vtengine import levers
+        sets = levers.get(self.lever).sets             # a preset's levers (mixed_prefill: its chunk size)
+        chunk = self.with_levers.get("chunked_prefill", sets.get("chunked_prefill"))
+        if {self.lever, *sets} & set(LONG_PROMPT_LEVERS) and isinstance(chunk, int):
             return max(self.cpu_max_model_len, 2 * chunk + 64)
         return self.cpu_max_model_len
 

@@ -49,8 +49,21 @@ def _grids(snap: dict, kernel: str) -> list[str]:
     return sorted({g for st in snap.get(kernel, {}).values() for g in st["grids"]})
 
 
+def _preset(lever: str) -> dict[str, Any]:
+    """The levers a preset lever sets (``sets:`` in its file), else {}."""
+    from vtengine import levers
+    return levers.get(lever).sets
+
+
+def family(lever: str) -> set[str]:
+    """The lever and, for a preset, the levers it sets: the probe's set-up follows all of them."""
+    return {lever, *_preset(lever)}
+
+
 def probe(lever: str, snap: dict) -> dict[str, Any]:
-    """What the counters say about the lever's mechanism."""
+    """What the counters say about the lever's mechanism (a preset's: each of its levers' probes)."""
+    if _preset(lever):
+        return {name: probe(name, snap) for name in sorted(_preset(lever))}
     if lever == "gqa_swap":
         return {"routes": _routes(snap, "decode_attention"), "grids": _grids(snap, "decode_attention")}
     if lever == "marlin_dense":
@@ -121,7 +134,13 @@ def _some_or_none(n: int, value: Any, what: str) -> tuple[bool, str]:
 
 
 def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
-    """Does the probe show the route that ``value`` selects?"""
+    """Does the probe show the route that ``value`` selects? A preset: every lever it sets shows the route of the
+    value it resolves to (on: the preset's values; off: their defaults)."""
+    if _preset(lever):
+        from vtengine import levers
+        values = levers.resolve({lever: value}, environ={}).values
+        checks = [(name, *expected(name, values[name], pr[name])) for name in sorted(_preset(lever))]
+        return all(ok for _, ok, _ in checks), "; ".join(f"{name}: {why}" for name, _, why in checks)
     if lever == "gqa_swap":
         want = ["gqa_swap"] if value else ["per_q_head"]
         return pr["routes"] == want, f"decode_attention routes {pr['routes']}, expected {want}"
@@ -226,15 +245,15 @@ def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str,
             prompts = [torch.randint(3, 250, (5 + i,), generator=g).tolist() for i in range(24)]
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         with ctx.lever_set_to(arm, ctx.lever_values(arm)[ctx.lever] if value is None else value) as llm:
-            if ctx.lever in GRAPH_LEVERS:
+            if family(ctx.lever) & set(GRAPH_LEVERS):
                 # lever_set_to decodes eagerly (graphs captured under the arm's own value would hide the fault);
                 # this lever is graphs itself: replay where the engine has them (CUDA), captured at this value
                 llm.engine.runner.use_graphs = bool(llm.engine.runner.graphs)
             chunk = llm.engine.scheduler.prefill_chunk
-            if ctx.lever in LONG_PROMPT_LEVERS and chunk:       # two prompts of full chunks: 2N + 9 and N + 9
+            if family(ctx.lever) & set(LONG_PROMPT_LEVERS) and chunk:   # two prompts of full chunks: 2N + 9, N + 9
                 prompts[1:3] = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (2 * chunk + 9, chunk + 9)]
             counters.reset()
-            if ctx.lever in STAGGERED:
+            if family(ctx.lever) & set(STAGGERED):
                 _staggered(llm.engine, prompts, params)
             else:
                 llm.generate(prompts, params)
