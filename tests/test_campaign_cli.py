@@ -13,7 +13,7 @@ from helpers import TPUT_WIN, make_evidence
 CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "decode_wave_grid",
              "fast_math", "fuse_norm", "fuse_silu", "gqa_swap",
              "marlin_dense",
-             "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack", "split_rule", "triton_gemv",
+             "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack", "split_rule", "triton_gemv",
              "w4a16_mid_m", "w4a16_rot"]
 
 
@@ -128,6 +128,9 @@ def test_user_choices_override_the_host_defaults():
     (["campaign=gqa_swap,pdl"], "campaign=gqa_swap,pdl lists several options: a sweep runs them, one campaign "
                                 "each: vtcampaign run -m campaign=gqa_swap,pdl"),
     (["campaign=gqa_swap,nope"], "unknown campaign 'gqa_swap,nope'; accepted: "),
+    (["campaign=mixed_prefill", "+campaign.with_levers={chunked_prefill: 2048}"],
+     "campaign.with_levers pins 'chunked_prefill', which the campaign's lever 'mixed_prefill' sets (a preset: "
+     "chunked_prefill=512 when on)"),
 ])
 def test_bad_overrides_give_one_clear_line(overrides, expected, capsys):
     with pytest.raises(CampaignConfigError, match=None) as err:
