@@ -118,3 +118,27 @@ def test_the_profile_gates_self_check_names_its_planted_slowdown(slowed):
     res = run_gate("profile", slowed, slowed.arms[0])
     assert res.passed and res.self_check is True
     assert "decode_attention run 4 times per call" in res.details["self_check_fault"]       # on a CPU host
+
+
+@pytest.mark.parametrize("lever,quant,kernel", [
+    ("gqa_swap", "bf16", "decode_attention"), ("marlin_dense", "mxfp4", "w4a16_gemm"),
+    ("prefill_gqa_pack", "bf16", "rms_norm"), ("mixed_prefill", "bf16", "rms_norm"), ("mixed_steps", "bf16", "rms_norm"),
+])
+def test_the_profile_self_check_slows_a_kernel_its_decode_windows_run(lever, quant, kernel):
+    """The windows are decode steps: a lever whose only kernel is prefill attention gets rms_norm slowed, not its
+    own kernel (which no window runs: the self-check went undetected and a CPU rehearsal of mixed_prefill ended
+    INVALID)."""
+    from campaigns.gates import profiled_kernel
+    assert profiled_kernel(lever, quant) == kernel
+
+
+def test_a_prefill_kernel_levers_profile_gate_catches_its_planted_slowdown():
+    """prefill_gqa_pack's profile gate on CPU: the planted slowdown (rms_norm) is the kernel the attribution names,
+    so the self-check holds and a campaign of a prefill-kernel lever is not INVALID for it."""
+    arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
+    ctx = GateContext(lever="prefill_gqa_pack", arms=arms, model="tiny", quant="bf16", device="cpu",
+                      near_tie_max_mnats=500.0, gate_cfg=OmegaConf.create({"self_check": True}))
+    res = run_gate("profile", ctx, arms[0])
+    ctx.release_engines()
+    assert res.passed and res.self_check is True, res.details
+    assert "rms_norm run 4 times per call" in res.details["self_check_fault"]

@@ -74,6 +74,19 @@ def perturbable_kernel(lever: str, quant: str) -> str:
     return first_perturbable(list(levers.get(lever).affects) or ["rms_norm"], quant)
 
 
+PREFILL_ONLY_KERNELS = ("prefill_attention",)      # kernels a decode step never runs
+
+
+def profiled_kernel(lever: str, quant: str) -> str:
+    """The kernel the profile gate's self-check slows for ``lever``: the first of its kernels that a decode step runs
+    (the profile windows are decode steps), else rms_norm. A lever of prefill kernels alone (prefill_gqa_pack, the
+    preset mixed_prefill) would otherwise plant its slowdown where no window looks, and its campaign end INVALID."""
+    from vtengine import levers
+    from vtengine.faults import first_perturbable
+    decode = [k for k in levers.get(lever).affects if k not in PREFILL_ONLY_KERNELS]
+    return first_perturbable(decode or ["rms_norm"], quant)
+
+
 @dataclass
 class GateContext:
     lever: str

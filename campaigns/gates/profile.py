@@ -5,9 +5,10 @@ the grid decodes), with each kernel's byte floor and the measured copy bandwidth
 rehearsal) c1 and c2, times only. The record's Attribution table and the PR's Residual are computed from these
 windows and the grid's TPOT. Passes when every window recorded its steps and its kernels.
 
-Fault: the lever's own kernel made slower in the arm's engine (run twice per call on CUDA, in graphs captured with
-it; four times on a CPU host, whose timings other processes stretch: vtengine/faults.py ``slow``). The attribution must name that kernel as the one that grew the most; a profile
-that cannot point at a planted slowdown cannot explain a lever's.
+Fault: the lever's own kernel made slower in the arm's engine: the first of its kernels a decode step runs, or
+rms_norm for a lever of prefill kernels or none (run twice per call on CUDA, in graphs captured with it; four times
+on a CPU host, whose timings other processes stretch: vtengine/faults.py ``slow``). The attribution must name that
+kernel as the one that grew the most; a profile that cannot point at a planted slowdown cannot explain a lever's.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 
 from campaigns import attribution
 from campaigns.evidence import Arm, GateResult
-from campaigns.gates import GateContext, result
+from campaigns.gates import GateContext, profiled_kernel, result
 
 
 def _settings(ctx: GateContext) -> dict:
@@ -41,7 +42,7 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
         from vtengine.faults import Fault
         # twice per call on the GPU; on a CPU host, whose other processes can stretch a window by more than one run
         # of a kernel (a rehearsal beside the tests once did), four times
-        slow = Fault("slow", ctx.perturb_fault().kernel, size=0.0 if ctx.device == "cuda" else 3.0)
+        slow = Fault("slow", profiled_kernel(ctx.lever, ctx.quant), size=0.0 if ctx.device == "cuda" else 3.0)
         b = s["batches"][0]
         if ctx.device == "cuda":
             with ctx.graphs_captured_with(arm, slow, b) as llm:
