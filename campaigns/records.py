@@ -95,6 +95,18 @@ def _env_value(ev: Evidence, arm, env_name: str) -> str:
     return ("1" if arm.value else "0") if isinstance(arm.value, bool) else str(arm.value)
 
 
+def _preset_note(ev: Evidence, arm: str) -> str:
+    """For a preset lever's arm, what its levers ran at there (from the arm's recorded context): a reader of
+    ``VT_MIXED_PREFILL=on`` learns the chunk size without opening the lever file."""
+    from vtengine import levers
+    lever = levers.registry().get(ev.lever)
+    values = ev.context.get(arm, {})
+    if lever is None or not lever.sets or not all(name in values for name in lever.sets):
+        return ""
+    return " (a preset; its levers here: " + ", ".join(f"{n}={fmt_lever_value(values[n])}"
+                                                       for n in sorted(lever.sets)) + ")"
+
+
 def fmt_interval(e: EffectSize | None) -> str:
     return "—" if e is None else f"×{e.ratio:.3f} [{e.lo:.3f}, {e.hi:.3f}]"
 
@@ -300,6 +312,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
 
     arms_env = {arm_label(ev, arm): " ".join(f"{k}={v}" for k, v in sorted(env.items()))
                 for arm, env in fp.arms_env.items()}
+    arms_note = {arm_label(ev, arm): _preset_note(ev, arm) for arm in fp.arms_env}
     pinned = dict(camp.with_levers)
     with_text = (" with " + ", ".join(f"{k}={fmt_lever_value(v)}" for k, v in sorted(pinned.items()))) if pinned else ""
     title = f"row/{ev.lever}{with_text}: {what_changed(ev)} — {d.headline if d else 'in progress'}"
@@ -336,7 +349,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "baseline": ev.baseline.name, "baseline_value": fmt_lever_value(ev.baseline.value),
         "candidates": ", ".join(f"{a.name} ({fmt_lever_value(a.value)})" for a in ev.candidates),
         "candidate_label": ", ".join(cand_labels.values()),
-        "arms_env": arms_env,
+        "arms_env": arms_env, "arms_note": arms_note,
         "hypothesis": (camp.hypothesis or "").strip(), "residual": (camp.residual or "").strip(),
         "model": _model(ev),
         "grid": {"name": grid.name, "concurrency": ", ".join(map(str, grid.concurrency)), "reps": grid.reps,

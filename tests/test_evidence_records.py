@@ -347,3 +347,18 @@ def test_the_mechanism_line_shows_routes_and_grids_not_their_counts():
         "decode_attention gqa_swap: 186 launches, grids 4x8x17 x180, 4x8x9 x6")
     g.details = {}
     assert records.mechanism_proof(g, ["decode_attention"]) == ""          # the counts then, as before
+
+
+def test_a_preset_levers_record_names_what_its_levers_ran_at_in_each_arm():
+    """`VT_MIXED_PREFILL=on` alone does not say the chunk size: the arm lines add the preset's levers as the arm's
+    recorded context has them."""
+    from vtengine import levers
+    ev = make_evidence(TPUT_WIN, lever="mixed_prefill")
+    for arm in ev.arms:
+        ev.context[arm.name] = dict(levers.resolve({"mixed_prefill": arm.value}, environ={}).values)
+    rec = records.render_record(ev)
+    assert ("(a preset; its levers here: chunk_graphs=true, chunked_prefill=512, mixed_steps=true, "
+            "prefill_gqa_pack=true)") in rec
+    assert "chunk_graphs=false, chunked_prefill=off, mixed_steps=false, prefill_gqa_pack=false)" in rec
+    ev = make_evidence(TPUT_WIN)                                        # not a preset: nothing added
+    assert "a preset" not in records.render_record(ev)
