@@ -291,7 +291,7 @@ def cmd_flip(args) -> int:
     path = _campaign_evidence(args.out_dir, args.campaign_id)
     ev = load_evidence(path)
     try:
-        check_flippable(ev)
+        check_flippable(ev, path.parent.parent)
     except CampaignError as e:
         raise UsageError(str(e)) from None
     out_dir = Path(args.out_dir).resolve()

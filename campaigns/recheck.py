@@ -51,14 +51,28 @@ def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
     return _latest(evs, "lever")
 
 
+STANDARD_WORKLOAD = (1024, 128)     # conf/grid/online.yaml's prompt and output tokens (online_span, online_wide too)
+
+
+def workload(ev: Evidence) -> str:
+    """The grid's requests when they are not the standard grid's ("32000 in / 128 out" for long_prompt), else "".
+    A lever decided on two workloads holds two verdicts: the long-prompt grid measures another thing than the
+    standard one, while online_span and online_wide only span more concurrencies of the same requests."""
+    from campaigns.config import settings
+    grid = settings(ev).grid
+    shape = (int(grid.input_len), int(grid.output_len))
+    return "" if shape == STANDARD_WORKLOAD else f"{shape[0]} in / {shape[1]} out"
+
+
 def measured_on(ev: Evidence) -> str:
-    """What a campaign measured on: "<model> (<quant>)" and its pinned levers ("qwen3-8b (bf16) with
-    async_scheduling=true")."""
+    """What a campaign measured on: "<model> (<quant>)", its pinned levers and its workload where not the standard
+    one ("qwen3-8b (bf16) with async_scheduling=true", "qwen3-8b (bf16), 32000 in / 128 out")."""
     from campaigns.config import settings
     cfg = settings(ev)
     model = f"{cfg.model.get('name', '?')} ({cfg.model.get('quant', '?')})"
     pins = dict(cfg.campaign.with_levers or {}) if ev.kind != "aa" else {}
-    return model + (" with " + ", ".join(f"{k}={_text(v)}" for k, v in sorted(pins.items())) if pins else "")
+    text = model + (" with " + ", ".join(f"{k}={_text(v)}" for k, v in sorted(pins.items())) if pins else "")
+    return text + (f", {workload(ev)}" if workload(ev) else "")
 
 
 def plan_key(ev: Evidence) -> str:

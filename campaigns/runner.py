@@ -27,7 +27,7 @@ from campaigns import calibrate
 from campaigns import context as lever_context
 from campaigns import fingerprint as fp
 from campaigns import grid as gridmod
-from campaigns import policy, records
+from campaigns import policy, recheck, records
 from campaigns.config import config_hash, settings
 from campaigns.evidence import (Evidence, find_evidence, load_evidence, new_campaign_id, new_evidence,
                                 save_evidence, utc_now)
@@ -526,7 +526,7 @@ def status_dir(repo: Path, out_dir: Path) -> Path:
 def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
     """Commit the flip on row/<lever>-flip: only a fresh, binding FLIP (a stale one measured another engine)."""
     from campaigns.gitops import flip_commit
-    check_flippable(ev)
+    check_flippable(ev, cdir.parent)
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
     info = flip_commit(repo, ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
                        lever_dir=levers.lever_file(ev.lever).parent,
@@ -536,8 +536,9 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
     console.print(f"flip committed on {info['branch']} ({info['commit'][:7]})")
 
 
-def check_flippable(ev: Evidence) -> None:
-    """Raise CampaignError, saying why, unless ``ev`` is a complete, binding, fresh FLIP of a lever campaign."""
+def check_flippable(ev: Evidence, records_dir: Path | None = None) -> None:
+    """Raise CampaignError, saying why, unless ``ev`` is a complete, binding, fresh FLIP of a lever campaign, and
+    (with ``records_dir``) no fresh binding verdict of the same lever and model on another workload refuted it."""
     d = ev.decision
     if ev.kind != "lever" or d is None or d.verdict != "FLIP":
         raise CampaignError(f"{ev.campaign_id}: its verdict is {d.verdict if d else 'not decided'}, not FLIP; only a "
@@ -565,6 +566,31 @@ def check_flippable(ev: Evidence) -> None:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "
                             "measured another engine than the one users run. Re-run it: `vtcampaign recheck`, or "
                             f"`vtcampaign run campaign={settings(ev).campaign.name}`")
+    if records_dir is not None:
+        refuted = _refuted_elsewhere(ev, records_dir)
+        if refuted is not None:
+            raise CampaignError(
+                f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, but {refuted.campaign_id} "
+                f"({recheck.measured_on(refuted)}) is a fresh {refuted.decision.verdict} of the same change: a flip "
+                f"would trade what that workload refuted. Its reasons: {'; '.join(refuted.decision.reasons[:3])}")
+
+
+def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> Evidence | None:
+    """The latest fresh binding REJECT of ``ev``'s lever and candidate value on the same model and pins but another
+    workload (``recheck.workload``), if any."""
+    def same_but_workload(other: Evidence) -> bool:
+        a, b = settings(ev), settings(other)
+        return (other.lever == ev.lever and a.model.get("name") == b.model.get("name")
+                and a.model.get("quant") == b.model.get("quant")
+                and dict(a.campaign.with_levers or {}) == dict(b.campaign.with_levers or {})
+                and recheck.workload(other) != recheck.workload(ev))
+    evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
+    for other in recheck.latest_binding([e for e in evs if e.lever == ev.lever]).values():
+        d = other.decision
+        if (same_but_workload(other) and d.verdict.startswith("REJECT") and d.candidate == ev.decision.candidate
+                and lever_context.freshness(other, confdirs.SOURCE_ROOT).fresh):
+            return other
+    return None
 
 
 def _summary(ev: Evidence, cdir: Path, elapsed_s: float) -> None:

@@ -288,3 +288,47 @@ def test_a_campaign_refuses_a_lever_whose_paths_are_not_files(tmp_path, monkeypa
     with pytest.raises(CampaignError, match=r"gqa_swap.yaml: paths \['vtengine/kernels/attention.py'.* are no file "
                                             r"under .*empty; list the lever's own source files"):
         _preflight(cfg, repo, repo / "records" / "campaigns")
+
+
+def _fresh_today(ev):
+    """``ev`` as if measured at today's commit in today's context (fresh)."""
+    reg = levers.registry()
+    for arm in ev.arms:
+        ev.context[arm.name] = {**levers.effective_defaults(reg), ev.lever: arm.value}
+        ev.live_levers[arm.name] = [ev.lever]
+    ev.lever_digests = lever_context.tree_digests(reg, ROOT)
+    ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
+    return ev
+
+
+def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
+    """fuse_norm FLIPs on the standard grid but a fresh long-prompt campaign refuted it: two workloads, two verdicts
+    (the workload is part of what a verdict is on), and the flip would trade one for the other, so it is refused.
+    A REJECT on the same workload (online_span: the same requests) is another verdict's business, not this one's."""
+    from campaigns.recheck import measured_on, plan_key
+    from campaigns.runner import CampaignError, check_flippable
+    loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}}
+    flip = _fresh_today(make_evidence(TPUT_WIN, lever="fuse_norm", campaign_id="2026-12-03-fuse_norm-aaa1111"))
+    long = _fresh_today(make_evidence(loss, lever="fuse_norm", campaign_id="2026-12-03-fuse_norm-bbb2222",
+                                      created="2026-12-01T10:00:00Z"))
+    long.config["grid"].update(name="long_prompt", input_len=32000, output_len=128)
+    long.__dict__.pop("_settings", None)
+    assert long.decision.verdict == "REJECT-PERFORMANCE" and long.decision.candidate == flip.decision.candidate
+    assert measured_on(long) == "qwen3-8b (bf16), 32000 in / 128 out" and measured_on(flip) == "qwen3-8b (bf16)"
+    assert plan_key(long) != plan_key(flip)
+    out = tmp_path / "records" / "campaigns"
+    for ev in (flip, long):
+        save_evidence(ev, out / ev.campaign_id)
+    check_flippable(flip)                                        # alone it is a fresh, binding FLIP
+    with pytest.raises(CampaignError, match=r"fuse_norm FLIPped on qwen3-8b \(bf16\), but 2026-12-03-fuse_norm-"
+                                            r"bbb2222 \(qwen3-8b \(bf16\), 32000 in / 128 out\) is a fresh "
+                                            r"REJECT-PERFORMANCE of the same change"):
+        check_flippable(flip, out)
+    r = subprocess.run([sys.executable, "-m", "campaigns.cli", "flip", flip.campaign_id, "--out-dir", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "would trade what that workload refuted" in r.stderr
+    long.config["grid"].update(name="online_span", input_len=1024, output_len=128)    # the same requests
+    long.__dict__.pop("_settings", None)
+    save_evidence(long, out / long.campaign_id)
+    assert plan_key(long) == plan_key(flip)
+    check_flippable(flip, out)
