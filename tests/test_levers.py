@@ -27,7 +27,8 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_graphs": False,
                         "chunked_prefill": "off", "decode_wave_grid": True,
                         "fast_math": True, "fuse_norm": False, "fuse_silu": True,
-                        "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False, "nsplits_cap": "off", "pdl": False,
+                        "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
+                        "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False,
                         "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": True,
                         "w4a16_rot": True}
