@@ -5,8 +5,8 @@ sets it > file default. A preset (a bool lever with ``sets: {lever: value}``) na
 needs several levers at once (``mixed_prefill``: 512-token chunks, mixed steps, chunk graphs, packed prefill
 attention): when it is on, the levers it sets take its values unless a config or env sets them. A campaign decides
 it like any lever, and a flip of it moves them all. The strings "0", "false" and "off" always mean off, whatever
-the lever's type. The files come from the packaged
-conf/ with a project's own conf/lever/ over them (vtengine/confdirs.py).
+the lever's type. The files come from the packaged conf/ with a project's own conf/lever/ over them
+(vtengine/confdirs.py).
 """
 from __future__ import annotations
 
