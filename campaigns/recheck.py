@@ -64,7 +64,7 @@ def workload(ev: Evidence) -> str:
     return "" if shape == STANDARD_WORKLOAD else f"{shape[0]} in / {shape[1]} out"
 
 
-def measured_on(ev: Evidence) -> str:
+def measured_on(ev: Evidence, with_workload: bool = True) -> str:
     """What a campaign measured on: "<model> (<quant>)", its pinned levers and its workload where not the standard
     one ("qwen3-8b (bf16) with async_scheduling=true", "qwen3-8b (bf16), 32000 in / 128 out")."""
     from campaigns.config import settings
@@ -72,7 +72,7 @@ def measured_on(ev: Evidence) -> str:
     model = f"{cfg.model.get('name', '?')} ({cfg.model.get('quant', '?')})"
     pins = dict(cfg.campaign.with_levers or {}) if ev.kind != "aa" else {}
     text = model + (" with " + ", ".join(f"{k}={_text(v)}" for k, v in sorted(pins.items())) if pins else "")
-    return text + (f", {workload(ev)}" if workload(ev) else "")
+    return text + (f", {workload(ev)}" if with_workload and workload(ev) else "")
 
 
 def plan_key(ev: Evidence) -> str:

@@ -579,10 +579,7 @@ def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> Evidence | None:
     """The latest fresh binding REJECT of ``ev``'s lever and candidate value on the same model and pins but another
     workload (``recheck.workload``), if any."""
     def same_but_workload(other: Evidence) -> bool:
-        a, b = settings(ev), settings(other)
-        return (other.lever == ev.lever and a.model.get("name") == b.model.get("name")
-                and a.model.get("quant") == b.model.get("quant")
-                and dict(a.campaign.with_levers or {}) == dict(b.campaign.with_levers or {})
+        return (recheck.measured_on(other, with_workload=False) == recheck.measured_on(ev, with_workload=False)
                 and recheck.workload(other) != recheck.workload(ev))
     evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
     for other in recheck.latest_binding([e for e in evs if e.lever == ev.lever]).values():
