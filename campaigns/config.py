@@ -68,6 +68,9 @@ class PolicyConfig:
     # FLIP needs WINs (REJECT-PERFORMANCE LOSSes) at this many concurrencies; 0: one per 4 points of the grid,
     # rounded up (1 on the 4-point grid, 2 on the 8-point wide one), so more points do not mean more false FLIPs
     min_win_points: int = 0
+    # axis -> why the lever trades it by design, written before the campaign runs (chunked prefill raises the median
+    # ITL to take the multi-second stalls out): a LOSS there is reported, never vetoes a FLIP; never a primary axis
+    traded_axes: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -402,6 +405,20 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     if bad_axes:
         raise CampaignConfigError(f"unknown axis {bad_axes} in campaign.policy.primary_axes; "
                                   f"accepted: {', '.join(_axis_names())}")
+    traded = dict(camp.policy.traded_axes)
+    bad_traded = [a for a in traded if a not in _axis_names()]
+    if bad_traded:
+        raise CampaignConfigError(f"unknown axis {bad_traded} in campaign.policy.traded_axes; "
+                                  f"accepted: {', '.join(_axis_names())}")
+    primary_traded = [a for a in traded if a in camp.policy.primary_axes]
+    if primary_traded:
+        raise CampaignConfigError(f"campaign.policy.traded_axes {primary_traded} are primary axes: a primary axis "
+                                  f"decides the verdict and cannot be traded; primary: "
+                                  f"{', '.join(camp.policy.primary_axes)}")
+    unexplained = [a for a, why in traded.items() if not str(why or "").strip()]
+    if unexplained:
+        raise CampaignConfigError(f"campaign.policy.traded_axes {unexplained} need the reason the lever trades "
+                                  f"them (the record quotes it), e.g. traded_axes: {{itl: \"...\"}}")
     if camp.policy.name != "parity_enabler":
         raise CampaignConfigError(f"policy {camp.policy.name!r} is not known; accepted: parity_enabler")
 

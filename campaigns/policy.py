@@ -86,9 +86,14 @@ def policy_params(ev: Evidence, override: dict[str, Any] | None = None) -> Polic
 
 def rule_text(key: str, p: PolicyConfig) -> str:
     primary = " or ".join(AXIS_BY_NAME[a].label for a in p.primary_axes)
-    return RULES[key].format(min_reps=p.min_reps, min_gain=p.min_gain, min_effect=p.min_effect, primary=primary,
+    text = RULES[key].format(min_reps=p.min_reps, min_gain=p.min_gain, min_effect=p.min_effect, primary=primary,
                              fix_gates=", ".join(p.fix_gates) or "none named",
                              neutral_margin=p.neutral_margin)
+    if p.traded_axes and key in ("FLIP", "KEEP"):
+        text += (" This campaign declares " + ", ".join(_label(a) for a in p.traded_axes) + " traded by design, so "
+                 "a LOSS there is reported and vetoes nothing: " + "; ".join(
+                     f"{_label(a)}: {why.strip()}" for a, why in p.traded_axes.items()))
+    return text
 
 
 def conclude(ev: Evidence, override: dict[str, Any] | None = None, noise=None) -> Evidence:
@@ -261,8 +266,14 @@ class Facts:
                 and (s.axis in self.p.primary_axes or not primary_only)]
 
     def losses(self, primary_only: bool = False) -> list[AxisStat]:
+        """The LOSSes that veto a FLIP: every counted LOSS but those on an axis the campaign declares traded."""
         return [s for s in self.stats if s.separation == "LOSS" and counts(s, self.p)
-                and (s.axis in self.p.primary_axes or not primary_only)]
+                and s.axis not in self.p.traded_axes and (s.axis in self.p.primary_axes or not primary_only)]
+
+    def traded_losses(self) -> list[str]:
+        """The reasons' lines for LOSSes on traded axes: shown, never a veto."""
+        return [f"traded LOSS on {_fmt_stat(s)} (declared traded: not a veto)" for s in self.stats
+                if s.separation == "LOSS" and counts(s, self.p) and s.axis in self.p.traded_axes]
 
 
 def counts(s: AxisStat, p: PolicyConfig) -> bool:
@@ -406,7 +417,8 @@ def rule_flip_correctness(f: Facts) -> Fired:
     """4. A correctness fix that got here (RED on the baseline, GREEN on the candidate) flips."""
     if not f.fix:
         return None
-    return [f"note: LOSS on {_fmt_stat(s)}" for s in f.losses()], {"binding": True, "new_default": f.cand.value}
+    return ([f"note: LOSS on {_fmt_stat(s)}" for s in f.losses()] + f.traded_losses(),
+            {"binding": True, "new_default": f.cand.value})
 
 
 def rule_flip(f: Facts) -> Fired:
@@ -416,7 +428,8 @@ def rule_flip(f: Facts) -> Fired:
     if not (f.token_safe and qualifying and _points(qualifying) >= f.points_needed and not f.losses()):
         return None
     why = [f"token-safe: {'measured byte-exact' if f.byte_exact else 'every divergence ratified by near_tie'}"]
-    return why + [f"WIN on {_fmt_stat(s)}" for s in qualifying], {"binding": True, "new_default": f.cand.value}
+    return (why + [f"WIN on {_fmt_stat(s)}" for s in qualifying] + f.traded_losses(),
+            {"binding": True, "new_default": f.cand.value})
 
 
 def rule_reject_performance(f: Facts) -> Fired:
@@ -443,7 +456,7 @@ def rule_keep(f: Facts) -> Fired:
     elif _points(qualifying) < f.points_needed:
         why.append(f"WINs at {_points(qualifying)} concurrency, fewer than the {f.points_needed} this grid's "
                    f"{len(settings(f.ev).grid.concurrency)} points need: " + "; ".join(_fmt_stat(s) for s in wins))
-    return why + [f"LOSS on {_fmt_stat(s)}" for s in f.losses()], {"binding": True}
+    return why + [f"LOSS on {_fmt_stat(s)}" for s in f.losses()] + f.traded_losses(), {"binding": True}
 
 
 # The written rules, tried in order; the first that fires is the verdict (its text: RULES[key]).
@@ -604,7 +617,7 @@ def _decide_candidate_grid_only(ev: Evidence, p: PolicyConfig) -> str:
     cand = ev.candidates[0].name
     stats = [s for s in ev.stats if s.candidate == cand]
     wins = [s for s in stats if s.axis in p.primary_axes and s.separation == "WIN" and counts(s, p)]
-    losses = [s for s in stats if s.separation == "LOSS" and counts(s, p)]
+    losses = [s for s in stats if s.separation == "LOSS" and counts(s, p) and s.axis not in p.traded_axes]
     if wins and not losses:
         return "FLIP (a false FLIP)"
     if ([s for s in losses if s.axis in p.primary_axes]

@@ -75,6 +75,18 @@ def test_each_group_file_is_typed_by_its_own_schema(tmp_path):
         compose(["campaign=gqa_swap", "grid=mine"], conf_dir=conf, cuda=True)
 
 
+@pytest.mark.parametrize("traded,match", [
+    ("{itl: ''}", r"traded_axes \['itl'\] need the reason the lever trades them"),
+    ("{latency: why}", r"unknown axis \['latency'\] in campaign.policy.traded_axes; accepted: total_token_throughput"),
+    ("{tpot: why}", r"traded_axes \['tpot'\] are primary axes"),
+])
+def test_traded_axes_must_be_known_explained_and_not_primary(traded, match):
+    with pytest.raises(CampaignConfigError, match=match):
+        compose(["campaign=gqa_swap", f"+campaign.policy.traded_axes={traded}"], cuda=True)
+    cfg = compose(["campaign=gqa_swap", "+campaign.policy.traded_axes={itl: why}"], cuda=True)
+    assert dict(cfg.campaign.policy.traded_axes) == {"itl": "why"}
+
+
 def test_arms_resolve_from_the_lever_file_default():
     from vtengine.levers import get
     cfg = compose(["campaign=nsplits_cap"], cuda=False)

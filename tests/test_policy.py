@@ -138,6 +138,30 @@ def test_loss_on_a_non_primary_axis_blocks_the_flip():
     assert any(r.startswith("LOSS on TTFT") for r in ev.decision.reasons)
 
 
+ITL_UP = {"median_itl_ms": {"off": [10.0, 10.1, 10.2], "on": [30.0, 30.1, 30.2]}}
+TRADED = {"traded_axes": {"itl": "each decode token shares its step with a prefill chunk"}}
+
+
+def test_a_loss_on_a_declared_traded_axis_is_reported_and_vetoes_nothing():
+    vetoed = make_evidence({**TPUT_WIN, **ITL_UP})
+    assert verdict(vetoed) == "KEEP" and any(r.startswith("LOSS on ITL") for r in vetoed.decision.reasons)
+    ev = make_evidence({**TPUT_WIN, **ITL_UP}, policy_cfg=TRADED)
+    d = ev.decision
+    assert d.verdict == "FLIP", d.reasons
+    assert any(r.startswith("traded LOSS on ITL at c1: ratio 0.336") for r in d.reasons), d.reasons
+    assert "ITL traded by design" in d.rule and "shares its step with a prefill chunk" in d.rule
+    # trading one axis leaves the others' veto in place
+    ev = make_evidence({**TPUT_WIN, **ITL_UP, "median_ttft_ms": {"off": [10.0, 10.1, 10.2], "on": [12.0, 12.1, 12.2]}},
+                       policy_cfg=TRADED)
+    assert verdict(ev) == "KEEP" and any(r.startswith("LOSS on TTFT") for r in ev.decision.reasons)
+    assert any(r.startswith("traded LOSS on ITL") for r in ev.decision.reasons)
+
+
+def test_a_traded_axis_without_a_win_elsewhere_does_not_flip():
+    ev = make_evidence(ITL_UP, policy_cfg=TRADED)
+    assert verdict(ev) == "KEEP" and any("no WIN on a primary axis" in r for r in ev.decision.reasons)
+
+
 def test_reject_performance_on_primary_loss_without_win():
     ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}})
     d = ev.decision
