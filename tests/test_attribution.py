@@ -143,3 +143,18 @@ def test_a_prefill_kernel_levers_profile_gate_catches_its_planted_slowdown():
     ctx.release_engines()
     assert res.passed and res.self_check is True, res.details
     assert "rms_norm run 4 times per call" in res.details["self_check_fault"]
+
+
+def test_a_profile_window_waits_out_a_chunked_mixed_prefill():
+    """Under mixed_prefill's step shape the first prompts decode while the last ones still prefill in chunks (on the
+    H200: 8 prompts of 1,024 tokens, 512-token chunks, 16 steps); their tokens must not run out before the profiled
+    decode steps (the profile gate of the first mixed_prefill campaign died there: a sequence finished mid-window)."""
+    from vtengine.bench.decode.kernel_profile import record_decode_trace
+    from vtengine.engine.llm import LLM
+    llm = LLM(model="tiny", quant="bf16", device="cpu", max_num_seqs=8, max_model_len=1024,
+              levers={"chunked_prefill": 256, "mixed_steps": True})
+    from vtengine import counters
+    events, step_s = record_decode_trace(llm, 4, 600, steps=3, warm_steps=3)
+    assert len(step_s) == 5 and events            # 2 profiler warm-up steps + 3 recorded, each a decode of all 4
+    assert counters.launches("prefill_step", "chunk=256") >= 9   # 2,400 prompt tokens in 256-token chunks
+    assert not llm.engine.has_unfinished_requests()

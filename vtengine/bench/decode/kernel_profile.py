@@ -142,9 +142,11 @@ def _decode_step(eng, batch: int) -> float:
     t0 = time.perf_counter()
     outs = eng.step()
     dt = time.perf_counter() - t0
-    if eng.stats()["decode_steps_total"] != n0 + 1 or len(outs) != batch or any(o.finished for o in outs):
-        raise RuntimeError(f"a profiled step was not a decode of all {batch} sequences "
-                           f"({len(outs)} outputs; preemptions {eng.scheduler.num_preemptions})")
+    decoded, finished = eng.stats()["decode_steps_total"] == n0 + 1, sum(o.finished for o in outs)
+    if not decoded or len(outs) != batch or finished:
+        raise RuntimeError(f"a profiled step was not a decode of all {batch} sequences ({len(outs)} outputs, "
+                           f"{finished} finished, {'a decode step' if decoded else 'not a decode step'}; "
+                           f"preemptions {eng.scheduler.num_preemptions})")
     return dt
 
 
@@ -190,13 +192,15 @@ def record_decode_trace(llm, batch: int, prompt_len: int, steps: int = 16,
     eng = llm.engine
     if eng.has_unfinished_requests():
         raise RuntimeError("profiling needs an idle engine")
-    params = SamplingParams(max_tokens=warm_steps + PROFILER_WARM_STEPS + steps + 4, temperature=0.0,
+    ramp = 8 * batch + 8                                # most steps the prefill may take (chunked, mixed)
+    # under chunked prefill the first sequences decode while the last ones still prefill: room for those tokens too
+    params = SamplingParams(max_tokens=ramp + warm_steps + PROFILER_WARM_STEPS + steps + 4, temperature=0.0,
                             ignore_eos=True)
     rids = [f"profile-{i}" for i in range(batch)]
     for rid, prompt in zip(rids, random_prompts(batch, prompt_len, eng.model_config.vocab_size)):
         eng.add_request(rid, prompt, params)
     try:
-        for _ in range(8 * batch + 8):                  # prefill (one batch, or a few if the token budget splits it)
+        for _ in range(ramp):                           # prefill (one batch, or a few if the token budget splits it)
             # the first token read on the host (with async scheduling a decode step is in flight by then)
             if not eng.scheduler.waiting and all(eng.seqs[r].completion_token_ids for r in rids):
                 break
