@@ -276,6 +276,20 @@ def test_the_perturbed_kernel_is_one_the_model_runs():
         assert ctx.perturb_fault().kernel == kernel, (lever, quant)
 
 
+
+@pytest.mark.parametrize("lever,quant,kernel", [
+    ("gqa_swap", "bf16", "decode_attention"), ("marlin_dense", "mxfp4", "w4a16_gemm"),
+    ("mixed_prefill", "bf16", "rms_norm"), ("prefill_gqa_pack", "bf16", "rms_norm"),
+])
+def test_graph_paritys_self_check_breaks_a_kernel_the_decode_graphs_run(lever, quant, kernel):
+    """The graphs it re-captures are decode steps: breaking prefill attention there broke nothing it compares, and
+    the first mixed_prefill campaign on the H200 reported "SELF-CHECK PASSED (gate broken)" on both arms."""
+    ctx = context(lever=lever)
+    ctx.quant = quant
+    assert ctx.decode_fault().kernel == kernel
+    assert ctx.decode_fault().size == ctx.perturb_fault().size
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 
@@ -314,6 +328,17 @@ def test_chunk_graphs_gates_replay_chunk_graphs_on_the_gpu():
         assert par.passed, par.details
     assert ctx.cache["mechanism:on"][0]["chunk_steps"] == 2 and ctx.cache["mechanism:off"][0]["chunk_steps"] == 0
     assert par.counts["chunk_graph_replays"] >= 2
+    ctx.release_engines()
+
+
+@pytest.mark.gpu
+def test_graph_parity_self_check_fails_the_gate_for_a_prefill_kernel_preset():
+    """mixed_prefill's kernels are prefill attention alone: the self-check's broken decode graphs must still show."""
+    ctx = context(device="cuda", lever="mixed_prefill")
+    for arm in ctx.arms:
+        res = run_gate("graph_parity", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+        assert res.details["self_check_counts"]["mismatched"] > 0
     ctx.release_engines()
 
 

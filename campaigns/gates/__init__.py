@@ -177,6 +177,14 @@ class GateContext:
         from vtengine.faults import Fault
         return Fault("perturb", perturbable_kernel(self.lever, self.quant), size)
 
+    def decode_fault(self, size: float = -1.5):
+        """perturb_fault on a kernel the decode graphs run (profiled_kernel): graph_parity's captured graphs are
+        decode steps, so a lever of prefill kernels alone (prefill_gqa_pack, mixed_prefill) gets rms_norm broken;
+        its own prefill attention in them broke nothing the gate compares, and the self-check passed (H200,
+        2026-12-03, the first mixed_prefill campaign)."""
+        from vtengine.faults import Fault
+        return Fault("perturb", profiled_kernel(self.lever, self.quant), size)
+
     @contextmanager
     def synchronous(self, arm: Arm):
         """The arm's engine with async scheduling off (the in-process anchors the async_parity gate compares a

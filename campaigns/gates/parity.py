@@ -17,9 +17,9 @@ concurrent"):
   token's teacher-forced log-probability, under the arm's own engine, is within the policy's near-tie threshold of
   the best token's. A served token that is no near-tie there fails the gate.
 
-Faults (the engine under test broken, vtengine/faults.py): graph_parity replays graphs captured while the lever's
-kernel was broken against clean eager steps, and counts replays (a "graphed" run that replayed nothing compared
-eager with eager); async_parity breaks the arm's own server (started with --fault-injection) twice, a token lost on
+Faults (the engine under test broken, vtengine/faults.py): graph_parity replays decode graphs captured while the
+lever's kernel was broken (the first of its kernels a decode step runs, else rms_norm) against clean eager steps,
+and counts replays (a "graphed" run that replayed nothing compared eager with eager); async_parity breaks the arm's own server (started with --fault-injection) twice, a token lost on
 the serving path and decode steps fed a stale token (the async race), and each of its two legs must be caught.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
     eager, eager_replays = ctx.cache[f"eager:{arm.name}"]
     note = ""
     if fault:
-        fault_obj = ctx.perturb_fault()
+        fault_obj = ctx.decode_fault()
         with ctx.graphs_captured_with(arm, fault_obj, len(prompts)) as faulted:
             graphed, replays, chunk_replays = _graphed_tokens(faulted, prompts, params)
         note = f"graphs captured over a broken kernel ({fault_obj.describe()}), replayed against clean eager steps"
