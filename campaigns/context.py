@@ -297,6 +297,15 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     live_anywhere = {name for names in ctx.live.values() for name in names}
     pins = pinned_levers(ev, levers_now)
     defaults = lever_registry.effective_defaults(levers_now)    # with the on presets' values
+    # a preset under test sets its levers in the arms where it is on: there they are the lever itself, not context
+    own_lever = levers_now.get(ev.lever) if ev.kind == "lever" else None
+    own_sets = dict(own_lever.sets) if own_lever is not None else {}
+
+    def expected(name: str, arm_values: dict) -> Any:
+        if name in own_sets and own_lever.is_on(arm_values.get(ev.lever)):
+            return own_sets[name]
+        return defaults[name]
+
     for name, lever in sorted(levers_now.items()):
         if name == ev.lever and ev.kind == "lever":
             continue
@@ -312,7 +321,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
                                "the campaign never ran")
                 causes.append(f"new {name}")
             continue
-        changed = sorted({_text(v) for v in was.values() if v != defaults[name]})
+        changed = sorted({_text(v) for arm, v in was.items() if v != expected(name, ctx.values[arm])})
         if changed and name in live_anywhere:
             how = f"{name}'s kernels ran there" if lever.affects else f"{name} shapes every step"
             reasons.append(f"{name}'s default is now {_text(defaults[name])}; the campaign ran with "

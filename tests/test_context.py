@@ -332,3 +332,20 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
     save_evidence(long, out / long.campaign_id)
     assert plan_key(long) == plan_key(flip)
     check_flippable(flip, out)
+
+
+def test_a_presets_own_levers_are_the_lever_not_its_context():
+    """mixed_prefill's ON arm runs chunk_graphs, chunked_prefill=512... because the preset under test sets them: its
+    first H200 verdict was marked STALE at once ("chunk_graphs's default is now off; the campaign ran with on").
+    They are context only where the preset is off, and there a drift from the default still stales the verdict."""
+    reg = levers.registry()
+    sets = reg["mixed_prefill"].sets
+    ev = _fresh_today(make_evidence(TPUT_WIN, lever="mixed_prefill"))
+    ev.context["on"].update(sets)
+    for arm in ev.arms:
+        ev.live_levers[arm.name] = sorted({"mixed_prefill", *sets})
+    f = lever_context.freshness(ev, ROOT)
+    assert f.fresh, f.reasons
+    ev.context["off"]["chunk_graphs"] = True         # the baseline ran a set lever off its default: that is context
+    f = lever_context.freshness(ev, ROOT)
+    assert not f.fresh and f.reasons[0].startswith("chunk_graphs's default is now off; the campaign ran with on")
