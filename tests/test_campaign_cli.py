@@ -77,7 +77,8 @@ def test_each_group_file_is_typed_by_its_own_schema(tmp_path):
 
 @pytest.mark.parametrize("traded,match", [
     ("{itl: ''}", r"traded_axes \['itl'\] need the reason the lever trades them"),
-    ("{latency: why}", r"unknown axis \['latency'\] in campaign.policy.traded_axes; accepted: total_token_throughput"),
+    ("{latency: why}",
+     r"unknown axis \['latency'\] in campaign.policy.traded_axes; accepted: total_token_throughput"),
     ("{tpot: why}", r"traded_axes \['tpot'\] are primary axes"),
 ])
 def test_traded_axes_must_be_known_explained_and_not_primary(traded, match):

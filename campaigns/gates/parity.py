@@ -19,8 +19,9 @@ concurrent"):
 
 Faults (the engine under test broken, vtengine/faults.py): graph_parity replays decode graphs captured while the
 lever's kernel was broken (the first of its kernels a decode step runs, else rms_norm) against clean eager steps,
-and counts replays (a "graphed" run that replayed nothing compared eager with eager); async_parity breaks the arm's own server (started with --fault-injection) twice, a token lost on
-the serving path and decode steps fed a stale token (the async race), and each of its two legs must be caught.
+and counts replays (a "graphed" run that replayed nothing compared eager with eager); async_parity breaks the arm's
+own server (started with --fault-injection) twice, a token lost on the serving path and decode steps fed a stale
+token (the async race), and each of its two legs must be caught.
 """
 from __future__ import annotations
 
