@@ -113,6 +113,47 @@ def test_mixed_steps_carry_the_decode_token_in_every_prefill_step(levers, budget
     assert mixed["decode_rows"]["grids"] == {"1x256": 4, "1x176": 1}      # 1200 = 4 x 256 + 176, a's row in each
 
 
+@pytest.mark.parametrize("levers", [SYNC, ASYNC], ids=["sync", "async"])
+def test_chunk_above_prefills_a_short_prompt_whole_and_still_chunks_a_long_one(levers):
+    """chunk_above 512 with 256-token mixed chunks: a 400-token prompt arriving while "a" decodes is prefilled whole
+    in one step (its first token with a's next), where without the lever it takes two chunks; a 1200-token prompt is
+    still chunked (four steps of a's token and a chunk, then b's first). Every request gets its tokens alone."""
+    mixed = {**levers, "mixed_steps": True, "chunked_prefill": 256}
+    lag = 1 if levers.get("async_scheduling") else 0
+    alone_a = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+        [[11, 12, 13]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))[0]
+    for n, want_on, want_off in ((400, ["a"] * lag + ["ab"], ["a"] * (1 + lag) + ["ab"]),
+                                 (1200, ["a"] * (4 + lag) + ["ab"], ["a"] * (4 + lag) + ["ab"])):
+        long = long_prompt(n, seed=2)
+        alone_b = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+            [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
+        for value, want in ((512, want_on), ("off", want_off)):
+            counters.reset()
+            steps, done = _timeline(LLM(model="tiny", backend="torch", levers={**mixed, "chunk_above": value}), long)
+            assert steps == want, (n, value, steps)
+            assert done["a"] == alone_a and done["b"] == alone_b
+            routes = {r: st["launches"] for r, st in counters.snapshot().get("chunk_above", {}).items()}
+            assert routes == ({} if value == "off" else {"whole" if n <= 512 else "chunked": 1}), (n, value, routes)
+
+
+@pytest.mark.parametrize("levers", [SYNC, {**SYNC, "mixed_steps": True}, {**ASYNC, "mixed_steps": True}],
+                         ids=["sync", "sync-mixed", "async-mixed"])
+def test_chunk_above_keeps_short_prompts_that_arrive_together_in_one_step(levers):
+    """Four 400-token prompts arriving together: with chunk_above they prefill whole, as many per step as
+    max_num_batched_tokens holds (1000: two, then two), first come first served, where 256-token chunks alone take
+    seven steps; the tokens are the unchunked engine's."""
+    prompts = [long_prompt(400, seed=i) for i in range(4)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    want = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(prompts, params))
+    for value, grids in ((512, {(800,): 2}), ("off", {(256,): 6, (64,): 1})):
+        llm = LLM(model="tiny", backend="torch", max_num_batched_tokens=1000,
+                  levers={**levers, "chunked_prefill": 256, "chunk_above": value})
+        counters.reset()
+        assert tokens(llm.generate(prompts, params)) == want
+        snap = counters.snapshot()
+        assert dict(snap["prefill_step"]["chunk=256"]["grids"]) == {f"{g[0]}": n for g, n in grids.items()}, value
+
+
 def test_max_model_len_defaults_to_the_model_and_then_to_the_pool():
     assert LLM(model="tiny", backend="torch").engine.max_model_len == 2048     # tiny's max_position_embeddings
     small = LLM(model="tiny", backend="torch", num_kv_blocks=40).engine           # 40 blocks of 16: 640 tokens

@@ -20,6 +20,12 @@ chunk size (chunked_prefill N) or, without it, up to max_num_batched_tokens less
 sequences are ordered prefill first, decode after (the model runner lays the batch out that way). A step with no
 prefill work left is a plain decode step (graphed). Decode rows then share GEMMs with prefill rows, so their
 arithmetic (and a near tie's token) may differ from a decode step's.
+
+The lever chunk_above (T tokens) narrows chunking to long prompts: with chunked_prefill N, a waiting prompt of at
+most T tokens is admitted whole (when it fits what is left of max_num_batched_tokens, less the step's decode tokens),
+as prefill first admits it, and only longer prompts share the N-token chunk budget. Equal short prompts that arrive
+together then prefill together and stay in step, as they do without chunking, while a long prompt still costs each
+decoding sequence at most one N-token chunk per token.
 """
 from __future__ import annotations
 
@@ -32,13 +38,15 @@ from vtengine.engine.sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_seq_tokens: int | None = None, prefill_chunk: int | None = None, mixed_steps: bool = False):
+                 max_seq_tokens: int | None = None, prefill_chunk: int | None = None, mixed_steps: bool = False,
+                 chunk_above: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_seq_tokens = max_seq_tokens
         self.prefill_chunk = prefill_chunk          # the lever chunked_prefill (None: off)
         self.mixed_steps = mixed_steps              # the lever mixed_steps
+        self.chunk_above = chunk_above              # the lever chunk_above (None: off)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -71,29 +79,42 @@ class Scheduler:
     def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
         preemptions = self.num_preemptions
         decode = self._schedule_decode()
-        budget = self.prefill_chunk or max(0, self.max_num_batched_tokens - len(decode))
+        room = max(0, self.max_num_batched_tokens - len(decode))
         # a preemption just now means the pool is full: no admission in this step (the preempted sequence would be
         # re-admitted at once); prompts already under way still take their chunks
-        prefill = self._schedule_prefill(budget, admit=self.num_preemptions == preemptions)
+        prefill = self._schedule_prefill(room, admit=self.num_preemptions == preemptions)
         if not prefill:
             return decode, False
         return prefill + decode, True
 
-    def _schedule_prefill(self, budget: int | None = None, admit: bool = True) -> list[Sequence]:
-        budget = budget if budget is not None else (self.prefill_chunk or self.max_num_batched_tokens)
+    def _schedule_prefill(self, room: int | None = None, admit: bool = True) -> list[Sequence]:
+        """The step's prefill sequences. ``room``: the tokens the step may take (max_num_batched_tokens, less a mixed
+        step's decode tokens). Chunks take chunked_prefill's N (without it, the room); whole short prompts
+        (chunk_above) what the room has left."""
+        room = self.max_num_batched_tokens if room is None else room
+        budget = self.prefill_chunk or room         # what chunks may take (chunked_prefill's N, even past the room)
+        whole_max = self.chunk_above if self.prefill_chunk else None
         scheduled: list[Sequence] = []
         for seq in self.running:                    # chunks of prompts already under way come first, oldest first
             if seq.in_prefill and budget > 0:
                 seq.num_new_tokens = min(seq.prefill_remaining, budget)
                 budget -= seq.num_new_tokens
+                room -= seq.num_new_tokens
                 scheduled.append(seq)
         admitted: list[Sequence] = []
-        while admit and self.waiting and budget > 0 and len(self.running) + len(admitted) < self.max_num_seqs:
+        while admit and self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             seq = self.waiting[0]
             need = len(seq)
-            # Without the lever a prompt is admitted whole when it fits what is left of the budget; one longer
+            whole = whole_max is not None and need <= whole_max
+            if whole:
+                # chunk_above: a short prompt goes whole or waits its turn (first come, first served)
+                if need > room:
+                    break
+            elif budget <= 0:
+                break
+            # Without chunked_prefill a prompt is admitted whole when it fits what is left of the budget; one longer
             # than the whole budget is admitted alone and chunked. With it, the last admitted takes what is left.
-            if need > budget and not self.prefill_chunk and (scheduled or admitted):
+            elif need > budget and not self.prefill_chunk and (scheduled or admitted):
                 break
             if not self.block_manager.can_allocate(seq):
                 break
@@ -101,8 +122,12 @@ class Scheduler:
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             seq.in_prefill = True
-            seq.num_new_tokens = min(need, budget)
-            budget -= seq.num_new_tokens
+            seq.num_new_tokens = need if whole else min(need, budget)
+            if not whole:
+                budget -= seq.num_new_tokens
+            room -= seq.num_new_tokens
+            if whole_max is not None and need > self.prefill_chunk:     # chunk_above's proof: a prompt longer
+                counters.record("chunk_above", "whole" if whole else "chunked", grid=(need,))   # than N, whole?
             admitted.append(seq)
         self.running.extend(admitted)
         scheduled += admitted
