@@ -10,7 +10,8 @@ from campaigns.config import CampaignConfigError, compose, options
 from campaigns.evidence import load_evidence, save_evidence
 from helpers import TPUT_WIN, make_evidence
 
-CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_graphs", "chunked_prefill", "decode_wave_grid",
+CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_graphs", "chunked_prefill",
+             "decode_wave_grid",
              "fast_math", "fuse_norm", "fuse_silu", "gqa_swap",
              "marlin_dense",
              "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack", "split_rule",
@@ -120,7 +121,7 @@ def test_user_choices_override_the_host_defaults():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["campaign=nope"], "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, chunk_graphs, chunked_prefill"),
+    (["campaign=nope"], "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, chunk_above, chunk_graphs"),
     ([], "no campaign chosen; add campaign=<name>, accepted: async_device_mirror, async_scheduling"),
     (["campaign=gqa_swap", "grid.reps=abc"], "bad value for grid.reps ('grid.reps=abc')"),
     (["campaign=gqa_swap", "grid.repz=3"], "unknown key 'grid.repz' in override 'grid.repz=3'; accepted keys of "

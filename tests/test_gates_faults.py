@@ -436,6 +436,21 @@ def test_chunk_graphs_mechanism_gate_sees_full_chunks_replayed():
     ctx.release_engines()
 
 
+def test_chunk_above_mechanism_gate_sees_short_prompts_go_whole():
+    """chunk_above 512 over 256-token chunks: the probe's N + 9 = 265-token prompt goes whole in the ON arm and is
+    chunked in the OFF arm, its 521-token prompt is chunked in both; the inert candidate and the stuck baseline are
+    caught, and the expectation fails an ON arm that chunked every prompt or one that chunked none."""
+    ctx = context(lever="chunk_above", values=("off", 512))
+    ctx.with_levers = {"chunked_prefill": 256, "mixed_steps": True}
+    assert ctx.max_model_len >= 512 + 9 + 8             # the probe's prompt past T fits the CPU bound
+    assert mechanism_counts(ctx, "whole") == (0, 1)
+    assert ctx.cache["mechanism:512"][0] == {"whole": 1, "chunked": 1}
+    assert not mechanism.expected("chunk_above", 512, {"whole": 0, "chunked": 1})[0]
+    assert not mechanism.expected("chunk_above", 512, {"whole": 2, "chunked": 0})[0]
+    assert not mechanism.expected("chunk_above", "off", {"whole": 1, "chunked": 0})[0]
+    ctx.release_engines()
+
+
 def test_decode_wave_grid_mechanism_gate_sees_fewer_programs_than_slots(monkeypatch):
     """On a virtual 16-SM machine the count rule splits tiny's decode: only the ON arm launches fewer programs than
     slots, and the inert candidate and the stuck baseline are caught. On the default 2-SM interpreter nothing

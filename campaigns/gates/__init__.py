@@ -61,8 +61,15 @@ SERVER_GATES = tuple(n for n, g in GATES.items() if g.runs == "server")
 BATTERY = "battery/default.yaml"        # the fixed prompts, under conf/ (a project's own conf/ may replace them)
 GATE_KV_BLOCKS = 1024                 # in-process gate engines: a small KV pool (16k tokens) is plenty
 # levers whose mechanism needs prompts of full chunks of the pinned chunked_prefill N: the probe sends 2N + 9 tokens
-# and the CPU bound grows to hold them (these levers route no kernel, so the CPU runs the torch references)
-LONG_PROMPT_LEVERS = ("chunk_graphs",)
+# (with chunk_above T: T + 9, past it) and the CPU bound grows to hold them (these levers route no kernel, so the CPU
+# runs the torch references)
+LONG_PROMPT_LEVERS = ("chunk_graphs", "chunk_above")
+
+
+def long_prompt_len(chunk: int, above: int | None) -> int:
+    """The probes' long prompt, less its tail: two full N-token chunks, and past chunk_above's T when it is on (a
+    prompt of at most T would go whole)."""
+    return max(2 * chunk, above or 0)
 
 
 def perturbable_kernel(lever: str, quant: str) -> str:
@@ -133,8 +140,12 @@ class GateContext:
         from vtengine import levers
         sets = levers.get(self.lever).sets             # a preset's levers (mixed_prefill: its chunk size)
         chunk = self.with_levers.get("chunked_prefill", sets.get("chunked_prefill"))
+        above = [self.with_levers.get("chunk_above", sets.get("chunk_above"))]
+        if self.lever == "chunk_above":
+            above += [a.value for a in self.arms]
+        above = max((a for a in above if isinstance(a, int)), default=None)
         if {self.lever, *sets} & set(LONG_PROMPT_LEVERS) and isinstance(chunk, int):
-            return max(self.cpu_max_model_len, 2 * chunk + 64)
+            return max(self.cpu_max_model_len, long_prompt_len(chunk, above) + 64)
         return self.cpu_max_model_len
 
     def lever_values(self, arm: Arm, inert: bool = False) -> dict[str, Any]:

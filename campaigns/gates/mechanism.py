@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from campaigns.gates import LONG_PROMPT_LEVERS, GateContext, result
+from campaigns.gates import LONG_PROMPT_LEVERS, GateContext, long_prompt_len, result
 from campaigns.evidence import Arm, GateResult
 from vtengine import counters
 from vtengine.engine.sampling_params import SamplingParams
@@ -93,6 +93,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
                 "prefill_steps": _routes(snap, "prefill_step")}
     if lever == "chunked_prefill":
         return {"prefill_steps": _routes(snap, "prefill_step"), "tokens": _grids(snap, "prefill_step")[:8]}
+    if lever == "chunk_above":      # prompts longer than the chunk admitted whole (at most T) or chunked (past T)
+        routes = {r: st["launches"] for r, st in snap.get("chunk_above", {}).items()}
+        return {"whole": routes.get("whole", 0), "chunked": routes.get("chunked", 0)}
     if lever == "chunk_graphs":     # full chunks replayed from graphs (on the CPU: their static buffers run eagerly)
         return {"chunk_steps": sum(st["launches"] for st in snap.get("chunk_step", {}).values()),
                 "shapes": _grids(snap, "chunk_step")[:8]}
@@ -164,6 +167,13 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         return pr["routes"] == want, f"prefill_attention routes {pr['routes']}, expected {want}"
     if lever == "mixed_steps":
         return _some_or_none(pr["mixed_steps"], value, "steps carried decode rows beside a prefill chunk")
+    if lever == "chunk_above":
+        if value in (False, "off", None):
+            return pr["whole"] == 0 and pr["chunked"] == 0, (f"{pr['whole']} prompts longer than the chunk went "
+                                                             f"whole, {pr['chunked']} chunked past T: expected none")
+        return pr["whole"] > 0 and pr["chunked"] > 0, (f"{pr['whole']} prompts longer than the chunk but at most "
+                                                       f"{value} went whole, {pr['chunked']} past {value} were "
+                                                       "chunked: expected some of each (needs chunked_prefill on)")
     if lever == "chunk_graphs":
         return _some_or_none(pr["chunk_steps"], value, "full prefill chunks replayed from captured graphs")
     if lever == "w4a16_mid_m":
@@ -249,9 +259,12 @@ def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str,
                 # lever_set_to decodes eagerly (graphs captured under the arm's own value would hide the fault);
                 # this lever is graphs itself: replay where the engine has them (CUDA), captured at this value
                 llm.engine.runner.use_graphs = bool(llm.engine.runner.graphs)
-            chunk = llm.engine.scheduler.prefill_chunk
-            if family(ctx.lever) & set(LONG_PROMPT_LEVERS) and chunk:   # two prompts of full chunks: 2N + 9, N + 9
-                prompts[1:3] = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (2 * chunk + 9, chunk + 9)]
+            chunk, above = llm.engine.scheduler.prefill_chunk, llm.engine.scheduler.chunk_above
+            if family(ctx.lever) & set(LONG_PROMPT_LEVERS) and chunk:
+                # a prompt of full chunks (2N + 9, or T + 9: chunked past chunk_above's T) and one of N + 9 (whole
+                # under chunk_above, chunked without it)
+                lens = (long_prompt_len(chunk, above) + 9, chunk + 9)
+                prompts[1:3] = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
             counters.reset()
             if family(ctx.lever) & set(STAGGERED):
                 _staggered(llm.engine, prompts, params)

@@ -32,7 +32,7 @@ import time
 import httpx
 import torch
 
-from campaigns.gates import GateContext, result, skipped
+from campaigns.gates import GateContext, long_prompt_len, result, skipped
 from campaigns.evidence import Arm, GateResult
 from vtengine.engine.sampling_params import SamplingParams
 
@@ -82,7 +82,8 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
     chunks = runner.chunk_graphs if llm.engine.levers.on("chunk_graphs") else None
     if chunks is not None:      # the lever chunk_graphs: a prompt of two full chunks and a partial one goes through
         g = torch.Generator().manual_seed(11)       # its graphs (replayed while the others decode), and eagerly
-        prompts = [torch.randint(3, 250, (2 * chunks.chunk + 37,), generator=g).tolist()] + prompts
+        n = long_prompt_len(chunks.chunk, llm.engine.scheduler.chunk_above) + 37     # chunked past chunk_above
+        prompts = [torch.randint(3, 250, (n,), generator=g).tolist()] + prompts
     # staggered lengths: the decode batch shrinks one sequence at a time (4, 3, 2, 1 ...), so replays also run
     # batch sizes that were not captured, i.e. padded graph rows (slot -1, context 1, block 0)
     params = [SamplingParams(max_tokens=max(2, int(cfg.max_tokens) - 3 * i), temperature=0.0, ignore_eos=True)
