@@ -357,8 +357,9 @@ def test_a_preset_levers_record_names_what_its_levers_ran_at_in_each_arm():
     for arm in ev.arms:
         ev.context[arm.name] = dict(levers.resolve({"mixed_prefill": arm.value}, environ={}).values)
     rec = records.render_record(ev)
-    assert ("(a preset; its levers here: chunk_graphs=true, chunked_prefill=512, mixed_steps=true, "
+    assert ("(a preset; its levers here: chunk_above=1536, chunk_graphs=true, chunked_prefill=512, mixed_steps=true, "
             "prefill_gqa_pack=true)") in rec
-    assert "chunk_graphs=false, chunked_prefill=off, mixed_steps=false, prefill_gqa_pack=false)" in rec
+    assert ("chunk_above=off, chunk_graphs=false, chunked_prefill=off, mixed_steps=false, prefill_gqa_pack=false)"
+            in rec)
     ev = make_evidence(TPUT_WIN)                                        # not a preset: nothing added
     assert "a preset" not in records.render_record(ev)
