@@ -121,7 +121,8 @@ def test_user_choices_override_the_host_defaults():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["campaign=nope"], "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, chunk_above, chunk_graphs"),
+    (["campaign=nope"],
+     "unknown campaign 'nope'; accepted: async_device_mirror, async_scheduling, chunk_above, chunk_graphs"),
     ([], "no campaign chosen; add campaign=<name>, accepted: async_device_mirror, async_scheduling"),
     (["campaign=gqa_swap", "grid.reps=abc"], "bad value for grid.reps ('grid.reps=abc')"),
     (["campaign=gqa_swap", "grid.repz=3"], "unknown key 'grid.repz' in override 'grid.repz=3'; accepted keys of "

@@ -24,8 +24,8 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                            "prefill_gqa_pack", "split_rule",
                            "triton_gemv", "w4a16_mid_m", "w4a16_rot"]
     r = levers.resolve(environ={})
-    assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off", "chunk_graphs": False,
-                        "chunked_prefill": "off", "decode_wave_grid": True,
+    assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
+                        "chunk_graphs": False, "chunked_prefill": "off", "decode_wave_grid": True,
                         "fast_math": True, "fuse_norm": False, "fuse_silu": True,
                         "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
                         "nsplits_cap": "off", "pdl": False,
