@@ -154,6 +154,21 @@ def test_chunk_above_keeps_short_prompts_that_arrive_together_in_one_step(levers
         assert dict(snap["prefill_step"]["chunk=256"]["grids"]) == {f"{g[0]}": n for g, n in grids.items()}, value
 
 
+def test_chunk_above_chunks_a_short_prompt_the_step_budget_cannot_hold():
+    """chunk_above 512 under a 300-token max_num_batched_tokens: a 400-token prompt is at most T but past any
+    step's room, so it is chunked (256 + 144) instead of waiting for ever; its tokens are the unchunked engine's."""
+    prompt = long_prompt(400, seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate([prompt], params))
+    llm = LLM(model="tiny", backend="torch", max_num_batched_tokens=300,
+              levers={**SYNC, "mixed_steps": True, "chunked_prefill": 256, "chunk_above": 512})
+    counters.reset()
+    assert tokens(llm.generate([prompt], params)) == want
+    snap = counters.snapshot()
+    assert dict(snap["prefill_step"]["chunk=256"]["grids"]) == {"256": 1, "144": 1}
+    assert {r: st["launches"] for r, st in snap["chunk_above"].items()} == {"chunked": 1}
+
+
 def test_max_model_len_defaults_to_the_model_and_then_to_the_pool():
     assert LLM(model="tiny", backend="torch").engine.max_model_len == 2048     # tiny's max_position_embeddings
     small = LLM(model="tiny", backend="torch", num_kv_blocks=40).engine           # 40 blocks of 16: 640 tokens

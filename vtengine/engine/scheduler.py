@@ -93,7 +93,9 @@ class Scheduler:
         (chunk_above) what the room has left."""
         room = self.max_num_batched_tokens if room is None else room
         budget = self.prefill_chunk or room         # what chunks may take (chunked_prefill's N, even past the room)
-        whole_max = self.chunk_above if self.prefill_chunk else None
+        # chunk_above: whole up to T, and never past the step budget (such a prompt would wait for ever)
+        whole_max = min(self.chunk_above, self.max_num_batched_tokens) if self.prefill_chunk and self.chunk_above \
+            else None
         scheduled: list[Sequence] = []
         for seq in self.running:                    # chunks of prompts already under way come first, oldest first
             if seq.in_prefill and budget > 0:
