@@ -168,7 +168,8 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "mixed_steps":
         return _some_or_none(pr["mixed_steps"], value, "steps carried decode rows beside a prefill chunk")
     if lever == "chunk_above":
-        if value in (False, "off", None):
+        from vtengine.levers import OFF_VALUES
+        if value in OFF_VALUES:
             return pr["whole"] == 0 and pr["chunked"] == 0, (f"{pr['whole']} prompts longer than the chunk went "
                                                              f"whole, {pr['chunked']} chunked past T: expected none")
         return pr["whole"] > 0 and pr["chunked"] > 0, (f"{pr['whole']} prompts longer than the chunk but at most "

@@ -93,9 +93,9 @@ class Scheduler:
         (chunk_above) what the room has left."""
         room = self.max_num_batched_tokens if room is None else room
         budget = self.prefill_chunk or room         # what chunks may take (chunked_prefill's N, even past the room)
-        # chunk_above: whole up to T, and never past the step budget (such a prompt would wait for ever)
-        whole_max = min(self.chunk_above, self.max_num_batched_tokens) if self.prefill_chunk and self.chunk_above \
-            else None
+        whole_max = None        # chunk_above: whole up to T, never past the step budget (it would wait for ever)
+        if self.prefill_chunk and self.chunk_above:
+            whole_max = min(self.chunk_above, self.max_num_batched_tokens)
         scheduled: list[Sequence] = []
         for seq in self.running:                    # chunks of prompts already under way come first, oldest first
             if seq.in_prefill and budget > 0:
