@@ -3,8 +3,10 @@
     python scripts/absorb_results.py RESULTS_TGZ [--no-commit] [-m MESSAGE]
 
 RESULTS_TGZ is the tarball `scripts/h200_session.sh` leaves in $OUT (records, bench/results, op bounds, logs).
-- records/campaigns/<id>/: copied over the checkout's (a resumed campaign's evidence grows call by call); the
-  runner's pid file is left out.
+- records/campaigns/<id>/: copied over the checkout's when it is the same campaign (same `created` time: a resumed
+  campaign's evidence grows call by call); the runner's pid file is left out. Each call starts from the checkout, so
+  two campaigns of one lever at one commit in one session both take the id <date>-<lever>-<sha7>: the later one
+  comes in as <id>-2 (then -3...), its evidence's campaign_id rewritten, as `new_campaign_id` names a re-run.
 - bench/results/: files the checkout lacks are copied; a file whose name the checkout already holds with other
   content (the decode bench names its output by date) is kept beside it as <stem>-<n><suffix>, never overwritten.
 - campaigns/gates/op_bounds.yaml: taken when it differs (bounds measured on the device).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import json
 import shutil
 import subprocess
 import sys
@@ -39,6 +42,26 @@ def _place(src: Path, dest: Path) -> Path | None:
     return cand
 
 
+def _created(evidence: Path) -> str | None:
+    try:
+        return json.loads(evidence.read_text()).get("created")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _campaign_dest(cdir: Path, campaigns: Path) -> Path:
+    """The checkout directory of the campaign in ``cdir``: the one of that id or of a re-run id (<id>-<n>) whose
+    evidence has the same `created` time, else the first free one of those names."""
+    created = _created(cdir / "evidence.json")
+    n, cand = 1, campaigns / cdir.name
+    while (cand / "evidence.json").exists():
+        if created is None or _created(cand / "evidence.json") in (None, created):
+            return cand
+        n += 1
+        cand = campaigns / f"{cdir.name}-{n}"
+    return cand
+
+
 def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
     """(campaign ids taken, bench files taken, the logs' directory)."""
     tmp = Path(tempfile.mkdtemp(prefix="vt-device-"))
@@ -47,11 +70,17 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
     campaigns, bench = [], []
     for src in sorted((tmp / "records" / "campaigns").glob("*/evidence.json")):
         cdir = src.parent
-        dest = root / "records" / "campaigns" / cdir.name
-        if dest.exists() and not filecmp.dircmp(cdir, dest).diff_files and filecmp.cmp(src, dest / src.name):
-            continue                                    # carried there from this checkout, unchanged
+        dest = _campaign_dest(cdir, root / "records" / "campaigns")
+        renamed = dest.name != cdir.name
+        if renamed:                                     # another campaign took this id: a re-run id, set inside too
+            data = json.loads(src.read_text())          # (record.md/pr.md carry the old one until the render below)
+            data["campaign_id"] = dest.name
+            src.write_text(json.dumps(data, indent=2, sort_keys=True, allow_nan=True) + "\n")
+        if (dest.exists() and (renamed or not filecmp.dircmp(cdir, dest).diff_files)
+                and filecmp.cmp(src, dest / src.name, shallow=False)):
+            continue                                    # carried there from this checkout, or taken before, unchanged
         shutil.copytree(cdir, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("runner.pid", "*.pid"))
-        campaigns.append(cdir.name)
+        campaigns.append(dest.name)
     for src in sorted((tmp / "bench" / "results").glob("*")):
         if not src.is_file():
             continue

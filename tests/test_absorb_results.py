@@ -85,3 +85,28 @@ def test_a_retry_after_a_failed_render_still_names_what_the_first_try_took(tmp_p
     assert absorb_results.absorb(tgz, root)[:2] == (["new"], ["b.md"])
     assert absorb_results.absorb(tgz, root)[:2] == ([], [])
     assert absorb_results.pending(root) == ["b.md", "new"]
+
+
+def test_a_second_campaign_under_the_same_id_comes_in_as_a_re_run_id(tmp_path):
+    """Each GPU call starts from the checkout, so two campaigns of one lever at one commit (mixed_prefill's standard
+    grid, then its long-prompt grid) both take <date>-<lever>-<sha7>: the second used to be copied over the first,
+    losing its evidence. It comes in as <id>-2 with that id inside; its resumed growth goes to <id>-2 too."""
+    root = tmp_path / "repo"
+    cid = "2026-12-03-mixed_prefill-7ef9e40"
+    first = {"campaign_id": cid, "created": "2026-12-03T16:50:24Z", "legs": [1, 2]}
+    (root / "records" / "campaigns").mkdir(parents=True)
+    tgz1 = _tgz(tmp_path / "r1.tgz", {f"records/campaigns/{cid}/evidence.json": json.dumps(first)})
+    assert absorb_results.absorb(tgz1, root)[0] == [cid]
+    second = {"campaign_id": cid, "created": "2026-12-03T16:55:09Z", "legs": [3]}
+    tgz2 = _tgz(tmp_path / "r2.tgz", {f"records/campaigns/{cid}/evidence.json": json.dumps(second),
+                                      f"records/campaigns/{cid}/record.md": "long grid\n"})
+    assert absorb_results.absorb(tgz2, root)[0] == [f"{cid}-2"]
+    assert json.loads((root / "records/campaigns" / cid / "evidence.json").read_text()) == first
+    again = json.loads((root / "records/campaigns" / f"{cid}-2" / "evidence.json").read_text())
+    assert again == {**second, "campaign_id": f"{cid}-2"}
+    assert absorb_results.absorb(tgz2, root)[0] == []                    # the same tarball again: nothing new
+    grown = {**second, "legs": [3, 4]}                                   # a resumed call of the second campaign
+    tgz3 = _tgz(tmp_path / "r3.tgz", {f"records/campaigns/{cid}/evidence.json": json.dumps(grown)})
+    assert absorb_results.absorb(tgz3, root)[0] == [f"{cid}-2"]
+    assert json.loads((root / "records/campaigns" / f"{cid}-2" / "evidence.json").read_text())["legs"] == [3, 4]
+    assert json.loads((root / "records/campaigns" / cid / "evidence.json").read_text()) == first
