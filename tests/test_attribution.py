@@ -158,3 +158,24 @@ def test_a_profile_window_waits_out_a_chunked_mixed_prefill():
     assert len(step_s) == 5 and events            # 2 profiler warm-up steps + 3 recorded, each a decode of all 4
     assert counters.launches("prefill_step", "chunk=256") >= 9   # 2,400 prompt tokens in 256-token chunks
     assert not llm.engine.has_unfinished_requests()
+
+
+# the H200's clean c1 window of the async_device_mirror campaign's off arm (2026-12-03-async_device_mirror-7ef9e40)
+H200_C1 = {"argmax": 19.374, "decode_attention": 326.147, "dense_linear": 4137.403, "memcpy/memset": 12.396,
+           "other device kernels": 12.476, "qkv_epilogue": 125.294, "rms_norm": 146.592}
+
+
+def test_the_profile_self_check_names_the_planted_kernel_by_its_own_growth_not_in_microseconds():
+    """rms_norm run twice grew by its own 146 us while dense_linear drifted by 232 us between the two windows: the
+    absolute rule named dense_linear and the campaign went INVALID on a gate that did see the fault."""
+    from campaigns.gates.profile import grew_most
+    clean = {"kernels": dict(H200_C1)}
+    drift = {**H200_C1, "rms_norm": 2 * 146.592, "dense_linear": 4137.403 + 232.084, "memcpy/memset": 20.0}
+    assert grew_most(clean, {"kernels": drift}) == ("rms_norm", pytest.approx(146.592))
+    # an attribution that books rms_norm's time under dense_linear cannot name it: still caught as broken
+    lumped = {**H200_C1, "dense_linear": 4137.403 + 146.592}
+    assert grew_most(clean, {"kernels": lumped})[0] == "dense_linear"
+    # a kernel of a few microseconds that doubles on jitter does not outgrow a planted doubling of a real one
+    jitter = {**H200_C1, "rms_norm": 2 * 146.592, "other device kernels": 3 * 12.476}
+    assert grew_most(clean, {"kernels": jitter})[0] == "rms_norm"
+    assert grew_most({"kernels": {}}, {"kernels": {}}) == ("", 0.0)
