@@ -178,11 +178,11 @@ def test_a_stale_flip_is_refused(tmp_path):
     """commit=true and `vtcampaign flip` refuse a stale FLIP, naming why (here: pdl recorded on, but its default
     is off, and its kernels ran)."""
     from campaigns.runner import CampaignError, check_flippable
-    ev = make_evidence(TPUT_WIN, lever="fuse_norm")          # baseline off: fuse_norm's default today
+    ev = make_evidence(TPUT_WIN, lever="mixed_steps")          # baseline off: mixed_steps's default today
     reg = levers.registry()
     for arm in ev.arms:
-        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "fuse_norm": arm.value, "pdl": True}
-        ev.live_levers[arm.name] = ["fuse_norm", "pdl"]
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "mixed_steps": arm.value, "pdl": True}
+        ev.live_levers[arm.name] = ["mixed_steps", "pdl"]
     ev.lever_digests = lever_context.tree_digests(reg, ROOT)
     with pytest.raises(CampaignError, match=r"STALE \(pdl's default is now off; the campaign ran with on"):
         check_flippable(ev)
@@ -302,14 +302,14 @@ def _fresh_today(ev):
 
 
 def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
-    """fuse_norm FLIPs on the standard grid but a fresh long-prompt campaign refuted it: two workloads, two verdicts
+    """mixed_steps FLIPs on the standard grid but a fresh long-prompt campaign refuted it: two workloads, two verdicts
     (the workload is part of what a verdict is on), and the flip would trade one for the other, so it is refused.
     A REJECT on the same workload (online_span: the same requests) is another verdict's business, not this one's."""
     from campaigns.recheck import measured_on, plan_key
     from campaigns.runner import CampaignError, check_flippable
     loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}}
-    flip = _fresh_today(make_evidence(TPUT_WIN, lever="fuse_norm", campaign_id="2026-12-03-fuse_norm-aaa1111"))
-    long = _fresh_today(make_evidence(loss, lever="fuse_norm", campaign_id="2026-12-03-fuse_norm-bbb2222",
+    flip = _fresh_today(make_evidence(TPUT_WIN, lever="mixed_steps", campaign_id="2026-12-03-mixed_steps-aaa1111"))
+    long = _fresh_today(make_evidence(loss, lever="mixed_steps", campaign_id="2026-12-03-mixed_steps-bbb2222",
                                       created="2026-12-01T10:00:00Z"))
     long.config["grid"].update(name="long_prompt", input_len=32000, output_len=128)
     long.__dict__.pop("_settings", None)
@@ -320,7 +320,7 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
     for ev in (flip, long):
         save_evidence(ev, out / ev.campaign_id)
     check_flippable(flip)                                        # alone it is a fresh, binding FLIP
-    with pytest.raises(CampaignError, match=r"fuse_norm FLIPped on qwen3-8b \(bf16\), but 2026-12-03-fuse_norm-"
+    with pytest.raises(CampaignError, match=r"mixed_steps FLIPped on qwen3-8b \(bf16\), but 2026-12-03-mixed_steps-"
                                             r"bbb2222 \(qwen3-8b \(bf16\), 32000 in / 128 out\) is a fresh "
                                             r"REJECT-PERFORMANCE of the same change"):
         check_flippable(flip, out)
