@@ -150,15 +150,16 @@ def test_split_rule_expectation_can_fail(value, rules, ok):
     assert mechanism.expected("split_rule", value, probe)[0] is ok
 
 
-@pytest.mark.parametrize("value,steps,ok", [
-    (512, ["chunk=512"], True),
-    (512, ["prefill_first"], False),                   # an inert lever: the scheduler ignored it
-    ("off", ["prefill_first"], True),
-    ("off", ["chunk=512"], False),                     # a stuck lever
-    (2048, [], False),                                 # no prefill step: nothing proven
+@pytest.mark.parametrize("value,steps,tokens,ok", [
+    (512, ["chunk=512"], ["1033", "512", "9"], True),
+    (512, ["prefill_first"], ["1033"], False),          # an inert lever: the scheduler ignored it
+    (512, ["chunk=512"], ["23", "40"], False),          # the setting reached the scheduler, but no prompt was cut
+    ("off", ["prefill_first"], ["40"], True),
+    ("off", ["chunk=512"], ["512"], False),             # a stuck lever
+    (2048, [], [], False),                              # no prefill step: nothing proven
 ])
-def test_chunked_prefill_expectation_can_fail(value, steps, ok):
-    assert mechanism.expected("chunked_prefill", value, {"prefill_steps": steps, "tokens": []})[0] is ok
+def test_chunked_prefill_expectation_can_fail(value, steps, tokens, ok):
+    assert mechanism.expected("chunked_prefill", value, {"prefill_steps": steps, "tokens": tokens})[0] is ok
 
 
 @pytest.mark.parametrize("value,decodes,ok", [
@@ -389,6 +390,7 @@ def test_chunked_prefill_mechanism_gate_self_check_reaches_the_scheduler():
         assert res.passed and res.self_check is True, res.details
     assert ctx.cache["mechanism:off#256"][0]["prefill_steps"] == ["chunk=256"]      # the stuck baseline's
     assert ctx.cache["mechanism:256#off"][0]["prefill_steps"] == ["prefill_first"]  # the inert candidate's
+    assert "256" in ctx.cache["mechanism:256"][0]["tokens"]     # a 521-token prompt went in full 256-token chunks
     ctx.release_engines()
 
 

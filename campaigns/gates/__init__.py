@@ -60,10 +60,11 @@ SERVER_GATES = tuple(n for n, g in GATES.items() if g.runs == "server")
 
 BATTERY = "battery/default.yaml"        # the fixed prompts, under conf/ (a project's own conf/ may replace them)
 GATE_KV_BLOCKS = 1024                 # in-process gate engines: a small KV pool (16k tokens) is plenty
-# levers whose mechanism needs prompts of full chunks of the pinned chunked_prefill N: the probe sends 2N + 9 tokens
+# levers whose mechanism needs prompts of full chunks of chunked_prefill's N (pinned, or the arm's own): the probe
+# sends 2N + 9 tokens
 # (with chunk_above T: T + 9, past it) and the CPU bound grows to hold them (these levers route no kernel, so the CPU
 # runs the torch references)
-LONG_PROMPT_LEVERS = ("chunk_graphs", "chunk_above")
+LONG_PROMPT_LEVERS = ("chunked_prefill", "chunk_graphs", "chunk_above")
 
 
 def long_prompt_len(chunk: int, above: int | None) -> int:
@@ -139,10 +140,11 @@ class GateContext:
             return None
         from vtengine import levers
         sets = levers.get(self.lever).sets             # a preset's levers (mixed_prefill: its chunk size)
-        chunk = self.with_levers.get("chunked_prefill", sets.get("chunked_prefill"))
+        chunk = [self.with_levers.get("chunked_prefill", sets.get("chunked_prefill"))]
         above = [self.with_levers.get("chunk_above", sets.get("chunk_above"))]
-        if self.lever == "chunk_above":
-            above += [a.value for a in self.arms]
+        if self.lever in ("chunked_prefill", "chunk_above"):        # the arms' own values (a fault swaps them)
+            (chunk if self.lever == "chunked_prefill" else above).extend(a.value for a in self.arms)
+        chunk = max((c for c in chunk if isinstance(c, int)), default=None)
         above = max((a for a in above if isinstance(a, int)), default=None)
         if {self.lever, *sets} & set(LONG_PROMPT_LEVERS) and isinstance(chunk, int):
             return max(self.cpu_max_model_len, long_prompt_len(chunk, above) + 64)

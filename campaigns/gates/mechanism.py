@@ -92,7 +92,7 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
         return {"mixed_steps": sum(st["launches"] for st in snap.get("mixed_step", {}).values()),
                 "prefill_steps": _routes(snap, "prefill_step")}
     if lever == "chunked_prefill":
-        return {"prefill_steps": _routes(snap, "prefill_step"), "tokens": _grids(snap, "prefill_step")[:8]}
+        return {"prefill_steps": _routes(snap, "prefill_step"), "tokens": _grids(snap, "prefill_step")}
     if lever == "chunk_above":      # prompts longer than the chunk admitted whole (at most T) or chunked (past T)
         routes = {r: st["launches"] for r, st in snap.get("chunk_above", {}).items()}
         return {"whole": routes.get("whole", 0), "chunked": routes.get("chunked", 0)}
@@ -180,9 +180,14 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
     if lever == "w4a16_mid_m":
         return _some_or_none(pr["mid_tiles"], value, "W4A16 launches of 17-128 tokens took the mid-M tiles")
     if lever == "chunked_prefill":
+        # the policy's label, and, on, a step of exactly N prompt tokens: the probe's long prompt (2N + 9 tokens, or
+        # past a pinned chunk_above) was cut into chunks, not merely scheduled under a chunk setting
         from vtengine.levers import OFF_VALUES
         want = ["prefill_first"] if value in OFF_VALUES else [f"chunk={value}"]
-        return pr["prefill_steps"] == want, f"prefill steps shaped by {pr['prefill_steps']}, expected {want}"
+        full = value in OFF_VALUES or str(value) in pr["tokens"]
+        return pr["prefill_steps"] == want and full, (
+            f"prefill steps shaped by {pr['prefill_steps']}, expected {want}"
+            + ("" if value in OFF_VALUES else f"; step sizes {pr['tokens']}, expected a full {value}-token chunk"))
     if lever == "fast_math":
         want = ["fast_math"] if value else ["precise"]
         got = sorted(set(pr["variants"]))
