@@ -61,9 +61,8 @@ SERVER_GATES = tuple(n for n, g in GATES.items() if g.runs == "server")
 BATTERY = "battery/default.yaml"        # the fixed prompts, under conf/ (a project's own conf/ may replace them)
 GATE_KV_BLOCKS = 1024                 # in-process gate engines: a small KV pool (16k tokens) is plenty
 # levers whose mechanism needs prompts of full chunks of chunked_prefill's N (pinned, or the arm's own): the probe
-# sends 2N + 9 tokens
-# (with chunk_above T: T + 9, past it) and the CPU bound grows to hold them (these levers route no kernel, so the CPU
-# runs the torch references)
+# sends 2N + 9 tokens (with chunk_above T: T + 9, past it) and the CPU bound grows to hold them (these levers route
+# no kernel, so the CPU runs the torch references)
 LONG_PROMPT_LEVERS = ("chunked_prefill", "chunk_graphs", "chunk_above")
 
 
