@@ -174,8 +174,10 @@ def what_changed(ev: Evidence) -> str:
         return f"A/A self-check of the grid, {ev.lever}={fmt_lever_value(ev.baseline.value)} on both arms"
     if d.verdict == "FLIP" and policy_params(ev).flip_on_correctness:
         return f"default {base} → {cand} (correctness fix)"
-    keep = {"neutral": "measured neutral", "slower": "measured slower"}.get(_effect_note(ev).split(":")[0],
-                                                                          "not shown better")
+    note = _effect_note(ev)
+    keep = {"neutral": "measured neutral", "slower": "measured slower"}.get(note.split(":")[0], "not shown better")
+    if "mixed: " in note:  # a pooled direction hides that the candidate won some points and lost others
+        keep = "mixed: WINs and LOSSes at separate points"
     return {
         "FLIP": f"default {base} → {cand}",
         "KEEP": f"keep default {base} ({cand} {keep})",

@@ -363,3 +363,17 @@ def test_a_preset_levers_record_names_what_its_levers_ran_at_in_each_arm():
             in rec)
     ev = make_evidence(TPUT_WIN)                                        # not a preset: nothing added
     assert "a preset" not in records.render_record(ev)
+
+
+def test_a_keep_titles_a_mixed_candidate_mixed_not_by_its_pooled_direction():
+    """The 2048-token chunk (H200, 2026-12-03) won total tok/s at every concurrency and lost TPOT and P99 ITL; its
+    widest pooled interval is P99 ITL's, so the title read 'measured slower'. A candidate that separated both ways
+    is titled mixed; one that only lost stays 'measured slower'."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "records" / "campaigns"
+    ev = load_evidence(root / "2026-12-03-chunked_prefill-ee665bf")
+    assert records.what_changed(ev) == "keep default 512 (2048 mixed: WINs and LOSSes at separate points)"
+    ev = load_evidence(root / "2026-12-01-pdl-5716ede")                  # slower pooled, no point separated
+    assert records.what_changed(ev) == "keep default off (on measured slower)"
+    ev = load_evidence(root / "2026-12-02-fuse_norm-b482c55")
+    assert records.what_changed(ev) == "keep default off (on measured neutral)"
