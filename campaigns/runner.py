@@ -143,6 +143,9 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
         why = _gates_decide(run.ev)
         if why and "async_parity" not in run.gates:
             console.print(f"[yellow]grid skipped:[/] {why}")
+        elif _served(run):
+            console.print("resume: every server gate, leg and server report is recorded already; concluding "
+                          "without starting the servers")
         else:
             _serve(run)         # the server gates may complete what the in-process ones left open (a fix's RED)
     except KeyboardInterrupt:
@@ -252,6 +255,18 @@ def _serve(run: _Run) -> None:
             ev.peak_memory_gib[n] = gridmod.peak_memory_gib(h.url)
         _record_context(ev, handles)
         _save(ev, run.cdir)
+
+
+def _served(run: _Run) -> bool:
+    """Whether a resumed campaign has all that its servers give (the server gates, every planned leg or the invalid
+    one that stopped the grid, each arm's peak memory and lever context): a run stopped after the grid (a device
+    command's time limit, landing in the verdict) then concludes at once instead of starting every server again."""
+    ev, g = run.ev, run.cfg.grid
+    arms = {a.name for a in ev.arms}
+    plan = gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order))
+    return (all(ev.gate(n, a) is not None for n in run.gates if n in SERVER_GATES for a in arms)
+            and (void_leg(ev) is not None or {(c, r, a.name) for c, r, a in plan} <= ev.done_legs())
+            and arms <= set(ev.peak_memory_gib) and arms <= set(ev.context))
 
 
 def _conclude(run: _Run) -> None:

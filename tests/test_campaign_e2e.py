@@ -129,6 +129,21 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     assert {leg.key: leg.started for leg in ev2.legs if leg.key in kept} == kept     # finished legs kept as they were
     assert ev2.decision.verdict == "NON-BINDING"
 
+    # stopped after the grid, before the verdict (on the H200 a command's time limit landed there): the resume
+    # concludes from what is recorded and starts no server (that took 73 s of device time for two qwen3-8b servers)
+    raw = json.loads(evidence.read_text())
+    raw.update(status="in-progress", decision=None)
+    evidence.write_text(json.dumps(raw))
+    logs = {f: f.stat().st_mtime_ns for f in evidence.parent.glob("server-*.log")}
+    assert logs
+    again = subprocess.run(args + ["resume=auto"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    out = again.stdout + again.stderr
+    assert "without starting the servers" in " ".join(out.split()) and "starting the '" not in out
+    assert {f: f.stat().st_mtime_ns for f in evidence.parent.glob("server-*.log")} == logs
+    ev3 = load_evidence(evidence)
+    assert ev3.status == "complete" and ev3.decision.verdict == "NON-BINDING" and ev3.legs == ev2.legs
+
 
 def test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_commit(tmp_path):
     """resume=auto (a campaign spread over time-limited commands): of the campaigns under out_dir it takes the newest
