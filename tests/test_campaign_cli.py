@@ -14,8 +14,8 @@ CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_gr
              "decode_wave_grid",
              "fast_math", "fuse_norm", "fuse_silu", "gqa_swap",
              "marlin_dense",
-             "mixed_chunk", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "prefill_gqa_pack",
-             "split_rule",
+             "mixed_chunk", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "pdl_stack",
+             "prefill_gqa_pack", "split_rule",
              "triton_gemv",
              "w4a16_mid_m", "w4a16_rot"]
 
@@ -40,7 +40,7 @@ def test_every_campaign_composes_on_both_host_kinds():
         # marlin_dense and w4a16_rot act on W4A16 only; pdl is measured where every kernel of the layer is ours
         # (MXFP4), and rehearses in bf16 on CPU, where it is inert anyway
         want = {"marlin_dense": ("mxfp4", "mxfp4"), "w4a16_rot": ("mxfp4", "mxfp4"), "pdl_prefetch": ("mxfp4", "mxfp4"),
-                "w4a16_mid_m": ("mxfp4", "mxfp4"),
+                "w4a16_mid_m": ("mxfp4", "mxfp4"), "pdl_stack": ("mxfp4", "mxfp4"),
                 "pdl": ("mxfp4", "bf16")}.get(name, ("bf16", "bf16"))
         assert (gpu.model.quant, cpu.model.quant) == want
         assert list(gpu.grid.concurrency) == [1, 2, 4, 8] and list(gpu.grid.prompts_per_leg) == [6, 6, 12, 24]

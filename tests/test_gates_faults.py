@@ -182,6 +182,30 @@ def test_pdl_prefetch_expectation_can_fail(value, routes, ok):
     assert mechanism.expected("pdl_prefetch", value, mechanism.probe("pdl_prefetch", snap))[0] is ok
 
 
+def _pdl_snap(pdl: list[str], prefetch: list[str]) -> dict:
+    return {"launch": {r: {"launches": 5, "grids": {}, "splits": {}, "variants": {"rms_norm": 5}} for r in pdl},
+            "pdl_prefetch": {r: {"launches": 3, "grids": {}, "splits": {}, "variants": {"w4a16_gemm": 3}}
+                             for r in prefetch}}
+
+
+@pytest.mark.parametrize("value,pdl,prefetch,ok", [
+    (True, ["pdl"], ["prefetch"], True),
+    (True, ["pdl"], ["wait_first"], False),            # the prefetch inert under the preset
+    (True, ["plain"], [], False),                      # the preset inert: nothing launched early
+    (False, ["plain"], [], True),                      # off: no PDL, so no prefetch route at all
+    (False, ["pdl"], ["prefetch"], False),             # stuck on
+    (False, ["plain"], ["wait_first"], False),         # a PDL launch where pdl resolves off
+])
+def test_the_pdl_stack_presets_off_arm_expects_no_pdl_launch_at_all(value, pdl, prefetch, ok):
+    """pdl_prefetch alone runs with pdl pinned on, so its off arm waits first. The pdl_stack preset's off arm runs
+    pdl off: no kernel launches early, so neither route may show. pdl_prefetch's own campaign still wants its
+    wait_first launches."""
+    pr = mechanism.probe("pdl_stack", _pdl_snap(pdl, prefetch))
+    assert mechanism.expected("pdl_stack", value, pr)[0] is ok
+    assert mechanism.expected("pdl_prefetch", False, mechanism.probe("pdl_prefetch", _pdl_snap(["plain"], [])))[0] \
+        is False
+
+
 def test_pdl_prefetch_names_the_kernel_that_waited_first():
     """The W4A16 GEMM prefetched and the bf16 GEMV did not: the gate fails, and its message says which kernel."""
     snap = {"pdl_prefetch": {"prefetch": {"launches": 3, "grids": {}, "splits": {}, "variants": {"w4a16_gemm": 3}},

@@ -21,7 +21,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                            "decode_wave_grid", "fast_math", "fuse_norm", "fuse_silu",
                            "gqa_swap",
                            "marlin_dense", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch",
-                           "prefill_gqa_pack", "split_rule",
+                           "pdl_stack", "prefill_gqa_pack", "split_rule",
                            "triton_gemv", "w4a16_mid_m", "w4a16_rot"]
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
@@ -29,7 +29,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                         "fast_math": True, "fuse_norm": True, "fuse_silu": True,
                         "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
                         "nsplits_cap": "off", "pdl": False,
-                        "pdl_prefetch": False,
+                        "pdl_prefetch": False, "pdl_stack": False,
                         "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": True,
                         "w4a16_rot": True}
     assert r.values == {n: lv.default for n, lv in reg.items()}

@@ -136,13 +136,14 @@ def _some_or_none(n: int, value: Any, what: str) -> tuple[bool, str]:
     return n == 0, f"{n} {what}, expected none"
 
 
-def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
+def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None = None) -> tuple[bool, str]:
     """Does the probe show the route that ``value`` selects? A preset: every lever it sets shows the route of the
-    value it resolves to (on: the preset's values; off: their defaults)."""
+    value it resolves to (on: the preset's values; off: their defaults). ``resolved``: every lever's value in the
+    arm, for a route that rides on another lever (pdl_prefetch on pdl); a preset passes its own resolution."""
     if _preset(lever):
         from vtengine import levers
         values = levers.resolve({lever: value}, environ={}).values
-        checks = [(name, *expected(name, values[name], pr[name])) for name in sorted(_preset(lever))]
+        checks = [(name, *expected(name, values[name], pr[name], values)) for name in sorted(_preset(lever))]
         return all(ok for _, ok, _ in checks), "; ".join(f"{name}: {why}" for name, _, why in checks)
     if lever == "gqa_swap":
         want = ["gqa_swap"] if value else ["per_q_head"]
@@ -202,6 +203,9 @@ def expected(lever: str, value: Any, pr: dict) -> tuple[bool, str]:
         return _some_or_none(pr["fused_gemvs"], value, "GEMVs added the residual or applied RMSNorm "
                                                        f"({pr['add_rms_norm_launches']} add_rms_norm launches)")
     if lever == "pdl_prefetch":
+        if not value and resolved is not None and not resolved.get("pdl"):     # a preset's off arm: no PDL at all
+            return pr["launches"] == [], (f"PDL launches {pr['launches']} by kernel {pr['kernels']}, expected none "
+                                          "(pdl is off in this arm: nothing launches early to prefetch in)")
         want = ["prefetch"] if value else ["wait_first"]
         return pr["launches"] == want, (f"PDL launches by kernel {pr['kernels']}, expected {want} for each (needs "
                                         "pdl on, on sm_90+: the interpreter has no PDL)")
