@@ -573,9 +573,18 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> None:
     if off_default:
         pins = ", ".join(f"{n}={records.fmt_lever_value(v)} (its default: {records.fmt_lever_value(defaults[n])})"
                          for n, v in sorted(off_default.items()))
+        # a preset that sets the lever and its pins at these values decides them together (pdl_stack)
+        presets = sorted(n for n, lv in levers.registry().items()
+                         if {ev.lever: lever.parse(d.new_default), **off_default}.items() <= lv.sets.items())
+        both = ""
+        if presets:
+            from campaigns.config import options
+            run = (f": `vtcampaign run campaign={presets[0]}`" if presets[0] in options("campaign")
+                   else f" {presets[0]!r} (a campaign of that lever)")
+            both = f", or decide them together with the preset that sets them{run}"
         raise CampaignError(f"{ev.campaign_id}: its FLIP was measured with {pins} pinned: it says what {ev.lever} "
                             "does where those levers are set so, not in the engine users run by default. Flip the "
-                            "pinned lever first (its own campaign), or measure without the pin")
+                            f"pinned lever first (its own campaign), or measure without the pin{both}")
     fresh = lever_context.freshness(ev, confdirs.SOURCE_ROOT)
     if not fresh.fresh:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "

@@ -215,7 +215,8 @@ def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_t
     assert lever_context.pinned_levers(ev) == {"pdl": True}
     assert lever_context.freshness(ev, ROOT).fresh
     with pytest.raises(CampaignError, match=r"measured with pdl=true \(its default: false\) pinned: .*Flip the "
-                                            r"pinned lever first"):
+                                            r"pinned lever first.*together with the preset that sets them: "
+                                            r"`vtcampaign run campaign=pdl_stack`"):
         check_flippable(ev)
     # the same pin at pdl's default is no obstacle (async_device_mirror with async_scheduling=true)
     real = levers.effective_defaults
