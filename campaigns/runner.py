@@ -261,12 +261,18 @@ def _served(run: _Run) -> bool:
     """Whether a resumed campaign has all that its servers give (the server gates, every planned leg or the invalid
     one that stopped the grid, each arm's peak memory and lever context): a run stopped after the grid (a device
     command's time limit, landing in the verdict) then concludes at once instead of starting every server again."""
-    ev, g = run.ev, run.cfg.grid
+    ev = run.ev
     arms = {a.name for a in ev.arms}
-    plan = gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order))
+    plan = _leg_plan(ev, run.cfg)
     return (all(ev.gate(n, a) is not None for n in run.gates if n in SERVER_GATES for a in arms)
             and (void_leg(ev) is not None or {(c, r, a.name) for c, r, a in plan} <= ev.done_legs())
             and arms <= set(ev.peak_memory_gib) and arms <= set(ev.context))
+
+
+def _leg_plan(ev: Evidence, cfg: DictConfig) -> list:
+    """The grid's legs in run order, (concurrency, rep, arm): what a run measures and a resume checks off."""
+    g = cfg.grid
+    return gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order))
 
 
 def _conclude(run: _Run) -> None:
@@ -359,8 +365,7 @@ def resume_plan(cfg: DictConfig, repo: Path | str) -> str:
     if cid is None:
         return "resume=auto: no unfinished campaign of this config at this commit; a new one would start"
     ev = _resumable(cfg, out_dir / cid, repo, out_dir)
-    g = cfg.grid
-    planned = len(gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order)))
+    planned = len(_leg_plan(ev, cfg))
     done = len(ev.done_legs())
     void = void_leg(ev)
     return (f"resume {cid} ({ev.status}): {len(ev.gates)} gate results kept, {done} of {planned} legs done, "
@@ -488,7 +493,7 @@ def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
         next(iter(handles.values())).url)
     from campaigns.loadgen import safe_vocab_range
     parts, warm = gridmod.prompt_partitions(g, safe_vocab_range(info))
-    plan = gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order))
+    plan = _leg_plan(ev, cfg)
     done = ev.done_legs()
     with _progress() as prog:
         task = prog.add_task("grid", total=len(plan), completed=sum((c, r, a.name) in done for c, r, a in plan))
