@@ -283,6 +283,33 @@ def test_a_projection_fault_breaks_the_fused_forms_once_and_only_its_own_weights
         assert all(torch.allclose(call(), clean[name]) for name, call in calls.items())
 
 
+def test_a_slowed_projection_repeats_its_kernel_and_nothing_it_wraps():
+    """A slowdown of dense_linear repeats the call that launches the GEMV: in gate_up_silu's unfused form the inner
+    linear, not silu_mul beside it; in the fused form gate_up_silu itself. Repeating the outer call doubled silu_mul
+    too, and the profile gate named it (H200, fuse_silu off arm, 2026-12-04)."""
+    from vtengine.backends.triton_backend import TritonBackend
+    from vtengine.levers import resolve
+    torch.manual_seed(0)
+    x, gu = torch.randn(2, 64), torch.randn(128, 64) / 8
+    for fuse_silu in (False, True):
+        be = TritonBackend(resolve({"fuse_silu": fuse_silu, "triton_gemv": True}))
+        clean = be.gate_up_silu(x, gu)
+        calls: dict[str, int] = {}
+        for name in ("linear", "silu_mul", "gate_up_silu"):
+            def spy(*a, _name=name, _op=getattr(be, name), **k):
+                calls[_name] = calls.get(_name, 0) + 1
+                return _op(*a, **k)
+            setattr(be, name, spy)
+        install(be, Fault("slow", "dense_linear"))
+        assert torch.equal(be.gate_up_silu(x, gu), clean)
+        want = {"gate_up_silu": 2} if fuse_silu else {"gate_up_silu": 1, "linear": 2, "silu_mul": 1}
+        assert calls == want, fuse_silu
+        calls.clear()
+        install(be, Fault("slow", "dense_linear", 3.0))
+        be.linear(x, gu)
+        assert calls == {"linear": 4}
+
+
 def test_the_perturbed_kernel_is_one_the_model_runs():
     """fuse_silu lists w4a16_gemm first: on bf16 weights that kernel never runs, and breaking it broke nothing (the
     battery's self-check passed on the H200-bound bf16 campaign's CPU rehearsal). On W4A16 weights the GEMM goes

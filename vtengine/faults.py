@@ -94,8 +94,12 @@ def first_perturbable(kernels: list[str], quant: str | None = None) -> str:
 
 class _Outermost(threading.local):
     """Which faulted op is running: a faulted op that calls another (gate_up_silu's unfused form calls linear)
-    breaks the kernel once, in the outer call."""
+    breaks the kernel once per call. A perturbation breaks the outer call's output; a slowdown repeats the innermost
+    faulted call, the one that launches the kernel: repeating the outer call reran what it wraps beside the kernel
+    (H200, 2026-12-04: slowing dense_linear doubled silu_mul too, the profile gate named silu_mul, fuse_silu's off
+    arm ended INVALID)."""
     depth = 0
+    inner = False       # a slowdown: a faulted call inside the outer one repeated the kernel
 
 
 def _hits(name: str, fault: Fault, args: tuple, kwargs: dict) -> bool:
@@ -105,14 +109,28 @@ def _hits(name: str, fault: Fault, args: tuple, kwargs: dict) -> bool:
 
 
 def _once(name: str, op: Callable, fault: Fault, broken: Callable, state: _Outermost) -> Callable:
+    slow = fault.kind == "slow"
+
     def wrapped(*args, **kwargs):
-        if state.depth or not _hits(name, fault, args, kwargs):
+        if not _hits(name, fault, args, kwargs) or state.depth > 1 or (state.depth and not slow):
             return op(*args, **kwargs)
-        state.depth += 1
+        if state.depth:                             # a slowdown's inner call: it launches the kernel, it repeats
+            state.inner = True
+            state.depth += 1
+            try:
+                return broken(*args, **kwargs)
+            finally:
+                state.depth -= 1
+        state.depth, state.inner = 1, False
         try:
-            return broken(*args, **kwargs)
+            if not slow:
+                return broken(*args, **kwargs)
+            out = op(*args, **kwargs)
+            for _ in range(0 if state.inner else fault.runs - 1):     # no inner call did: this one launches it
+                op(*args, **kwargs)
+            return out
         finally:
-            state.depth -= 1
+            state.depth, state.inner = 0, False
     return wrapped
 
 
