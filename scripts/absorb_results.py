@@ -4,9 +4,11 @@
 
 RESULTS_TGZ is the tarball `scripts/h200_session.sh` leaves in $OUT (records, bench/results, op bounds, logs).
 - records/campaigns/<id>/: copied over the checkout's when it is the same campaign (same `created` time: a resumed
-  campaign's evidence grows call by call); the runner's pid file is left out. Each call starts from the checkout, so
-  two campaigns of one lever at one commit in one session both take the id <date>-<lever>-<sha7>: the later one
-  comes in as <id>-2 (then -3...), its evidence's campaign_id rewritten, as `new_campaign_id` names a re-run.
+  campaign's evidence grows call by call) and has come no less far (legs, gates, concluded): a call launched before
+  the previous one was absorbed carries an older copy back; the runner's pid file is left out. Each call starts
+  from the checkout, so two campaigns of one lever at one commit in one session both take the id
+  <date>-<lever>-<sha7>: the later one comes in as <id>-2 (then -3...), its evidence's campaign_id rewritten, as
+  `new_campaign_id` names a re-run.
 - bench/results/: files the checkout lacks are copied; a file whose name the checkout already holds with other
   content (the decode bench names its output by date) is kept beside it as <stem>-<n><suffix>, never overwritten.
 - campaigns/gates/op_bounds.yaml: taken when it differs (bounds measured on the device).
@@ -49,6 +51,18 @@ def _created(evidence: Path) -> str | None:
         return None
 
 
+def _progress(evidence: Path) -> tuple[int, int, int]:
+    """How far a campaign's evidence has come: (concluded, legs, gate results)."""
+    try:
+        data = json.loads(evidence.read_text())
+    except (OSError, ValueError):
+        return (0, 0, 0)
+    if not isinstance(data, dict):
+        return (0, 0, 0)
+    size = [len(v) if isinstance(v, (list, dict)) else 0 for v in (data.get("legs"), data.get("gates"))]
+    return (int(data.get("status") == "complete"), *size)
+
+
 def _campaign_dest(cdir: Path, campaigns: Path) -> Path:
     """The checkout directory of the campaign in ``cdir``: the one of that id or of a re-run id (<id>-<n>) whose
     evidence has the same `created` time, else the first free one of those names."""
@@ -67,7 +81,7 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
     tmp = Path(tempfile.mkdtemp(prefix="vt-device-"))
     with tarfile.open(tgz) as tar:
         tar.extractall(tmp, filter="data")
-    campaigns, bench = [], []
+    campaigns, bench, behind = [], [], []
     for src in sorted((tmp / "records" / "campaigns").glob("*/evidence.json")):
         cdir = src.parent
         dest = _campaign_dest(cdir, root / "records" / "campaigns")
@@ -79,6 +93,9 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
         if (dest.exists() and (renamed or not filecmp.dircmp(cdir, dest).diff_files)
                 and filecmp.cmp(src, dest / src.name, shallow=False)):
             continue                                    # carried there from this checkout, or taken before, unchanged
+        if dest.exists() and not renamed and _progress(src) < _progress(dest / src.name):
+            behind.append(dest.name)                    # a call launched before the last one was absorbed carried
+            continue                                    # an older copy back: the checkout's is further along
         shutil.copytree(cdir, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("runner.pid", "*.pid"))
         campaigns.append(dest.name)
     for src in sorted((tmp / "bench" / "results").glob("*")):
@@ -92,6 +109,9 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
     bounds = tmp / "campaigns" / "gates" / "op_bounds.yaml"
     if bounds.exists() and not filecmp.cmp(bounds, root / "campaigns" / "gates" / "op_bounds.yaml", shallow=False):
         shutil.copy2(bounds, root / "campaigns" / "gates" / "op_bounds.yaml")
+    if behind:
+        print(f"kept the checkout's evidence of {behind}: the call brought back less (fewer legs or gates, or not "
+              "concluded). A call carries the checkout as it was: absorb each call's results before the next one")
     return campaigns, bench, tmp / "vt-logs"
 
 

@@ -10,6 +10,8 @@
 # returned evidence back into records/campaigns/ and repeat the same step in the next call to continue it.
 # Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
 # Back here, `python scripts/absorb_results.py <files_at>/results.tgz` takes it in and commits it at once.
+# Absorb each call's tarball before the next call: a call carries the checkout as it is, and a resume=auto step
+# whose copy lacks the last call's legs starts its campaign anew (absorb keeps the further-along evidence).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1

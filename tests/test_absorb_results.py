@@ -110,3 +110,27 @@ def test_a_second_campaign_under_the_same_id_comes_in_as_a_re_run_id(tmp_path):
     assert absorb_results.absorb(tgz3, root)[0] == [f"{cid}-2"]
     assert json.loads((root / "records/campaigns" / f"{cid}-2" / "evidence.json").read_text())["legs"] == [3, 4]
     assert json.loads((root / "records/campaigns" / cid / "evidence.json").read_text()) == first
+
+
+def test_an_older_copy_of_a_campaign_never_replaces_the_checkouts(tmp_path):
+    """A call launched before the previous call's tarball was absorbed carries the campaign as it was: absorbing it
+    copied an in-progress 29-leg evidence over the finished 40-leg one the previous call had brought back (pdl_stack,
+    H200, 2026-12-04). The checkout's copy is kept when it has come further; a grown copy still comes in."""
+    root = tmp_path / "repo"
+    cid = "2026-12-04-pdl_stack-fb30438"
+    (root / "records" / "campaigns").mkdir(parents=True)
+    created = "2026-12-04T09:23:19Z"
+    done = {"campaign_id": cid, "created": created, "status": "complete", "legs": list(range(40)), "gates": [1, 2]}
+    cut = {**done, "status": "in-progress", "legs": list(range(29))}
+    for name, ev in (("cut", cut), ("done", done)):
+        tgz = _tgz(tmp_path / f"{name}.tgz", {f"records/campaigns/{cid}/evidence.json": json.dumps(ev),
+                                               f"records/campaigns/{cid}/record.md": f"{name}\n"})
+        assert absorb_results.absorb(tgz, root)[0] == [cid]
+    stale = _tgz(tmp_path / "stale.tgz", {f"records/campaigns/{cid}/evidence.json": json.dumps(cut),
+                                           f"records/campaigns/{cid}/record.md": "cut\n"})
+    assert absorb_results.absorb(stale, root)[0] == []
+    assert json.loads((root / "records/campaigns" / cid / "evidence.json").read_text()) == done
+    assert (root / "records/campaigns" / cid / "record.md").read_text() == "done\n"
+    fewer_gates = {**done, "gates": [1]}
+    assert absorb_results.absorb(_tgz(tmp_path / "g.tgz", {f"records/campaigns/{cid}/evidence.json":
+                                                           json.dumps(fewer_gates)}), root)[0] == []
