@@ -558,7 +558,8 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
 
 def check_flippable(ev: Evidence, records_dir: Path | None = None) -> None:
     """Raise CampaignError, saying why, unless ``ev`` is a complete, binding, fresh FLIP of a lever campaign, and
-    (with ``records_dir``) no fresh binding verdict of the same lever and model on another workload refuted it."""
+    (with ``records_dir``) no fresh binding verdict of the same lever on another model, quantization or workload
+    refuted it."""
     d = ev.decision
     if ev.kind != "lever" or d is None or d.verdict != "FLIP":
         raise CampaignError(f"{ev.campaign_id}: its verdict is {d.verdict if d else 'not decided'}, not FLIP; only a "
@@ -600,20 +601,26 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> None:
         if refuted is not None:
             raise CampaignError(
                 f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, but {refuted.campaign_id} "
-                f"({recheck.measured_on(refuted)}) is a fresh {refuted.decision.verdict} of the same change: a flip "
-                f"would trade what that workload refuted. Its reasons: {'; '.join(refuted.decision.reasons[:3])}")
+                f"({recheck.measured_on(refuted)}) is a fresh {refuted.decision.verdict} of the same change: a "
+                "default holds for every model, quantization and workload, and a flip would trade what that "
+                f"measurement refuted. Its reasons: {'; '.join(refuted.decision.reasons[:3])}")
 
 
 def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> Evidence | None:
-    """The latest fresh binding REJECT of ``ev``'s lever and candidate value on the same model and pins but another
-    workload (``recheck.workload``), if any."""
-    def same_but_workload(other: Evidence) -> bool:
-        return (recheck.measured_on(other, with_workload=False) == recheck.measured_on(ev, with_workload=False)
-                and recheck.workload(other) != recheck.workload(ev))
+    """The latest fresh binding REJECT of ``ev``'s lever and candidate value with the same pins but on another model,
+    quantization or workload (``recheck.measured_on``), if any: a default is one value for all of them (pdl_stack,
+    H200 2026-12-04: FLIP on bf16, TPOT x1.012; REJECT on MXFP4, total tok/s x0.79)."""
+    from campaigns.config import settings as composed
+
+    def pins(e: Evidence) -> dict:
+        return dict(composed(e).campaign.with_levers or {})
+
+    def elsewhere(other: Evidence) -> bool:
+        return recheck.plan_key(other) != recheck.plan_key(ev) and pins(other) == pins(ev)
     evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
     for other in recheck.latest_binding([e for e in evs if e.lever == ev.lever]).values():
         d = other.decision
-        if (same_but_workload(other) and d.verdict.startswith("REJECT") and d.candidate == ev.decision.candidate
+        if (elsewhere(other) and d.verdict.startswith("REJECT") and d.candidate == ev.decision.candidate
                 and lever_context.freshness(other, confdirs.SOURCE_ROOT).fresh):
             return other
     return None

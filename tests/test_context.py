@@ -327,11 +327,36 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
         check_flippable(flip, out)
     r = subprocess.run([sys.executable, "-m", "campaigns.cli", "flip", flip.campaign_id, "--out-dir", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and "would trade what that workload refuted" in r.stderr
+    assert r.returncode == 2 and "would trade what that measurement refuted" in r.stderr
     long.config["grid"].update(name="online_span", input_len=1024, output_len=128)    # the same requests
     long.__dict__.pop("_settings", None)
     save_evidence(long, out / long.campaign_id)
     assert plan_key(long) == plan_key(flip)
+    check_flippable(flip, out)
+
+
+def test_a_flip_refuted_on_another_quantization_is_refused(tmp_path):
+    """pdl_stack FLIPped on bf16 (TPOT x1.012) and was refuted on MXFP4 (total tok/s x0.79), H200 2026-12-04: the
+    default is one value for both, so the bf16 FLIP may not flip it. Before, only another workload of the same model
+    and quantization counted, and the flip went through. A REJECT measured with other pins says nothing of it."""
+    from campaigns.runner import CampaignError, check_flippable
+    loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [79.0, 80.0, 81.0]}}
+    flip = _fresh_today(make_evidence(TPUT_WIN, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111-2"))
+    mx = _fresh_today(make_evidence(loss, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111",
+                                    created="2026-12-01T10:00:00Z"))
+    mx.config["model"]["quant"] = "mxfp4"
+    mx.__dict__.pop("_settings", None)
+    assert mx.decision.verdict == "REJECT-PERFORMANCE" and mx.decision.candidate == flip.decision.candidate
+    out = tmp_path / "records" / "campaigns"
+    for ev in (flip, mx):
+        save_evidence(ev, out / ev.campaign_id)
+    check_flippable(flip)
+    with pytest.raises(CampaignError, match=r"pdl_stack FLIPped on qwen3-8b \(bf16\), but 2026-12-04-pdl_stack-"
+                                            r"aaa1111 \(qwen3-8b \(mxfp4\)\) is a fresh REJECT-PERFORMANCE"):
+        check_flippable(flip, out)
+    mx.config["campaign"]["with_levers"] = {"gqa_swap": False}
+    mx.__dict__.pop("_settings", None)
+    save_evidence(mx, out / mx.campaign_id)
     check_flippable(flip, out)
 
 
