@@ -220,8 +220,9 @@ def test_gpu_real_shapes_all_routes(k, n, fmt):
             assert torch.equal(y_rot, run(x, q, True)), f"seed {seed} {fmt} M={m}: rot differs from the word decode"
             assert rel_l2(y_rot, ref) < BOUND[torch.bfloat16]
             # the lever pdl_prefetch only moves the weights' first touch before the PDL wait: same bits
-            y_pf = run(x, q, True, rot=True, pdl=True, prefetch=True)
-            assert torch.equal(y_pf, y_rot), f"seed {seed} {fmt} M={m}: pdl_prefetch changed the output"
+            for pf in (True, 1 << 30):              # the lever's 16 KB and the whole slice (the bench's pfall)
+                y_pf = run(x, q, True, rot=True, pdl=True, prefetch=pf)
+                assert torch.equal(y_pf, y_rot), f"seed {seed} {fmt} M={m}: prefetch={pf} changed the output"
             # the lever fuse_silu: SiLU-mul in the epilogue, against the reference's silu over the fp64 GEMM
             half = n // 2
             y_silu = w4a16.w4a16_linear(x, q, dense=True, silu_mul=True)
@@ -408,3 +409,21 @@ def test_residual_add_then_rmsnorm_across_two_w4a16_gemms(fmt, m):
         w4a16.w4a16_linear(x, q1, dense=True, residual=res)
     with pytest.raises(ValueError, match=r"a residual needs ss_out fp32 .* got torch.float32 \(1, 1\)"):
         w4a16.w4a16_linear(x, q1, dense=True, residual=res, ss_out=torch.zeros(1, 1, device=DEV))
+
+
+def test_the_prefetch_asks_for_about_16_kb_per_program_not_the_whole_slice():
+    """pdl_prefetch on the W4A16 dense route: a decode program (32 rows, K steps of 256 4-bit codes, 128 bytes a row)
+    asks L2 for 4 K steps, 16 KB, before its PDL wait, as the GEMV does. Asking for the whole slice cost the MXFP4
+    decode step 17% on the H200 (pdl_stack, 2026-12-04). Wrong sizes are refused with the value named."""
+    from vtengine.kernels import pdl
+    cfg = w4a16.dense_config(1, 4096, 4096, "mxfp4")
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    steps = pdl.prefetch_steps(bn, bk // 2, 1, pdl.prefetch_bytes(True))
+    assert steps * bn * bk // 2 <= 16 * 1024 < (steps + 1) * bn * bk // 2
+    assert (bn, bk, steps) == (32, 256, 4)
+    assert pdl.prefetch_steps(bn, bk // 2, 1, pdl.prefetch_bytes(False)) == 1 == pdl.prefetch_steps(bn, bk // 2, 1, 64)
+    gen, _ = fresh_generator()
+    x, q = make_case(2, 64, 64, "mxfp4", gen)
+    for bad in (-1, 1.5, "16k"):
+        with pytest.raises(ValueError, match=f"prefetch must be a bool or a byte count >= 0, got {bad!r}"):
+            w4a16.w4a16_linear(x, q, dense=True, prefetch=bad)

@@ -197,6 +197,8 @@ FUSED_FORMS = {"qkv_proj": ("norm", "norm_gained"), "gate_up_proj": ("norm", "no
 
 # the GEMV with PDL: no prefetch, and the bytes per program asked of L2 before the wait
 PDL_GEMV_ROWS = {"pdl": 0, "pdl_pf8k": 8 * 1024, "pdl_pf16k": 16 * 1024, "pdl_pf64k": 64 * 1024}
+# the W4A16 dense route with PDL: no prefetch, the lever's 16 KB per program, and the whole W slice (1 GB asks all)
+PDL_W4A16_ROWS = {"pdl": 0, "pdl_pf16k": 16 * 1024, "pdl_pfall": 1 << 30}
 
 
 def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16) -> dict:
@@ -303,10 +305,10 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool, bf16
             w4a16.rot_words(q)
         wbytes = w4a16_bytes(probe, 0)
 
-        def timed(m, dense, cfg=None, rot=False):
+        def timed(m, dense, cfg=None, rot=False, pdl=False, prefetch=False):
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            t = time_us(rotating([lambda q=q: w4a16.w4a16_linear(x, q, dense=dense, config=cfg, rot=rot)
-                                  for q in sets]))
+            t = time_us(rotating([lambda q=q: w4a16.w4a16_linear(x, q, dense=dense, config=cfg, rot=rot, pdl=pdl,
+                                                                 prefetch=prefetch) for q in sets]))
             gbs = (wbytes + m * k * 2 + m * n * 2) / (t * 1e-6) / 1e9
             return t, gbs / copy_gbs
 
@@ -322,6 +324,13 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool, bf16
             if r:
                 res["rows"].append(dict(method=f"{fmt}_dense_rot", M=m, us=r[0], gbs=r[1] * copy_gbs,
                                         frac_copy=r[1], config=cfg))
+            # PDL between the back-to-back GEMMs of the graph, and pdl_prefetch's L2 prefetch of W before the wait:
+            # the lever's 16 KB per program, and the whole slice it asked for before (a 17% slower MXFP4 step)
+            for name, pf in PDL_W4A16_ROWS.items():
+                r = _try(errs, f"{fmt} dense {name} M={m}", lambda: timed(m, True, pdl=True, prefetch=pf))
+                if r:
+                    res["rows"].append(dict(method=f"{fmt}_dense_{name}", M=m, us=r[0], gbs=r[1] * copy_gbs,
+                                            frac_copy=r[1], config=cfg))
         if sweep:
             variants = sweep_variants(n, k, fmt)
             timed_m1 = []
@@ -517,7 +526,8 @@ def mid_markdown(result: dict) -> str:
 
 # -- report ----------------------------------------------------------------------------------------------------
 METHODS = ["mxfp4_dense", "mxfp4_dense_rot", "mxfp4_grouped", "nvfp4_dense", "nvfp4_dense_rot", "nvfp4_grouped",
-           "mxfp4_dense_tuned", "nvfp4_dense_tuned",
+           "mxfp4_dense_tuned", "nvfp4_dense_tuned", "mxfp4_dense_pdl", "mxfp4_dense_pdl_pf16k",
+           "mxfp4_dense_pdl_pfall", "nvfp4_dense_pdl", "nvfp4_dense_pdl_pf16k", "nvfp4_dense_pdl_pfall",
            "cublas_bf16", "triton_gemv_bf16", "triton_gemv_norm_bf16", "triton_gemv_norm_gained_bf16",
            "triton_gemv_add_res_bf16", "triton_gemv_add_res_gain_bf16", "triton_gemv_pdl_bf16",
            "triton_gemv_pdl_pf8k_bf16", "triton_gemv_pdl_pf16k_bf16", "triton_gemv_pdl_pf64k_bf16",

@@ -51,7 +51,8 @@ def compile_dense(decode: int, nvfp4: bool = False, split: bool = True, pdl: boo
     const = dict(NVFP4=nvfp4, DECODE=decode, GATHER=False, SWAP_AB=True, BLOCK_M=CONFIG["BLOCK_M"],
                  BLOCK_N=CONFIG["BLOCK_N"], BLOCK_K=CONFIG["BLOCK_K"], SPLIT=split, EVEN_K=True,
                  DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32", REPACKED=True, USE_PDL=pdl, PREFETCH=prefetch, SILU_MUL=False,
-                 ADD_RES=False, NORM=False, SS_BLOCK=1, FAST_MATH=False)
+                 ADD_RES=False, NORM=False, SS_BLOCK=1, FAST_MATH=False,
+                 PREFETCH_STEPS=4)
     sig.update({k: "constexpr" for k in const})
     # what the JIT's specialisation tells a launch at Qwen3-8B shapes: 16-byte aligned pointers and N, K and the
     # strides divisible by 16 (M is never specialised)

@@ -21,7 +21,9 @@ import triton.language as tl
 
 from vtengine import counters
 from vtengine.kernels import INTERPRET, dot_dtype, sm_count
-from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
+from vtengine.kernels.pdl import PREFETCH_BYTES  # noqa: F401  (the lever's size, named here by the benches)
+from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wait, prefetch_bytes, prefetch_l2,
+                                  prefetch_steps, use_pdl)
 from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _residual_tile, _split_k_locks,
                                        _tile_rows, check_fused)
 
@@ -178,26 +180,6 @@ def gemv_config(n: int, k: int, num_sms: int) -> dict:
     return dict(BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=stages)
 
 
-PREFETCH_BYTES = 16 * 1024     # W a program asks of L2 before its PDL wait (the lever pdl_prefetch): one K step
-
-
-def prefetch_steps(block_n: int, block_k: int, w_bytes: int, size: int = PREFETCH_BYTES) -> int:
-    """K steps of W a program prefetches under pdl_prefetch: about ``size`` bytes, at least one step. On the H200
-    (2026-12-02) 64 KB (4 steps; 132 SMs x 2 programs x 64 KB = 17 MB, a third of the L2) took all of PDL's gain on
-    the bf16 decode step back (c1 4.687 -> 4.865 ms); the GEMV bench (2026-12-03) timed o_proj at M = 1 in 12.8 µs
-    plain, 12.1 with PDL, 11.8 with 8 or 16 KB prefetched and 13.7 with 64 KB, so the lever asks for one step."""
-    return max(1, size // (block_n * block_k * w_bytes))
-
-
-def _prefetch_bytes(prefetch: bool | int) -> int:
-    """``prefetch`` as bytes per program: True means PREFETCH_BYTES (the lever), False 0, an int that many."""
-    if isinstance(prefetch, bool):
-        return PREFETCH_BYTES if prefetch else 0
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be a bool or a byte count >= 0, got {prefetch!r}")
-    return prefetch
-
-
 def fusable(m: int, triton_gemv: bool) -> bool:
     """Whether the fused forms (silu_mul, residual add, RMSNorm) apply: the Triton GEMV's route (the lever
     triton_gemv on), 1 <= M <= 16."""
@@ -302,7 +284,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
         ws, locks = y, y                                # unused pointers
     dd = dot_dtype(x)
     on = use_pdl(pdl, "dense_linear", x.device)
-    pf_bytes = _prefetch_bytes(prefetch)
+    pf_bytes = prefetch_bytes(prefetch)
     early = pf_bytes > 0 and on
     if on:
         counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="dense_linear")

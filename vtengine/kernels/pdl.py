@@ -67,3 +67,23 @@ def use_pdl(pdl: bool, kernel: str, device) -> bool:
     on = bool(pdl) and pdl_supported(device)
     counters.record("launch", "pdl" if on else "plain", variant=kernel)
     return on
+
+
+PREFETCH_BYTES = 16 * 1024     # W a program asks of L2 before its PDL wait (the lever pdl_prefetch): one K step
+
+
+def prefetch_steps(block_n: int, block_k: int, w_bytes: float, size: int = PREFETCH_BYTES) -> int:
+    """K steps of W a program prefetches under pdl_prefetch: about ``size`` bytes, at least one step. On the H200
+    (2026-12-02) 64 KB (4 steps; 132 SMs x 2 programs x 64 KB = 17 MB, a third of the L2) took all of PDL's gain on
+    the bf16 decode step back (c1 4.687 -> 4.865 ms); the GEMV bench (2026-12-03) timed o_proj at M = 1 in 12.8 µs
+    plain, 12.1 with PDL, 11.8 with 8 or 16 KB prefetched and 13.7 with 64 KB, so the lever asks for one step."""
+    return max(1, int(size // (block_n * block_k * w_bytes)))
+
+
+def prefetch_bytes(prefetch: bool | int) -> int:
+    """``prefetch`` as bytes per program: True means PREFETCH_BYTES (the lever), False 0, an int that many."""
+    if isinstance(prefetch, bool):
+        return PREFETCH_BYTES if prefetch else 0
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a bool or a byte count >= 0, got {prefetch!r}")
+    return prefetch

@@ -41,7 +41,8 @@ from vtengine import counters
 from vtengine.kernels import H200_SMS, dot_dtype, sm_count
 from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _residual_tile, _split_k_locks,
                                        _tile_rows, check_fused)
-from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
+from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wait, prefetch_bytes, prefetch_l2,
+                                  prefetch_steps, use_pdl)
 from vtengine.quant import BLOCK, QuantizedWeight
 
 # --------------------------------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def _w4a16_gemm_kernel(
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, REPACKED: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
     ADD_RES: tl.constexpr = False, NORM: tl.constexpr = False, SS_BLOCK: tl.constexpr = 1,
-    FAST_MATH: tl.constexpr = False,
+    FAST_MATH: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 1,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
@@ -308,8 +309,11 @@ def _w4a16_gemm_kernel(
 
     USE_PDL (lever ``pdl``): the program waits for the previous kernel before its first read and lets the next
     kernel launch once its K loop is done. PREFETCH (lever ``pdl_prefetch``, with USE_PDL, dense route): before
-    that wait the program asks L2 for its whole W slice (one prefetch per 128-byte line), so the weights stream in
-    while the previous kernel drains; activations and the grouped route's sorted ids still wait.
+    that wait the program asks L2 for the first PREFETCH_STEPS K steps of its W rows (one prefetch per 128-byte
+    line; the launcher sizes them to about 16 KB per program, as the GEMV's), so the weights stream in while the
+    previous kernel drains; activations and the grouped route's sorted ids still wait. Its whole W slice, asked
+    before, cost the MXFP4 decode step 17% (H200, 2026-12-04: pdl_stack's profile windows, c1 2.42 -> 2.84 ms; the
+    grid's TPOT x0.80): the early programs of one layer's gate_up alone asked for more than the 50 MB L2 holds.
 
     SILU_MUL (lever ``fuse_silu``, dense SWAP_AB only): W is gate_up [N = 2I, K] and y is silu(gate) * up [M, I].
     A program's tile holds BLOCK_N / 2 gate rows and the matching up rows (row j of the tile is gate row
@@ -360,7 +364,7 @@ def _w4a16_gemm_kernel(
         LINES: tl.constexpr = (BLOCK_K // 2 + 127) // 128
         lines = tl.arange(0, LINES) * 32
         row_base = w_ptr + offs_n_ld[:, None].to(tl.int64) * stride_wn + lines[None, :]
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(k_lo, tl.minimum(k_hi, k_lo + PREFETCH_STEPS * BLOCK_K), BLOCK_K):
             prefetch_l2(row_base + k0 // 8)
         pdl_wait(USE_PDL)
 
@@ -634,7 +638,7 @@ def packed_words(q: QuantizedWeight) -> torch.Tensor:
 
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
                  out: torch.Tensor | None = None, pdl: bool = False, rot: bool = False,
-                 prefetch: bool = False, silu_mul: bool = False, mid: bool = False, norm: NormIn | None = None,
+                 prefetch: bool | int = False, silu_mul: bool = False, mid: bool = False, norm: NormIn | None = None,
                  residual: torch.Tensor | None = None, ss_out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
@@ -643,7 +647,8 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     2 PTX word decode). ``out`` [M, N] (x's dtype) receives y when given (tests poison it; graphs reuse it).
     ``pdl``: the lever pdl (programmatic dependent launch, sm_90+; ignored elsewhere). ``rot``: the lever w4a16_rot
     (the rotation layout and its decode, DECODE 3, where the PTX decode runs; bit-identical output). ``prefetch``:
-    the lever pdl_prefetch (with PDL on the dense route, the W slice is prefetched to L2 before the wait).
+    the lever pdl_prefetch (with PDL on the dense route, about 16 KB of each program's W rows is asked of L2
+    before the wait); an int asks for that many bytes per program (the benches' sizes).
     ``silu_mul`` (the lever fuse_silu): W is a gate_up weight [2I, K] and y = silu(x W_gate^T) * (x W_up^T) [M, I],
     in the GEMM's epilogue; the dense route at M <= 16 only (fusable says when). ``mid``: the lever
     w4a16_mid_m (the dense route's decode tiles for 16 < M <= MID_M, see dense_config). ``norm``, ``residual`` and
@@ -725,7 +730,8 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         ws, locks = y, y                                # unused pointers
     even_k = k % (bk * split) == 0
     on = use_pdl(pdl, "w4a16_gemm", x.device)
-    early = bool(prefetch) and on and dense
+    pf_bytes = prefetch_bytes(prefetch)
+    early = pf_bytes > 0 and on and dense
     if on:
         counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="w4a16_gemm")
     res = residual if residual is not None else y       # unused pointers when a fusion is off
@@ -741,6 +747,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         USE_PDL=on, PREFETCH=early, SILU_MUL=bool(silu_mul), ADD_RES=residual is not None, NORM=norm is not None,
         SS_BLOCK=triton.next_power_of_2(max(1, ss_in.shape[0])) if norm is not None else 1,
         FAST_MATH=bool(norm is not None and norm.fast_math),
+        PREFETCH_STEPS=prefetch_steps(bn, bk // 2, 1, pf_bytes) if early else 1,     # bk // 2 bytes per row and step
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **launch_options(on),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
