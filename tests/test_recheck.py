@@ -226,3 +226,20 @@ def test_a_plan_saved_before_verdicts_were_keyed_by_model_keeps_its_entries(proj
     recheck.save_state(out, state)
     (entry,) = recheck.plan(out, root=proj)["entries"]
     assert (entry["key"], entry["stale"], entry["status"]) == ("gqa_swap on qwen3-8b (bf16)", stale, "pending")
+
+
+def test_a_campaign_resumed_in_a_later_command_is_timed_without_the_pause():
+    """pdl_stack on the H200 ran 300 s, was cut after 29 legs, and finished in a command 7 minutes later: from its
+    start to its last leg it took 15 minutes, which the plan quoted as what a re-run costs. Pauses of more than
+    RESUME_GAP_S between legs are left out; the gaps between legs that follow each other stay in."""
+    from campaigns.evidence import LegResult
+
+    def leg(start: str, end: str) -> LegResult:
+        return LegResult(concurrency=1, rep=0, arm="on", order_index=0, prompts_sha256="", num_prompts=6,
+                         started=f"2026-12-04T{start}Z", ended=f"2026-12-04T{end}Z")
+    ev = make_evidence(TPUT_WIN, created="2026-12-04T09:00:00Z")
+    ev.legs = [leg("09:02:00", "09:02:04"), leg("09:02:05", "09:02:09"),      # gates 120 s, then two legs
+               leg("09:10:00", "09:10:04"), leg("09:10:06", "09:10:10")]      # resumed 8 minutes later
+    assert recheck.took_s(ev) == 120 + 9 + 4 + 2 + 4
+    ev.legs = ev.legs[:2]
+    assert recheck.took_s(ev) == 129
