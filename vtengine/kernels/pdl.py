@@ -70,6 +70,7 @@ def use_pdl(pdl: bool, kernel: str, device) -> bool:
 
 
 PREFETCH_BYTES = 16 * 1024     # W a program asks of L2 before its PDL wait (the lever pdl_prefetch): one K step
+                               # of the bf16 GEMV, four of the W4A16 GEMM's decode tiles
 
 
 def prefetch_steps(block_n: int, block_k: int, w_bytes: float, size: int = PREFETCH_BYTES) -> int:

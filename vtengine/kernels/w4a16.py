@@ -311,9 +311,10 @@ def _w4a16_gemm_kernel(
     kernel launch once its K loop is done. PREFETCH (lever ``pdl_prefetch``, with USE_PDL, dense route): before
     that wait the program asks L2 for the first PREFETCH_STEPS K steps of its W rows (one prefetch per 128-byte
     line; the launcher sizes them to about 16 KB per program, as the GEMV's), so the weights stream in while the
-    previous kernel drains; activations and the grouped route's sorted ids still wait. Its whole W slice, asked
-    before, cost the MXFP4 decode step 17% (H200, 2026-12-04: pdl_stack's profile windows, c1 2.42 -> 2.84 ms; the
-    grid's TPOT x0.80): the early programs of one layer's gate_up alone asked for more than the 50 MB L2 holds.
+    previous kernel drains; activations and the grouped route's sorted ids still wait. With the whole W slice asked
+    for, PDL and the prefetch cost the MXFP4 decode step 17% (H200, 2026-12-04: pdl_stack's profile windows, c1
+    2.42 -> 2.84 ms; the grid's TPOT x0.81) where PDL alone cost 2.6%: the early programs of one layer's gate_up
+    alone asked for more than the 50 MB L2 holds.
 
     SILU_MUL (lever ``fuse_silu``, dense SWAP_AB only): W is gate_up [N = 2I, K] and y is silu(gate) * up [M, I].
     A program's tile holds BLOCK_N / 2 gate rows and the matching up rows (row j of the tile is gate row
