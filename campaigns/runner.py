@@ -610,13 +610,9 @@ def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> Evidence | None:
     """The latest fresh binding REJECT of ``ev``'s lever and candidate value with the same pins but on another model,
     quantization or workload (``recheck.measured_on``), if any: a default is one value for all of them (pdl_stack,
     H200 2026-12-04: FLIP on bf16, TPOT x1.012; REJECT on MXFP4, total tok/s x0.79)."""
-    from campaigns.config import settings as composed
-
-    def pins(e: Evidence) -> dict:
-        return dict(composed(e).campaign.with_levers or {})
-
     def elsewhere(other: Evidence) -> bool:
-        return recheck.plan_key(other) != recheck.plan_key(ev) and pins(other) == pins(ev)
+        return (recheck.plan_key(other) != recheck.plan_key(ev)
+                and lever_context.pinned_levers(other) == lever_context.pinned_levers(ev))
     evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
     for other in recheck.latest_binding([e for e in evs if e.lever == ev.lever]).values():
         d = other.decision
