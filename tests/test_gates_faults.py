@@ -291,11 +291,14 @@ def test_a_slowed_projection_repeats_its_kernel_and_nothing_it_wraps():
     from vtengine.levers import resolve
     torch.manual_seed(0)
     x, gu = torch.randn(2, 64), torch.randn(128, 64) / 8
+    res, g = torch.randn(2, 64), 1 + torch.rand(64)
     for fuse_silu in (False, True):
-        be = TritonBackend(resolve({"fuse_silu": fuse_silu, "triton_gemv": True}))
+        be = TritonBackend(resolve({"fuse_norm": True, "fuse_silu": fuse_silu, "triton_gemv": True}))
         clean = be.gate_up_silu(x, gu)
+        y, ss, _ = be.linear_add(x, gu[:64], res)
+        clean_norm = be.norm_linear(y, ss, g, 1e-6, gu, silu_mul=True)
         calls: dict[str, int] = {}
-        for name in ("linear", "silu_mul", "gate_up_silu"):
+        for name in ("linear", "silu_mul", "gate_up_silu", "norm_linear"):
             def spy(*a, _name=name, _op=getattr(be, name), **k):
                 calls[_name] = calls.get(_name, 0) + 1
                 return _op(*a, **k)
@@ -304,6 +307,9 @@ def test_a_slowed_projection_repeats_its_kernel_and_nothing_it_wraps():
         assert torch.equal(be.gate_up_silu(x, gu), clean)
         want = {"gate_up_silu": 2} if fuse_silu else {"gate_up_silu": 1, "linear": 2, "silu_mul": 1}
         assert calls == want, fuse_silu
+        calls.clear()                   # with fuse_norm (the decode MLP): the unfused form's projection alone twice
+        assert torch.equal(be.norm_linear(y, ss, g, 1e-6, gu, silu_mul=True), clean_norm)
+        assert calls == ({"norm_linear": 2} if fuse_silu else {"norm_linear": 3, "silu_mul": 1}), fuse_silu
         calls.clear()
         install(be, Fault("slow", "dense_linear", 3.0))
         be.linear(x, gu)

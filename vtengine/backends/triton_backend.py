@@ -129,8 +129,12 @@ class TritonBackend(TorchBackend):
 
     def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False, gained=None):
         """RMSNorm(residual) @ W^T with the norm inside the GEMM (then silu_mul, fused with fuse_silu). ``gained``:
-        linear_add's residual * norm_weight, the bf16 GEMV's input instead of the residual."""
+        linear_add's residual * norm_weight, the bf16 GEMV's input instead of the residual. Unfused, the projection
+        is its own norm_linear call and silu_mul runs beside it, so a fault that repeats the projection repeats that
+        call alone (H200, 2026-12-04: repeating the whole call doubled silu_mul too, on fuse_silu's off arm)."""
         fuse_silu = silu_mul and self.levers.on("fuse_silu")
+        if silu_mul and not fuse_silu:
+            return self.silu_mul(self.norm_linear(residual, ss, norm_weight, eps, weight, gained=gained))
         if isinstance(weight, QuantizedWeight):
             norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"))
             y = w4a16.w4a16_linear(residual, weight, norm=norm, silu_mul=fuse_silu, **self._w4a16_levers())
@@ -138,7 +142,7 @@ class TritonBackend(TorchBackend):
             norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"), gained=gained is not None)
             y = gemv.linear(residual if gained is None else gained, weight, triton_gemv=True, norm=norm,
                             silu_mul=fuse_silu, **self._gemv_levers())
-        return self.silu_mul(y) if silu_mul and not fuse_silu else y
+        return y
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         return fused.argmax(logits, pdl=self.levers.on("pdl"))
