@@ -90,6 +90,46 @@ def test_flip_edits_only_the_default_line(tmp_path):
     assert levers.registry(d)["gqa_swap"].default is False
 
 
+def test_a_quantizations_own_default_resolves_and_flips_alone(tmp_path):
+    """default_by_quant: an engine on that quantization runs its value (config and env still win over it), one on
+    another runs ``default``; a flip scoped to a quantization edits only that entry, adds the line after
+    ``default:`` when missing, and drops the entry (then the line) once it equals ``default``."""
+    d = tmp_path / "lever"
+    shutil.copytree(levers.LEVER_DIR, d)
+    before = (d / "pdl_stack.yaml").read_text().splitlines()
+    levers.set_default_in_file("pdl_stack", True, lever_dir=d, quant="bf16")
+    after = (d / "pdl_stack.yaml").read_text().splitlines()
+    i = before.index("default: false")
+    assert after == before[:i + 1] + ["default_by_quant: {bf16: true}"] + before[i + 1:]
+    reg = levers.registry(d)
+    lv = reg["pdl_stack"]
+    assert lv.default is False and lv.default_by_quant == {"bf16": True}
+    assert (lv.default_for("bf16"), lv.default_for("mxfp4"), lv.default_for(None)) == (True, False, False)
+    bf16, mx = levers.effective_defaults(reg, "bf16"), levers.effective_defaults(reg, "mxfp4")
+    assert (bf16["pdl_stack"], bf16["pdl"], bf16["pdl_prefetch"]) == (True, True, True)      # the preset's levers
+    assert (mx["pdl_stack"], mx["pdl"], mx["pdl_prefetch"]) == (False, False, False)
+    assert lv.resolve(None, {}, "bf16") == (True, "default") and lv.resolve(False, {}, "bf16") == (False, "config")
+    assert lv.resolve(None, {"VT_PDL_STACK": "0"}, "bf16") == (False, "env")
+    levers.set_default_in_file("pdl_stack", True, lever_dir=d, quant="nvfp4")
+    assert "default_by_quant: {bf16: true, nvfp4: true}" in (d / "pdl_stack.yaml").read_text().splitlines()
+    levers.set_default_in_file("pdl_stack", False, lever_dir=d, quant="nvfp4")
+    levers.set_default_in_file("pdl_stack", False, lever_dir=d, quant="bf16")
+    assert (d / "pdl_stack.yaml").read_text().splitlines() == before
+    with pytest.raises(LeverError, match=r"quantization 'int8' is not known; accepted: bf16, mxfp4, nvfp4"):
+        levers.set_default_in_file("pdl_stack", True, lever_dir=d, quant="int8")
+
+
+def test_a_bad_default_by_quant_names_the_value(tmp_path):
+    import yaml
+    for by_quant, msg in (({"int8": True}, r"default_by_quant names unknown quantization\(s\) \['int8'\]; accepted"),
+                          ({"bf16": "maybe"}, r"default for bf16 'maybe' is not valid; accepted: true/false"),
+                          ([True], "default_by_quant must map quantizations")):
+        (tmp_path / "x.yaml").write_text(yaml.safe_dump({**GOOD, "type": "bool", "default": False,
+                                                          "values": [False, True], "default_by_quant": by_quant}))
+        with pytest.raises(LeverError, match=msg):
+            levers.registry(tmp_path)
+
+
 def test_bad_lever_file_schema(tmp_path):
     (tmp_path / "x.yaml").write_text("name: x\nenv: VT_X\ntype: bool\ndefault: false\n")
     with pytest.raises(LeverError, match="missing keys"):

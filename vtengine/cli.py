@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vtengine.config import QUANTS
+
 
 def _lever_args(pairs: list[str]) -> dict[str, str]:
     out = {}
@@ -26,7 +28,7 @@ def cmd_levers(args) -> int:
 
     from vtengine import levers
     from vtengine import confdirs
-    resolved = levers.resolve(_lever_args(args.lever))
+    resolved = levers.resolve(_lever_args(args.lever), quant=args.quant)
     dirs = ", ".join(str(d / "lever") for d in confdirs.search_dirs())
     table = Table(title=f"vtengine levers (config > env > conf/lever default; files from {dirs})")
     verdicts = _last_verdicts()
@@ -35,7 +37,8 @@ def cmd_levers(args) -> int:
     for col in cols:
         table.add_column(col, overflow="fold")
     for name, lv in levers.registry().items():
-        table.add_row(name, lv.env, str(lv.default), str(resolved.values[name]), resolved.sources[name],
+        own = "".join(f"; {q}: {v}" for q, v in sorted(lv.default_by_quant.items()))
+        table.add_row(name, lv.env, str(lv.default) + own, str(resolved.values[name]), resolved.sources[name],
                       *((verdicts.get(name, "—"),) if verdicts else ()), ", ".join(lv.affects), lv.summary)
     Console(width=max(160 if verdicts else 120, Console().width)).print(table)
     if not verdicts:
@@ -121,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("levers", help="list every lever with its default and resolved value")
     p.add_argument("--lever", action="append", metavar="NAME=VALUE", help="explicit lever value (repeatable)")
+    p.add_argument("--quant", choices=QUANTS, default=None,
+                   help="resolve for a model of this quantization (a lever file may give it its own default)")
 
     p = sub.add_parser("generate", help="generate completions offline")
     p.add_argument("prompts", nargs="+")

@@ -1,7 +1,8 @@
 """Performance levers: one YAML file each under conf/lever/, the only place a default lives.
 
 Resolution order for every lever: explicit engine config > ``VT_*`` environment variable > a preset lever that
-sets it > file default. A preset (a bool lever with ``sets: {lever: value}``) names one step of the engine that
+sets it > file default: the model quantization's where the file names one (``default_by_quant: {bf16: true}``),
+else ``default``. A preset (a bool lever with ``sets: {lever: value}``) names one step of the engine that
 needs several levers at once (``mixed_prefill``: 512-token chunks, mixed steps, chunk graphs, packed prefill
 attention): when it is on, the levers it sets take its values unless a config or env sets them. A campaign decides
 it like any lever, and a flip of it moves them all. The strings "0", "false" and "off" always mean off, whatever
@@ -19,6 +20,7 @@ from typing import Any, Mapping
 import yaml
 
 from vtengine import confdirs
+from vtengine.config import QUANTS       # the model quantizations a lever's default may differ by
 
 CONF_DIR = confdirs.PACKAGED            # the packaged defaults (a project's conf/ may override; see confdirs)
 LEVER_DIR = CONF_DIR / "lever"
@@ -44,6 +46,9 @@ class Lever:
     paths: list[str] = field(default_factory=list)      # its source files (repository-relative): a change stales
     inapplicable: dict[str, str] = field(default_factory=dict)   # gate -> why it cannot apply to this lever
     sets: dict[str, Any] = field(default_factory=dict)           # a preset: these levers take these values when on
+    # the default on one quantization where it differs from ``default``: a lever that wins on bf16 and loses on
+    # MXFP4 (pdl_stack, H200 2026-12-04) is flipped for the quantization its campaign measured, not for all
+    default_by_quant: dict[str, Any] = field(default_factory=dict)
     path: Path | None = field(default=None, compare=False)
 
     def __post_init__(self):
@@ -68,6 +73,15 @@ class Lever:
         object.__setattr__(self, "values", [self.parse(v, source="values") for v in self.values])
         if self.default not in self.values:
             raise LeverError(f"lever {self.name!r}: default {self.default!r} is not among its values {self.values}")
+        if not isinstance(self.default_by_quant, dict):
+            raise LeverError(f"lever {self.name!r}: default_by_quant must map quantizations ({', '.join(QUANTS)}) to "
+                             f"values, not {self.default_by_quant!r}")
+        bad = sorted(set(self.default_by_quant) - set(QUANTS))
+        if bad:
+            raise LeverError(f"lever {self.name!r}: default_by_quant names unknown quantization(s) {bad}; accepted: "
+                             f"{', '.join(QUANTS)}")
+        object.__setattr__(self, "default_by_quant", {
+            q: self.parse(v, source=f"default for {q}") for q, v in self.default_by_quant.items()})
         if not isinstance(self.sets, dict):
             raise LeverError(f"lever {self.name!r}: sets must map lever names to the values it gives them, not "
                              f"{self.sets!r}")
@@ -110,14 +124,19 @@ class Lever:
                 return v
         raise bad
 
-    def resolve(self, explicit: Any = None, environ: Mapping[str, str] | None = None) -> tuple[Any, str]:
-        """Return (value, source) where source is 'config', 'env' or 'default'."""
+    def default_for(self, quant: str | None = None) -> Any:
+        """The default on ``quant`` (bf16, mxfp4, nvfp4): its own where the file names one, else ``default``."""
+        return self.default_by_quant.get(quant, self.default) if quant is not None else self.default
+
+    def resolve(self, explicit: Any = None, environ: Mapping[str, str] | None = None,
+                quant: str | None = None) -> tuple[Any, str]:
+        """Return (value, source) where source is 'config', 'env' or 'default' (``quant``'s where it has one)."""
         environ = os.environ if environ is None else environ
         if explicit is not None:
             return self.parse(explicit, source="config value"), "config"
         if self.env in environ:
             return self.parse(environ[self.env], source=f"value of {self.env}"), "env"
-        return self.default, "default"
+        return self.default_for(quant), "default"
 
     def is_on(self, value: Any) -> bool:
         return value not in OFF_VALUES
@@ -129,7 +148,7 @@ def _load_file(path: Path) -> Lever:
     except yaml.YAMLError as e:
         raise LeverError(f"lever file {path.name}: not valid YAML: {e}") from None
     required = ("name", "env", "type", "default", "values", "affects", "summary")
-    optional = ("paths", "inapplicable", "sets")
+    optional = ("paths", "inapplicable", "sets", "default_by_quant")
     if not isinstance(data, dict):
         raise LeverError(f"lever file {path.name}: expected a mapping with keys {list(required)}")
     missing = [k for k in required if k not in data]
@@ -197,11 +216,11 @@ def apply_presets(levers: Mapping[str, Lever], values: dict[str, Any], sources: 
             values[name], sources[name], by[name] = value, f"preset {preset.name}", preset.name
 
 
-def effective_defaults(levers: Mapping[str, Lever] | None = None) -> dict[str, Any]:
-    """Every lever's value in an engine that sets none: the file defaults, with the on presets applied (the
-    default a verdict is compared with, and a campaign's baseline)."""
+def effective_defaults(levers: Mapping[str, Lever] | None = None, quant: str | None = None) -> dict[str, Any]:
+    """Every lever's value in an engine that sets none: the file defaults (``quant``'s where a file names one), with
+    the on presets applied (the default a verdict is compared with, and a campaign's baseline)."""
     levers = registry() if levers is None else levers
-    values = {name: lv.default for name, lv in levers.items()}
+    values = {name: lv.default_for(quant) for name, lv in levers.items()}
     apply_presets(levers, values, {name: "default" for name in levers})
     return values
 
@@ -266,7 +285,10 @@ class ResolvedLevers:
         return out
 
 
-def resolve(explicit: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> ResolvedLevers:
+def resolve(explicit: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+            quant: str | None = None) -> ResolvedLevers:
+    """Every lever's value for an engine: ``explicit`` (its config), else ``environ``'s VT_*, else an on preset's,
+    else the file default for the model's ``quant`` (bf16, mxfp4, nvfp4; None: the plain ``default``)."""
     explicit = dict(explicit or {})
     levers = registry()
     unknown = sorted(set(explicit) - set(levers))
@@ -274,7 +296,7 @@ def resolve(explicit: Mapping[str, Any] | None = None, environ: Mapping[str, str
         raise LeverError(f"unknown lever(s) {unknown}; known levers: {sorted(levers)}")
     values, sources = {}, {}
     for name, lever in levers.items():
-        values[name], sources[name] = lever.resolve(explicit.get(name), environ)
+        values[name], sources[name] = lever.resolve(explicit.get(name), environ, quant)
     apply_presets(levers, values, sources)
     return ResolvedLevers(values, sources)
 
@@ -285,22 +307,43 @@ def lever_file(name: str) -> Path:
     return lever.path
 
 
-def set_default_in_file(name: str, value: Any, lever_dir: Path | str | None = None) -> Path:
+def _yaml_scalar(value: Any) -> str:
+    text = {True: "true", False: "false"}.get(value, None) if isinstance(value, bool) else None
+    if text is None:
+        text = f'"{value}"' if isinstance(value, str) else str(value)
+    return text
+
+
+def set_default_in_file(name: str, value: Any, lever_dir: Path | str | None = None, quant: str | None = None) -> Path:
     """Rewrite only the ``default:`` line of a lever file (the flip): in ``lever_dir``, else the file the lever is
-    read from. Returns the file path."""
+    read from. With ``quant``, only that quantization's entry of the ``default_by_quant:`` line (added after
+    ``default:`` when missing, dropped when it comes to equal ``default``). Returns the file path."""
     if lever_dir is None:
         lever_dir = lever_file(name).parent
     lever = registry(lever_dir)[name]
     canonical = lever.parse(value, source="new default")
+    if quant is not None and quant not in QUANTS:
+        raise LeverError(f"lever {name!r}: quantization {quant!r} is not known; accepted: {', '.join(QUANTS)}")
     path = Path(lever_dir) / f"{name}.yaml"
     lines = path.read_text().splitlines(keepends=True)
-    text = {True: "true", False: "false"}.get(canonical, None)
-    if text is None:
-        text = f'"{canonical}"' if isinstance(canonical, str) else str(canonical)
     hits = [i for i, ln in enumerate(lines) if ln.startswith("default:")]
     if len(hits) != 1:
         raise LeverError(f"lever file {path}: expected exactly one 'default:' line, found {len(hits)}")
-    lines[hits[0]] = f"default: {text}\n"
+    if quant is None:
+        lines[hits[0]] = f"default: {_yaml_scalar(canonical)}\n"
+    else:
+        by_quant = dict(lever.default_by_quant)
+        if canonical == lever.default:
+            by_quant.pop(quant, None)
+        else:
+            by_quant[quant] = canonical
+        own = [i for i, ln in enumerate(lines) if ln.startswith("default_by_quant:")]
+        text = ("default_by_quant: {" + ", ".join(f"{q}: {_yaml_scalar(v)}" for q, v in sorted(by_quant.items()))
+                + "}\n") if by_quant else None
+        if own:
+            lines[own[0]:own[0] + 1] = [text] if text else []
+        elif text:
+            lines.insert(hits[0] + 1, text)
     path.write_text("".join(lines))
     _registry.cache_clear()
     return path

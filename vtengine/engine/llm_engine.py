@@ -84,7 +84,7 @@ class LLMEngine:
             raise ConfigError(f"dtype {dtype_name!r} is not supported; accepted: bfloat16, float16, float32")
         dtype = getattr(torch, dtype_name)
         backend_name = config.backend or ("triton" if device.type == "cuda" else "torch")
-        self.levers = lever_registry.resolve(config.levers)
+        self.levers = lever_registry.resolve(config.levers, quant=config.quant)
         self.backend = make_backend(backend_name, self.levers, config.triton_kernels)
         self.device, self.dtype = device, dtype
 
