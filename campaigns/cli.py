@@ -237,7 +237,8 @@ def cmd_status(args) -> int:
             fresh = lever_context.freshness(last, root, registry, digests) if last else None
             if fresh is not None and not fresh.fresh and last.decision.binding:
                 stale.append((last, fresh))
-            table.add_row(name, measured_on(last) if key else "—", str(lever.default), lever.env,
+            quant = lever_context.quant_of(last) if last else None
+            table.add_row(name, measured_on(last) if key else "—", str(lever.default_for(quant)), lever.env,
                           f"{resolved.values[name]} ({resolved.sources[name]})",
                           {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
                           last.campaign_id if last else "—", last.decision.verdict if last else "—",
@@ -291,7 +292,7 @@ def cmd_flip(args) -> int:
     path = _campaign_evidence(args.out_dir, args.campaign_id)
     ev = load_evidence(path)
     try:
-        check_flippable(ev, path.parent.parent)
+        quant = check_flippable(ev, path.parent.parent)
     except CampaignError as e:
         raise UsageError(str(e)) from None
     out_dir = Path(args.out_dir).resolve()
@@ -300,10 +301,12 @@ def cmd_flip(args) -> int:
     cdir = path.parent
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
     info = flip_commit(project_root(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
-                       lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id,
+                       lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id, quant=quant,
                        rendered=lambda copy: render_summaries_flipped(out_dir, summaries, ev.lever, copy))
-    print(f"flip of {ev.lever} to {ev.decision.new_default} committed on {info['branch']} ({info['commit'][:7]}); "
-          f"merge it to change the default")
+    scope = (f" on {quant} (its own default there; refuted on another quantization, or already its own)" if quant
+             else "")
+    print(f"flip of {ev.lever} to {ev.decision.new_default}{scope} committed on {info['branch']} "
+          f"({info['commit'][:7]}); merge it to change the default")
     return 0
 
 

@@ -336,7 +336,9 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     lever = known[camp.lever]
     try:
         # the default an engine that sets nothing runs: the file's, or the value an on preset gives the lever
-        default = lever_registry.effective_defaults(known)[camp.lever]
+        # on the campaign's quantization (a lever's file may give it its own default there)
+        quant = cfg.model.get("quant") if cfg.get("model") else None
+        default = lever_registry.effective_defaults(known, quant=quant if quant in QUANTS else None)[camp.lever]
         baseline = default if camp.arms.baseline is None else lever.parse(camp.arms.baseline, "baseline arm")
         if camp.arms.candidates is None:
             # the lever's other values: once a FLIP changes the default, the same campaign measures the way back

@@ -296,7 +296,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     reasons, causes = [], []
     live_anywhere = {name for names in ctx.live.values() for name in names}
     pins = pinned_levers(ev, levers_now)
-    defaults = lever_registry.effective_defaults(levers_now)    # with the on presets' values
+    defaults = lever_registry.effective_defaults(levers_now, quant_of(ev))   # the on presets' values, its quant's
     # a preset under test sets its levers in the arms where it is on: there they are the lever itself, not context
     own_lever = levers_now.get(ev.lever) if ev.kind == "lever" else None
     own_sets = dict(own_lever.sets) if own_lever is not None else {}
@@ -356,6 +356,15 @@ def pinned_levers(ev: Evidence, levers_now: dict | None = None) -> dict[str, Any
     levers_now = lever_registry.registry() if levers_now is None else levers_now
     pins = dict(settings(ev).campaign.with_levers or {})
     return {name: levers_now[name].parse(v) for name, v in pins.items() if name in levers_now}
+
+
+def quant_of(ev: Evidence) -> str | None:
+    """The quantization the campaign's model ran (bf16, mxfp4, nvfp4): the defaults its verdict is compared with are
+    that quantization's (a lever file's ``default_by_quant``). None where the evidence does not say."""
+    from campaigns.config import settings
+    from vtengine.config import QUANTS
+    quant = (settings(ev).model or {}).get("quant")
+    return quant if quant in QUANTS else None
 
 
 def _epoch_cause(reason: str) -> str:

@@ -75,20 +75,22 @@ def flip_branch(lever: str) -> str:
 SUBJECT_MAX = 72
 
 
-def flip_subject(lever: str, new_default: Any, campaign_id: str = "") -> str:
-    """A commit subject of at most SUBJECT_MAX characters: "Flip <lever> default to <value>", with the campaign id
-    in parentheses when it fits."""
+def flip_subject(lever: str, new_default: Any, campaign_id: str = "", quant: str | None = None) -> str:
+    """A commit subject of at most SUBJECT_MAX characters: "Flip <lever> default to <value>" ("default on <quant>"
+    for a flip of one quantization's default), with the campaign id in parentheses when it fits."""
     value = {True: "on", False: "off"}.get(new_default, str(new_default)) if isinstance(new_default, bool) \
         else str(new_default)
-    subject = f"Flip {lever} default to {value}"
+    subject = f"Flip {lever} default{f' on {quant}' if quant else ''} to {value}"
     with_id = f"{subject} ({campaign_id})"
     return with_id if campaign_id and len(with_id) <= SUBJECT_MAX else subject[:SUBJECT_MAX]
 
 
 def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iterable[Path | str], message: str,
                 lever_dir: Path | str = "conf/lever", campaign_id: str = "",
-                rendered: Callable[[Path], Mapping[Path, str]] | None = None) -> dict[str, str]:
-    """Commit the lever's new ``default:`` line plus ``files`` (records) on branch ``row/<lever>-flip``.
+                rendered: Callable[[Path], Mapping[Path, str]] | None = None,
+                quant: str | None = None) -> dict[str, str]:
+    """Commit the lever's new ``default:`` line plus ``files`` (records) on branch ``row/<lever>-flip``. With
+    ``quant``, the new default is that quantization's alone (its entry of ``default_by_quant:``).
 
     ``rendered``: called with a copy of the lever directory that holds the new default, it returns files (path ->
     text) to commit instead of their working-tree copies: the summaries as they read once the branch is merged.
@@ -119,7 +121,7 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "lever"
         shutil.copytree(lever_dir, copy)
-        set_default_in_file(lever, new_default, lever_dir=copy)
+        set_default_in_file(lever, new_default, lever_dir=copy, quant=quant)
         new_lever_text = (copy / f"{lever}.yaml").read_bytes()
         merged = {_rel(_in(Path(p), root), root): text.encode()
                   for p, text in (rendered(copy) if rendered else {}).items()}
@@ -149,7 +151,7 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
         tree = repo.git.write_tree(env=env)
         with tempfile.NamedTemporaryFile("w", delete=False, encoding="utf-8") as mf:
             body = message if message.endswith("\n") else message + "\n"
-            mf.write(f"{flip_subject(lever, new_default, campaign_id)}\n\n{body}")
+            mf.write(f"{flip_subject(lever, new_default, campaign_id, quant)}\n\n{body}")
         try:
             commit = repo.git.commit_tree(tree, "-p", base, "-F", mf.name, env=env)
         finally:

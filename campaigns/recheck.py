@@ -152,7 +152,7 @@ def overrides_for(ev: Evidence, registry: dict) -> list[str]:
         out.append(f"grid={cfg.grid.name}")       # a verdict decided on another binding grid (online_wide) keeps it
     lever = registry[ev.lever]
     from vtengine import levers
-    default = levers.effective_defaults(registry)[ev.lever]
+    default = levers.effective_defaults(registry, lever_context.quant_of(ev))[ev.lever]
     cands = [a.value for a in ev.candidates if a.value != default] if ev.kind != "aa" else []
     if cands:
         out.append("campaign.arms.candidates=[" + ",".join(_text(v) for v in cands) + "]")
@@ -295,5 +295,5 @@ def _moves_a_default(ev: Evidence) -> bool:
     d = ev.decision
     if ev.kind != "lever" or d is None or d.verdict != "FLIP" or not d.binding:
         return False
-    defaults = levers.effective_defaults()
+    defaults = levers.effective_defaults(quant=lever_context.quant_of(ev))
     return ev.lever in defaults and d.new_default != defaults[ev.lever]

@@ -478,7 +478,9 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
         # (and pinned levers) the lever was decided on, else its latest rehearsal
         binding = sorted(latest_binding(mine).items())
         for _key, last in binding or [("", mine[-1] if mine else None)]:
-            rows.append(_status_row(name, lever, defaults.get(name), last, fresh, campaign_dirs, records_dir))
+            quant = lever_context.quant_of(last) if last is not None else None
+            default = effective_defaults(levers, quant).get(name) if quant else defaults.get(name)
+            rows.append(_status_row(name, lever, default, last, fresh, campaign_dirs, records_dir))
     # the latest refutation of each lever, arm and model (with its pins): a re-run that refuted it again replaces
     # the row (gqa_swap off was listed three times), one that reached another verdict removes it
     latest_refuted: dict[tuple[str, str], Evidence] = {}
@@ -510,7 +512,7 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
     return {
         "lever": name,
         "on": measured_on(last) if last else "—",
-        "default": fmt_lever_value(default) if lever else "(no lever file)",
+        "default": (fmt_lever_value(default) + _by_quant_note(lever)) if lever else "(no lever file)",
         "env": lever.env if lever else "—",
         "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
         "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",
@@ -522,6 +524,14 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
                      if last else "—").replace("|", "/"),
         "calibration": (calibrate.sentence(last.calibration) if last and last.calibration else "—"),
     }
+
+
+def _by_quant_note(lever) -> str:
+    """' (bf16: on; else off)' for a lever whose default differs by quantization (``default_by_quant``)."""
+    if not lever.default_by_quant:
+        return ""
+    own = "; ".join(f"{q}: {fmt_lever_value(v)}" for q, v in sorted(lever.default_by_quant.items()))
+    return f" ({own}; else {fmt_lever_value(lever.default)})"
 
 
 def _model(ev: Evidence) -> str:

@@ -329,7 +329,7 @@ def _record_context(ev: Evidence, handles: dict) -> None:
 def _record_gate_context(ev: Evidence, ctx: GateContext) -> None:
     registry = levers.registry()
     for arm in ev.arms:
-        ev.context[arm.name] = dict(levers.resolve(ctx.lever_values(arm), environ={}).values)
+        ev.context[arm.name] = dict(levers.resolve(ctx.lever_values(arm), environ={}, quant=ctx.quant).values)
         mech = ev.gate("mechanism", arm.name)
         counted = (mech.details.get("counters") if mech is not None else None) or {}
         # without counters nothing shows a lever inert: count every lever live (STALE is the safe answer)
@@ -546,27 +546,32 @@ def status_dir(repo: Path, out_dir: Path) -> Path:
 def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
     """Commit the flip on row/<lever>-flip: only a fresh, binding FLIP (a stale one measured another engine)."""
     from campaigns.gitops import flip_commit
-    check_flippable(ev, cdir.parent)
+    quant = check_flippable(ev, cdir.parent)
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
     info = flip_commit(repo, ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
-                       lever_dir=levers.lever_file(ev.lever).parent,
+                       lever_dir=levers.lever_file(ev.lever).parent, quant=quant,
                        rendered=lambda copy: records.render_summaries_flipped(cdir.parent, summaries, ev.lever, copy))
     ev.flip = info
     _save(ev, cdir)
-    console.print(f"flip committed on {info['branch']} ({info['commit'][:7]})")
+    console.print(f"flip{f' of the {quant} default' if quant else ''} committed on {info['branch']} "
+                  f"({info['commit'][:7]})")
 
 
-def check_flippable(ev: Evidence, records_dir: Path | None = None) -> None:
+def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None:
     """Raise CampaignError, saying why, unless ``ev`` is a complete, binding, fresh FLIP of a lever campaign, and
-    (with ``records_dir``) no fresh binding verdict of the same lever on another model, quantization or workload
-    refuted it."""
+    (with ``records_dir``) no fresh binding verdict of the same lever on another model or workload of its
+    quantization refuted it. Returns the flip's scope: None (the lever's ``default``, every quantization), or the
+    quantization whose own default it sets (``default_by_quant``) where a fresh REJECT on another quantization
+    refuted the change (pdl_stack, H200 2026-12-04: FLIP on bf16, REJECT on MXFP4), or where the lever already
+    has its own default on this one."""
     d = ev.decision
     if ev.kind != "lever" or d is None or d.verdict != "FLIP":
         raise CampaignError(f"{ev.campaign_id}: its verdict is {d.verdict if d else 'not decided'}, not FLIP; only a "
                             "FLIP changes a default")
     if not d.binding:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is not binding; nothing to commit")
-    lever, defaults = levers.get(ev.lever), levers.effective_defaults()
+    quant = lever_context.quant_of(ev)
+    lever, defaults = levers.get(ev.lever), levers.effective_defaults(quant=quant)
     now, base, new = (("on" if v else "off") if isinstance(v, bool) else v
                       for v in (defaults[ev.lever], lever.parse(ev.baseline.value), lever.parse(d.new_default)))
     if now == new:
@@ -596,30 +601,37 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> None:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "
                             "measured another engine than the one users run. Re-run it: `vtcampaign recheck`, or "
                             f"`vtcampaign run campaign={settings(ev).campaign.name}`")
+    scope = quant if quant in lever.default_by_quant else None
     if records_dir is not None:
         refuted = _refuted_elsewhere(ev, records_dir)
-        if refuted is not None:
+        here = [r for r in refuted if quant is None or lever_context.quant_of(r) in (quant, None)]
+        if here:
             raise CampaignError(
-                f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, but {refuted.campaign_id} "
-                f"({recheck.measured_on(refuted)}) is a fresh {refuted.decision.verdict} of the same change: a "
-                "default holds for every model, quantization and workload, and a flip would trade what that "
-                f"measurement refuted. Its reasons: {'; '.join(refuted.decision.reasons[:3])}")
+                f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, but {here[0].campaign_id} "
+                f"({recheck.measured_on(here[0])}) is a fresh {here[0].decision.verdict} of the same change: a "
+                f"default holds for every model and workload{f' of {quant}' if quant else ''}, and a flip would "
+                f"trade what that measurement refuted. Its reasons: {'; '.join(here[0].decision.reasons[:3])}")
+        if refuted:
+            scope = quant       # refuted on another quantization only: this one's default moves, theirs stays
+    return scope
 
 
-def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> Evidence | None:
-    """The latest fresh binding REJECT of ``ev``'s lever and candidate value with the same pins but on another model,
-    quantization or workload (``recheck.measured_on``), if any: a default is one value for all of them (pdl_stack,
-    H200 2026-12-04: FLIP on bf16, TPOT x1.012; REJECT on MXFP4, total tok/s x0.79)."""
+def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> list[Evidence]:
+    """The latest fresh binding REJECTs of ``ev``'s lever and candidate value with the same pins but on another
+    model, quantization or workload (``recheck.measured_on``), one per plan: a default is one value for all of them
+    but the quantizations a lever file gives their own (pdl_stack, H200 2026-12-04: FLIP on bf16, TPOT x1.012;
+    REJECT on MXFP4, total tok/s x0.79)."""
     def elsewhere(other: Evidence) -> bool:
         return (recheck.plan_key(other) != recheck.plan_key(ev)
                 and lever_context.pinned_levers(other) == lever_context.pinned_levers(ev))
     evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
+    out = []
     for other in recheck.latest_binding([e for e in evs if e.lever == ev.lever]).values():
         d = other.decision
         if (elsewhere(other) and d.verdict.startswith("REJECT") and d.candidate == ev.decision.candidate
                 and lever_context.freshness(other, confdirs.SOURCE_ROOT).fresh):
-            return other
-    return None
+            out.append(other)
+    return out
 
 
 def _summary(ev: Evidence, cdir: Path, elapsed_s: float) -> None:

@@ -63,6 +63,19 @@ def test_fresh_until_a_live_lever_changes_its_default(repo):
     assert lever_context.freshness(ev, repo, *now(repo)).short() == "STALE (defaults: pdl; own sources)"
 
 
+def test_a_flip_of_one_quantizations_default_stales_only_its_verdicts(repo):
+    """pdl's bf16 default moves (default_by_quant): the bf16 verdict where pdl ran goes STALE; the same verdict on
+    MXFP4 compares with MXFP4's default, unchanged, and stays FRESH."""
+    bf16, mx = recorded(repo), recorded(repo)
+    mx.config["model"]["quant"] = "mxfp4"
+    mx.__dict__.pop("_settings", None)
+    assert lever_context.quant_of(bf16) == "bf16" and lever_context.quant_of(mx) == "mxfp4"
+    levers.set_default_in_file("pdl", True, lever_dir=repo / "conf" / "lever", quant="bf16")
+    f = lever_context.freshness(bf16, repo, *now(repo))
+    assert f.reasons == ["pdl's default is now on; the campaign ran with off and pdl's kernels ran there"]
+    assert lever_context.freshness(mx, repo, *now(repo)).fresh
+
+
 def test_an_inert_lever_changing_its_default_leaves_the_verdict_fresh(repo):
     ev = recorded(repo)
     set_default(repo, "marlin_dense", False)                     # W4A16 never ran on this bf16 model
@@ -221,7 +234,7 @@ def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_t
     # the same pin at pdl's default is no obstacle (async_device_mirror with async_scheduling=true)
     real = levers.effective_defaults
     with monkeypatch.context() as m:
-        m.setattr(levers, "effective_defaults", lambda reg=None: {**real(reg), "pdl": True})
+        m.setattr(levers, "effective_defaults", lambda reg=None, quant=None: {**real(reg, quant), "pdl": True})
         check_flippable(ev)
     # not pinned, the same recorded pdl=on is the campaign's context, and pdl's off default stales it
     ev.config["campaign"]["with_levers"] = {}
@@ -335,10 +348,11 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
     check_flippable(flip, out)
 
 
-def test_a_flip_refuted_on_another_quantization_is_refused(tmp_path):
-    """pdl_stack FLIPped on bf16 (TPOT x1.012) and was refuted on MXFP4 (total tok/s x0.79), H200 2026-12-04: the
-    default is one value for both, so the bf16 FLIP may not flip it. Before, only another workload of the same model
-    and quantization counted, and the flip went through. A REJECT measured with other pins says nothing of it."""
+def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone(tmp_path):
+    """pdl_stack FLIPped on bf16 (TPOT x1.012) and was refuted on MXFP4 (total tok/s x0.79), H200 2026-12-04: one
+    default for both would trade one for the other, so the flip is scoped to bf16 (default_by_quant) and MXFP4 keeps
+    its default. A REJECT on another model of the same quantization still refuses it; one measured with other pins
+    says nothing of it."""
     from campaigns.runner import CampaignError, check_flippable
     loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [79.0, 80.0, 81.0]}}
     flip = _fresh_today(make_evidence(TPUT_WIN, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111-2"))
@@ -350,14 +364,22 @@ def test_a_flip_refuted_on_another_quantization_is_refused(tmp_path):
     out = tmp_path / "records" / "campaigns"
     for ev in (flip, mx):
         save_evidence(ev, out / ev.campaign_id)
-    check_flippable(flip)
+    assert check_flippable(flip) is None                        # alone: the lever's default, every quantization
+    assert check_flippable(flip, out) == "bf16"
+    other = _fresh_today(make_evidence(loss, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-ccc3333",
+                                       created="2026-12-01T11:00:00Z"))
+    other.config["model"]["name"] = "llama-3.1-8b"             # bf16, another model: the bf16 default is refuted
+    other.__dict__.pop("_settings", None)
+    save_evidence(other, out / other.campaign_id)
     with pytest.raises(CampaignError, match=r"pdl_stack FLIPped on qwen3-8b \(bf16\), but 2026-12-04-pdl_stack-"
-                                            r"aaa1111 \(qwen3-8b \(mxfp4\)\) is a fresh REJECT-PERFORMANCE"):
+                                            r"ccc3333 \(llama-3.1-8b \(bf16\)\) is a fresh REJECT-PERFORMANCE.*every "
+                                            r"model and workload of bf16"):
         check_flippable(flip, out)
-    mx.config["campaign"]["with_levers"] = {"gqa_swap": False}
-    mx.__dict__.pop("_settings", None)
-    save_evidence(mx, out / mx.campaign_id)
-    check_flippable(flip, out)
+    for ev in (mx, other):
+        ev.config["campaign"]["with_levers"] = {"gqa_swap": False}
+        ev.__dict__.pop("_settings", None)
+        save_evidence(ev, out / ev.campaign_id)
+    assert check_flippable(flip, out) is None
 
 
 def test_a_presets_own_levers_are_the_lever_not_its_context():

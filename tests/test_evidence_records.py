@@ -193,6 +193,25 @@ def _status_row(status: str, lever: str, on: str | None = None) -> list[str]:
     return rows[0][:1] + rows[0][2:]
 
 
+def test_status_gives_each_quantizations_row_its_own_default(tmp_path):
+    """A lever with its own default on bf16 (default_by_quant): the bf16 row says the bf16 default, the MXFP4 row
+    MXFP4's, and both say the lever's defaults differ by quantization."""
+    import shutil
+    from vtengine import levers
+    lever_dir = tmp_path / "lever"
+    shutil.copytree(levers.LEVER_DIR, lever_dir)
+    levers.set_default_in_file("pdl", True, lever_dir=lever_dir, quant="bf16")
+    bf16 = make_evidence(NEUTRAL, lever="pdl", created="2026-11-29T09:00:00Z")
+    mx = make_evidence(NEUTRAL, lever="pdl", created="2026-11-29T10:00:00Z", campaign_id="2026-11-29-pdl-def5678")
+    mx.config["model"]["quant"] = "mxfp4"
+    mx.__dict__.pop("_settings", None)
+    out = _campaigns(tmp_path, bf16, mx)
+    records.render_all(out, lever_dir=lever_dir, plots=False)
+    status = (tmp_path / "records" / "STATUS.md").read_text()
+    assert _status_row(status, "pdl", "qwen3-8b (bf16)")[1] == "true (bf16: true; else false)"
+    assert _status_row(status, "pdl", "qwen3-8b (mxfp4)")[1] == "false (bf16: true; else false)"
+
+
 def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     keep = make_evidence(NEUTRAL, created="2026-11-29T09:00:00Z")
     out = _campaigns(tmp_path, keep)

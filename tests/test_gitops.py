@@ -85,6 +85,21 @@ def test_flip_commit_changes_only_the_default_line(repo):
     assert all(f.is_file() for f in files) and not repo.index.diff(None)
 
 
+def test_a_flip_of_one_quantization_adds_its_own_default_line(repo):
+    """pdl_stack wins on bf16 and loses on MXFP4 (H200, 2026-12-04): its flip sets the bf16 default alone, one new
+    line after ``default:``, and the subject says which quantization."""
+    root = Path(repo.working_tree_dir)
+    base = repo.head.commit.hexsha
+    out = flip_commit(root, "pdl_stack", True, _records(root), PR_TEXT, campaign_id="2026-12-04-pdl_stack-abc1234",
+                      quant="bf16")
+    commit = repo.commit(out["commit"])
+    assert commit.message.splitlines()[0] == "Flip pdl_stack default on bf16 to on (2026-12-04-pdl_stack-abc1234)"
+    diff = repo.git.diff(base, commit.hexsha, "--unified=0", "--", "conf/lever/pdl_stack.yaml")
+    body = [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    assert body == ["+default_by_quant: {bf16: true}"]
+    assert "default_by_quant" not in (root / "conf/lever/pdl_stack.yaml").read_text()     # the checkout untouched
+
+
 def test_flip_subjects_stay_within_72_characters():
     from campaigns.gitops import flip_subject
     assert flip_subject("gqa_swap", True, "2026-12-01-gqa_swap-5bdf31a") == \

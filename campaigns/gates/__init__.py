@@ -255,7 +255,8 @@ class GateContext:
         llm = self.engine(arm)
         be, runner = llm.engine.backend, llm.engine.runner
         saved, use_graphs = be.levers, runner.use_graphs
-        be.levers, runner.use_graphs = levers.resolve({**self.lever_values(arm), self.lever: value}), False
+        be.levers, runner.use_graphs = levers.resolve({**self.lever_values(arm), self.lever: value},
+                                                      quant=self.quant), False
         llm.engine.set_step_levers(be.levers)       # the scheduler's levers too (chunked_prefill, mixed_steps)
         try:
             yield llm

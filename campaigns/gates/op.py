@@ -377,7 +377,7 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
 def arm_context(ctx: GateContext, arm: Arm) -> dict[str, Any]:
     """Every lever's value in the arm: the registry's resolution with the campaign's pins and the arm's value."""
     from vtengine import levers
-    return dict(levers.resolve(ctx.lever_values(arm), environ={}).values)
+    return dict(levers.resolve(ctx.lever_values(arm), environ={}, quant=ctx.quant).values)
 
 
 def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callable]]:
