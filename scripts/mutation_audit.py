@@ -211,6 +211,17 @@ MUTATIONS = [
              "    if not fresh.fresh:\n        raise CampaignError(f\"{ev.campaign_id}: its FLIP is STALE",
              "    if False:\n        raise CampaignError(f\"{ev.campaign_id}: its FLIP is STALE",
              ["tests/test_context.py::test_a_stale_flip_is_refused"]),
+    Mutation("flip-scope-dropped", "flip: a FLIP refuted only on another quantization flips the default of every "
+             "quantization (pdl_stack: bf16's gain traded for MXFP4's loss)", "campaigns/runner.py",
+             "            scope = quant       # refuted on another quantization only",
+             "            scope = None        # refuted on another quantization only",
+             ["tests/test_context.py::test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone"]),
+    Mutation("default-by-quant-ignored", "levers: an engine on a quantization with its own default runs the plain "
+             "default", "vtengine/levers.py",
+             "        return self.default_by_quant.get(quant, self.default) if quant is not None else self.default",
+             "        return self.default",
+             ["tests/test_levers.py::test_a_quantizations_own_default_resolves_and_flips_alone",
+              "tests/test_context.py::test_a_flip_of_one_quantizations_default_stales_only_its_verdicts"]),
     Mutation("recheck-flip-no-stop", "recheck: a FLIP that moves a default does not stop the run (the rest runs on "
              "the default it replaces)", "campaigns/recheck.py",
              '                 "on the new default")\n            break\n',
