@@ -604,23 +604,26 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
     scope = quant if quant in lever.default_by_quant else None
     if records_dir is not None:
         refuted = _refuted_elsewhere(ev, records_dir)
-        here = [r for r in refuted if quant is None or lever_context.quant_of(r) in (quant, None)]
+        same = [r for r in refuted if quant is None or lever_context.quant_of(r) in (quant, None)]
+        here = [r for r in same if lever_context.freshness(r, confdirs.SOURCE_ROOT).fresh]
         if here:
             raise CampaignError(
                 f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, but {here[0].campaign_id} "
                 f"({recheck.measured_on(here[0])}) is a fresh {here[0].decision.verdict} of the same change: a "
                 f"default holds for every model and workload{f' of {quant}' if quant else ''}, and a flip would "
                 f"trade what that measurement refuted. Its reasons: {'; '.join(here[0].decision.reasons[:3])}")
-        if refuted:
-            scope = quant       # refuted on another quantization only: this one's default moves, theirs stays
+        if len(refuted) > len(same):
+            # refuted on another quantization (fresh or stale: a stale REJECT still says the change may cost
+            # there, and scoping costs nothing): this one's default moves, theirs stays
+            scope = quant       # refuted on another quantization only
     return scope
 
 
 def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> list[Evidence]:
-    """The latest fresh binding REJECTs of ``ev``'s lever and candidate value with the same pins but on another
-    model, quantization or workload (``recheck.measured_on``), one per plan: a default is one value for all of them
-    but the quantizations a lever file gives their own (pdl_stack, H200 2026-12-04: FLIP on bf16, TPOT x1.012;
-    REJECT on MXFP4, total tok/s x0.79)."""
+    """The latest binding REJECTs, fresh or stale, of ``ev``'s lever and candidate value with the same pins but on
+    another model, quantization or workload (``recheck.measured_on``), one per plan: a default is one value for all
+    of them but the quantizations a lever file gives their own (pdl_stack, H200 2026-12-04: FLIP on bf16, TPOT
+    x1.012; REJECT on MXFP4, total tok/s x0.79)."""
     def elsewhere(other: Evidence) -> bool:
         return (recheck.plan_key(other) != recheck.plan_key(ev)
                 and lever_context.pinned_levers(other) == lever_context.pinned_levers(ev))
@@ -628,8 +631,7 @@ def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> list[Evidence]:
     out = []
     for other in recheck.latest_binding([e for e in evs if e.lever == ev.lever]).values():
         d = other.decision
-        if (elsewhere(other) and d.verdict.startswith("REJECT") and d.candidate == ev.decision.candidate
-                and lever_context.freshness(other, confdirs.SOURCE_ROOT).fresh):
+        if elsewhere(other) and d.verdict.startswith("REJECT") and d.candidate == ev.decision.candidate:
             out.append(other)
     return out
 

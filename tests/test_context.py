@@ -348,11 +348,18 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
     check_flippable(flip, out)
 
 
+def _stale(ev):
+    """``ev`` measured with gqa_swap off and live, against its on default now: STALE."""
+    for arm in ev.arms:
+        ev.context[arm.name]["gqa_swap"] = False
+        ev.live_levers[arm.name] = [ev.lever, "gqa_swap"]
+
+
 def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone(tmp_path):
     """pdl_stack FLIPped on bf16 (TPOT x1.012) and was refuted on MXFP4 (total tok/s x0.79), H200 2026-12-04: one
     default for both would trade one for the other, so the flip is scoped to bf16 (default_by_quant) and MXFP4 keeps
-    its default. A REJECT on another model of the same quantization still refuses it; one measured with other pins
-    says nothing of it."""
+    its default, also once that REJECT is stale. A fresh REJECT on another model of the same quantization still
+    refuses it; one measured with other pins says nothing of it."""
     from campaigns.runner import CampaignError, check_flippable
     loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [79.0, 80.0, 81.0]}}
     flip = _fresh_today(make_evidence(TPUT_WIN, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111-2"))
@@ -366,6 +373,10 @@ def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone
         save_evidence(ev, out / ev.campaign_id)
     assert check_flippable(flip) is None                        # alone: the lever's default, every quantization
     assert check_flippable(flip, out) == "bf16"
+    _stale(mx)
+    save_evidence(mx, out / mx.campaign_id)
+    assert not lever_context.freshness(mx, ROOT).fresh
+    assert check_flippable(flip, out) == "bf16"                 # a stale REJECT still says the change may cost there
     other = _fresh_today(make_evidence(loss, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-ccc3333",
                                        created="2026-12-01T11:00:00Z"))
     other.config["model"]["name"] = "llama-3.1-8b"             # bf16, another model: the bf16 default is refuted
@@ -375,6 +386,9 @@ def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone
                                             r"ccc3333 \(llama-3.1-8b \(bf16\)\) is a fresh REJECT-PERFORMANCE.*every "
                                             r"model and workload of bf16"):
         check_flippable(flip, out)
+    _stale(other)
+    save_evidence(other, out / other.campaign_id)
+    assert check_flippable(flip, out) == "bf16"                 # a stale one on bf16 does not refuse it
     for ev in (mx, other):
         ev.config["campaign"]["with_levers"] = {"gqa_swap": False}
         ev.__dict__.pop("_settings", None)
