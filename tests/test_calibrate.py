@@ -51,10 +51,14 @@ def test_the_default_binding_grid_meets_its_error_rates(h200):
     power = calibrate.flip_rate(t, noise, SIMS, seed=0, gain=0.05)
     assert false_flip <= 0.05 and false_reject <= 0.05, (false_flip, false_reject)
     assert power >= 0.80, power
-    # the same arithmetic at the old 3 reps: the rates the verdict-trust issue measured (~17% each)
+    # the same arithmetic at the old 3 reps misses the bar the 5 reps meet, several times over: the verdict-trust
+    # issue measured ~17% each on the evidence of 2026-12-01; the noise of the 2026-12-04 pool gives ~10% against
+    # 0.9% / 2.0% at 5 reps (the figures move with the committed legs, the gap does not)
     t3 = calibrate.template(shaped(binding[0], reps=3), byte_exact=True)
     null3, _ = calibrate.verdicts(t3, noise, SIMS, seed=0)
-    assert null3.count("FLIP") / SIMS > 0.10 and null3.count("REJECT-PERFORMANCE") / SIMS > 0.10
+    for verdict, rate5 in (("FLIP", false_flip), ("REJECT-PERFORMANCE", false_reject)):
+        rate3 = null3.count(verdict) / SIMS
+        assert rate3 > 0.05 and rate3 > 3 * rate5, (verdict, rate3, rate5)
 
 
 def test_the_wide_grid_has_no_more_false_flips_than_the_default_one(h200):
