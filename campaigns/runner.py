@@ -561,9 +561,9 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
     """Raise CampaignError, saying why, unless ``ev`` is a complete, binding, fresh FLIP of a lever campaign, and
     (with ``records_dir``) no fresh binding verdict of the same lever on another model or workload of its
     quantization refuted it. Returns the flip's scope: None (the lever's ``default``, every quantization), or the
-    quantization whose own default it sets (``default_by_quant``) where a fresh REJECT on another quantization
-    refuted the change (pdl_stack, H200 2026-12-04: FLIP on bf16, REJECT on MXFP4), or where the lever already
-    has its own default on this one."""
+    quantization whose own default it sets (``default_by_quant``) where a binding REJECT on another quantization,
+    fresh or stale, refuted the change (pdl_stack, H200 2026-12-04: FLIP on bf16, REJECT on MXFP4), or where the
+    lever already has its own default on this one."""
     d = ev.decision
     if ev.kind != "lever" or d is None or d.verdict != "FLIP":
         raise CampaignError(f"{ev.campaign_id}: its verdict is {d.verdict if d else 'not decided'}, not FLIP; only a "
