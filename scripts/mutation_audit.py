@@ -218,7 +218,7 @@ MUTATIONS = [
              ["tests/test_context.py::test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone"]),
     Mutation("default-by-quant-ignored", "levers: an engine on a quantization with its own default runs the plain "
              "default", "vtengine/levers.py",
-             "        return self.default_by_quant.get(quant, self.default) if quant is not None else self.default",
+             "        return self.default_by_quant.get(quant, self.default)",
              "        return self.default",
              ["tests/test_levers.py::test_a_quantizations_own_default_resolves_and_flips_alone",
               "tests/test_context.py::test_a_flip_of_one_quantizations_default_stales_only_its_verdicts"]),

@@ -126,7 +126,7 @@ class Lever:
 
     def default_for(self, quant: str | None = None) -> Any:
         """The default on ``quant`` (bf16, mxfp4, nvfp4): its own where the file names one, else ``default``."""
-        return self.default_by_quant.get(quant, self.default) if quant is not None else self.default
+        return self.default_by_quant.get(quant, self.default)
 
     def resolve(self, explicit: Any = None, environ: Mapping[str, str] | None = None,
                 quant: str | None = None) -> tuple[Any, str]:
@@ -308,10 +308,9 @@ def lever_file(name: str) -> Path:
 
 
 def _yaml_scalar(value: Any) -> str:
-    text = {True: "true", False: "false"}.get(value, None) if isinstance(value, bool) else None
-    if text is None:
-        text = f'"{value}"' if isinstance(value, str) else str(value)
-    return text
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else str(value)
 
 
 def set_default_in_file(name: str, value: Any, lever_dir: Path | str | None = None, quant: str | None = None) -> Path:
