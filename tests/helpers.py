@@ -110,14 +110,18 @@ def temp_repo(tmp_path: Path, name: str = "repo") -> Path:
 
 
 def lever_repo(tmp_path: Path) -> Path:
-    """A git repository (one commit) with the project's lever files and a one-line Python stand-in for each of
-    their source files: staleness and recheck run against it."""
+    """A git repository (one commit) with the project's lever files (their plain defaults: the per-quantization
+    ones the project's flips wrote are dropped, so the tests' premises do not move with them) and a one-line Python
+    stand-in for each of their source files: staleness and recheck run against it."""
     import shutil
 
     import git
     from vtengine import levers
     root = tmp_path / "proj"
     shutil.copytree(Path(__file__).resolve().parents[1] / "conf" / "lever", root / "conf" / "lever")
+    for f in (root / "conf" / "lever").glob("*.yaml"):    # one default per lever: a test gives a quantization its own
+        f.write_text("".join(line for line in f.read_text().splitlines(keepends=True)
+                             if not line.startswith("default_by_quant:")))
     for lv in levers.registry().values():
         for p in lv.paths:
             (root / p).parent.mkdir(parents=True, exist_ok=True)

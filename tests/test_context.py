@@ -24,6 +24,16 @@ def repo(tmp_path):
     return lever_repo(tmp_path)
 
 
+@pytest.fixture
+def plain_defaults(monkeypatch):
+    """The project's levers at their plain file defaults: the per-quantization defaults its flips wrote (pdl_stack on
+    for bf16, 2026-12-04) are set aside, so tests built on today's registry keep their premises."""
+    import dataclasses
+    real = levers.registry
+    monkeypatch.setattr(levers, "registry", lambda lever_dir=None: {
+        name: dataclasses.replace(lv, default_by_quant={}) for name, lv in real(lever_dir).items()})
+
+
 def now(root: Path):
     levers.reload()
     reg = levers.registry(root / "conf" / "lever")
@@ -187,7 +197,7 @@ def test_schema_1_evidence_is_reconstructed_from_git(repo):
     assert not f.fresh and any("source files at the campaign are not known" in r for r in f.reasons)
 
 
-def test_a_stale_flip_is_refused(tmp_path):
+def test_a_stale_flip_is_refused(tmp_path, plain_defaults):
     """commit=true and `vtcampaign flip` refuse a stale FLIP, naming why (here: pdl recorded on, but its default
     is off, and its kernels ran)."""
     from campaigns.runner import CampaignError, check_flippable
@@ -211,7 +221,8 @@ def test_a_stale_flip_is_refused(tmp_path):
     check_flippable(ev)
 
 
-def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_the_default(monkeypatch):
+def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_the_default(monkeypatch,
+                                                                                          plain_defaults):
     """pdl_prefetch measured with pdl pinned on: pdl's off default does not stale the verdict (it claims what
     pdl_prefetch does with pdl on), but the FLIP cannot change the default users run while pdl is off; an unpinned
     pdl recorded on is context and does stale it."""
@@ -355,7 +366,7 @@ def _stale(ev):
         ev.live_levers[arm.name] = [ev.lever, "gqa_swap"]
 
 
-def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone(tmp_path):
+def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone(tmp_path, plain_defaults):
     """pdl_stack FLIPped on bf16 (TPOT x1.012) and was refuted on MXFP4 (total tok/s x0.79), H200 2026-12-04: one
     default for both would trade one for the other, so the flip is scoped to bf16 (default_by_quant) and MXFP4 keeps
     its default, also once that REJECT is stale. A fresh REJECT on another model of the same quantization still
@@ -411,3 +422,4 @@ def test_a_presets_own_levers_are_the_lever_not_its_context():
     ev.context["off"]["chunk_graphs"] = True         # the baseline ran a set lever off its default: that is context
     f = lever_context.freshness(ev, ROOT)
     assert not f.fresh and f.reasons[0].startswith("chunk_graphs's default is now off; the campaign ran with on")
+
