@@ -298,13 +298,18 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     pins = pinned_levers(ev, levers_now)
     defaults = lever_registry.effective_defaults(levers_now, quant_of(ev))   # the on presets' values, its quant's
     # a preset under test sets its levers in the arms where it is on: there they are the lever itself, not context
+    # (on or off: off, they are at what the engine gives them with the preset off, even after the preset's own flip)
     own_lever = levers_now.get(ev.lever) if ev.kind == "lever" else None
     own_sets = dict(own_lever.sets) if own_lever is not None else {}
 
     def expected(name: str, arm_values: dict) -> Any:
-        if name in own_sets and own_lever.is_on(arm_values.get(ev.lever)):
-            return own_sets[name]
-        return defaults[name]
+        if name not in own_sets:
+            return defaults[name]
+        values = {n: lv.default_for(quant_of(ev)) for n, lv in levers_now.items()}
+        sources = {n: "default" for n in levers_now}
+        values[ev.lever], sources[ev.lever] = arm_values.get(ev.lever), "arm"
+        lever_registry.apply_presets(levers_now, values, sources)
+        return values[name]
 
     for name, lever in sorted(levers_now.items()):
         if name == ev.lever and ev.kind == "lever":
@@ -321,11 +326,19 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
                                "the campaign never ran")
                 causes.append(f"new {name}")
             continue
-        changed = sorted({_text(v) for arm, v in was.items() if v != expected(name, ctx.values[arm])})
-        if changed and name in live_anywhere:
+        drift = {arm: (v, expected(name, ctx.values[arm])) for arm, v in was.items()}
+        drift = {arm: pair for arm, pair in drift.items() if pair[0] != pair[1]}
+        if drift and name in live_anywhere:
             how = f"{name}'s kernels ran there" if lever.affects else f"{name} shapes every step"
-            reasons.append(f"{name}'s default is now {_text(defaults[name])}; the campaign ran with "
-                           f"{', '.join(changed)} and {how}")
+            changed = ", ".join(sorted({_text(v) for v, _ in drift.values()}))
+            if all(want == defaults[name] for _, want in drift.values()):
+                reasons.append(f"{name}'s default is now {_text(defaults[name])}; the campaign ran with {changed} "
+                               f"and {how}")
+            else:                   # a preset's own arm where it is off: its levers' value without the preset
+                reasons.append("; ".join(
+                    f"the {arm} arm ran {name} at {_text(v)}, where the engine with {ev.lever} at "
+                    f"{_text(ctx.values[arm].get(ev.lever))} gives {_text(want)}" for arm, (v, want) in drift.items())
+                    + f", and {how}")
             causes.append(f"default {name}")
     own = levers_now.get(ev.lever)
     if own is not None:

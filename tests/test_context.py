@@ -423,3 +423,24 @@ def test_a_presets_own_levers_are_the_lever_not_its_context():
     f = lever_context.freshness(ev, ROOT)
     assert not f.fresh and f.reasons[0].startswith("chunk_graphs's default is now off; the campaign ran with on")
 
+
+def test_a_presets_own_flip_does_not_stale_its_verdict():
+    """pdl_stack FLIPped on bf16 (H200, 2026-12-04) and its flip marked its own verdict STALE at once ("pdl's default
+    is now on; the campaign ran with off"): the OFF arm ran pdl off because the preset was off there, which is what
+    the engine with the preset off still does. A set lever the OFF arm ran at another value stays context."""
+    import dataclasses
+    reg = levers.registry()
+    flipped = {**reg, "mixed_prefill": dataclasses.replace(reg["mixed_prefill"], default=True)}
+    sets = reg["mixed_prefill"].sets
+    ev = _fresh_today(make_evidence(TPUT_WIN, lever="mixed_prefill"))
+    ev.context["on"].update(sets)
+    for arm in ev.arms:
+        ev.live_levers[arm.name] = sorted({"mixed_prefill", *sets})
+    digests = lever_context.tree_digests(flipped, ROOT)
+    assert levers.effective_defaults(flipped)["chunk_graphs"] is True
+    f = lever_context.freshness(ev, ROOT, flipped, digests)
+    assert f.fresh, f.reasons
+    ev.context["off"]["chunk_graphs"] = True
+    f = lever_context.freshness(ev, ROOT, flipped, digests)
+    assert not f.fresh and f.reasons[0] == ("the off arm ran chunk_graphs at on, where the engine with mixed_prefill at "
+                                           "off gives off, and chunk_graphs shapes every step")
