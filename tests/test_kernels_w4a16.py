@@ -427,3 +427,15 @@ def test_the_prefetch_asks_for_about_16_kb_per_program_not_the_whole_slice():
     for bad in (-1, 1.5, "16k"):
         with pytest.raises(ValueError, match=f"prefetch must be a bool or a byte count >= 0, got {bad!r}"):
             w4a16.w4a16_linear(x, q, dense=True, prefetch=bad)
+
+
+def test_the_bench_summary_names_failed_checks_instead_of_an_inf():
+    """The 2026-12-04 H200 run summarised passing checks as "mxfp4 inf": the rotation bit-exact booleans were
+    folded into the worst rel L2. A failed variant must be named, a passing bool counted, the number stay a number."""
+    from vtengine.bench.w4a16 import check_summary
+    ok = {"M1_dense": 1.66e-3, "M1_dense_rot": 1.7e-3, "M1_dense_rot_bitwise": True, "M3_dense_rot_bitwise": True}
+    assert check_summary(ok) == "1.70e-03 (rotation layout bit-exact in 2/2)"
+    bad = {**ok, "M3_dense_rot_bitwise": False, "M16_grouped": "RuntimeError: out of resources"}
+    assert check_summary(bad) == ("1.70e-03 (rotation layout bit-exact in 1/2), FAILED: M16_grouped, "
+                                  "M3_dense_rot_bitwise")
+    assert check_summary({}) == "no route measured"

@@ -560,6 +560,19 @@ def _sweep_lines(shp: dict, fmt: str, m: int, top: int) -> list[str]:
     return out
 
 
+def check_summary(checks: dict) -> str:
+    """One format's route checks in words: the worst rel L2, how many rotation-layout results had the nibble
+    layout's bits, and each variant that failed to run or differed, by name. (A bool or an error is never folded into
+    the worst number: the 2026-12-04 run printed "inf" for checks that had all passed.)"""
+    l2 = [v for v in checks.values() if isinstance(v, float)]
+    bits = {k: v for k, v in checks.items() if isinstance(v, bool)}
+    failed = sorted(k for k, v in checks.items() if isinstance(v, str)) + sorted(k for k, v in bits.items() if not v)
+    text = f"{max(l2):.2e}" if l2 else "no route measured"
+    if bits:
+        text += f" (rotation layout bit-exact in {sum(bits.values())}/{len(bits)})"
+    return text + (f", FAILED: {', '.join(failed)}" if failed else "")
+
+
 def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"# W4A16 GEMV benchmark — {env['device']} ({env['date']})", "",
@@ -572,10 +585,9 @@ def markdown(result: dict) -> str:
     for shp in result["shapes"]:
         lines += _shape_table(shp, METHODS, MS)
         checks = shp["checks"]
-        worst = {fmt: max((v if isinstance(v, float) else float("inf") for v in checks.get(fmt, {}).values()),
-                          default=float("nan")) for fmt in FORMATS}
         lines += ["", "Correctness at this shape (max rel L2 vs dequantize + fp64 over routes, decode paths, "
-                  f"M in 1/3/16/64): mxfp4 {worst['mxfp4']:.2e}, nvfp4 {worst['nvfp4']:.2e}"
+                  f"M in 1/3/16/64): mxfp4 {check_summary(checks.get('mxfp4', {}))}, "
+                  f"nvfp4 {check_summary(checks.get('nvfp4', {}))}"
                   + (f"; tinygemm self-check {checks['tinygemm_int4_M4']:.2e}" if "tinygemm_int4_M4" in checks
                      else f"; tinygemm: {shp.get('tinygemm_error', 'not run')}"), ""]
         if shp["sweep"]:
