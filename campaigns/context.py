@@ -311,6 +311,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
         lever_registry.apply_presets(levers_now, values, sources)
         return values[name]
 
+    plain: dict[str, tuple[int, str]] = {}     # lever -> (its reason's index, the values the campaign ran)
     for name, lever in sorted(levers_now.items()):
         if name == ev.lever and ev.kind == "lever":
             continue
@@ -332,6 +333,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
             how = f"{name}'s kernels ran there" if lever.affects else f"{name} shapes every step"
             changed = ", ".join(sorted({_text(v) for v, _ in drift.values()}))
             if all(want == defaults[name] for _, want in drift.values()):
+                plain[name] = (len(reasons), changed)
                 reasons.append(f"{name}'s default is now {_text(defaults[name])}; the campaign ran with {changed} "
                                f"and {how}")
             else:                   # a preset's own arm where it is off: its levers' value without the preset
@@ -340,6 +342,7 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
                     f"{_text(ctx.values[arm].get(ev.lever))} gives {_text(want)}" for arm, (v, want) in drift.items())
                     + f", and {how}")
             causes.append(f"default {name}")
+    _by_preset(plain, reasons, causes, levers_now, quant_of(ev), defaults)
     own = levers_now.get(ev.lever)
     if own is not None:
         then, now = ctx.digests.get(ev.lever, ""), digests_now.get(ev.lever, "")
@@ -357,6 +360,33 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     reasons += epochs
     causes += [_epoch_cause(r) for r in epochs]
     return Freshness(fresh=not reasons, reasons=reasons, causes=causes)
+
+
+def _by_preset(plain: dict[str, tuple[int, str]], reasons: list[str], causes: list[str], levers_now: dict,
+               quant: str | None, defaults: dict) -> None:
+    """In place: the levers whose new default an on preset gives them are one reason, the preset's ("pdl_stack's
+    default is now on (it sets pdl=on, pdl_prefetch=on)"), not one per lever: the flip a reader must look up is the
+    preset's."""
+    from vtengine import levers as lever_registry
+    values = {n: lv.default_for(quant) for n, lv in levers_now.items()}
+    sources = {n: "default" for n in levers_now}
+    lever_registry.apply_presets(levers_now, values, sources)
+    groups: dict[str, list[str]] = {}
+    for name in plain:
+        if sources.get(name, "").startswith("preset "):
+            groups.setdefault(sources[name].removeprefix("preset "), []).append(name)
+    drop: set[int] = set()
+    for preset, names in sorted(groups.items()):
+        members = sorted(names) + ([preset] if preset in plain else [])
+        at = min(plain[n][0] for n in members)
+        ran = ", ".join(f"{n} {plain[n][1]}" for n in members)
+        reasons[at] = (f"{preset}'s default is now {_text(defaults[preset])} (it sets "
+                       f"{', '.join(f'{n}={_text(levers_now[preset].sets[n])}' for n in sorted(names))}); the "
+                       f"campaign ran with {ran}, and they were live there")
+        causes[at] = f"default {preset}"
+        drop |= {plain[n][0] for n in members} - {at}
+    reasons[:] = [r for i, r in enumerate(reasons) if i not in drop]
+    causes[:] = [c for i, c in enumerate(causes) if i not in drop]
 
 
 def pinned_levers(ev: Evidence, levers_now: dict | None = None) -> dict[str, Any]:

@@ -444,3 +444,17 @@ def test_a_presets_own_flip_does_not_stale_its_verdict():
     f = lever_context.freshness(ev, ROOT, flipped, digests)
     assert not f.fresh and f.reasons[0] == ("the off arm ran chunk_graphs at on, where the engine with mixed_prefill at "
                                            "off gives off, and chunk_graphs shapes every step")
+
+
+def test_levers_an_on_preset_sets_are_one_reason_named_for_the_preset(repo):
+    """After the pdl_stack flip STATUS said "STALE (defaults: pdl, pdl_prefetch, pdl_stack)" with three reasons:
+    the change to look up is the preset's. One reason names it and what it sets; a lever it does not set stays
+    its own reason."""
+    ev = recorded(repo, live=("gqa_swap", "pdl", "pdl_prefetch", "fast_math"))
+    set_default(repo, "pdl_stack", True)
+    set_default(repo, "fast_math", False)
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert f.reasons == ["fast_math's default is now off; the campaign ran with on and fast_math's kernels ran there",
+                         "pdl_stack's default is now on (it sets pdl=on, pdl_prefetch=on); the campaign ran with pdl "
+                         "off, pdl_prefetch off, and they were live there"]
+    assert f.short() == "STALE (defaults: fast_math, pdl_stack)"
