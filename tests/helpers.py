@@ -132,6 +132,17 @@ def lever_repo(tmp_path: Path) -> Path:
     return root
 
 
+def plain_defaults(monkeypatch) -> None:
+    """The project's levers at their plain file defaults for the rest of the test: the per-quantization defaults its
+    flips wrote (pdl_stack on for bf16, 2026-12-04) are set aside, as lever_repo drops them, so tests built on
+    today's registry keep their premises."""
+    import dataclasses
+    from vtengine import levers
+    real = levers.registry
+    monkeypatch.setattr(levers, "registry", lambda lever_dir=None: {
+        name: dataclasses.replace(lv, default_by_quant={}) for name, lv in real(lever_dir).items()})
+
+
 def static_sass(module: str, tmp_path: Path) -> dict:
     """A static-SASS bench (``python -m <module> <dir>``: kernels compiled for sm_90 without a GPU) run into
     tmp_path; its JSON. Skips where this Triton ships no nvdisasm."""

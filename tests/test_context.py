@@ -12,6 +12,7 @@ import pytest
 
 from campaigns import context as lever_context
 from campaigns.evidence import save_evidence
+import helpers
 from helpers import TPUT_WIN, lever_repo, make_evidence
 from vtengine import levers
 
@@ -26,12 +27,7 @@ def repo(tmp_path):
 
 @pytest.fixture
 def plain_defaults(monkeypatch):
-    """The project's levers at their plain file defaults: the per-quantization defaults its flips wrote (pdl_stack on
-    for bf16, 2026-12-04) are set aside, so tests built on today's registry keep their premises."""
-    import dataclasses
-    real = levers.registry
-    monkeypatch.setattr(levers, "registry", lambda lever_dir=None: {
-        name: dataclasses.replace(lv, default_by_quant={}) for name, lv in real(lever_dir).items()})
+    helpers.plain_defaults(monkeypatch)
 
 
 def now(root: Path):

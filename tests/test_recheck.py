@@ -12,15 +12,17 @@ import pytest
 from campaigns import context as lever_context
 from campaigns import policy, recheck
 from campaigns.evidence import save_evidence
-from helpers import TPUT_WIN, lever_repo, make_evidence
+from helpers import TPUT_WIN, lever_repo, make_evidence, plain_defaults
 from vtengine import levers
 
 LIVE = ("fast_math", "gqa_swap", "nsplits_cap", "pdl", "triton_gemv")
 
 
 @pytest.fixture
-def proj(tmp_path):
-    """A repository with the project's lever files, stand-ins for their sources, and an empty records dir."""
+def proj(tmp_path, monkeypatch):
+    """A repository with the project's lever files, stand-ins for their sources, and an empty records dir; the
+    project's registry at its plain defaults, as the repository's lever files are."""
+    plain_defaults(monkeypatch)
     root = lever_repo(tmp_path)
     (root / "records").mkdir()
     return root
