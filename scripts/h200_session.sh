@@ -13,6 +13,15 @@
 # Absorb each call's tarball before the next call: a call carries the checkout as it is, and a resume=auto step
 # whose copy lacks the last call's legs starts its campaign anew (absorb keeps the further-along evidence).
 set -uo pipefail
+for step in "$@"; do          # a bad step is refused before the machine spends minutes on the ones before it
+  case $step in *@*) case ${step%%@*} in ''|*[!0-9]*)
+    echo "step '$step': '${step%%@*}' before @ is not a number of seconds (e.g. 400@campaign:gqa_swap)"; exit 2 ;;
+  esac ;; esac
+  case ${step#*@} in campaign:*|decode|decode:*|gputests|gputests:*|py:*|recheck|recheck:*|serve:*) ;;
+    *) echo "step '$step': unknown kind; accepted: campaign:, decode[:], gputests[:], py:, recheck[:], serve:"
+       exit 2 ;;
+  esac
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
