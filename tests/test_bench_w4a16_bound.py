@@ -1,0 +1,46 @@
+"""vtengine/bench/w4a16_bound.py: its read kernel reads every byte the dense W4A16 GEMM's programs read (checked
+against a torch fold, in the interpreter on CPU), and its report derives the costs from the rows it measured."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtengine.bench import w4a16_bound as wb
+
+
+@pytest.mark.parametrize("block_n, block_k, split", [(32, 128, 1), (32, 128, 2), (16, 256, 2)])
+def test_the_read_kernel_folds_every_word_and_scale_of_its_grid(block_n, block_k, split):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7)
+    n, k = 48, 1024                                         # 48 rows: the last row tile is partial
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = torch.randint(0, 256, (n, k // wb.SCALE_BLOCK), generator=gen, dtype=torch.int64).to(torch.uint8)
+    words, scales = words.to(dev), scales.to(dev)
+    out = torch.full((split, n), -1, dtype=torch.int32, device=dev)        # poisoned
+    got = wb.read_fold(words, scales, block_n, block_k, split, num_warps=2, out=out).cpu()
+    want = wb.reference_fold(words, scales, split)
+    assert torch.equal(got, want)
+    flipped = words.clone()
+    flipped[n - 1, k // 8 - 1] ^= 1 << 13                  # one bit of the last word the last program reads
+    assert not torch.equal(wb.read_fold(flipped, scales, block_n, block_k, split, num_warps=2).cpu(), want)
+    with pytest.raises(ValueError, match=r"K=1024 is not a whole number of BLOCK_K=384 steps per split=1"):
+        wb.read_fold(words, scales, 32, 384, 1)
+
+
+def test_the_report_derives_each_cost_from_the_measured_rows():
+    rows = [dict(method="gemm", us=9.3), dict(method="gemm_split1", us=12.0), dict(method="read_grid", us=6.0),
+            dict(method="read_wide", us=5.0, config=dict(BLOCK_N=64, BLOCK_K=512, SPLIT_K=2, num_warps=4,
+                                                         num_stages=4)),
+            dict(method="read_wide", us=4.5, config=dict(BLOCK_N=128, BLOCK_K=256, SPLIT_K=1, num_warps=4,
+                                                         num_stages=3)),
+            dict(method="empty_grid", us=2.1)]
+    shp = dict(name="qkv_proj", bytes=13_381_632, rows=rows, errors=["read {...}: its fold differs"],
+               gemm_config=dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=2, num_stages=3))
+    assert wb.summary(shp) == dict(gemm=9.3, gemm_split1=12.0, read_grid=6.0, read_best=4.5, empty_grid=2.1)
+    env = dict(device="H200", date="2026-12-04", torch="2.11", triton="3.6", l2_mb=60, sms=132)
+    md = wb.markdown(dict(env=env, copy_gbs=4200.0, copy_bw_method="D2D", shapes=[shp]))
+    floor = 13_381_632 / 4200e3
+    assert (f"| qkv_proj | 13.4 | {floor:.1f} µs | 9.3 µs ({100 * floor / 9.3:.0f}%) | 12.0 µs "
+            f"({100 * floor / 12.0:.0f}%) | 6.0 µs ({100 * floor / 6.0:.0f}%) | 4.5 µs ({100 * floor / 4.5:.0f}%) | "
+            "2.1 µs | +3.3 µs | +1.5 µs |") in md
+    assert "best read BLOCK_N=128 BLOCK_K=256 split=1" in md and "error: read {...}: its fold differs" in md
