@@ -109,6 +109,18 @@ def temp_repo(tmp_path: Path, name: str = "repo") -> Path:
     return repo
 
 
+def copy_plain_levers(dest: Path) -> Path:
+    """The project's lever files copied to ``dest`` with one default per lever: the per-quantization defaults its
+    flips wrote (``default_by_quant``, pdl_stack on for bf16 since 2026-12-04) are dropped, so a test that writes or
+    reads them starts from a known file whatever the project has flipped since."""
+    import shutil
+    shutil.copytree(Path(__file__).resolve().parents[1] / "conf" / "lever", dest)
+    for f in dest.glob("*.yaml"):
+        f.write_text("".join(line for line in f.read_text().splitlines(keepends=True)
+                             if not line.startswith("default_by_quant:")))
+    return dest
+
+
 def lever_repo(tmp_path: Path) -> Path:
     """A git repository (one commit) with the project's lever files (their plain defaults: the per-quantization
     ones the project's flips wrote are dropped, so the tests' premises do not move with them) and a one-line Python
@@ -118,10 +130,7 @@ def lever_repo(tmp_path: Path) -> Path:
     import git
     from vtengine import levers
     root = tmp_path / "proj"
-    shutil.copytree(Path(__file__).resolve().parents[1] / "conf" / "lever", root / "conf" / "lever")
-    for f in (root / "conf" / "lever").glob("*.yaml"):    # one default per lever: a test gives a quantization its own
-        f.write_text("".join(line for line in f.read_text().splitlines(keepends=True)
-                             if not line.startswith("default_by_quant:")))
+    copy_plain_levers(root / "conf" / "lever")
     for lv in levers.registry().values():
         for p in lv.paths:
             (root / p).parent.mkdir(parents=True, exist_ok=True)

@@ -101,10 +101,10 @@ def test_arms_resolve_from_the_lever_file_default():
 
 def test_bool_campaigns_measure_the_flip_of_the_current_default():
     # candidates: null = the lever's other values, so a campaign still runs (the way back) after a FLIP lands
-    from vtengine.levers import get
+    from vtengine.levers import effective_defaults
     for name in ("gqa_swap", "marlin_dense", "pdl", "triton_gemv", "fast_math"):
-        default = get(name).default
         cfg = compose([f"campaign={name}"], cuda=False)
+        default = effective_defaults(quant=cfg.model.quant)[name]       # its quantization's (pdl: on for bf16)
         assert (cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates)) == (default, [not default]), name
     cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=true"], cuda=False)
     assert list(cfg.campaign.arms.candidates) == [False]

@@ -3,13 +3,13 @@ row/<lever>-flip (only the default line changes, the records ride along, the mes
 user's checkout is left exactly as it was)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import git
 import pytest
 
 from campaigns.gitops import GitOpsError, flip_commit, repo_state
+from helpers import copy_plain_levers
 from vtengine.levers import LEVER_DIR
 
 PR_TEXT = "row/gqa_swap: default off → on — total tok/s ×1.099 at c1 (WIN)\n\n## Correctness\n\n- op: PASS\n"
@@ -21,7 +21,7 @@ def repo(tmp_path) -> git.Repo:
     with r.config_writer() as cw:
         cw.set_value("user", "name", "Test")
         cw.set_value("user", "email", "test@example.com")
-    shutil.copytree(LEVER_DIR, tmp_path / "conf" / "lever")
+    copy_plain_levers(tmp_path / "conf" / "lever")
     (tmp_path / "README.md").write_text("project\n")
     r.index.add(["README.md"] + [f"conf/lever/{p.name}" for p in sorted(LEVER_DIR.glob("*.yaml"))])
     r.index.commit("base")

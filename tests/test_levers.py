@@ -9,6 +9,7 @@ import pytest
 import campaigns
 import vtengine
 from vtengine import levers
+from helpers import copy_plain_levers
 from vtengine.levers import LeverError
 
 
@@ -94,8 +95,7 @@ def test_a_quantizations_own_default_resolves_and_flips_alone(tmp_path):
     """default_by_quant: an engine on that quantization runs its value (config and env still win over it), one on
     another runs ``default``; a flip scoped to a quantization edits only that entry, adds the line after
     ``default:`` when missing, and drops the entry (then the line) once it equals ``default``."""
-    d = tmp_path / "lever"
-    shutil.copytree(levers.LEVER_DIR, d)
+    d = copy_plain_levers(tmp_path / "lever")
     before = (d / "pdl_stack.yaml").read_text().splitlines()
     levers.set_default_in_file("pdl_stack", True, lever_dir=d, quant="bf16")
     after = (d / "pdl_stack.yaml").read_text().splitlines()
