@@ -193,14 +193,21 @@ MUTATIONS = [
              ["tests/test_calibrate.py::test_the_mde_is_the_smallest_gain_that_flips_with_80_percent_power"]),
     Mutation("stale-live-default-ignored", "staleness: a live kernel lever's new default leaves the verdict FRESH "
              "(only engine-loop levers stale it)", "campaigns/context.py",
-             "        if changed and name in live_anywhere:\n",
-             "        if changed and name in live_anywhere and not lever.affects:\n",
+             "        if drift and name in live_anywhere:\n",
+             "        if drift and name in live_anywhere and not lever.affects:\n",
              ["tests/test_context.py::test_fresh_until_a_live_lever_changes_its_default"]),
     Mutation("stale-inert-lever-counts", "staleness: an inert lever's new default (marlin_dense on bf16) stales the "
              "verdict", "campaigns/context.py",
-             "        if changed and name in live_anywhere:\n",
-             "        if changed:\n",
+             "        if drift and name in live_anywhere:\n",
+             "        if drift:\n",
              ["tests/test_context.py::test_an_inert_lever_changing_its_default_leaves_the_verdict_fresh"]),
+    Mutation("preset-sets-taken-as-context", "staleness: the levers a preset under test sets are compared with "
+             "today's defaults in both arms (its own flip stales its verdict; its ON arm is stale from the start)",
+             "campaigns/context.py",
+             "        if name not in own_sets:\n            return defaults[name]\n",
+             "        if True:\n            return defaults[name]\n",
+             ["tests/test_context.py::test_a_presets_own_flip_does_not_stale_its_verdict",
+              "tests/test_context.py::test_a_presets_own_levers_are_the_lever_not_its_context"]),
     Mutation("liveness-ignores-counters", "staleness: the recorded live levers ignore the kernel counters (every "
              "lever live, so marlin_dense on bf16 stales)", "campaigns/context.py",
              "    return sorted(name for name, lv in levers.items() if not lv.affects or set(lv.affects) & ran)\n",
