@@ -34,8 +34,8 @@ def cmd_levers(args) -> int:
     verdicts = _last_verdicts()
     cols = ("lever", "env", "default", "value", "source") + (("last verdict",) if verdicts else ()) + (
         "affects", "summary")
-    for col in cols:
-        table.add_column(col, overflow="fold")
+    for col in cols:                    # names and values whole (a folded name cannot be searched or copied)
+        table.add_column(col, overflow="fold", no_wrap=col in ("lever", "env", "value", "source"))
     for name, lv in levers.registry().items():
         own = "".join(f"; {q}: {v}" for q, v in sorted(lv.default_by_quant.items()))
         table.add_row(name, lv.env, str(lv.default) + own, str(resolved.values[name]), resolved.sources[name],
