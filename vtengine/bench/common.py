@@ -87,3 +87,26 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def cuda_env() -> dict:
+    """The run's environment for a CUDA benchmark's report: device, SMs, L2, versions, UTC date and time."""
+    import datetime
+    import platform
+
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return dict(device=props.name, sms=props.multi_processor_count, l2_mb=props.L2_cache_size / 2 ** 20,
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                python=platform.python_version(), date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat())
+
+
+def write_result(out_dir, stem: str, result: dict, markdown: str) -> None:
+    """A benchmark's JSON and its Markdown report, written side by side (after each shape, so a run cut short
+    keeps what it measured)."""
+    import json
+    from pathlib import Path
+    out = Path(out_dir)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"{stem}.md").write_text(markdown)

@@ -21,11 +21,9 @@ Writes OUT_DIR/w4a16-<device>-<date>.json and .md; returns the JSON dict.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -615,10 +613,7 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
-    now = _dt.datetime.now(_dt.timezone.utc)
-    env = dict(device=props.name, sms=props.multi_processor_count, l2_mb=props.L2_cache_size / 2 ** 20,
-               torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-               python=platform.python_version(), date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat())
+    env = common.cuda_env()
     t0 = time.time()
     compile_errors = (precompile(shapes, sweep, precompile_workers) if precompile_workers and not (bf16_only or mid)
                       else [])
@@ -640,11 +635,9 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
         for r in shp["rows"]:
             if r["M"] in (1, 8, 64):
                 _log(f"K={k} N={n} M={r['M']} {r['method']}: {r['us']:.1f} us {100 * r['frac_copy']:.0f}%")
-        (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-        (out / f"{stem}.md").write_text(report(result))
+        common.write_result(out, stem, result, report(result))
     result["wall_s"] = time.time() - t0
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / f"{stem}.md").write_text(report(result))
+    common.write_result(out, stem, result, report(result))
     return result
 
 

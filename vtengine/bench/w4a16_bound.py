@@ -22,9 +22,7 @@ Writes OUT_DIR/w4a16-bound-<device>-<date>.json and .md; returns the JSON dict.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -215,10 +213,7 @@ def main(out_dir: str, shapes=SHAPES) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
-    now = _dt.datetime.now(_dt.timezone.utc)
-    env = dict(device=props.name, sms=props.multi_processor_count, l2_mb=props.L2_cache_size / 2 ** 20,
-               torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-               python=platform.python_version(), date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat())
+    env = common.cuda_env()
     t0 = time.time()
     copy_gbs = common.copy_bandwidth_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -227,11 +222,9 @@ def main(out_dir: str, shapes=SHAPES) -> dict:
     for k, n in shapes:
         result["shapes"].append(bench_shape(k, n, copy_gbs, props.L2_cache_size, props.multi_processor_count, gen))
         print(json.dumps(summary(result["shapes"][-1])), file=sys.stderr, flush=True)
-        (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-        (out / f"{stem}.md").write_text(markdown(result))
+        common.write_result(out, stem, result, markdown(result))
     result["wall_s"] = time.time() - t0
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / f"{stem}.md").write_text(markdown(result))
+    common.write_result(out, stem, result, markdown(result))
     return result
 
 
