@@ -403,16 +403,21 @@ def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone
     assert check_flippable(flip, out) is None
 
 
-def test_a_presets_own_levers_are_the_lever_not_its_context():
-    """mixed_prefill's ON arm runs chunk_graphs, chunked_prefill=512... because the preset under test sets them: its
-    first H200 verdict was marked STALE at once ("chunk_graphs's default is now off; the campaign ran with on").
-    They are context only where the preset is off, and there a drift from the default still stales the verdict."""
-    reg = levers.registry()
-    sets = reg["mixed_prefill"].sets
+def _preset_verdict():
+    """A fresh mixed_prefill FLIP: its ON arm ran the levers the preset sets, both arms with them live."""
+    sets = levers.registry()["mixed_prefill"].sets
     ev = _fresh_today(make_evidence(TPUT_WIN, lever="mixed_prefill"))
     ev.context["on"].update(sets)
     for arm in ev.arms:
         ev.live_levers[arm.name] = sorted({"mixed_prefill", *sets})
+    return ev
+
+
+def test_a_presets_own_levers_are_the_lever_not_its_context():
+    """mixed_prefill's ON arm runs chunk_graphs, chunked_prefill=512... because the preset under test sets them: its
+    first H200 verdict was marked STALE at once ("chunk_graphs's default is now off; the campaign ran with on").
+    They are context only where the preset is off, and there a drift from the default still stales the verdict."""
+    ev = _preset_verdict()
     f = lever_context.freshness(ev, ROOT)
     assert f.fresh, f.reasons
     ev.context["off"]["chunk_graphs"] = True         # the baseline ran a set lever off its default: that is context
@@ -427,11 +432,7 @@ def test_a_presets_own_flip_does_not_stale_its_verdict():
     import dataclasses
     reg = levers.registry()
     flipped = {**reg, "mixed_prefill": dataclasses.replace(reg["mixed_prefill"], default=True)}
-    sets = reg["mixed_prefill"].sets
-    ev = _fresh_today(make_evidence(TPUT_WIN, lever="mixed_prefill"))
-    ev.context["on"].update(sets)
-    for arm in ev.arms:
-        ev.live_levers[arm.name] = sorted({"mixed_prefill", *sets})
+    ev = _preset_verdict()
     digests = lever_context.tree_digests(flipped, ROOT)
     assert levers.effective_defaults(flipped)["chunk_graphs"] is True
     f = lever_context.freshness(ev, ROOT, flipped, digests)
