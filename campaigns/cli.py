@@ -222,10 +222,17 @@ def cmd_status(args) -> int:
     for col in ("lever", "measured on", "default", "env", "resolved", "byte-exact", "last campaign", "verdict",
                 "fresh"):
         table.add_column(col)
-    try:
-        resolved = levers.resolve()
-    except levers.LeverError as e:
-        raise UsageError(str(e)) from None
+    resolved_by: dict = {}
+
+    def resolved(quant):            # the env this shell would give an engine on the row's quantization
+        if quant not in resolved_by:
+            try:
+                resolved_by[quant] = levers.resolve(quant=quant)
+            except levers.LeverError as e:
+                raise UsageError(str(e)) from None
+        return resolved_by[quant]
+
+    resolved(None)
     registry = levers.registry()
     root = confdirs.SOURCE_ROOT
     digests = lever_context.tree_digests(registry, root)
@@ -238,8 +245,10 @@ def cmd_status(args) -> int:
             if fresh is not None and not fresh.fresh and last.decision.binding:
                 stale.append((last, fresh))
             quant = lever_context.quant_of(last) if last else None
-            table.add_row(name, measured_on(last) if key else "—", str(lever.default_for(quant)), lever.env,
-                          f"{resolved.values[name]} ({resolved.sources[name]})",
+            now = resolved(quant)       # the row's quantization: its own defaults, with the on presets applied
+            table.add_row(name, measured_on(last) if key else "—",
+                          str(levers.effective_defaults(registry, quant)[name]), lever.env,
+                          f"{now.values[name]} ({now.sources[name]})",
                           {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
                           last.campaign_id if last else "—", last.decision.verdict if last else "—",
                           fresh.label if fresh else "—")

@@ -8,7 +8,7 @@ from campaigns import records
 from campaigns.cli import main
 from campaigns.config import CampaignConfigError, compose, options
 from campaigns.evidence import load_evidence, save_evidence
-from helpers import TPUT_WIN, make_evidence
+from helpers import TPUT_WIN, make_evidence, plain_defaults
 
 CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_graphs", "chunked_prefill",
              "decode_wave_grid",
@@ -237,6 +237,32 @@ def test_render_and_status(out_dir, capsys):
     assert "VT_DECODE_GQA_SWAP" in row and ev.campaign_id in row and "FLIP" in row and "yes" in row
     assert main(["render", "--out-dir", str(out / "nowhere")]) == 2
     assert "no campaigns directory" in _error_line(capsys)
+
+
+def test_status_rows_show_their_own_quantizations_default_and_value(tmp_path, monkeypatch, capsys):
+    """pdl_stack on for bf16 sets pdl_prefetch there: `vtcampaign status` showed the bf16 row of pdl_prefetch with
+    default False and resolved False (the plain default, quantization unknown). Each row now shows its own
+    quantization's default and the value an engine on it would run, and where that value comes from."""
+    import dataclasses
+    from vtengine import levers
+    plain_defaults(monkeypatch)
+    plain = levers.registry
+    monkeypatch.setattr(levers, "registry", lambda lever_dir=None: {
+        **plain(lever_dir), "pdl_stack": dataclasses.replace(plain(lever_dir)["pdl_stack"],
+                                                             default_by_quant={"bf16": True})})
+    monkeypatch.delenv("VT_PDL_PREFETCH", raising=False)
+    monkeypatch.delenv("VT_PDL_STACK", raising=False)
+    out = tmp_path / "records" / "campaigns"
+    for quant in ("bf16", "mxfp4"):
+        ev = make_evidence(TPUT_WIN, lever="pdl_prefetch", campaign_id=f"2026-12-04-pdl_prefetch-{quant}-abc1234")
+        ev.config["model"]["quant"] = quant
+        ev.__dict__.pop("_settings", None)
+        save_evidence(ev, out / ev.campaign_id)
+    assert main(["status", "--out-dir", str(out)]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("│ pdl_prefetch ")]
+    cells = [[c.strip() for c in ln.split("│")[1:6]] for ln in rows]
+    assert cells == [["pdl_prefetch", "qwen3-8b (bf16)", "True", "VT_PDL_PREFETCH", "True (preset pdl_stack)"],
+                     ["pdl_prefetch", "qwen3-8b (mxfp4)", "False", "VT_PDL_PREFETCH", "False (default)"]]
 
 
 def test_summaries_of_a_run_elsewhere_stay_next_to_its_records(tmp_path):
