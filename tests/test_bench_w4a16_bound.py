@@ -28,14 +28,17 @@ def test_the_read_kernel_folds_every_word_and_scale_of_its_grid(block_n, block_k
 
 
 def test_the_report_derives_each_cost_from_the_measured_rows():
-    rows = [dict(method="gemm", us=9.3), dict(method="gemm_split1", us=12.0), dict(method="read_grid", us=6.0),
+    gemm_cfg = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=2, num_stages=3)
+    on_gemm_grid = wb.read_configs(6144, 4096, gemm_cfg, 132)[0]     # named as bench_shape names its row
+    rows = [dict(method="gemm", us=9.3), dict(method="gemm_split1", us=12.0),
+            dict(method=wb.read_method(on_gemm_grid), us=6.0),
             dict(method="read_wide", us=5.0, config=dict(BLOCK_N=64, BLOCK_K=512, SPLIT_K=2, num_warps=4,
                                                          num_stages=4)),
             dict(method="read_wide", us=4.5, config=dict(BLOCK_N=128, BLOCK_K=256, SPLIT_K=1, num_warps=4,
                                                          num_stages=3)),
             dict(method="empty_grid", us=2.1)]
     shp = dict(name="qkv_proj", bytes=13_381_632, rows=rows, errors=["read {...}: its fold differs"],
-               gemm_config=dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=2, num_stages=3))
+               gemm_config=gemm_cfg)
     assert wb.summary(shp) == dict(gemm=9.3, gemm_split1=12.0, read_grid=6.0, read_best=4.5, empty_grid=2.1)
     env = dict(device="H200", date="2026-12-04", torch="2.11", triton="3.6", l2_mb=60, sms=132)
     md = wb.markdown(dict(env=env, copy_gbs=4200.0, copy_bw_method="D2D", shapes=[shp]))
@@ -44,3 +47,14 @@ def test_the_report_derives_each_cost_from_the_measured_rows():
             f"({100 * floor / 12.0:.0f}%) | 6.0 µs ({100 * floor / 6.0:.0f}%) | 4.5 µs ({100 * floor / 4.5:.0f}%) | "
             "2.1 µs | +3.3 µs | +1.5 µs |") in md
     assert "best read BLOCK_N=128 BLOCK_K=256 split=1" in md and "error: read {...}: its fold differs" in md
+
+
+@pytest.mark.gpu
+def test_every_figure_of_a_shape_is_measured_on_the_gpu():
+    """The whole protocol at one small shape: the GEMM with and without split-K (its one-time setup outside the
+    graph capture), the reads, the empty grid, all timed and none in errors."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    shp = wb.bench_shape(4096, 4096, 4000.0, props.L2_cache_size, props.multi_processor_count, gen)
+    assert shp["errors"] == []
+    assert all(v is not None and v > 0 for v in wb.summary(shp).values()), wb.summary(shp)
