@@ -89,6 +89,15 @@ def _parser() -> argparse.ArgumentParser:
                                     "record keeps the earlier verdict in the reasons. Nothing is measured again.")
     de.add_argument("campaign_id")
     _out_dir_arg(de)
+    co = sub.add_parser("conclude", help="conclude a campaign whose legs are all recorded, on any host",
+                        description="Conclude a campaign whose every gate, leg and server report is recorded but "
+                                    "whose run stopped before its verdict (a device command's time limit landed "
+                                    "there): the policy, records, tracking and flip as the campaign was "
+                                    "configured. Nothing is measured, so it runs on any host and commit; the "
+                                    "verdict's reasons say where it was concluded. A campaign with legs or gates "
+                                    "left is refused, naming them: resume that one where it ran.")
+    co.add_argument("campaign_id")
+    _out_dir_arg(co)
     rc = sub.add_parser("recheck", help="re-run the campaigns of the stale binding verdicts, one after another",
                         description="Re-run every stale binding verdict's campaign (vtcampaign status lists them) "
                                     "on today's defaults, resumably; extra arguments are Hydra overrides for every "
@@ -148,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             raise UsageError(f"unexpected argument(s) {extra} for {args.cmd}")
         return {"status": cmd_status, "render": cmd_render, "log": cmd_log, "pr": cmd_pr, "ui": cmd_ui,
-                "calibrate": cmd_calibrate, "flip": cmd_flip, "decide": cmd_decide}[args.cmd](args)
+                "calibrate": cmd_calibrate, "flip": cmd_flip, "decide": cmd_decide,
+                "conclude": cmd_conclude}[args.cmd](args)
     except (UsageError, *USER_ERRORS) as e:
         print(f"vtcampaign: error: {e}", file=sys.stderr)
         return 2
@@ -349,6 +359,16 @@ def cmd_decide(args) -> int:
     out_dir = Path(args.out_dir).resolve()
     render_all(out_dir, status_dir(project_root(), out_dir), only=[ev.campaign_id])
     print(f"{ev.campaign_id}: {before.verdict} -> {after.verdict} ({after.headline})")
+    return 0
+
+
+def cmd_conclude(args) -> int:
+    from campaigns.runner import CampaignError, conclude_recorded
+    try:
+        ev = conclude_recorded(args.campaign_id, project_root(), args.out_dir)
+    except CampaignError as e:
+        raise UsageError(str(e)) from None
+    print(f"{ev.campaign_id}: {ev.decision.verdict} ({ev.decision.headline})")
     return 0
 
 

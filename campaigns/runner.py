@@ -163,6 +163,52 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
     return run.ev
 
 
+def conclude_recorded(campaign_id: str, repo: Path | str = ".", out_dir: Path | str | None = None) -> Evidence:
+    """Conclude a campaign whose every gate, leg and server report is recorded but whose run stopped before its
+    verdict (a device command's time limit landed there), on any host and at any commit: the policy, the records,
+    tracking and the flip as the campaign was configured. Nothing is measured, so the device, versions and commit
+    of the run need not be here; the verdict's reasons say where and when it was concluded. A campaign with
+    anything left to measure is refused, naming what, with the command that resumes it where it ran."""
+    repo = Path(repo).resolve()
+    out_dir = Path(out_dir).resolve() if out_dir is not None else repo / "records" / "campaigns"
+    cdir = out_dir / campaign_id
+    if not (cdir / "evidence.json").is_file():
+        known = sorted(p.parent.name for p in find_evidence(out_dir))
+        raise CampaignError(f"unknown campaign id {campaign_id!r} under {out_dir}; accepted: "
+                            f"{', '.join(known) or '(none yet)'}")
+    ev = load_evidence(cdir)
+    if ev.status == "complete":
+        verdict = ev.decision.verdict if ev.decision else "no verdict"
+        raise CampaignError(f"{campaign_id} is complete already ({verdict}); `vtcampaign decide {campaign_id}` "
+                            "applies this checkout's policy to it again")
+    cfg = OmegaConf.create(ev.config)
+    gates = _gates_to_run(cfg, ev)
+    left = left_to_measure(ev)
+    if left:
+        raise CampaignError(f"{campaign_id} has measurements left ({'; '.join(left)}); resume it where it ran "
+                            f"(its device and commit {ev.fingerprint.git_short_sha}): `vtcampaign run "
+                            f"campaign={cfg.campaign.name} <the overrides it ran with> resume={campaign_id}`")
+    from campaigns.gitops import repo_state
+    run = _Run(cfg, repo, out_dir, cdir, ev, _gate_context(cfg, ev, cdir, {}), gates, {}, time.perf_counter())
+    here = repo_state(repo).short_sha
+    ran = f"{ev.fingerprint.git_short_sha} on {ev.fingerprint.device_name}"
+    _conclude(run, note=f"concluded on {utc_now()[:10]} at {here} from the recorded gates and legs (the run at "
+                        f"{ran} stopped before its verdict); the conclusion measured nothing")
+    return ev
+
+
+def left_to_measure(ev: Evidence) -> list[str]:
+    """What an unfinished campaign has yet to measure (gates per arm, legs, server reports), by the plan of its
+    own recorded config; [] when only its conclusion is missing (``conclude_recorded``)."""
+    cfg = OmegaConf.create(ev.config)
+    gates = [g for g in cfg.campaign.gates if g not in dict(cfg.campaign.inapplicable)]
+    left = [f"gate {g} on {a.name}" for g in gates if g in IN_PROCESS_GATES for a in ev.arms
+            if ev.gate(g, a.name) is None]
+    if left or (_gates_decide(ev) and "async_parity" not in gates):
+        return left
+    return _unserved(ev, cfg, [g for g in gates if g in SERVER_GATES])
+
+
 def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callable[[str], None] | None) -> _Run:
     """A new campaign (preflight) or the one ``resume=`` names, its evidence saved, and the gate context."""
     if not _cuda():
@@ -191,11 +237,20 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
     console.print(f"[bold]campaign[/] {ev.campaign_id}  lever={ev.lever}  arms="
                   f"{[f'{a.name}({a.role})' for a in ev.arms]}  model={cfg.model.name}/{cfg.model.quant}  "
                   f"device={ev.fingerprint.device_name}  evidence={cdir}")
-    ctx = GateContext(lever=ev.lever, arms=ev.arms, model=str(cfg.model.name), quant=str(cfg.model.quant),
-                      device=ev.fingerprint.device_type, gate_cfg=cfg.gate,
-                      near_tie_max_mnats=float(cfg.campaign.policy.near_tie_max_mnats), work_dir=cdir,
-                      inert_arm=inject.get("inert_arm"), broken_arm=inject.get("broken_arm"),
-                      with_levers=dict(cfg.campaign.with_levers), cpu_max_model_len=_cpu_max_model_len(cfg))
+    ctx = _gate_context(cfg, ev, cdir, inject)
+    return _Run(cfg, repo, out_dir, cdir, ev, ctx, _gates_to_run(cfg, ev), inject, t_start)
+
+
+def _gate_context(cfg: DictConfig, ev: Evidence, cdir: Path, inject: dict[str, Any]) -> GateContext:
+    return GateContext(lever=ev.lever, arms=ev.arms, model=str(cfg.model.name), quant=str(cfg.model.quant),
+                       device=ev.fingerprint.device_type, gate_cfg=cfg.gate,
+                       near_tie_max_mnats=float(cfg.campaign.policy.near_tie_max_mnats), work_dir=cdir,
+                       inert_arm=inject.get("inert_arm"), broken_arm=inject.get("broken_arm"),
+                       with_levers=dict(cfg.campaign.with_levers), cpu_max_model_len=_cpu_max_model_len(cfg))
+
+
+def _gates_to_run(cfg: DictConfig, ev: Evidence) -> list[str]:
+    """The campaign's gates less the inapplicable ones, which are recorded as skipped with their reason."""
     gates = list(cfg.campaign.gates)
     unknown = sorted(set(gates) - set(IN_PROCESS_GATES) - set(SERVER_GATES))
     if unknown:
@@ -205,7 +260,7 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
         for a in ev.arms:
             if g in exempt and ev.gate(g, a.name) is None:
                 ev.gates.append(skipped(g, a, f"inapplicable: {exempt[g]}"))
-    return _Run(cfg, repo, out_dir, cdir, ev, ctx, [g for g in gates if g not in exempt], inject, t_start)
+    return [g for g in gates if g not in exempt]
 
 
 def _in_process_gates(run: _Run) -> None:
@@ -261,12 +316,23 @@ def _served(run: _Run) -> bool:
     """Whether a resumed campaign has all that its servers give (the server gates, every planned leg or the invalid
     one that stopped the grid, each arm's peak memory and lever context): a run stopped after the grid (a device
     command's time limit, landing in the verdict) then concludes at once instead of starting every server again."""
-    ev = run.ev
-    arms = {a.name for a in ev.arms}
-    plan = _leg_plan(ev, run.cfg)
-    return (all(ev.gate(n, a) is not None for n in run.gates if n in SERVER_GATES for a in arms)
-            and (void_leg(ev) is not None or {(c, r, a.name) for c, r, a in plan} <= ev.done_legs())
-            and arms <= set(ev.peak_memory_gib) and arms <= set(ev.context))
+    return not _unserved(run.ev, run.cfg, [g for g in run.gates if g in SERVER_GATES])
+
+
+def _unserved(ev: Evidence, cfg: DictConfig, gates: list[str]) -> list[str]:
+    """What the servers have yet to give: each of ``gates`` on each arm, the planned legs (none once an invalid leg
+    voided the grid), each arm's server report (peak memory, lever context); [] when nothing is left."""
+    arms = [a.name for a in ev.arms]
+    out = [f"gate {g} on {a}" for g in gates for a in arms if ev.gate(g, a) is None]
+    plan = [(c, r, a.name) for c, r, a in _leg_plan(ev, cfg)]
+    done = ev.done_legs()
+    todo = [leg for leg in plan if leg not in done]
+    if todo and void_leg(ev) is None:
+        c, r, a = todo[0]
+        out.append(f"{len(todo)} of {len(plan)} legs (the first: c={c} rep={r} arm {a})")
+    out += [f"the {a} server's report (peak memory, lever context)" for a in arms
+            if a not in ev.peak_memory_gib or a not in ev.context]
+    return out
 
 
 def _leg_plan(ev: Evidence, cfg: DictConfig) -> list:
@@ -275,12 +341,15 @@ def _leg_plan(ev: Evidence, cfg: DictConfig) -> list:
     return gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order))
 
 
-def _conclude(run: _Run) -> None:
-    """Statistics, calibration and the verdict; then records, tracking, the flip and the summary."""
+def _conclude(run: _Run, note: str | None = None) -> None:
+    """Statistics, calibration and the verdict (``note`` joins its reasons); then records, tracking, the flip and
+    the summary."""
     ev, cfg = run.ev, run.cfg
     if not ev.context:             # no server ran (the gates fixed the verdict): the gate engines' context
         _record_gate_context(ev, run.ctx)
     policy.conclude(ev, noise=calibrate.pool_for(ev, _other_evidence(run.out_dir, ev.campaign_id)))
+    if note and ev.decision is not None:
+        ev.decision.reasons.append(note)
     ev.status = "complete"
     _save(ev, run.cdir)
     summaries = status_dir(run.repo, run.out_dir)

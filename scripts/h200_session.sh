@@ -10,6 +10,7 @@
 # returned evidence back into records/campaigns/ and repeat the same step in the next call to continue it.
 # Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
 # Back here, `python scripts/absorb_results.py <files_at>/results.tgz` takes it in and commits it at once.
+# A campaign step cut off after its last leg (before its verdict): `vtcampaign conclude <id>` here, no device needed.
 # Absorb each call's tarball before the next call: a call carries the checkout as it is, and a resume=auto step
 # whose copy lacks the last call's legs starts its campaign anew (absorb keeps the further-along evidence).
 set -uo pipefail

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,35 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     assert {f: f.stat().st_mtime_ns for f in evidence.parent.glob("server-*.log")} == logs
     ev3 = load_evidence(evidence)
     assert ev3.status == "complete" and ev3.decision.verdict == "NON-BINDING" and ev3.legs == ev2.legs
+
+    # the same state concluded off the run's commit (`vtcampaign conclude`, what a host without the device does):
+    # no server, the same verdict, its reasons naming where it was concluded
+    evidence.write_text(json.dumps(raw))
+    (repo / "later.txt").write_text("a later commit\n")
+    subprocess.run(["git", "add", "later.txt"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "later"], cwd=repo, check=True)
+    here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True).stdout
+    conclude = [sys.executable, "-m", "campaigns.cli", "conclude", ev.campaign_id]
+    done = subprocess.run(conclude, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {f: f.stat().st_mtime_ns for f in evidence.parent.glob("server-*.log")} == logs
+    ev4 = load_evidence(evidence)
+    assert ev4.status == "complete" and ev4.decision.verdict == "NON-BINDING" and ev4.legs == ev2.legs
+    today = datetime.now(timezone.utc).date().isoformat()
+    assert [r for r in ev4.decision.reasons if r.startswith("concluded on")] == [
+        f"concluded on {today} at {here.strip()} from the recorded gates and legs (the run at "
+        f"{ev.fingerprint.git_short_sha} on {ev.fingerprint.device_name} stopped before its verdict); the "
+        "conclusion measured nothing"]
+    twice = subprocess.run(conclude, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert twice.returncode == 2 and "is complete already (NON-BINDING)" in twice.stderr
+    # a leg short: refused, naming it, and nothing written
+    evidence.write_text(json.dumps(dict(raw, legs=raw["legs"][:-1])))
+    short = subprocess.run(conclude, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert short.returncode == 2, short.stderr
+    assert "has measurements left (1 of 8 legs (the first: c=" in short.stderr
+    assert f"resume={ev.campaign_id}" in short.stderr
+    left = load_evidence(evidence)
+    assert left.status == "in-progress" and left.decision is None and len(left.legs) == 7
 
 
 def test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_commit(tmp_path):
