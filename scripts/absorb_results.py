@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"uncommitted from an earlier absorb, taken too: {left}")
     if campaigns or any((ROOT / "records" / "campaigns" / n).is_dir() for n in left):
         subprocess.run([sys.executable, "-m", "campaigns.cli", "render"], cwd=ROOT, check=True)
+    for name in concludable(campaigns):
+        print(f"{name}: every gate and leg is recorded, the verdict is not (the call's time ran out there): "
+              f"`vtcampaign conclude {name}` concludes it here")
     if args.no_commit:
         return 0
     subprocess.run(["git", "add", "records", "bench/results", "campaigns/gates/op_bounds.yaml"], cwd=ROOT, check=True)
@@ -155,6 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     body = "Committed as the call returned; figures follow.\n\n" + "\n".join(f"- {n}" for n in names)
     subprocess.run(["git", "commit", "-q", "-m", msg, "-m", body], cwd=ROOT, check=True)
     return 0
+
+
+def concludable(names: list[str], root: Path = ROOT) -> list[str]:
+    """The campaigns of ``names`` that stopped with nothing left to measure, only their conclusion."""
+    from campaigns.evidence import load_evidence
+    from campaigns.runner import left_to_measure
+    out = []
+    for name in names:
+        ev = load_evidence(root / "records" / "campaigns" / name)
+        if ev.status != "complete" and not left_to_measure(ev):
+            out.append(name)
+    return out
 
 
 def commit_subject(names: list[str], limit: int = 72) -> str:

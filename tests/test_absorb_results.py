@@ -134,3 +134,21 @@ def test_an_older_copy_of_a_campaign_never_replaces_the_checkouts(tmp_path):
     fewer_gates = {**done, "gates": [1]}
     assert absorb_results.absorb(_tgz(tmp_path / "g.tgz", {f"records/campaigns/{cid}/evidence.json":
                                                            json.dumps(fewer_gates)}), root)[0] == []
+
+
+def test_a_campaign_stopped_only_short_of_its_verdict_is_named_concludable(tmp_path):
+    """The H200 evidence of a campaign whose every gate and leg is recorded (a bf16 pdl_prefetch recheck): unfinished
+    with all of it, absorb names it for `vtcampaign conclude`; one leg or one gate result short, it does not."""
+    cid = "2026-12-04-pdl_prefetch-97ad59f"
+    raw = json.loads((ROOT / "records" / "campaigns" / cid / "evidence.json").read_text())
+    dest = tmp_path / "records" / "campaigns"
+
+    def state(**changes):
+        for name, ev in (("whole", dict(raw, **changes)), ("leg-short", dict(raw, legs=raw["legs"][1:], **changes)),
+                         ("gate-short", dict(raw, gates=[g for g in raw["gates"] if g["gate"] != "op"], **changes))):
+            (dest / name).mkdir(parents=True, exist_ok=True)
+            (dest / name / "evidence.json").write_text(json.dumps(ev))
+        return absorb_results.concludable(["whole", "leg-short", "gate-short"], root=tmp_path)
+
+    assert state(status="in-progress", decision=None) == ["whole"]
+    assert state() == []                                    # complete: nothing to conclude
