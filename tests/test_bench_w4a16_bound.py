@@ -36,17 +36,35 @@ def test_the_report_derives_each_cost_from_the_measured_rows():
                                                          num_stages=4)),
             dict(method="read_wide", us=4.5, config=dict(BLOCK_N=128, BLOCK_K=256, SPLIT_K=1, num_warps=4,
                                                          num_stages=3)),
-            dict(method="empty_grid", us=2.1)]
+            dict(method="empty_grid", us=2.1),
+            dict(method="gemm_wide", us=8.4, config=dict(gemm_cfg, BLOCK_N=64, num_warps=4, SPLIT_K=2)),
+            dict(method="gemm_wide", us=8.0, config=dict(gemm_cfg, BLOCK_N=64, num_warps=8, SPLIT_K=4))]
     shp = dict(name="qkv_proj", bytes=13_381_632, rows=rows, errors=["read {...}: its fold differs"],
                gemm_config=gemm_cfg)
-    assert wb.summary(shp) == dict(gemm=9.3, gemm_split1=12.0, read_grid=6.0, read_best=4.5, empty_grid=2.1)
+    assert wb.summary(shp) == dict(gemm=9.3, gemm_split1=12.0, gemm_wide=8.0, read_grid=6.0, read_best=4.5,
+                                   empty_grid=2.1)
     env = dict(device="H200", date="2026-12-04", torch="2.11", triton="3.6", l2_mb=60, sms=132)
     md = wb.markdown(dict(env=env, copy_gbs=4200.0, copy_bw_method="D2D", shapes=[shp]))
     floor = 13_381_632 / 4200e3
     assert (f"| qkv_proj | 13.4 | {floor:.1f} µs | 9.3 µs ({100 * floor / 9.3:.0f}%) | 12.0 µs "
-            f"({100 * floor / 12.0:.0f}%) | 6.0 µs ({100 * floor / 6.0:.0f}%) | 4.5 µs ({100 * floor / 4.5:.0f}%) | "
+            f"({100 * floor / 12.0:.0f}%) | 8.0 µs ({100 * floor / 8.0:.0f}%) | 6.0 µs ({100 * floor / 6.0:.0f}%) | 4.5 µs ({100 * floor / 4.5:.0f}%) | "
             "2.1 µs | +3.3 µs | +1.5 µs |") in md
     assert "best read BLOCK_N=128 BLOCK_K=256 split=1" in md and "error: read {...}: its fold differs" in md
+    assert "best wider GEMM tiles BLOCK_N=64 BLOCK_K=256 split=4 warps=8 stages=3" in md
+
+
+@pytest.mark.parametrize("k, n", [(4096, 6144), (4096, 24576), (12288, 4096)])
+def test_wider_tiles_change_only_the_program_shape_and_keep_one_to_four_programs_per_sm(k, n):
+    gemm_cfg = dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, SWAP_AB=True, num_warps=2, num_stages=3,
+                    TILES="decode")
+    configs = wb.wide_configs(n, k, gemm_cfg, 132)
+    assert configs, "no wider tiles at all"
+    for c in configs:
+        programs = -(-n // c["BLOCK_N"]) * c["SPLIT_K"]
+        assert 132 <= programs <= 4 * 132 and (k // 256) % c["SPLIT_K"] == 0, c
+        assert {key for key in c if c[key] != gemm_cfg[key]} <= {"BLOCK_N", "num_warps", "num_stages", "SPLIT_K"}
+        assert (c["BLOCK_N"], c["num_warps"]) in {(64, 4), (64, 8), (128, 8)}
+    assert len({tuple(sorted(c.items())) for c in configs}) == len(configs)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,8 @@ every call reads cold weights):
 
 - ``gemm``: the engine's call (vtengine.kernels.w4a16.w4a16_linear, dense, rot);
 - ``gemm_split1``: the same tiles without split-K (no partial-tile workspace, no counter, no reduction);
+- ``gemm_wide``: the same kernel on wider programs with more warps each (BLOCK_N 64 or 128, 4 or 8 warps, the split
+  counts that give 1-4 programs per SM), each checked against the engine's tiles' output before it is timed;
 - ``read_grid``: a kernel that reads exactly the words and scale bytes the GEMM's programs read, on the GEMM's grid,
   tiles, warps and stages, and folds them with XOR (no decode, no MMA, no activations): what streaming the weights
   costs on this grid;
@@ -38,6 +40,7 @@ SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]       # K ->
 SHAPE_NAMES = {(4096, 6144): "qkv_proj", (4096, 4096): "o_proj", (4096, 24576): "gate_up_proj",
                (12288, 4096): "down_proj"}
 SCALE_BLOCK = 32                                                           # MXFP4
+WIDE_TOL = 1e-2            # rel L2 of a wider tile's output against the engine's tiles (split-K sums in another order)
 READ_TILES = [(32, 2, 4), (64, 4, 4), (128, 4, 3), (64, 8, 4)]           # (BLOCK_N, num_warps, num_stages)
 
 
@@ -112,6 +115,21 @@ def read_configs(n: int, k: int, gemm_cfg: dict, num_sms: int) -> list[dict]:
     return out
 
 
+def wide_configs(n: int, k: int, gemm_cfg: dict, num_sms: int) -> list[dict]:
+    """The GEMM's tiles on wider programs with more warps each (the read's best grids: BLOCK_N 64, 8 warps), at the
+    split counts that give 1-4 programs per SM."""
+    k_steps = k // gemm_cfg["BLOCK_K"]
+    out = []
+    for block_n, warps in ((64, 4), (64, 8), (128, 8)):
+        programs = triton.cdiv(n, block_n)
+        for split in (1, 2, 4, 8):
+            if k_steps % split or k_steps // split < 2 or not num_sms <= programs * split <= 4 * num_sms:
+                continue
+            out += [dict(gemm_cfg, BLOCK_N=block_n, num_warps=warps, num_stages=stages, SPLIT_K=split)
+                    for stages in (3, 4)]
+    return out
+
+
 def read_method(rc: dict) -> str:
     """A read row's method: ``read_grid`` on the GEMM's own grid, ``read_wide`` on a wider one."""
     return "read_grid" if rc["grid"] == "gemm" else "read_wide"
@@ -147,6 +165,21 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, num_sms: int, gen) -> 
     row("gemm", rotating([lambda q=q: w4a16.w4a16_linear(x, q, dense=True, rot=True) for q in qs]))
     row("gemm_split1", rotating([lambda q=q: w4a16.w4a16_linear(x, q, dense=True, rot=True, config=split1)
                                  for q in qs]), config=split1)
+    want = w4a16.w4a16_linear(x, qs[0], dense=True, rot=True).float()
+    for wc in wide_configs(n, k, cfg, num_sms):
+        try:
+            got = w4a16.w4a16_linear(x, qs[0], dense=True, rot=True, config=wc).float()
+        except Exception as exc:                    # noqa: BLE001
+            res["errors"].append(f"gemm_wide {wc}: {common.error_text(exc)}")
+            continue
+        err = float((got - want).norm() / want.norm())
+        if not err < WIDE_TOL:
+            res["errors"].append(f"gemm_wide {wc}: rel L2 {err:.2e} against the engine's tiles; not timed")
+            continue
+        for q in qs[1:]:
+            w4a16.w4a16_linear(x, q, dense=True, rot=True, config=wc)
+        row("gemm_wide", rotating([lambda q=q, wc=wc: w4a16.w4a16_linear(x, q, dense=True, rot=True, config=wc)
+                                   for q in qs]), config=wc)
     for rc in read_configs(n, k, cfg, num_sms):
         got = read_fold(words[0], qs[0].scales, rc["BLOCK_N"], rc["BLOCK_K"], rc["SPLIT_K"], rc["num_warps"],
                         rc["num_stages"])
@@ -165,15 +198,15 @@ def bench_shape(k: int, n: int, copy_gbs: float, l2: int, num_sms: int, gen) -> 
 
 
 def summary(shp: dict) -> dict:
-    """The shape's figures by name: the GEMM, its split-free form, the read on the GEMM's grid, the best read, the
-    empty grid (µs; None where not measured)."""
+    """The shape's figures by name: the GEMM, its split-free form, its best wider tiles, the read on the GEMM's
+    grid, the best read, the empty grid (µs; None where not measured)."""
     by: dict[str, float] = {}
     for r in shp["rows"]:
         key = "read_best" if r["method"] == "read_wide" else r["method"]
         by[key] = min(by.get(key, float("inf")), r["us"])
     if "read_grid" in by:
         by["read_best"] = min(by.get("read_best", float("inf")), by["read_grid"])
-    names = ("gemm", "gemm_split1", "read_grid", "read_best", "empty_grid")
+    names = ("gemm", "gemm_split1", "gemm_wide", "read_grid", "read_best", "empty_grid")
     return {name: by.get(name) for name in names}
 
 
@@ -186,9 +219,9 @@ def markdown(result: dict) -> str:
              "(CUDA graph over rotating weight sets) and the weight + activation bytes as % of copy bandwidth. "
              "gemm - read_grid: decode, MMA and split-K epilogue; read_grid - read_best: the grid's shape; "
              "empty_grid: the launch and ramp of the GEMM's grid (vtengine/bench/w4a16_bound.py).", "",
-             "| projection | MB | byte floor | gemm | gemm, no split | read, gemm's grid | read, best grid | "
-             "empty grid | decode + MMA + epilogue | grid shape |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| projection | MB | byte floor | gemm | gemm, no split | gemm, best wider tiles | read, gemm's grid | "
+             "read, best grid | empty grid | decode + MMA + epilogue | grid shape |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shp in result["shapes"]:
         s = summary(shp)
         floor_us = shp["bytes"] / (result["copy_gbs"] * 1e3)
@@ -200,17 +233,21 @@ def markdown(result: dict) -> str:
             return "—" if a is None or b is None else f"{a - b:+.1f} µs"
         empty = "—" if s["empty_grid"] is None else f"{s['empty_grid']:.1f} µs"
         lines.append(f"| {shp['name']} | {shp['bytes'] / 1e6:.1f} | {floor_us:.1f} µs | {cell(s['gemm'])} | "
-                     f"{cell(s['gemm_split1'])} | {cell(s['read_grid'])} | {cell(s['read_best'])} | {empty} | "
+                     f"{cell(s['gemm_split1'])} | {cell(s['gemm_wide'])} | {cell(s['read_grid'])} | "
+                     f"{cell(s['read_best'])} | {empty} | "
                      f"{diff(s['gemm'], s['read_grid'])} | {diff(s['read_grid'], s['read_best'])} |")
     lines.append("")
     for shp in result["shapes"]:
-        best = min((r for r in shp["rows"] if r["method"] == "read_wide"), key=lambda r: r["us"], default=None)
-        c = shp["gemm_config"]
-        lines.append(f"- {shp['name']}: the GEMM's tiles BLOCK_N={c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} "
-                     f"split={c['SPLIT_K']} warps={c['num_warps']} stages={c['num_stages']}"
-                     + (f"; best read BLOCK_N={best['config']['BLOCK_N']} BLOCK_K={best['config']['BLOCK_K']} "
-                        f"split={best['config']['SPLIT_K']} warps={best['config']['num_warps']} "
-                        f"stages={best['config']['num_stages']}" if best else ""))
+        def tiles(c):
+            return (f"BLOCK_N={c['BLOCK_N']} BLOCK_K={c['BLOCK_K']} split={c['SPLIT_K']} warps={c['num_warps']} "
+                    f"stages={c['num_stages']}")
+
+        def best(method):
+            return min((r for r in shp["rows"] if r["method"] == method), key=lambda r: r["us"], default=None)
+        lines.append(f"- {shp['name']}: the GEMM's tiles {tiles(shp['gemm_config'])}"
+                     + "".join(f"; {label} {tiles(b['config'])}" for label, b in
+                               (("best wider GEMM tiles", best("gemm_wide")), ("best read", best("read_wide")))
+                               if b is not None))
         lines += [f"  - error: {e}" for e in shp["errors"]]
     return "\n".join(lines) + "\n"
 
