@@ -458,6 +458,11 @@ def test_variants_parse_and_run_beside_the_base(tmp_path, cpu_stand_ins):
     # the variants' lines say what each engine ran with, the bench's own pin included (never "at their defaults"
     # while async scheduling was pinned off)
     assert "- variant `base`: levers {'async_scheduling': False, 'gqa_swap': 'on'}" in md
+    assert "- async scheduling is off in every variant (the bench's pin)" in md
+    # a variant with async scheduling on (the engine's default): no such note
+    served = dict(res, variants=res["variants"] + [dict(name="async_scheduling=true",
+                                                         levers={"async_scheduling": "true"})])
+    assert "the bench's pin" not in report.render_markdown(DecodeResult.from_dict(served))
 
 
 def test_rounds_alternate_the_variants_on_fresh_engines(tmp_path, cpu_stand_ins):
