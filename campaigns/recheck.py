@@ -158,7 +158,8 @@ def overrides_for(ev: Evidence, registry: dict) -> list[str]:
         out.append("campaign.arms.candidates=[" + ",".join(_text(v) for v in cands) + "]")
     pins = dict(camp.with_levers)
     if pins:
-        out.append("+campaign.with_levers={" + ", ".join(f"{k}: {_text(v)}" for k, v in sorted(pins.items())) + "}")
+        # one shell word (no spaces): the device script's steps split their overrides on spaces
+        out.append("+campaign.with_levers={" + ",".join(f"{k}:{_text(v)}" for k, v in sorted(pins.items())) + "}")
     return out
 
 

@@ -245,3 +245,17 @@ def test_a_campaign_resumed_in_a_later_command_is_timed_without_the_pause():
     assert recheck.took_s(ev) == 120 + 9 + 4 + 2 + 4
     ev.legs = ev.legs[:2]
     assert recheck.took_s(ev) == 129
+
+
+def test_the_overrides_of_a_pinned_campaign_are_words_that_compose_back_to_its_pins():
+    """A recheck's overrides go into `scripts/h200_session.sh` steps, which split on spaces: a pin written
+    `{pdl: true}` broke a device call on 2026-12-04. Each override is one word, and composing them gives the pins."""
+    from campaigns.config import compose
+    ev = make_evidence(TPUT_WIN, lever="pdl_prefetch")
+    ev.config["campaign"]["with_levers"] = {"pdl": True, "gqa_swap": False}
+    ev.__dict__.pop("_settings", None)
+    words = recheck.overrides_for(ev, levers.registry())
+    assert all(" " not in w for w in words), words
+    assert "+campaign.with_levers={gqa_swap:false,pdl:true}" in words
+    cfg = compose(words + ["tracking=off"], cuda=False)
+    assert dict(cfg.campaign.with_levers) == {"pdl": True, "gqa_swap": False}
