@@ -115,6 +115,19 @@ def same_code(repo_root: Path | str, sha: str, paths: list[str]) -> bool:
     return True
 
 
+# Source files whose code runs for these weight quantizations alone: the W4A16 kernels run on quantized weights
+# only (tests/test_context.py runs a bf16 engine and checks no code of theirs runs, and that no other module
+# imports them but the backend that routes quantized weights there). A verdict measured on another quantization
+# does not go STALE when they change: a W4A16 tile change used to stale the bf16 verdicts of every lever that
+# lists w4a16.py for its W4A16 form (fuse_silu, fuse_norm, pdl, pdl_prefetch, pdl_stack).
+QUANT_SOURCES = {"vtengine/kernels/w4a16.py": ("mxfp4", "nvfp4")}
+
+
+def live_paths(lever, quant: str | None) -> list[str]:
+    """The lever's source files whose code can run on ``quant`` (all of them where the quantization is unknown)."""
+    return [p for p in lever.paths if quant is None or quant in QUANT_SOURCES.get(p, (quant,))]
+
+
 def missing_sources(lever, root: Path | str) -> list[str]:
     """The paths a lever file declares that are no file under ``root``: a typo there would hash as an absent file
     for ever, and the lever's verdicts could never go STALE from their own sources."""
@@ -349,8 +362,8 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
         if not then:
             reasons.append(f"{ev.lever}'s source files at the campaign are not known")
             causes.append("own sources unknown")
-        elif then != now and not same_code(root, ev.fingerprint.git_sha, own.paths):
-            reasons.append(f"{ev.lever}'s source files ({', '.join(own.paths)}) changed since "
+        elif then != now and not same_code(root, ev.fingerprint.git_sha, live_paths(own, quant_of(ev))):
+            reasons.append(f"{ev.lever}'s source files ({', '.join(live_paths(own, quant_of(ev)))}) changed since "
                            f"{ev.fingerprint.git_short_sha}")
             causes.append("own sources")
     if ctx.source == "unknown" and not reasons:

@@ -208,6 +208,12 @@ MUTATIONS = [
              "        if True:\n            return defaults[name]\n",
              ["tests/test_context.py::test_a_presets_own_flip_does_not_stale_its_verdict",
               "tests/test_context.py::test_a_presets_own_levers_are_the_lever_not_its_context"]),
+    Mutation("quant-scoped-sources-ignored", "staleness: a bf16 verdict goes STALE when a source that runs only "
+             "on quantized weights (w4a16.py) changes", "campaigns/context.py",
+             "    return [p for p in lever.paths if quant is None or quant in QUANT_SOURCES.get(p, (quant,))]\n",
+             "    return list(lever.paths)\n",
+             ["tests/test_context.py::test_a_source_that_runs_on_other_quantizations_alone_does_not_stale_a_bf16_"
+              "verdict"]),
     Mutation("liveness-ignores-counters", "staleness: the recorded live levers ignore the kernel counters (every "
              "lever live, so marlin_dense on bf16 stales)", "campaigns/context.py",
              "    return sorted(name for name, lv in levers.items() if not lv.affects or set(lv.affects) & ran)\n",

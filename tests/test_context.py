@@ -455,3 +455,77 @@ def test_levers_an_on_preset_sets_are_one_reason_named_for_the_preset(repo):
                          "pdl_stack's default is now on (it sets pdl=on, pdl_prefetch=on); the campaign ran with pdl "
                          "off, pdl_prefetch off, and they were live there"]
     assert f.short() == "STALE (defaults: fast_math, pdl_stack)"
+
+
+def test_a_source_that_runs_on_other_quantizations_alone_does_not_stale_a_bf16_verdict(repo):
+    """fuse_silu lists w4a16.py for its W4A16 form: its bf16 verdict measured none of that code, so a change there
+    (a W4A16 tile) leaves it FRESH, while the MXFP4 verdict goes STALE; a change to a file bf16 runs stales both,
+    and the bf16 reason names only the files bf16 runs."""
+    sha = git.Repo(repo).head.commit.hexsha
+
+    def verdict(quant):
+        reg, digests = now(repo)
+        ev = make_evidence(TPUT_WIN, lever="fuse_silu")
+        ev.config["model"]["quant"] = quant
+        ev.__dict__.pop("_settings", None)
+        for arm in ev.arms:
+            ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "fuse_silu": arm.value}
+            ev.live_levers[arm.name] = ["fuse_silu"]
+        ev.lever_digests = digests
+        ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
+        return ev
+
+    bf16, mx = verdict("bf16"), verdict("mxfp4")
+    (repo / "vtengine" / "kernels" / "w4a16.py").write_text("BLOCK_N = 64\n")
+    assert lever_context.freshness(bf16, repo, *now(repo)).fresh
+    assert lever_context.freshness(mx, repo, *now(repo)).reasons == [
+        "fuse_silu's source files (vtengine/kernels/w4a16.py, vtengine/kernels/gemv.py, "
+        f"vtengine/backends/triton_backend.py, vtengine/kernels/epilogue.py) changed since {sha[:7]}"]
+    (repo / "vtengine" / "kernels" / "gemv.py").write_text("BLOCK_N = 64\n")
+    assert lever_context.freshness(bf16, repo, *now(repo)).reasons == [
+        "fuse_silu's source files (vtengine/kernels/gemv.py, vtengine/backends/triton_backend.py, "
+        f"vtengine/kernels/epilogue.py) changed since {sha[:7]}"]
+
+
+def _code_run_from(files: set[str], llm, prompt: list[int]) -> set[str]:
+    """The functions defined in ``files`` that run while ``llm`` generates a few tokens (the interpreter runs the
+    Triton kernels as Python on CPU, so kernels count too)."""
+    from vtengine.engine.sampling_params import SamplingParams
+    ran: set[str] = set()
+
+    def probe(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename in files:
+            ran.add(frame.f_code.co_name)
+
+    sys.setprofile(probe)
+    try:
+        llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finally:
+        sys.setprofile(None)
+    return ran
+
+
+def test_the_quantization_scoped_sources_run_on_their_quantizations_alone():
+    """QUANT_SOURCES is a claim about the engine, checked: a bf16 engine on the Triton backend (prefill and decode,
+    its defaults) runs no code of those files, while an MXFP4 one does (the probe can see them); and no engine
+    module but the backend that routes quantized weights imports them (the benches and gates are not the engine)."""
+    import ast
+    from vtengine.engine.llm import LLM
+    files = {str((ROOT / p).resolve()) for p in lever_context.QUANT_SOURCES}
+    prompt = list(range(3, 40))
+    assert _code_run_from(files, LLM(model="tiny", quant="bf16", backend="triton"), prompt) == set()
+    assert "w4a16_linear" in _code_run_from(files, LLM(model="tiny", quant="mxfp4", backend="triton"), prompt)
+    importers = set()
+    for path in (ROOT / "vtengine").rglob("*.py"):
+        if "bench" in path.relative_to(ROOT / "vtengine").parts or path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(n.endswith("kernels.w4a16") for n in names):
+                importers.add(str(path.relative_to(ROOT)))
+    assert importers == {"vtengine/backends/triton_backend.py"}
