@@ -181,7 +181,7 @@ def conclude_recorded(campaign_id: str, repo: Path | str = ".", out_dir: Path | 
         verdict = ev.decision.verdict if ev.decision else "no verdict"
         raise CampaignError(f"{campaign_id} is complete already ({verdict}); `vtcampaign decide {campaign_id}` "
                             "applies this checkout's policy to it again")
-    cfg = OmegaConf.create(ev.config)
+    cfg = _recorded_cfg(ev)
     gates = _gates_to_run(cfg, ev)
     left = left_to_measure(ev)
     if left:
@@ -197,10 +197,15 @@ def conclude_recorded(campaign_id: str, repo: Path | str = ".", out_dir: Path | 
     return ev
 
 
+def _recorded_cfg(ev: Evidence) -> DictConfig:
+    """The campaign's composed config as recorded, with the defaults of keys an older campaign did not have."""
+    return OmegaConf.structured(settings(ev))
+
+
 def left_to_measure(ev: Evidence) -> list[str]:
     """What an unfinished campaign has yet to measure (gates per arm, legs, server reports), by the plan of its
     own recorded config; [] when only its conclusion is missing (``conclude_recorded``)."""
-    cfg = OmegaConf.create(ev.config)
+    cfg = _recorded_cfg(ev)
     gates = [g for g in cfg.campaign.gates if g not in dict(cfg.campaign.inapplicable)]
     left = [f"gate {g} on {a.name}" for g in gates if g in IN_PROCESS_GATES for a in ev.arms
             if ev.gate(g, a.name) is None]
@@ -321,13 +326,14 @@ def _served(run: _Run) -> bool:
 
 def _unserved(ev: Evidence, cfg: DictConfig, gates: list[str]) -> list[str]:
     """What the servers have yet to give: each of ``gates`` on each arm, the planned legs (none once an invalid leg
-    voided the grid), each arm's server report (peak memory, lever context); [] when nothing is left."""
+    voided the grid, or once the gates fixed the verdict: a correctness fix's RED needs its server gates, not the
+    grid), each arm's server report (peak memory, lever context); [] when nothing is left."""
     arms = [a.name for a in ev.arms]
     out = [f"gate {g} on {a}" for g in gates for a in arms if ev.gate(g, a) is None]
     plan = [(c, r, a.name) for c, r, a in _leg_plan(ev, cfg)]
     done = ev.done_legs()
     todo = [leg for leg in plan if leg not in done]
-    if todo and void_leg(ev) is None:
+    if todo and void_leg(ev) is None and (out or not _gates_decide(ev)):
         c, r, a = todo[0]
         out.append(f"{len(todo)} of {len(plan)} legs (the first: c={c} rep={r} arm {a})")
     out += [f"the {a} server's report (peak memory, lever context)" for a in arms
