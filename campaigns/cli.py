@@ -374,7 +374,7 @@ def cmd_conclude(args) -> int:
 
 def cmd_recheck(args) -> int:
     from campaigns import recheck
-    from campaigns.runner import CampaignError, run_campaign
+    from campaigns.runner import CampaignError, conclude_recorded, run_campaign
     if args.dry_run:
         state = recheck.plan(args.out_dir, restart=args.restart, frozen=args.frozen)
         if not state["entries"]:
@@ -398,8 +398,16 @@ def cmd_recheck(args) -> int:
             return run_campaign(cfg, repo=project_root(), on_start=on_start)
         except CampaignError as e:
             raise UsageError(str(e)) from None
+
+    def conclude_one(campaign_id):
+        try:
+            return conclude_recorded(campaign_id, project_root(), args.out_dir)
+        except CampaignError as e:
+            raise UsageError(str(e)) from None
     try:
-        recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart, frozen=args.frozen)
+        # on the device (--frozen) a resume concludes without starting servers anyway, on the device it ran on
+        recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart, frozen=args.frozen,
+                    conclude_one=None if args.frozen else conclude_one)
     except KeyboardInterrupt:
         print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)
         return 130

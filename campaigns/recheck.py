@@ -253,9 +253,12 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
 
 def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Callable[[str], None]], Evidence],
         restart: bool = False, echo: Callable[[str], None] = print, root: Path | str | None = None,
-        frozen: bool = False) -> dict:
+        frozen: bool = False, conclude_one: Callable[[str], Evidence] | None = None) -> dict:
     """Work through the plan: ``run_one(overrides, on_start)`` runs one campaign (on_start gets its id as soon as
-    its evidence exists, so an interruption can resume it)."""
+    its evidence exists, so an interruption can resume it). ``conclude_one(campaign_id)``: concludes a campaign
+    stopped with nothing left to measure but its verdict, where it is (runner.conclude_recorded), instead of
+    resuming it on the device it ran on."""
+    from campaigns.runner import left_to_measure
     out_dir = Path(out_dir)
     state = plan(out_dir, restart, root, frozen)
     if not state["entries"]:
@@ -265,19 +268,25 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
         if entry["status"] == "done":
             continue
         overrides = list(entry["overrides"]) + list(extra)
+        ev = None
         if entry["new"] and (out_dir / entry["new"] / "evidence.json").is_file():
-            if load_evidence(out_dir / entry["new"]).status == "complete":
+            begun = load_evidence(out_dir / entry["new"])
+            if begun.status == "complete":
                 entry["status"] = "done"
                 save_state(out_dir, state)
                 continue
+            if conclude_one is not None and not left_to_measure(begun):
+                echo(f"recheck {_key(entry)}: {entry['new']} has every gate and leg; concluding it here")
+                ev = conclude_one(entry["new"])
             overrides.append(f"resume={entry['new']}")
-        echo(f"recheck {_key(entry)}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
-             f"running {' '.join(overrides)}")
+        if ev is None:
+            echo(f"recheck {_key(entry)}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
+                 f"running {' '.join(overrides)}")
 
-        def started(cid: str, entry=entry) -> None:
-            entry["new"], entry["status"] = cid, "running"
-            save_state(out_dir, state)
-        ev = run_one(overrides, started)
+            def started(cid: str, entry=entry) -> None:
+                entry["new"], entry["status"] = cid, "running"
+                save_state(out_dir, state)
+            ev = run_one(overrides, started)
         entry["new"], entry["status"] = ev.campaign_id, "done"
         entry["verdict"] = ev.decision.verdict if ev.decision else None
         save_state(out_dir, state)

@@ -259,3 +259,47 @@ def test_the_overrides_of_a_pinned_campaign_are_words_that_compose_back_to_its_p
     assert "+campaign.with_levers={gqa_swap:false,pdl:true}" in words
     cfg = compose(words + ["tracking=off"], cuda=False)
     assert dict(cfg.campaign.with_levers) == {"pdl": True, "gqa_swap": False}
+
+
+def test_a_campaign_stopped_short_of_its_verdict_alone_is_concluded_not_resumed(proj):
+    """A recheck's campaign whose device command ran out between its last leg and its verdict: the next
+    `vtcampaign recheck` (here, off the device) concludes it instead of resuming it where it ran; one leg short,
+    it is resumed."""
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    verdict(proj, "fast_math", "2026-11-30T11:00:00Z", pdl=True)
+    calls, concluded = [], []
+
+    def stopped_after_the_grid(overrides, started, drop_legs=0):
+        lever = overrides[0].split("=")[1]
+        cid = f"2026-12-01-{lever}-new"
+        ev = make_evidence(TPUT_WIN, lever=lever, campaign_id=cid)
+        ev.status, ev.decision = "in-progress", None
+        ev.legs = ev.legs[drop_legs:]
+        ev.peak_memory_gib = {a.name: 1.0 for a in ev.arms}
+        ev.context = {a.name: {lever: a.value} for a in ev.arms}
+        save_evidence(ev, out / cid)
+        started(cid)
+        calls.append(overrides)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        recheck.run(out, [], stopped_after_the_grid, root=proj, echo=lambda s: None)
+    first = calls[0][0].split("=")[1]
+
+    def conclude(cid):
+        concluded.append(cid)
+        return make_evidence(TPUT_WIN, lever=first, campaign_id=cid)
+
+    def second(overrides, started):                     # the other verdict's campaign: one leg short this time
+        return stopped_after_the_grid(overrides, started, drop_legs=1)
+
+    with pytest.raises(KeyboardInterrupt):
+        recheck.run(out, [], second, root=proj, echo=lambda s: None, conclude_one=conclude)
+    assert concluded == [f"2026-12-01-{first}-new"] and len(calls) == 2 and "resume=" not in " ".join(calls[1])
+    state = recheck.load_state(out)
+    assert [(e["status"], e.get("verdict")) for e in state["entries"]][:1] == [("done", "FLIP")]
+    # the one a leg short is resumed, not concluded
+    recheck.run(out, [], lambda o, s: calls.append(o) or make_evidence(TPUT_WIN, lever=o[0].split("=")[1]),
+                root=proj, echo=lambda s: None, conclude_one=conclude)
+    assert len(concluded) == 1 and calls[2][-1].startswith("resume=2026-12-01-")
