@@ -362,19 +362,23 @@ def cmd_decide(args) -> int:
     return 0
 
 
-def cmd_conclude(args) -> int:
+def _conclude_recorded(campaign_id: str, out_dir: str):
     from campaigns.runner import CampaignError, conclude_recorded
     try:
-        ev = conclude_recorded(args.campaign_id, project_root(), args.out_dir)
+        return conclude_recorded(campaign_id, project_root(), out_dir)
     except CampaignError as e:
         raise UsageError(str(e)) from None
+
+
+def cmd_conclude(args) -> int:
+    ev = _conclude_recorded(args.campaign_id, args.out_dir)
     print(f"{ev.campaign_id}: {ev.decision.verdict} ({ev.decision.headline})")
     return 0
 
 
 def cmd_recheck(args) -> int:
     from campaigns import recheck
-    from campaigns.runner import CampaignError, conclude_recorded, run_campaign
+    from campaigns.runner import CampaignError, run_campaign
     if args.dry_run:
         state = recheck.plan(args.out_dir, restart=args.restart, frozen=args.frozen)
         if not state["entries"]:
@@ -398,16 +402,10 @@ def cmd_recheck(args) -> int:
             return run_campaign(cfg, repo=project_root(), on_start=on_start)
         except CampaignError as e:
             raise UsageError(str(e)) from None
-
-    def conclude_one(campaign_id):
-        try:
-            return conclude_recorded(campaign_id, project_root(), args.out_dir)
-        except CampaignError as e:
-            raise UsageError(str(e)) from None
     try:
         # on the device (--frozen) a resume concludes without starting servers anyway, on the device it ran on
         recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart, frozen=args.frozen,
-                    conclude_one=None if args.frozen else conclude_one)
+                    conclude_one=None if args.frozen else lambda cid: _conclude_recorded(cid, args.out_dir))
     except KeyboardInterrupt:
         print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)
         return 130
