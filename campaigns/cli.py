@@ -391,8 +391,15 @@ def cmd_recheck(args) -> int:
                   f"({'; '.join(e['why'])})")
         todo = [e for e in state["entries"] if e["status"] != "done"]
         if todo:
-            known = [e["took_s"] for e in todo if e.get("took_s")]
-            print(f"{len(todo)} to run: ~{sum(known) / 60:.0f} min at their last durations"
+            steps = [(e, recheck.device_step(e)) for e in todo]
+            print("device steps (scripts/h200_session.sh), longest first; each needs its last run's gates and legs "
+                  f"+ {recheck.STEP_OVERHEAD_S:.0f} s to start and conclude:")
+            for e, (step, need) in sorted(((e, s) for e, s in steps if s), key=lambda es: -es[1][1]):
+                cut = (f"  # needs ~{need} s: past one call; repeat the step in the next call to resume it"
+                       if need > recheck.DEVICE_CALL_S else "")
+                print(f'  "{step}"{cut}')
+            known = [s[1] for _, s in steps if s]
+            print(f"{len(todo)} to run: ~{sum(known) / 60:.0f} min of device steps at their last durations"
                   + (f" ({len(todo) - len(known)} unknown)" if len(known) < len(todo) else ""))
         return 0
 

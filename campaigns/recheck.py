@@ -195,6 +195,26 @@ def took_s(ev: Evidence) -> float | None:
     return total
 
 
+# What a device step spends beyond took_s: the process start before the campaign is created, and after its last leg
+# the servers' stop, the verdict, the records and their plot. On the H200 (2026-12-04) campaigns of 229 and 267 s of
+# took_s stopped before their verdict in steps of 250-260 and 285 s; one of 240 s concluded in ~285 s.
+STEP_OVERHEAD_S = 60.0
+DEVICE_CALL_S = 580         # the most one step may take in a device call (600 s, less the wheel install)
+
+
+def device_step(entry: dict) -> tuple[str, int] | None:
+    """(the `scripts/h200_session.sh` step that re-runs a plan entry, the seconds it should need), or None when the
+    entry's last run has no timing. The step's seconds are took_s + STEP_OVERHEAD_S, rounded up to 5 s and at most
+    DEVICE_CALL_S: a longer campaign is cut there, and the same step in the next call resumes it (campaign steps
+    run with resume=auto). The overrides are one word each (overrides_for), so the step splits back into them."""
+    if not entry.get("took_s"):
+        return None
+    need = int(-(-(entry["took_s"] + STEP_OVERHEAD_S) // 5) * 5)
+    words = list(entry["overrides"])
+    name = words.pop(0).removeprefix("campaign=")
+    return f"{min(need, DEVICE_CALL_S)}@campaign:{name}" + (":" + " ".join(words) if words else ""), need
+
+
 def _key(e: dict) -> str:
     """A plan entry's verdict key (entries saved before verdicts were keyed by model carry the lever only)."""
     return e.get("key", e["lever"])

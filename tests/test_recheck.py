@@ -303,3 +303,36 @@ def test_a_campaign_stopped_short_of_its_verdict_alone_is_concluded_not_resumed(
     recheck.run(out, [], lambda o, s: calls.append(o) or make_evidence(TPUT_WIN, lever=o[0].split("=")[1]),
                 root=proj, echo=lambda s: None, conclude_one=conclude)
     assert len(concluded) == 1 and calls[2][-1].startswith("resume=2026-12-01-")
+
+
+def test_a_plan_entry_gives_the_device_step_that_reruns_it_and_the_seconds_it_needs(proj, capsys):
+    """The device step of a plan entry is what `scripts/h200_session.sh` takes: SECONDS@campaign:NAME:OVERRIDES.
+    Split as the script splits it, its overrides compose back to the campaign's pins; its seconds are the last
+    run's gates and legs plus STEP_OVERHEAD_S (on 2026-12-04 a campaign given its took_s + 18 s on the H200 stopped
+    before its verdict), rounded up to 5 s and cut at one call's DEVICE_CALL_S. `recheck --dry-run` prints them."""
+    import re
+
+    from campaigns.cli import main
+    from campaigns.config import compose
+    ev = make_evidence(TPUT_WIN, lever="pdl_prefetch")
+    ev.config["campaign"]["with_levers"] = {"pdl": True}
+    ev.__dict__.pop("_settings", None)
+    entry = {"overrides": recheck.overrides_for(ev, levers.registry()), "took_s": 267.2}
+    step, need = recheck.device_step(entry)
+    assert need == 330 and need > 267.2 + recheck.STEP_OVERHEAD_S - 5
+    seconds, rest = step.split("@", 1)
+    kind, name, words = rest.split(":", 2)          # the script: ${step%%:*}, then ${rest%%:*} and ${rest#*:}
+    assert (seconds, kind, name) == ("330", "campaign", "pdl_prefetch")
+    cfg = compose([f"campaign={name}", *words.split(" "), "tracking=off"], cuda=False)
+    assert dict(cfg.campaign.with_levers) == {"pdl": True}
+    long_step, long_need = recheck.device_step({**entry, "took_s": 900.0})
+    assert long_need == 960 and long_step.startswith(f"{recheck.DEVICE_CALL_S}@campaign:pdl_prefetch:")
+    assert recheck.device_step({**entry, "took_s": None}) is None
+
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)     # stale; took 5 s
+    recheck.plan(out, root=proj)
+    assert main(["recheck", "--dry-run", "--frozen", "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r'^  "65@campaign:gqa_swap:model=qwen3-8b model\.quant=bf16"$', printed, re.M), printed
+    assert "1 to run: ~1 min of device steps" in printed
