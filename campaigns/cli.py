@@ -67,8 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="--conf-dir DIR (first argument, or VTENGINE_CONF_DIR) reads a project's "
                                        "conf/ over the packaged one")
-    sub = p.add_subparsers(dest="cmd", required=True,
-                           metavar="{run,status,calibrate,flip,decide,recheck,render,log,pr,ui}")
+    sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="compose the campaign config and run it",
                          description="Compose conf/config.yaml with Hydra overrides and run the campaign. "
                                      f"Campaigns: {', '.join(options('campaign'))}.")

@@ -327,3 +327,16 @@ def test_vtengine_levers_lists_each_levers_last_verdict(tmp_path, monkeypatch, c
     assert engine_cli.main(["levers"]) == 0
     row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("│ gqa_swap "))
     assert "FLIP on qwen3-8b (bf16), 2026-11-30" in row
+
+
+def test_the_usage_line_names_every_command(capsys):
+    """`vtcampaign --help` once listed its commands from a hand-written string, which missed `conclude` when that
+    command was added: the usage and the help name every command the parser accepts."""
+    from campaigns.cli import _parser
+    p = _parser()
+    commands = next(a for a in p._actions if a.dest == "cmd").choices
+    assert "conclude" in commands and "recheck" in commands
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    assert "{" + ",".join(commands) + "}" in usage.replace(" ", "").replace("\n", "")
