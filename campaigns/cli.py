@@ -390,16 +390,16 @@ def cmd_recheck(args) -> int:
                   f"({'; '.join(e['why'])})")
         todo = [e for e in state["entries"] if e["status"] != "done"]
         if todo:
-            steps = [(e, recheck.device_step(e)) for e in todo]
-            print("device steps (scripts/h200_session.sh), longest first; each needs its last run's gates and legs "
-                  f"+ {recheck.STEP_OVERHEAD_S:.0f} s to start and conclude:")
-            for e, (step, need) in sorted(((e, s) for e, s in steps if s), key=lambda es: -es[1][1]):
-                cut = (f"  # needs ~{need} s: past one call; repeat the step in the next call to resume it"
-                       if need > recheck.DEVICE_CALL_S else "")
-                print(f'  "{step}"{cut}')
-            known = [s[1] for _, s in steps if s]
-            print(f"{len(todo)} to run: ~{sum(known) / 60:.0f} min of device steps at their last durations"
-                  + (f" ({len(todo) - len(known)} unknown)" if len(known) < len(todo) else ""))
+            steps = [recheck.device_step(e) for e in todo]
+            known = [s for s in steps if s]
+            calls = recheck.device_calls(known)
+            print(f"{len(calls)} device calls (each step: its last run's gates and legs + {recheck.STEP_OVERHEAD_S:.0f}"
+                  f" s to start and conclude; a call: at most {recheck.DEVICE_CALL_S} s of steps; a step in two "
+                  "calls resumes in the second):")
+            for i, call in enumerate(calls, 1):
+                print(f"  {i}: bash scripts/h200_session.sh " + " ".join(f'"{step}"' for step in call))
+            print(f"{len(todo)} to run: ~{sum(need for _, need in known) / 60:.0f} min of device steps at their last "
+                  "durations" + (f" ({len(todo) - len(known)} unknown)" if len(known) < len(todo) else ""))
         return 0
 
     def run_one(overrides, on_start):

@@ -215,6 +215,27 @@ def device_step(entry: dict) -> tuple[str, int] | None:
     return f"{min(need, DEVICE_CALL_S)}@campaign:{name}" + (":" + " ".join(words) if words else ""), need
 
 
+def device_calls(steps: list[tuple[str, int]], call_s: int = DEVICE_CALL_S) -> list[list[str]]:
+    """The device steps [(step, seconds needed)] packed into calls of at most ``call_s`` seconds each, longest
+    first, each into the first call it fits (first-fit decreasing). A step longer than one call is cut at
+    ``call_s`` (device_step); what is left of it goes in a later call, where the same step resumes it."""
+    calls: list[tuple[int, list[str]]] = []
+    for step, need in sorted(steps, key=lambda s: -s[1]):
+        first = 0                                       # a resumed part goes in a later call than the part before
+        while need > call_s:
+            calls.append((call_s, [f"{call_s}@{step.split('@', 1)[1]}"]))
+            first = len(calls)
+            need -= call_s - STEP_OVERHEAD_S            # the resumed run starts again, but its legs are kept
+            step = f"{int(-(-(need) // 5) * 5)}@{step.split('@', 1)[1]}"
+        for i, (used, names) in enumerate(calls[first:], first):
+            if used + need <= call_s:
+                calls[i] = (used + need, names + [step])
+                break
+        else:
+            calls.append((need, [step]))
+    return [names for _, names in calls]
+
+
 def _key(e: dict) -> str:
     """A plan entry's verdict key (entries saved before verdicts were keyed by model carry the lever only)."""
     return e.get("key", e["lever"])

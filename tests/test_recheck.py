@@ -334,5 +334,27 @@ def test_a_plan_entry_gives_the_device_step_that_reruns_it_and_the_seconds_it_ne
     recheck.plan(out, root=proj)
     assert main(["recheck", "--dry-run", "--frozen", "--out-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert re.search(r'^  "65@campaign:gqa_swap:model=qwen3-8b model\.quant=bf16"$', printed, re.M), printed
+    assert re.search(r'^  1: bash scripts/h200_session\.sh "65@campaign:gqa_swap:model=qwen3-8b model\.quant=bf16"$',
+                     printed, re.M), printed
     assert "1 to run: ~1 min of device steps" in printed
+
+
+def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_call():
+    """First-fit decreasing into calls of DEVICE_CALL_S: no call holds more, every step is placed once, and a
+    campaign longer than one call is cut there and resumed in a later call, never in an earlier one (its first
+    part must have run before a resume can find it), even where an earlier call has room for the rest."""
+    cap, left = recheck.DEVICE_CALL_S, recheck.DEVICE_CALL_S - recheck.STEP_OVERHEAD_S
+    steps = [("200@campaign:a", 200), ("900@campaign:long", 900), ("700@campaign:long2", 700),
+             ("300@campaign:b", 300), ("120@campaign:d", 120)]
+    calls = recheck.device_calls(steps)
+    seconds = [[int(step.split("@")[0]) for step in call] for call in calls]
+    assert all(sum(call) <= cap for call in seconds), seconds
+    placed = sorted(step.split("@")[1] for call in calls for step in call)
+    assert placed == ["campaign:a", "campaign:b", "campaign:d"] + ["campaign:long"] * 2 + ["campaign:long2"] * 2
+    for name, need in (("long", 900), ("long2", 700)):
+        (first, s1), (second, s2) = [(i, step) for i, call in enumerate(calls) for step in call
+                                     if step.endswith(f"@campaign:{name}")]
+        assert s1 == f"{cap}@campaign:{name}" and calls[first] == [s1] and second > first, calls
+        assert int(s2.split("@")[0]) == -(-(need - left) // 5) * 5
+    # 580 long | 380 long + 200 a | 580 long2 | 180 long2 + 300 b (not in the second call, which has room) | 120 d
+    assert len(calls) == 5, calls
