@@ -287,6 +287,21 @@ def test_rot_layout_round_trips_every_code_in_every_slot():
         assert not torch.equal(w4a16.rot_decode_bits(w ^ (1 << b) if b < 31 else w ^ -2**31), bits[:1]), b
 
 
+def test_rot_pack_by_byte_tables_equals_solving_every_word():
+    """rot_pack XORs one table entry per byte of the target word; that is exact only because the packer's map is
+    GF(2)-linear. Against the row-by-row solve (_rot_solve) on every byte value in every position and random
+    words."""
+    gen, seed = fresh_generator()
+    b = torch.arange(256)
+    every_byte = torch.stack([b & 15, b >> 4] * 4, dim=-1)                # byte value b in all four positions
+    codes = torch.cat([every_byte, torch.randint(0, 16, (4096, 8), generator=gen)])
+    t = torch.zeros(codes.shape[0], dtype=torch.int64)
+    for j in range(4):
+        t |= (codes[:, 2 * j] | (codes[:, 2 * j + 1] << 4)) << (8 * j)
+    solved = w4a16._rot_solve(t)
+    assert torch.equal(w4a16.rot_pack(codes), (solved - ((solved >> 31) << 32)).to(torch.int32)), f"seed {seed}"
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_rot_words_of_a_weight_hold_its_codes(fmt):
     gen, seed = fresh_generator()

@@ -156,18 +156,38 @@ def _parity(x: torch.Tensor) -> torch.Tensor:
     return x & 1
 
 
-def rot_pack(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., 8] (e2m1 nibbles, K order) -> the rotation layout's words [...] int32 (see ROT_PAIRS)."""
-    c = codes.to(torch.int64)
-    t = torch.zeros(c.shape[:-1], dtype=torch.int64, device=c.device)
-    for j in range(4):                           # pair j's 8 target bits, in _ROT_POS order, at bits 8j..8j+7
-        lo, hi = c[..., 2 * j], c[..., 2 * j + 1]
-        bits = ((lo & 7) | ((lo >> 3) << 3) | ((hi & 7) << 4) | ((hi >> 3) << 7))    # 6,7,8,15 then 22,23,24,31
-        # _ROT_POS = 6 7 8 15 22 23 24 31: lo's m,e0,e1 at 6,7,8 and sign at 15; hi's at 22,23,24 and 31
-        t |= bits << (8 * j)
+def _rot_solve(t: torch.Tensor) -> torch.Tensor:
+    """Target words t (int64; pair j's 8 target bits, in _ROT_POS order, at bits 8j..8j+7) -> the stored words
+    (int64, 0..2**32-1) whose rotations give them: stored bit i is the parity of t & _ROT_INVERSE[i]."""
     w = torch.zeros_like(t)
     for i, row in enumerate(_ROT_INVERSE):
         w |= _parity(t & row) << i
+    return w
+
+
+_ROT_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _rot_tables(device: torch.device) -> torch.Tensor:
+    """[4, 256] int64: entry [j, b] is the stored word of a target word whose byte j is b and other bytes 0.
+    The map from target to stored word is GF(2)-linear, so a word's stored form is the XOR of its four bytes'."""
+    if device not in _ROT_TABLES:
+        b = torch.arange(256, dtype=torch.int64)
+        _ROT_TABLES[device] = torch.stack([_rot_solve(b << (8 * j)) for j in range(4)]).to(device)
+    return _ROT_TABLES[device]
+
+
+def rot_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., 8] (e2m1 nibbles, K order) -> the rotation layout's words [...] int32 (see ROT_PAIRS).
+
+    Pair j's target bits (_ROT_POS = 6 7 8 15 22 23 24 31: lo's m, e0, e1 at 6, 7, 8 and sign at 15; hi's at 22,
+    23, 24 and 31) are the byte lo | hi << 4, so a word is four lookups XORed (_rot_tables), about a dozen tensor
+    ops. Solving the 32 rows per word (_rot_solve) took ~450, one kernel launch each on the GPU."""
+    c = codes.to(torch.int64)
+    tables = _rot_tables(c.device)
+    w = tables[0][c[..., 0] | (c[..., 1] << 4)]
+    for j in range(1, 4):
+        w ^= tables[j][c[..., 2 * j] | (c[..., 2 * j + 1] << 4)]
     return (w - ((w >> 31) << 32)).to(torch.int32)      # as a signed 32-bit value
 
 
