@@ -40,6 +40,7 @@ def test_e2m1_ties_go_to_the_even_code():
 def test_e2m1_saturates_and_has_no_negative_zero():
     assert codes([6.5, 7.0, 100.0, float("inf"), -6.5, -1e30]) == [7, 7, 7, 7, 15, 15]
     assert codes([-0.1, -0.25, -0.0]) == [0, 0, 0]
+    assert codes([float("nan"), -float("nan")]) == [0, 0]           # as a comparison per midpoint gave it
     assert quant.e2m1_decode(torch.tensor([9, 15, 7])).tolist() == [-0.5, -6.0, 6.0]
 
 
