@@ -11,6 +11,7 @@
 # Everything it produces (evidence, records, bench results, logs) comes back as one tarball in $OUT.
 # Back here, `python scripts/absorb_results.py <files_at>/results.tgz` takes it in and commits it at once.
 # A campaign step cut off after its last leg (before its verdict): `vtcampaign conclude <id>` here, no device needed.
+# `vtcampaign recheck --dry-run` here prints the stale verdicts' campaign steps, timed and packed into calls.
 # Absorb each call's tarball before the next call: a call carries the checkout as it is, and a resume=auto step
 # whose copy lacks the last call's legs starts its campaign anew (absorb keeps the further-along evidence).
 set -uo pipefail
