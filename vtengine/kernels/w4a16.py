@@ -184,10 +184,16 @@ def rot_pack(codes: torch.Tensor) -> torch.Tensor:
     23, 24 and 31) are the byte lo | hi << 4, so a word is four lookups XORed (_rot_tables), about a dozen tensor
     ops. Solving the 32 rows per word (_rot_solve) took ~450, one kernel launch each on the GPU."""
     c = codes.to(torch.int64)
-    tables = _rot_tables(c.device)
-    w = tables[0][c[..., 0] | (c[..., 1] << 4)]
+    return _rot_pack_bytes(c[..., 0::2] | (c[..., 1::2] << 4))
+
+
+def _rot_pack_bytes(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 4] (byte j: codes 2j low, 2j + 1 high, as quant packs them) -> the rotation words [...] int32."""
+    b = b.to(torch.int64)
+    tables = _rot_tables(b.device)
+    w = tables[0][b[..., 0]]
     for j in range(1, 4):
-        w ^= tables[j][c[..., 2 * j] | (c[..., 2 * j + 1] << 4)]
+        w ^= tables[j][b[..., j]]
     return (w - ((w >> 31) << 32)).to(torch.int32)      # as a signed 32-bit value
 
 
@@ -642,9 +648,7 @@ def rot_words(q: QuantizedWeight) -> torch.Tensor:
     GF(2) system (rot_pack). Built once per weight and cached on the object, like repacked_words."""
     def build():
         n, k = q.shape
-        p = q.packed.reshape(n, k // 8, 4)
-        codes = torch.stack([p & 15, p >> 4], dim=-1).reshape(n, k // 8, 8)     # nibble 2b low, 2b + 1 high
-        return rot_pack(codes).contiguous()
+        return _rot_pack_bytes(q.packed.reshape(n, k // 8, 4)).contiguous()    # the packed bytes are the targets
     return _cached_copy(q, "_w4a16_rot", "the rotation-layout copy of the weight", build)
 
 
