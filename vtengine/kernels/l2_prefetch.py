@@ -1,0 +1,116 @@
+"""Ask L2 for a projection's weights while the kernels before that projection leave DRAM idle (lever ``o_prefetch``).
+
+Decode attention at one sequence reads ~4 MB of KV cache in ~9 us, so the DRAM bandwidth of those microseconds goes
+unused, while the o projection after it (bf16 Qwen3-8B: 4096 x 4096, 33.5 MB) ran at 62-68% of copy bandwidth on the
+H200 (bench/results/gemv-bf16-*-2026-12-03): too few bytes in flight at its start and end. Launched right after the
+qkv projection, this kernel issues ``prefetch.global.L2`` for every 128-byte line of the o weight (no registers, no
+wait), so the weight streams into L2 while the qkv epilogue and the attention run, and the o projection then reads it
+from L2. It writes nothing and changes no bit of any result.
+
+The L2 budget: at most ``L2_SHARE`` of the device's L2 is asked for (a weight beyond it is prefetched from its start
+up to the budget), so the prefetch does not evict the lines it just brought in.
+
+Programmatic dependent launch (the ``pdl`` lever): the kernel may start while the qkv projection drains. It issues
+its prefetches, then waits for that kernel like every PDL kernel (griddepcontrol.wait before it ends, so the kernels
+after it still see the projection's output: ordering stays transitive along the stream).
+
+TOUCH (tests and the CPU interpreter, which cannot run inline PTX): instead of prefetching, each program loads the
+first byte of each of its lines and stores their sum, so a test can check which lines a launch covers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vtengine import counters
+from vtengine.kernels import INTERPRET
+from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_l2, use_pdl
+
+LINE = 128                  # bytes per L2 line: one prefetch each
+LINES_PER_PROGRAM = 512     # 64 KB a program: 4 prefetches a thread at 4 warps
+L2_SHARE = 0.75             # of the L2 a launch may fill
+CPU_L2_BYTES = 50 * 2**20   # the L2 assumed without CUDA (the interpreter): one H200's 50 MB
+
+
+@triton.jit
+def _l2_prefetch_kernel(base_ptr, n_lines, sums_ptr, LINES: tl.constexpr, TOUCH: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    line = pid * LINES + tl.arange(0, LINES)
+    if TOUCH:
+        v = tl.load(base_ptr + line.to(tl.int64) * 128, mask=line < n_lines, other=0)
+        tl.store(sums_ptr + pid, tl.sum(v.to(tl.int32), axis=0))
+    else:
+        # a last, partial program asks again for the last line rather than past the end
+        prefetch_l2(base_ptr + tl.minimum(line, n_lines - 1).to(tl.int64) * 128)
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    """One launch: ``lines`` 128-byte lines from the tensor's start (the whole tensor or the L2 budget), in
+    ``programs`` programs of ``LINES_PER_PROGRAM``."""
+    lines: int
+    programs: int
+    budget_lines: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.lines * LINE
+
+
+def l2_bytes(device) -> int:
+    """The device's L2 in bytes (CPU_L2_BYTES without CUDA)."""
+    if INTERPRET or not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        return CPU_L2_BYTES
+    return int(torch.cuda.get_device_properties(torch.device(device)).L2_cache_size)
+
+
+def plan(nbytes: int, l2: int, share: float = L2_SHARE, lines_per_program: int = LINES_PER_PROGRAM) -> PrefetchPlan:
+    """The lines a launch asks for: the tensor's ``nbytes`` in whole lines, at most ``share`` of an ``l2``-byte L2."""
+    if nbytes <= 0:
+        raise ValueError(f"l2 prefetch: nothing to prefetch ({nbytes} bytes)")
+    if not 0 < share <= 1:
+        raise ValueError(f"l2 prefetch: share {share!r} must be in (0, 1]")
+    budget = max(1, int(l2 * share) // LINE)
+    lines = min(triton.cdiv(nbytes, LINE), budget)
+    return PrefetchPlan(lines, triton.cdiv(lines, lines_per_program), budget)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"l2 prefetch: the tensor must be contiguous (strides {tuple(t.stride())})")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def prefetch(t: torch.Tensor, pdl: bool = False, touch: bool = False, share: float = L2_SHARE,
+             lines_per_program: int = LINES_PER_PROGRAM) -> torch.Tensor | None:
+    """Ask L2 for ``t``'s bytes (up to the budget). ``touch``: load instead and return each program's sum of the
+    first byte of its lines (int32 [programs]); else None. On the interpreter only ``touch`` runs (the PTX cannot)."""
+    data = _as_bytes(t)
+    p = plan(data.numel(), l2_bytes(data.device), share, lines_per_program)
+    if INTERPRET and not touch:
+        counters.record("l2_prefetch", "skipped_interpreter", variant="prefetch")
+        return None
+    sums = torch.zeros(p.programs, dtype=torch.int32, device=data.device) if touch else data
+    on = use_pdl(pdl, "l2_prefetch", data.device)
+    _l2_prefetch_kernel[(p.programs,)](data, p.lines, sums, LINES=lines_per_program, TOUCH=bool(touch),
+                                       USE_PDL=on, num_warps=4, **launch_options(on))
+    counters.record("l2_prefetch", "touch" if touch else "prefetch", grid=(p.programs,),
+                    variant=("whole" if p.lines * LINE >= data.numel() else "budget",))
+    return sums if touch else None
+
+
+def touch_reference(t: torch.Tensor, share: float = L2_SHARE, lines_per_program: int = LINES_PER_PROGRAM,
+                    l2: int | None = None) -> torch.Tensor:
+    """What ``prefetch(touch=True)`` returns, in torch: per program, the sum of the first byte of its lines."""
+    data = _as_bytes(t)
+    p = plan(data.numel(), l2_bytes(data.device) if l2 is None else l2, share, lines_per_program)
+    firsts = data[: p.lines * LINE: LINE].to(torch.int32)
+    padded = torch.zeros(p.programs * lines_per_program, dtype=torch.int32, device=data.device)
+    padded[: firsts.numel()] = firsts
+    return padded.view(p.programs, lines_per_program).sum(dim=1, dtype=torch.int32)
