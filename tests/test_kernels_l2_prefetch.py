@@ -84,7 +84,7 @@ def test_the_interpreter_skips_the_ptx_and_counts_it():
     assert counters.snapshot()["l2_prefetch"]["skipped_interpreter"]["launches"] == 1
 
 
-def _decode_counts(o_prefetch: bool) -> tuple[list[list[int]], dict]:
+def _decode_counts(o_prefetch: str) -> tuple[list[list[int]], dict]:
     from vtengine.engine.llm import LLM
     from vtengine.engine.sampling_params import SamplingParams
     llm = LLM(model="tiny", backend="triton", levers={"o_prefetch": o_prefetch}, cuda_graphs=False,
@@ -96,8 +96,8 @@ def _decode_counts(o_prefetch: bool) -> tuple[list[list[int]], dict]:
 
 
 def test_the_engine_prefetches_o_once_a_layer_per_decode_step_and_changes_no_token():
-    on_tokens, on = _decode_counts(True)
-    off_tokens, off = _decode_counts(False)
+    on_tokens, on = _decode_counts("line")
+    off_tokens, off = _decode_counts("off")
     assert on_tokens == off_tokens
     assert "l2_prefetch" not in off
     launches = sum(st["launches"] for st in on["l2_prefetch"].values())
@@ -113,12 +113,21 @@ def test_the_real_prefetch_runs_under_graphs_and_changes_no_token():
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8] * 9, [9] * 3]
     got = {}
-    for on in (False, True):
-        llm = LLM(model="tiny", backend="triton", levers={"o_prefetch": on, "pdl": True}, device="cuda")
-        got[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert got[True] == got[False]
-    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    for mode in ("off",) + lp.MODES:
+        llm = LLM(model="tiny", backend="triton", levers={"o_prefetch": mode, "pdl": True}, device="cuda",
+                  gpu_memory_utilization=0.1)
+        got[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert all(tokens == got["off"] for tokens in got.values()), got
+    w = torch.randn(4096, 4096 + 8, device="cuda", dtype=torch.bfloat16)
     counters.reset()
-    assert lp.prefetch(w, pdl=True) is None
+    for mode in lp.MODES:
+        assert lp.prefetch(w, pdl=True, mode=mode) is None
     torch.cuda.synchronize()
-    assert counters.snapshot()["l2_prefetch"]["prefetch"]["launches"] == 1
+    assert counters.snapshot()["l2_prefetch"]["prefetch"]["launches"] == len(lp.MODES)
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="mode 'sideways' is not known; accepted: line, bulk, load"):
+        lp.prefetch(torch.zeros(256, dtype=torch.uint8), mode="sideways")

@@ -29,7 +29,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                         "chunk_graphs": False, "chunked_prefill": "off", "decode_wave_grid": True,
                         "fast_math": True, "fuse_norm": True, "fuse_silu": True,
                         "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
-                        "nsplits_cap": "off", "o_prefetch": False, "pdl": False,
+                        "nsplits_cap": "off", "o_prefetch": "off", "pdl": False,
                         "pdl_prefetch": False, "pdl_stack": False,
                         "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": True,
                         "w4a16_rot": True}

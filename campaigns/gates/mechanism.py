@@ -214,7 +214,9 @@ def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None =
         return pr["launches"] == want, (f"PDL launches by kernel {pr['kernels']}, expected {want} for each (needs "
                                         "pdl on, on sm_90+: the interpreter has no PDL)")
     if lever == "o_prefetch":
-        ok, why = _some_or_none(pr["l2_prefetch_launches"], value, "o weights asked of L2 before decode attention")
+        from vtengine.levers import OFF_VALUES
+        ok, why = _some_or_none(pr["l2_prefetch_launches"], value not in OFF_VALUES,
+                                "o weights asked of L2 before decode attention")
         return ok, f"{why} (routes {pr['routes']})"
     if lever == "pdl":
         want = ["pdl"] if value else ["plain"]

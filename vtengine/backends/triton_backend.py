@@ -149,7 +149,7 @@ class TritonBackend(TorchBackend):
         that reads it after the kernels between finds them there (vtengine/kernels/l2_prefetch.py)."""
         if self.levers.on("o_prefetch"):
             l2_prefetch.prefetch(weight.packed if isinstance(weight, QuantizedWeight) else weight,
-                                 pdl=self.levers.on("pdl"))
+                                 pdl=self.levers.on("pdl"), mode=self.levers.values["o_prefetch"])
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         return fused.argmax(logits, pdl=self.levers.on("pdl"))

@@ -35,14 +35,37 @@ L2_SHARE = 0.75             # of the L2 a launch may fill
 CPU_L2_BYTES = 50 * 2**20   # the L2 assumed without CUDA (the interpreter): one H200's 50 MB
 
 
+MODES = ("line", "bulk", "load")
+BULK = 4096                 # bytes per cp.async.bulk.prefetch (mode "bulk")
+
+
 @triton.jit
-def _l2_prefetch_kernel(base_ptr, n_lines, sums_ptr, LINES: tl.constexpr, TOUCH: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+def _bulk_prefetch_l2(ptrs, sizes):
+    """Hopper's bulk prefetch (the TMA unit): ``sizes`` bytes from each of ``ptrs`` into L2, 16-byte aligned."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;", "=r,l,r",
+                              [ptrs.to(tl.int64), sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _l2_prefetch_kernel(base_ptr, n_lines, nbytes, sums_ptr, LINES: tl.constexpr, TOUCH: tl.constexpr,
+                        MODE: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     line = pid * LINES + tl.arange(0, LINES)
     if TOUCH:
         v = tl.load(base_ptr + line.to(tl.int64) * 128, mask=line < n_lines, other=0)
         tl.store(sums_ptr + pid, tl.sum(v.to(tl.int32), axis=0))
+    elif MODE == "bulk":
+        CHUNKS: tl.constexpr = LINES * 128 // 4096
+        start = pid.to(tl.int64) * (LINES * 128) + tl.arange(0, CHUNKS).to(tl.int64) * 4096
+        size = tl.minimum(tl.maximum(tl.minimum(nbytes, n_lines.to(tl.int64) * 128) - start, 0), 4096)
+        size = (size // 16) * 16
+        # an empty chunk asks again for the tensor's first 16 bytes rather than for nothing
+        _bulk_prefetch_l2(base_ptr + tl.where(size > 0, start, 0), tl.where(size > 0, size, 16).to(tl.int32))
+    elif MODE == "load":
+        # every 32-byte sector of the program's lines loaded (L2 keeps them, evict_last), summed into a dead store
+        sector = pid.to(tl.int64) * (LINES * 4) + tl.arange(0, LINES * 4).to(tl.int64)
+        v = tl.load(base_ptr + sector * 32, mask=sector < nbytes // 32, other=0, eviction_policy="evict_last")
+        tl.store(sums_ptr + pid, tl.sum(v.to(tl.int32), axis=0), mask=nbytes < 0)
     else:
         # a last, partial program asks again for the last line rather than past the end
         prefetch_l2(base_ptr + tl.minimum(line, n_lines - 1).to(tl.int64) * 128)
@@ -88,9 +111,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def prefetch(t: torch.Tensor, pdl: bool = False, touch: bool = False, share: float = L2_SHARE,
-             lines_per_program: int = LINES_PER_PROGRAM) -> torch.Tensor | None:
+             lines_per_program: int = LINES_PER_PROGRAM, mode: str = "line") -> torch.Tensor | None:
     """Ask L2 for ``t``'s bytes (up to the budget). ``touch``: load instead and return each program's sum of the
-    first byte of its lines (int32 [programs]); else None. On the interpreter only ``touch`` runs (the PTX cannot)."""
+    first byte of its lines (int32 [programs]); else None. On the interpreter only ``touch`` runs (the PTX cannot).
+    ``mode``: "line" (one prefetch.global.L2 per 128-byte line), "bulk" (cp.async.bulk.prefetch.L2, 4 KB each) or
+    "load" (every 32-byte sector loaded with evict_last, the sums discarded)."""
+    if mode not in MODES:
+        raise ValueError(f"l2 prefetch: mode {mode!r} is not known; accepted: {', '.join(MODES)}")
     data = _as_bytes(t)
     p = plan(data.numel(), l2_bytes(data.device), share, lines_per_program)
     if INTERPRET and not touch:
@@ -98,10 +125,12 @@ def prefetch(t: torch.Tensor, pdl: bool = False, touch: bool = False, share: flo
         return None
     sums = torch.zeros(p.programs, dtype=torch.int32, device=data.device) if touch else data
     on = use_pdl(pdl, "l2_prefetch", data.device)
-    _l2_prefetch_kernel[(p.programs,)](data, p.lines, sums, LINES=lines_per_program, TOUCH=bool(touch),
-                                       USE_PDL=on, num_warps=4, **launch_options(on))
+    if mode == "load" and not touch:
+        sums = torch.empty(p.programs, dtype=torch.int32, device=data.device)
+    _l2_prefetch_kernel[(p.programs,)](data, p.lines, data.numel(), sums, LINES=lines_per_program,
+                                       TOUCH=bool(touch), MODE=mode, USE_PDL=on, num_warps=4, **launch_options(on))
     counters.record("l2_prefetch", "touch" if touch else "prefetch", grid=(p.programs,),
-                    variant=("whole" if p.lines * LINE >= data.numel() else "budget",))
+                    variant=("whole" if p.lines * LINE >= data.numel() else "budget", mode))
     return sums if touch else None
 
 
