@@ -111,21 +111,39 @@ def group(events: list[dict], steps: int, on_device: bool) -> dict[str, float]:
 
 
 def profile_window(llm, batch: int, prompt_len: int, steps: int, warm_steps: int = 2) -> dict[str, Any]:
-    """One profiler window of the engine's decode at ``batch`` sequences: {batch, context_len, step_us, kernels:
-    {engine kernel: µs/step}, unattributed_us} (unattributed: the step less its kernels' time)."""
-    from vtengine.bench.decode.kernel_profile import PROFILER_WARM_STEPS, STEP_MARK, record_decode_trace
+    """One profiler window of the engine's decode at ``batch`` sequences (see ``window_from_trace``)."""
+    from vtengine.bench.decode.kernel_profile import record_decode_trace
     eng = llm.engine
     on_device = eng.device.type == "cuda"
     with annotated(eng.backend) if not on_device else _nothing():
         events, step_s = record_decode_trace(llm, batch, prompt_len, steps, warm_steps)
+    return window_from_trace(events, step_s, batch, prompt_len + warm_steps, steps, on_device)
+
+
+def window_from_trace(events: list[dict], step_s: list[float], batch: int, context_len: int, steps: int,
+                      on_device: bool) -> dict[str, Any]:
+    """{batch, context_len, step_us, host_step_us, kernels: {engine kernel: µs/step}, unattributed_us} from a
+    profiler trace of decode steps and the host's time in each ``engine.step()`` (the first PROFILER_WARM_STEPS
+    are the profiler's warm-up). ``context_len``: the context when the profiler started.
+
+    step_us is the device timeline's period per step where the trace has one (CUDA), else the host's mean step.
+    With async scheduling the host's step is not the device's: engine.step() returns once the step before is
+    read, and the host work between two calls overlaps the device. On the H200 (2026-12-04, bf16 c1) the host
+    read 4,054 µs a step under the profiler while the device timeline and the timed run read 4,640 and 4,609:
+    async_scheduling's profile gate had put the step at 4.28 ms, and the served loop at 4.66 looked slower for no
+    reason. unattributed_us: the step less its kernels' time (negative where PDL overlaps kernels)."""
+    from vtengine.bench.decode.kernel_profile import PROFILER_WARM_STEPS, STEP_MARK, device_step_us
     marks = [e for e in events if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation"]
     if marks:
         lo, hi = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
         events = [e for e in events if lo <= e.get("ts", lo - 1) <= hi]
     kernels = group(events, max(1, len(marks) or steps), on_device)
-    step_us = 1e6 * statistics.fmean(step_s[PROFILER_WARM_STEPS:])
-    window = {"batch": batch, "context_len": prompt_len + warm_steps + PROFILER_WARM_STEPS, "steps": len(marks),
+    host_us = 1e6 * statistics.fmean(step_s[PROFILER_WARM_STEPS:])
+    device_us = device_step_us(events, len(marks)) if on_device and marks else None
+    step_us = host_us if device_us is None else device_us
+    window = {"batch": batch, "context_len": context_len + PROFILER_WARM_STEPS, "steps": len(marks),
               "activity": "cuda" if on_device else "cpu", "step_us": round(step_us, 3),
+              "step_source": "host" if device_us is None else "device_timeline", "host_step_us": round(host_us, 3),
               "kernels": {k: round(v, 3) for k, v in kernels.items()},
               "unattributed_us": round(step_us - sum(kernels.values()), 3)}
     if not on_device and marks:

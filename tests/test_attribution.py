@@ -179,3 +179,39 @@ def test_the_profile_self_check_names_the_planted_kernel_by_its_own_growth_not_i
     jitter = {**H200_C1, "rms_norm": 2 * 146.592, "other device kernels": 3 * 12.476}
     assert grew_most(clean, {"kernels": jitter})[0] == "rms_norm"
     assert grew_most({"kernels": {}}, {"kernels": {}}) == ("", 0.0)
+
+
+def _async_trace(steps: int, host_us: float, device_us: float, kernel_us: float) -> list[dict]:
+    """An asynchronous decode: the host's step marks every ``host_us`` + 40 µs of work between steps, the device one
+    step behind, a kernel of ``kernel_us`` every ``device_us``."""
+    events = []
+    for i in range(steps):
+        events.append({"ph": "X", "cat": "user_annotation", "name": "vtengine_decode_step",
+                       "ts": i * device_us, "dur": host_us})
+        events.append({"ph": "X", "cat": "kernel", "name": "_gemv_kernel", "ts": i * device_us + 5.0,
+                       "dur": kernel_us})
+    return events
+
+
+def test_a_cuda_window_takes_the_device_timeline_not_the_hosts_step():
+    """Under async scheduling engine.step() returns once the step before is read: the host's time in it is shorter
+    than the device's step. The window's step is the device's period; the host's is kept beside it."""
+    steps, host_us, device_us, kernel_us = 16, 4054.0, 4640.0, 4300.0
+    step_s = [host_us / 1e6] * (2 + steps)
+    w = attribution.window_from_trace(_async_trace(steps, host_us, device_us, kernel_us), step_s, batch=1,
+                                      context_len=1026, steps=steps, on_device=True)
+    span = (steps - 1) * device_us + kernel_us
+    assert w["step_source"] == "device_timeline"
+    assert w["step_us"] == round(span / steps, 3)
+    assert w["host_step_us"] == host_us
+    assert w["kernels"] == {"dense_linear": kernel_us}
+    assert w["unattributed_us"] == round(span / steps - kernel_us, 3)
+    assert w["context_len"] == 1028
+
+
+def test_a_cpu_window_keeps_the_hosts_step():
+    steps = 3
+    step_s = [0.001] * (2 + steps)
+    w = attribution.window_from_trace(_async_trace(steps, 900.0, 1000.0, 10.0), step_s, batch=1, context_len=18,
+                                      steps=steps, on_device=False)
+    assert w["step_source"] == "host" and w["step_us"] == w["host_step_us"] == 1000.0
