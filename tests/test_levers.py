@@ -21,15 +21,15 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_graphs", "chunked_prefill",
                            "decode_wave_grid", "fast_math", "fuse_norm", "fuse_silu",
                            "gqa_swap",
-                           "marlin_dense", "mixed_prefill", "mixed_steps", "nsplits_cap", "o_prefetch", "pdl",
-                           "pdl_prefetch", "pdl_stack", "prefill_gqa_pack", "split_rule",
+                           "marlin_dense", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch",
+                           "pdl_stack", "prefill_gqa_pack", "split_rule",
                            "triton_gemv", "w4a16_mid_m", "w4a16_rot"]
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
                         "chunk_graphs": False, "chunked_prefill": "off", "decode_wave_grid": True,
                         "fast_math": True, "fuse_norm": True, "fuse_silu": True,
                         "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
-                        "nsplits_cap": "off", "o_prefetch": "off", "pdl": False,
+                        "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False, "pdl_stack": False,
                         "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": True,
                         "w4a16_rot": True}

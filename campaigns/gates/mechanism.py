@@ -117,9 +117,6 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
                     for v, n in st["variants"].items() if "'norm'" in v or "'add_residual'" in v)
         return {"fused_gemvs": fused, "add_rms_norm_launches": sum(
             n for st in snap.get("rms_norm", {}).values() for v, n in st["variants"].items() if "add_rms_norm" in v)}
-    if lever == "o_prefetch":       # the L2 prefetch launches (on the interpreter: counted, the PTX skipped)
-        return {"l2_prefetch_launches": sum(st["launches"] for st in snap.get("l2_prefetch", {}).values()),
-                "routes": _routes(snap, "l2_prefetch")}
     if lever == "pdl":
         return {"launches": _routes(snap, "launch"), "kernels": _variants(snap, "launch")}
     if lever == "async_scheduling":
@@ -213,11 +210,6 @@ def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None =
         want = ["prefetch"] if value else ["wait_first"]
         return pr["launches"] == want, (f"PDL launches by kernel {pr['kernels']}, expected {want} for each (needs "
                                         "pdl on, on sm_90+: the interpreter has no PDL)")
-    if lever == "o_prefetch":
-        from vtengine.levers import OFF_VALUES
-        ok, why = _some_or_none(pr["l2_prefetch_launches"], value not in OFF_VALUES,
-                                "o weights asked of L2 before decode attention")
-        return ok, f"{why} (routes {pr['routes']})"
     if lever == "pdl":
         want = ["pdl"] if value else ["plain"]
         return pr["launches"] == want, f"kernel launches {pr['launches']} (kernels {pr['kernels']}), expected {want}"

@@ -281,28 +281,6 @@ def argmax_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     return [(f"argmax B=5 V={vocab}", run, ref)]
 
 
-def l2_prefetch_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
-    """The prefetch writes nothing, so its address arithmetic runs in the kernel's TOUCH form (each program sums the
-    first byte of its lines) against the torch reference, over o_proj's weight bytes and a ragged tail; the fault
-    hands the kernel the weight from its second line on."""
-    from vtengine.kernels import l2_prefetch
-    cases = []
-    n, k = (sh["hidden"], sh["hidden"])
-    w = torch.randn(n, k, generator=gen).to(dev, sh["dtype"])
-    ragged = torch.randint(0, 256, (n * 7 + 45,), generator=gen, dtype=torch.uint8).to(dev)
-    for name, t in (("o weight", w), ("ragged bytes", ragged)):
-        data = t.reshape(-1).view(torch.uint8)
-
-        def run(setting, fault, data=data):
-            return l2_prefetch.prefetch(data[l2_prefetch.LINE:] if fault else data, pdl=setting.get("pdl", False),
-                                        touch=True).float()
-
-        def ref(data=data):
-            return l2_prefetch.touch_reference(data).float()
-        cases.append((f"l2_prefetch {name} {data.numel()} B", run, ref))
-    return cases
-
-
 def dense_linear_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     from vtengine.kernels import gemv
     cases = []
@@ -426,8 +404,6 @@ def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callabl
             cs = qkv_epilogue_cases(gen, dev, sh)
         elif kernel == "argmax":
             cs = argmax_cases(gen, dev, sh)
-        elif kernel == "l2_prefetch":
-            cs = l2_prefetch_cases(gen, dev, sh)
         else:
             raise ValueError(f"op gate: no cases for kernel {kernel!r}")
         out += [(kernel, name, run, ref) for name, run, ref in cs]

@@ -10,7 +10,7 @@ KERNEL_OPS = {
     "store_kv": ("store_kv",), "prefill_attention": ("prefill_attention",),
     "decode_attention": ("decode_attention",), "w4a16_gemm": ("linear", "gate_up_silu"),
     "dense_linear": ("linear",),
-    "argmax": ("greedy",), "qkv_epilogue": ("qkv_epilogue",), "l2_prefetch": ("prefetch_weight",),
+    "argmax": ("greedy",), "qkv_epilogue": ("qkv_epilogue",),
 }
 # the backend methods that take a projection weight, with the weight's position among their arguments: each runs
 # the W4A16 GEMM or the dense linear, by that weight's type. linear_add and norm_linear (the lever fuse_norm) exist

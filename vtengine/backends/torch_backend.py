@@ -168,11 +168,6 @@ class TorchBackend:
             return (x.float() @ weight.float().t()).to(x.dtype)
         return x @ weight.t()
 
-    def prefetch_weight(self, weight) -> None:
-        """Ask the device's L2 for a projection weight ahead of its use (lever ``o_prefetch``, Triton backend on
-        CUDA): nothing here, and never a change to any result."""
-        return None
-
     # -- sampling ------------------------------------------------------------------------------------------
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """argmax over the vocab, lowest index on ties; logits [B, V] -> [B] int64."""

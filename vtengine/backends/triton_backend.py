@@ -9,7 +9,7 @@ import torch
 
 from vtengine.backends import KERNEL_OPS
 from vtengine.backends.torch_backend import TorchBackend
-from vtengine.kernels import INTERPRET, attention, fused, gemv, l2_prefetch, w4a16
+from vtengine.kernels import INTERPRET, attention, fused, gemv, w4a16
 from vtengine.kernels.epilogue import NormIn
 
 # Under the CPU interpreter each program runs one after another in Python: present a 2-SM machine to the split
@@ -143,13 +143,6 @@ class TritonBackend(TorchBackend):
             y = gemv.linear(residual if gained is None else gained, weight, triton_gemv=True, norm=norm,
                             silu_mul=fuse_silu, **self._gemv_levers())
         return y
-
-    def prefetch_weight(self, weight) -> None:
-        """The lever o_prefetch: ask L2 for the weight's bytes (a W4A16 weight's packed codes) now, so the projection
-        that reads it after the kernels between finds them there (vtengine/kernels/l2_prefetch.py)."""
-        if self.levers.on("o_prefetch"):
-            l2_prefetch.prefetch(weight.packed if isinstance(weight, QuantizedWeight) else weight,
-                                 pdl=self.levers.on("pdl"), mode=self.levers.values["o_prefetch"])
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         return fused.argmax(logits, pdl=self.levers.on("pdl"))

@@ -1,4 +1,4 @@
-"""Does a weight asked of L2 ahead of its GEMV make that GEMV faster? (lever ``o_prefetch``)
+"""Does a weight asked of L2 ahead of its GEMV make that GEMV faster? (the o_prefetch experiment)
 
     python -m vtengine.bench.l2_prefetch OUT_DIR
 

@@ -1,18 +1,23 @@
-"""Ask L2 for a projection's weights while the kernels before that projection leave DRAM idle (lever ``o_prefetch``).
+"""Ask L2 for a weight ahead of the GEMV that reads it: the o projection's, while decode attention leaves DRAM idle.
 
-Decode attention at one sequence reads ~4 MB of KV cache in ~9 us, so the DRAM bandwidth of those microseconds goes
+An experiment, measured and not wired into the engine (bench/results/l2-prefetch-notes-2026-12-04.md). The idea:
+decode attention at one sequence reads ~4 MB of KV cache in ~9 us, so the DRAM bandwidth of those microseconds goes
 unused, while the o projection after it (bf16 Qwen3-8B: 4096 x 4096, 33.5 MB) ran at 62-68% of copy bandwidth on the
-H200 (bench/results/gemv-bf16-*-2026-12-03): too few bytes in flight at its start and end. Launched right after the
-qkv projection, this kernel issues ``prefetch.global.L2`` for every 128-byte line of the o weight (no registers, no
-wait), so the weight streams into L2 while the qkv epilogue and the attention run, and the o projection then reads it
-from L2. It writes nothing and changes no bit of any result.
+H200 (bench/results/gemv-bf16-*-2026-12-03). A launch right after the qkv projection asks L2 for every line of the o
+weight, so it streams in during the qkv epilogue and the attention. It writes nothing and changes no result.
+
+Measured on the H200 (2026-12-04) as the lever ``o_prefetch``, in all three modes below: the decode step got slower
+(bf16 c1 +2.4% to +8.2%, MXFP4 +3.4% to +6.0%), although the micro-bench (vtengine/bench/l2_prefetch.py) shows the
+lines do reach L2 (o GEMV 13.8 -> 8.6 us after a ``load`` prefetch). The lever was taken back out of the decode
+path (commits 15bab23..8a2d06b hold the wiring: backend method, decoder call, op cases, mechanism probe); this
+module and the bench stay for a later attempt.
 
 The L2 budget: at most ``L2_SHARE`` of the device's L2 is asked for (a weight beyond it is prefetched from its start
 up to the budget), so the prefetch does not evict the lines it just brought in.
 
-Programmatic dependent launch (the ``pdl`` lever): the kernel may start while the qkv projection drains. It issues
-its prefetches, then waits for that kernel like every PDL kernel (griddepcontrol.wait before it ends, so the kernels
-after it still see the projection's output: ordering stays transitive along the stream).
+Programmatic dependent launch: the kernel may start while the kernel before it drains. It issues its prefetches,
+then waits for that kernel like every PDL kernel (griddepcontrol.wait before it ends, so the kernels after it still
+see that kernel's output: ordering stays transitive along the stream).
 
 TOUCH (tests and the CPU interpreter, which cannot run inline PTX): instead of prefetching, each program loads the
 first byte of each of its lines and stores their sum, so a test can check which lines a launch covers.
@@ -123,7 +128,8 @@ def prefetch(t: torch.Tensor, pdl: bool = False, touch: bool = False, share: flo
     if INTERPRET and not touch:
         counters.record("l2_prefetch", "skipped_interpreter", variant="prefetch")
         return None
-    sums = torch.zeros(p.programs, dtype=torch.int32, device=data.device) if touch else data
+    # poisoned: a program that stores nothing leaves -1, which no sum of bytes is
+    sums = torch.full((p.programs,), -1, dtype=torch.int32, device=data.device) if touch else data
     on = use_pdl(pdl, "l2_prefetch", data.device)
     if mode == "load" and not touch:
         sums = torch.empty(p.programs, dtype=torch.int32, device=data.device)

@@ -120,8 +120,6 @@ class DecoderModel:
             else:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
                 qkv = be.linear(x, layer.qkv)
-            if not ctx.is_prefill:      # o's weights stream into L2 while the epilogue and the attention run
-                be.prefetch_weight(layer.o)
             q = be.qkv_epilogue(qkv, hq, hkv, positions, self.cos_sin, k_cache, v_cache,
                                 ctx.slot_mapping, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
             if ctx.is_prefill and ctx.decode is not None:      # a mixed step: prefill rows, then decoding rows
