@@ -216,11 +216,14 @@ def device_step(entry: dict) -> tuple[str, int] | None:
 
 
 def device_calls(steps: list[tuple[str, int]], call_s: int = DEVICE_CALL_S) -> list[list[str]]:
-    """The device steps [(step, seconds needed)] packed into calls of at most ``call_s`` seconds each, longest
-    first, each into the first call it fits (first-fit decreasing). A step longer than one call is cut at
-    ``call_s`` (device_step); what is left of it goes in a later call, where the same step resumes it."""
+    """The device steps [(step, seconds needed)], in the plan's order (``order``: the levers others depend on
+    first), packed into calls of at most ``call_s`` seconds each: each step into the first call it fits (first-fit),
+    so the calls, run in turn, reach the plan's first verdicts first; a later step may fill room left in an
+    earlier call. A step longer than one call is cut at ``call_s`` (device_step); what is left of it goes in a
+    later call, where the same step resumes it. (Until 2026-12-04 the steps went longest first, first-fit
+    decreasing: a call or two fewer, but the plan's first verdicts could come last.)"""
     calls: list[tuple[int, list[str]]] = []
-    for step, need in sorted(steps, key=lambda s: -s[1]):
+    for step, need in steps:
         first = 0                                       # a resumed part goes in a later call than the part before
         while need > call_s:
             calls.append((call_s, [f"{call_s}@{step.split('@', 1)[1]}"]))

@@ -340,9 +340,10 @@ def test_a_plan_entry_gives_the_device_step_that_reruns_it_and_the_seconds_it_ne
 
 
 def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_call():
-    """First-fit decreasing into calls of DEVICE_CALL_S: no call holds more, every step is placed once, and a
-    campaign longer than one call is cut there and resumed in a later call, never in an earlier one (its first
-    part must have run before a resume can find it), even where an earlier call has room for the rest."""
+    """First-fit in the plan's order into calls of DEVICE_CALL_S: no call holds more, every step is placed once, the
+    plan's first step is in the first call, and a campaign longer than one call is cut there and resumed in a later
+    call, never in an earlier one (its first part must have run before a resume can find it), even where an earlier
+    call has room for the rest."""
     cap, left = recheck.DEVICE_CALL_S, recheck.DEVICE_CALL_S - recheck.STEP_OVERHEAD_S
     steps = [("200@campaign:a", 200), ("900@campaign:long", 900), ("700@campaign:long2", 700),
              ("300@campaign:b", 300), ("120@campaign:d", 120)]
@@ -356,5 +357,8 @@ def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_ca
                                      if step.endswith(f"@campaign:{name}")]
         assert s1 == f"{cap}@campaign:{name}" and calls[first] == [s1] and second > first, calls
         assert int(s2.split("@")[0]) == -(-(need - left) // 5) * 5
-    # 580 long | 380 long + 200 a | 580 long2 | 180 long2 + 300 b (not in the second call, which has room) | 120 d
-    assert len(calls) == 5, calls
+    # 200 a + 300 b | 580 long | 380 long + 120 d | 580 long2 | 180 long2: a first (the plan's first verdict), b
+    # fills the room a left; d fits neither the first call (620 s) nor the second (full), so the third
+    assert calls == [["200@campaign:a", "300@campaign:b"], [f"{cap}@campaign:long"],
+                     [f"{int(-(-(900 - left) // 5) * 5)}@campaign:long", "120@campaign:d"], [f"{cap}@campaign:long2"],
+                     [f"{int(-(-(700 - left) // 5) * 5)}@campaign:long2"]], calls
