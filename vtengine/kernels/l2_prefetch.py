@@ -40,8 +40,7 @@ L2_SHARE = 0.75             # of the L2 a launch may fill
 CPU_L2_BYTES = 50 * 2**20   # the L2 assumed without CUDA (the interpreter): one H200's 50 MB
 
 
-MODES = ("line", "bulk", "load")
-BULK = 4096                 # bytes per cp.async.bulk.prefetch (mode "bulk")
+MODES = ("line", "bulk", "load")     # "bulk" asks 4 KB per cp.async.bulk.prefetch
 
 
 @triton.jit
@@ -128,11 +127,13 @@ def prefetch(t: torch.Tensor, pdl: bool = False, touch: bool = False, share: flo
     if INTERPRET and not touch:
         counters.record("l2_prefetch", "skipped_interpreter", variant="prefetch")
         return None
-    # poisoned: a program that stores nothing leaves -1, which no sum of bytes is
-    sums = torch.full((p.programs,), -1, dtype=torch.int32, device=data.device) if touch else data
-    on = use_pdl(pdl, "l2_prefetch", data.device)
-    if mode == "load" and not touch:
+    if touch:           # poisoned: a program that stores nothing leaves -1, which no sum of bytes is
+        sums = torch.full((p.programs,), -1, dtype=torch.int32, device=data.device)
+    elif mode == "load":    # a buffer for its dead store
         sums = torch.empty(p.programs, dtype=torch.int32, device=data.device)
+    else:                   # never touched: any valid pointer
+        sums = data
+    on = use_pdl(pdl, "l2_prefetch", data.device)
     _l2_prefetch_kernel[(p.programs,)](data, p.lines, data.numel(), sums, LINES=lines_per_program,
                                        TOUCH=bool(touch), MODE=mode, USE_PDL=on, num_warps=4, **launch_options(on))
     counters.record("l2_prefetch", "touch" if touch else "prefetch", grid=(p.programs,),
