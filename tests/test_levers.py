@@ -1,5 +1,6 @@
 """The lever registry: schema, resolution order, off-strings, bad values, and no undeclared VT_* reads."""
 import ast
+import os
 import re
 import shutil
 from pathlib import Path
@@ -172,6 +173,7 @@ def _write(d, data):
 VT_NAME = re.compile(r"VT_[A-Z0-9_]+")
 PACKAGE_DIRS = [Path(vtengine.__file__).parent, Path(campaigns.__file__).parent]      # the imported packages
 PLANTED = "VT_NOT_A_LEVER"
+PLANT_PREFIX = "_planted_scan_probe_"      # + the process id: one module per xdist worker
 
 
 def undeclared_vt_reads(package_dirs=PACKAGE_DIRS) -> list[tuple[str, int, str]]:
@@ -193,8 +195,9 @@ def undeclared_vt_reads(package_dirs=PACKAGE_DIRS) -> list[tuple[str, int, str]]
 
 @pytest.fixture
 def plant_in_package():
-    """Write a module into the real vtengine/ package for one test; it is removed however the test ends."""
-    planted = PACKAGE_DIRS[0] / "_planted_scan_probe.py"
+    """Write a module into the real vtengine/ package for one test; it is removed however the test ends. Named per
+    process: under xdist two workers may plant at once, and neither may see or delete the other's module."""
+    planted = PACKAGE_DIRS[0] / f"{PLANT_PREFIX}{os.getpid()}.py"
     assert not planted.exists(), f"{planted} is left over from an earlier run; delete it"
 
     def plant(source: str) -> str:
@@ -207,19 +210,25 @@ def plant_in_package():
         planted.unlink(missing_ok=True)
 
 
+def _not_planted_elsewhere(found: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """The scan's findings less the modules another xdist worker's test planted for the moment."""
+    own = f"{PLANT_PREFIX}{os.getpid()}.py"
+    return [f for f in found if PLANT_PREFIX not in f[0] or f[0].endswith(own)]
+
+
 def test_no_undeclared_vt_env_reads():
     """Scan the source: every VT_* name the code mentions must be a registered lever's env variable."""
-    assert undeclared_vt_reads() == [], "VT_* variables read but not declared in conf/lever/"
+    assert _not_planted_elsewhere(undeclared_vt_reads()) == [], "VT_* variables read but not declared in conf/lever/"
 
 
 @pytest.mark.parametrize("read", [f'os.environ["{PLANTED}"]', f'os.environ.get("{PLANTED}", "0")',
                                   f"os.getenv('{PLANTED}')"])
 def test_the_scan_finds_an_undeclared_read_planted_in_the_package(plant_in_package, read):
-    assert undeclared_vt_reads() == []
+    assert _not_planted_elsewhere(undeclared_vt_reads()) == []
     # a declared lever's read beside the planted one: the scan reports the undeclared name only
     declared = sorted(lv.env for lv in levers.registry().values())[0]
     planted = plant_in_package(f'import os\n\nLEVER = os.environ.get("{declared}")\nKNOB = {read}\n')
-    assert undeclared_vt_reads() == [(planted, 4, PLANTED)]
+    assert _not_planted_elsewhere(undeclared_vt_reads()) == [(planted, 4, PLANTED)]
 
 
 def test_on_is_a_lookup_that_never_reads_the_lever_files(monkeypatch):
