@@ -17,7 +17,7 @@ CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_gr
              "mixed_chunk", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "pdl_stack",
              "prefill_gqa_pack", "split_rule",
              "triton_gemv",
-             "w4a16_mid_m", "w4a16_rot"]
+             "w4a16_mid_m", "w4a16_rot", "whole_first"]
 
 
 def _error_line(capsys) -> str:

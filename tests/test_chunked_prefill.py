@@ -169,6 +169,67 @@ def test_chunk_above_chunks_a_short_prompt_the_step_budget_cannot_hold():
     assert {r: st["launches"] for r, st in snap["chunk_above"].items()} == {"chunked": 1}
 
 
+def _pair_a_step_apart(levers: dict) -> tuple[dict[str, int], dict[str, list[int]], dict]:
+    """Two equal-length requests, b arriving one step after a (closed-loop clients once one is a step ahead): the
+    step() call at which each finished, their tokens, and the counters."""
+    eng = LLM(model="tiny", backend="torch", levers=levers).engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    counters.reset()
+    eng.add_request("a", long_prompt(300, seed=4), params)
+    eng.step()
+    eng.add_request("b", long_prompt(300, seed=5), params)
+    finished: dict[str, int] = {}
+    done: dict[str, list[int]] = {}
+    call = 1
+    while eng.has_unfinished_requests():
+        call += 1
+        for o in eng.step():
+            if o.finished:
+                finished[o.request_id], done[o.request_id] = call, list(o.outputs[0].token_ids)
+    return finished, done, counters.snapshot()
+
+
+@pytest.mark.parametrize("levers", [SYNC, ASYNC], ids=["sync", "async"])
+def test_whole_first_keeps_equal_requests_a_step_apart_in_step(levers):
+    """Mixed steps (256-token chunks, whole prompts up to 512): when b's whole prompt prefills, a's decode token
+    rides in that step, so a finishes a step before b and their successors would arrive a step apart for good (the
+    binding mixed_prefill REJECT at c2). With whole_first a waits that one step, as prefill first makes it wait:
+    both finish at the same step, and each gets the tokens it gets alone."""
+    mixed = {**levers, "mixed_steps": True, "chunked_prefill": 256, "chunk_above": 512}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = {name: tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+        [long_prompt(300, seed=seed)], params))[0] for name, seed in (("a", 4), ("b", 5))}
+    first, done, snap = _pair_a_step_apart({**mixed, "whole_first": True})
+    assert first["a"] == first["b"] and done == alone, first
+    assert snap["whole_first"]["waited"]["grids"] == {"1": 1}     # one step, one decoding sequence held back
+    ride, done, snap = _pair_a_step_apart({**mixed, "whole_first": False})
+    assert ride["a"] == ride["b"] - 1 and done == alone, ride
+    assert "whole_first" not in snap
+    prefill_first, _, _ = _pair_a_step_apart(levers)
+    assert first == prefill_first
+
+
+@pytest.mark.parametrize("levers", [SYNC, ASYNC], ids=["sync", "async"])
+def test_whole_first_holds_decode_back_for_whole_prompts_only(levers):
+    """whole_first with 256-token mixed chunks and chunk_above 512: a 400-token prompt arriving while "a" decodes
+    prefills whole in a step without a's token (b's first token comes alone, where without the lever it comes with
+    a's); a 1200-token prompt is chunked, and every chunk still carries a's token, as without the lever."""
+    mixed = {**levers, "mixed_steps": True, "chunked_prefill": 256, "chunk_above": 512, "whole_first": True}
+    lag = 1 if levers.get("async_scheduling") else 0
+    alone_a = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+        [[11, 12, 13]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))[0]
+    for n, want in ((400, ["a"] * lag + ["b"]), (1200, ["a"] * (4 + lag) + ["ab"])):
+        long = long_prompt(n, seed=2)
+        alone_b = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
+            [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
+        counters.reset()
+        steps, done = _timeline(LLM(model="tiny", backend="torch", levers=mixed), long)
+        assert steps == want, (n, steps)
+        assert done["a"] == alone_a and done["b"] == alone_b
+        waited = counters.snapshot().get("whole_first", {})
+        assert (waited["waited"]["launches"] if waited else 0) == (1 if n == 400 else 0), (n, waited)
+
+
 def test_max_model_len_defaults_to_the_model_and_then_to_the_pool():
     assert LLM(model="tiny", backend="torch").engine.max_model_len == 2048     # tiny's max_position_embeddings
     small = LLM(model="tiny", backend="torch", num_kv_blocks=40).engine           # 40 blocks of 16: 640 tokens

@@ -510,6 +510,18 @@ def test_chunk_above_mechanism_gate_sees_short_prompts_go_whole():
     ctx.release_engines()
 
 
+def test_whole_first_mechanism_gate_sees_decode_held_back_for_whole_prompts():
+    """whole_first in the mixed step shape (256-token chunks, chunk_above 512): the probe's short prompts arrive
+    while another decodes and prefill whole; only the ON arm holds the decode token back for that step. The inert
+    candidate and the stuck baseline are caught."""
+    ctx = context(lever="whole_first")
+    ctx.with_levers = {"chunked_prefill": 256, "chunk_above": 512, "mixed_steps": True}
+    assert mechanism_counts(ctx, "waited_steps") == (0, 1)
+    assert not mechanism.expected("whole_first", True, {"waited_steps": 0})[0]
+    assert not mechanism.expected("whole_first", False, {"waited_steps": 1})[0]
+    ctx.release_engines()
+
+
 def test_decode_wave_grid_mechanism_gate_sees_fewer_programs_than_slots(monkeypatch):
     """On a virtual 16-SM machine the count rule splits tiny's decode: only the ON arm launches fewer programs than
     slots, and the inert candidate and the stuck baseline are caught. On the default 2-SM interpreter nothing

@@ -24,7 +24,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                            "gqa_swap",
                            "marlin_dense", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch",
                            "pdl_stack", "prefill_gqa_pack", "split_rule",
-                           "triton_gemv", "w4a16_mid_m", "w4a16_rot"]
+                           "triton_gemv", "w4a16_mid_m", "w4a16_rot", "whole_first"]
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
                         "chunk_graphs": False, "chunked_prefill": "off", "decode_wave_grid": True,
@@ -33,7 +33,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                         "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False, "pdl_stack": False,
                         "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": True,
-                        "w4a16_rot": True}
+                        "w4a16_rot": True, "whole_first": False}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
     assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "decode_wave_grid",

@@ -96,6 +96,8 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
     if lever == "chunk_above":      # prompts longer than the chunk admitted whole (at most T) or chunked (past T)
         routes = {r: st["launches"] for r, st in snap.get("chunk_above", {}).items()}
         return {"whole": routes.get("whole", 0), "chunked": routes.get("chunked", 0)}
+    if lever == "whole_first":      # steps that prefilled whole prompts while decoding sequences waited
+        return {"waited_steps": sum(st["launches"] for st in snap.get("whole_first", {}).values())}
     if lever == "chunk_graphs":     # full chunks replayed from graphs (on the CPU: their static buffers run eagerly)
         return {"chunk_steps": sum(st["launches"] for st in snap.get("chunk_step", {}).values()),
                 "shapes": _grids(snap, "chunk_step")[:8]}
@@ -177,6 +179,9 @@ def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None =
         return pr["whole"] > 0 and pr["chunked"] > 0, (f"{pr['whole']} prompts longer than the chunk but at most "
                                                        f"{value} went whole, {pr['chunked']} past {value} were "
                                                        "chunked: expected some of each (needs chunked_prefill on)")
+    if lever == "whole_first":
+        return _some_or_none(pr["waited_steps"], value, "steps prefilled whole prompts while the decoding sequences "
+                                                        "waited")
     if lever == "chunk_graphs":
         return _some_or_none(pr["chunk_steps"], value, "full prefill chunks replayed from captured graphs")
     if lever == "w4a16_mid_m":
@@ -241,7 +246,8 @@ def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None =
 
 GRAPH_LEVERS = ("chunk_graphs",)         # levers that are CUDA graphs: their probe runs with graphs on
 WIDE_BATCH_LEVERS = ("w4a16_mid_m",)     # levers whose mechanism needs decode steps of more than 16 sequences
-STAGGERED = ("mixed_steps", "chunk_graphs")    # levers whose mechanism needs a prompt arriving while another decodes
+# levers whose mechanism needs a prompt arriving while another decodes
+STAGGERED = ("mixed_steps", "chunk_graphs", "whole_first")
 
 
 def _staggered(eng, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -276,6 +282,9 @@ def _run_probe(ctx: GateContext, arm: Arm, value: Any = None) -> tuple[dict[str,
                 # under chunk_above, chunked without it)
                 lens = (long_prompt_len(chunk, above) + 9, chunk + 9)
                 prompts[1:3] = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
+            if "whole_first" in family(ctx.lever):
+                # the short prompts first: whole_first holds the decode tokens back only while no chunk is under way
+                prompts[1:] = sorted(prompts[1:], key=len)
             counters.reset()
             if family(ctx.lever) & set(STAGGERED):
                 _staggered(llm.engine, prompts, params)

@@ -214,12 +214,13 @@ class LLMEngine:
 
     def set_step_levers(self, resolved) -> None:
         """Apply the levers that shape steps from resolved lever values: the backends read their levers per call, the
-        scheduler holds chunked_prefill, mixed_steps and chunk_above, the runner chunk_graphs (captured for
+        scheduler holds chunked_prefill, mixed_steps, chunk_above and whole_first, the runner chunk_graphs (captured for
         chunked_prefill's N when new). A gate that re-resolves the levers of a built engine calls this too, so an
         inert or stuck lever really is one."""
         self.scheduler.prefill_chunk = int(resolved.chunked_prefill) if resolved.on("chunked_prefill") else None
         self.scheduler.mixed_steps = resolved.on("mixed_steps")
         self.scheduler.chunk_above = int(resolved.chunk_above) if resolved.on("chunk_above") else None
+        self.scheduler.whole_first = resolved.on("whole_first")
         self.runner.set_chunk_graphs(self.scheduler.prefill_chunk if resolved.on("chunk_graphs") else None)
 
     # -- one step ----------------------------------------------------------------------------------------------
