@@ -97,14 +97,15 @@ def _env_value(ev: Evidence, arm, env_name: str) -> str:
 
 def _preset_note(ev: Evidence, arm: str) -> str:
     """For a preset lever's arm, what its levers ran at there (from the arm's recorded context): a reader of
-    ``VT_MIXED_PREFILL=on`` learns the chunk size without opening the lever file."""
+    ``VT_MIXED_PREFILL=on`` learns the chunk size without opening the lever file. A lever the preset sets now that
+    the context does not hold did not exist then, and is left out."""
     from vtengine import levers
     lever = levers.registry().get(ev.lever)
     values = ev.context.get(arm, {})
-    if lever is None or not lever.sets or not all(name in values for name in lever.sets):
+    names = sorted(n for n in (lever.sets if lever is not None else {}) if n in values)
+    if not names:
         return ""
-    return " (a preset; its levers here: " + ", ".join(f"{n}={fmt_lever_value(values[n])}"
-                                                       for n in sorted(lever.sets)) + ")"
+    return " (a preset; its levers here: " + ", ".join(f"{n}={fmt_lever_value(values[n])}" for n in names) + ")"
 
 
 def fmt_interval(e: EffectSize | None) -> str:

@@ -370,7 +370,7 @@ def test_the_mechanism_line_shows_routes_and_grids_not_their_counts():
 
 def test_a_preset_levers_record_names_what_its_levers_ran_at_in_each_arm():
     """`VT_MIXED_PREFILL=on` alone does not say the chunk size: the arm lines add the preset's levers as the arm's
-    recorded context has them."""
+    recorded context has them; a lever the preset gained later is left out of an older campaign's line."""
     from vtengine import levers
     ev = make_evidence(TPUT_WIN, lever="mixed_prefill")
     for arm in ev.arms:
@@ -380,6 +380,10 @@ def test_a_preset_levers_record_names_what_its_levers_ran_at_in_each_arm():
             "prefill_gqa_pack=true)") in rec
     assert ("chunk_above=off, chunk_graphs=false, chunked_prefill=off, mixed_steps=false, prefill_gqa_pack=false)"
             in rec)
+    for arm in ev.arms:     # evidence from before chunk_above existed: the levers its context holds
+        del ev.context[arm.name]["chunk_above"]
+    assert ("(a preset; its levers here: chunk_graphs=true, chunked_prefill=512, mixed_steps=true, "
+            "prefill_gqa_pack=true)") in records.render_record(ev)
     ev = make_evidence(TPUT_WIN)                                        # not a preset: nothing added
     assert "a preset" not in records.render_record(ev)
 
