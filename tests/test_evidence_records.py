@@ -377,11 +377,11 @@ def test_a_preset_levers_record_names_what_its_levers_ran_at_in_each_arm():
         ev.context[arm.name] = dict(levers.resolve({"mixed_prefill": arm.value}, environ={}).values)
     rec = records.render_record(ev)
     assert ("(a preset; its levers here: chunk_above=1536, chunk_graphs=true, chunked_prefill=512, mixed_steps=true, "
-            "prefill_gqa_pack=true)") in rec
-    assert ("chunk_above=off, chunk_graphs=false, chunked_prefill=off, mixed_steps=false, prefill_gqa_pack=false)"
-            in rec)
-    for arm in ev.arms:     # evidence from before chunk_above existed: the levers its context holds
-        del ev.context[arm.name]["chunk_above"]
+            "prefill_gqa_pack=true, whole_first=true)") in rec
+    assert ("chunk_above=off, chunk_graphs=false, chunked_prefill=off, mixed_steps=false, prefill_gqa_pack=false, "
+            "whole_first=false)" in rec)
+    for arm in ev.arms:     # evidence from before chunk_above and whole_first existed: the levers its context holds
+        del ev.context[arm.name]["chunk_above"], ev.context[arm.name]["whole_first"]
     assert ("(a preset; its levers here: chunk_graphs=true, chunked_prefill=512, mixed_steps=true, "
             "prefill_gqa_pack=true)") in records.render_record(ev)
     ev = make_evidence(TPUT_WIN)                                        # not a preset: nothing added

@@ -641,11 +641,12 @@ esac
 
 
 def test_a_preset_lever_mechanism_proves_every_lever_it_sets(monkeypatch):
-    """mixed_prefill sets five levers: its probe is theirs, each at the value the arm resolves it to. The ON arm
-    shows its chunks, decode rows in the prefill steps, full chunks replayed, the packed prefill grid and a prompt
-    past the chunk prefilled whole; the OFF arm prefill first with none of them; the inert candidate (every set
-    lever back at its default) and the stuck baseline are caught. (256-token chunks and chunk_above 512 here, the
-    levers' smallest, not the file's 512 and 1,536: the interpreter walks prefill attention.)"""
+    """mixed_prefill sets six levers: its probe is theirs, each at the value the arm resolves it to. The ON arm
+    shows its chunks, decode rows in the prefill steps, full chunks replayed, the packed prefill grid, a prompt
+    past the chunk prefilled whole and a decode token held back for it; the OFF arm prefill first with none of
+    them; the inert candidate (every set lever back at its default) and the stuck baseline are caught. (256-token
+    chunks and chunk_above 512 here, the levers' smallest, not the file's 512 and 1,536: the interpreter walks
+    prefill attention.)"""
     from vtengine import levers
     monkeypatch.setitem(levers.get("mixed_prefill").sets, "chunked_prefill", 256)
     monkeypatch.setitem(levers.get("mixed_prefill").sets, "chunk_above", 512)
@@ -658,9 +659,10 @@ def test_a_preset_lever_mechanism_proves_every_lever_it_sets(monkeypatch):
     assert on["chunked_prefill"]["prefill_steps"] == ["chunk=256"] and off["chunked_prefill"]["prefill_steps"] == [
         "prefill_first"]
     assert on["mixed_steps"]["mixed_steps"] > 0 and off["mixed_steps"]["mixed_steps"] == 0
-    # the 521-token prompt's two full chunks, less the first: it shares its step with the 265-token prompt admitted
-    # whole (a step that starts two prompts runs eagerly)
-    assert on["chunk_graphs"]["chunk_steps"] == 1 and off["chunk_graphs"]["chunk_steps"] == 0
+    # whole_first: the short prompts arrive first and prefill whole while probe-0's decode token waits; then the
+    # 521-token prompt's two full chunks, each replayed beside the decode rows
+    assert on["whole_first"] == {"waited_steps": 1} and off["whole_first"] == {"waited_steps": 0}
+    assert on["chunk_graphs"]["chunk_steps"] == 2 and off["chunk_graphs"]["chunk_steps"] == 0
     assert on["chunk_above"] == {"whole": 1, "chunked": 1} and off["chunk_above"] == {"whole": 0, "chunked": 0}
     assert on["prefill_gqa_pack"]["routes"] == ["gqa_pack"] and off["prefill_gqa_pack"]["routes"] == ["paged_causal"]
     # one lever of the four inert is enough to fail the ON arm
