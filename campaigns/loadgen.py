@@ -1,8 +1,9 @@
 """The serving load generator (``vtengine bench serve``): the protocol of ``vllm bench serve``, closed loop.
 
 One leg = a fixed list of random token-id prompts of exact length, sent to ``/v1/completions`` with
-``max_tokens = output_len``, ``ignore_eos``, temperature 0, streaming, at most ``concurrency`` in flight (request
-rate infinite: a new request starts the moment one finishes). Warm-up requests run first and are not measured.
+``max_tokens = output_len`` (the same for all, or each request's own: ``make_output_lens``), ``ignore_eos``,
+temperature 0, streaming, at most ``concurrency`` in flight (request rate infinite: a new request starts the moment
+one finishes). Warm-up requests run first and are not measured.
 Every prompt must have a result and every request is validated (completed, exactly ``output_len`` completion
 tokens by ``usage`` and by chunks, so ``output_len - 1`` inter-token gaps); failures are reported in the result,
 never dropped silently, and a leg with any failure is ``valid = False``.
@@ -48,6 +49,31 @@ def make_prompts(n: int, input_len: int, seed: int, vocab_range: tuple[int, int]
 def prompts_sha256(prompts: list[list[int]]) -> str:
     """sha256 of the prompts as compact JSON (``[[1,2],[3]]``, no spaces): the id of a prompt partition."""
     return hashlib.sha256(json.dumps(prompts, separators=(",", ":")).encode()).hexdigest()
+
+
+def make_output_lens(n: int, output_len: int, range_ratio: float, seed: int) -> list[int]:
+    """Each request's output length: ``output_len`` for all when ``range_ratio`` is 0, else an integer drawn
+    uniformly from ``[output_len * (1 - r), output_len * (1 + r)]`` by a seeded generator (vLLM's random dataset
+    range ratio, applied to the outputs). Requests that end at different steps arrive at different steps: a closed
+    loop of equal requests otherwise runs in lockstep, and a prefill never finds another request decoding."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    lo, hi = round(output_len * (1 - range_ratio)), round(output_len * (1 + range_ratio))
+    if n < 0 or lo < 2:
+        raise ValueError(f"need n >= 0 and output lengths >= 2 (TPOT needs two tokens), got n={n}, "
+                         f"output_len={output_len}, range_ratio={range_ratio}: shortest {lo}")
+    if lo == hi:
+        return [output_len] * n
+    return np.random.default_rng([seed, 1]).integers(lo, hi + 1, size=n).tolist()
+
+
+def _per_request(output_len: int | list[int], n: int) -> list[int]:
+    """One requested output length per prompt: an int for all of them, or a list of exactly ``n``."""
+    if isinstance(output_len, int):
+        return [output_len] * n
+    if len(output_len) != n:
+        raise ValueError(f"{len(output_len)} output lengths for {n} prompts: give one per prompt, or one int")
+    return [int(x) for x in output_len]
 
 
 def safe_vocab_range(model_info: dict) -> tuple[int, int]:
@@ -150,11 +176,14 @@ class LegMetrics:
         return asdict(self)
 
 
-def compute_metrics(results: list[RequestResult | None], duration_s: float, *, concurrency: int, output_len: int,
-                    prompts: list[list[int]]) -> LegMetrics:
+def compute_metrics(results: list[RequestResult | None], duration_s: float, *, concurrency: int,
+                    output_len: int | list[int], prompts: list[list[int]]) -> LegMetrics:
     """The LegMetrics of a leg from its per-request results, ``results[i]`` for ``prompts[i]`` (None: that request
-    left no result); the definitions are in LegMetrics' docstring."""
-    m = LegMetrics(concurrency=concurrency, input_len=len(prompts[0]) if prompts else 0, output_len=output_len,
+    left no result); the definitions are in LegMetrics' docstring. ``output_len``: one for every request, or each
+    request's own (``output_len`` in the metrics is then their mean, rounded)."""
+    lens = _per_request(output_len, len(prompts))
+    nominal = output_len if isinstance(output_len, int) else round(sum(lens) / max(1, len(lens)))
+    m = LegMetrics(concurrency=concurrency, input_len=len(prompts[0]) if prompts else 0, output_len=nominal,
                    num_prompts=len(prompts), prompts_sha256=prompts_sha256(prompts), duration_s=duration_s)
     if len(results) > len(prompts):
         m.failures.append(f"{len(results)} results for {len(prompts)} prompts: the results do not belong to this "
@@ -162,7 +191,7 @@ def compute_metrics(results: list[RequestResult | None], duration_s: float, *, c
     ok = []
     missing = [None] * (len(prompts) - len(results))        # prompts past the end of the results have none
     for i, r in enumerate(list(results[:len(prompts)]) + missing):
-        reason = _failure(r, output_len)
+        reason = _failure(r, lens[i])
         if reason:
             m.failures.append(f"request {i}: {reason}")
         else:
@@ -273,11 +302,12 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
     return r
 
 
-async def _run(client, url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-               timeout_s: float) -> tuple[list[RequestResult | None], float]:
+async def _run(client, url: str, model: str, prompts: list[list[int]], output_len: int | list[int],
+               concurrency: int, timeout_s: float) -> tuple[list[RequestResult | None], float]:
     """Closed loop: ``concurrency`` workers take the next prompt as soon as their previous request ends. The
     results stay in prompt order, None where a request left none, so a failure names the right request."""
     results: list[RequestResult | None] = [None] * len(prompts)
+    lens = _per_request(output_len, len(prompts))
     next_i = 0
 
     async def worker():
@@ -285,17 +315,22 @@ async def _run(client, url: str, model: str, prompts: list[list[int]], output_le
         while next_i < len(prompts):
             i = next_i
             next_i += 1
-            results[i] = await _one_request(client, url, model, prompts[i], output_len, timeout_s)
+            results[i] = await _one_request(client, url, model, prompts[i], lens[i], timeout_s)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(prompts))))))
     return results, time.perf_counter() - t0
 
 
-async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                        *, warmup_prompts: list[list[int]] | None = None, timeout_s: float = 600.0,
+async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], output_len: int | list[int],
+                        concurrency: int, *, warmup_prompts: list[list[int]] | None = None, timeout_s: float = 600.0,
                         read_server_metrics: bool = True) -> LegMetrics:
+    """One measured leg (``output_len``: one for every request, or each prompt's own); the warm-up requests ask
+    for the measured lengths' mean."""
     import httpx
+
+    lens = _per_request(output_len, len(prompts))
+    warm_len = output_len if isinstance(output_len, int) else round(sum(lens) / max(1, len(lens)))
 
     base_url = base_url.rstrip("/")
     url = f"{base_url}/v1/completions"
@@ -303,9 +338,9 @@ async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], out
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
         warm_fail = []
         if warmup_prompts:
-            warm, _ = await _run(client, url, model, warmup_prompts, output_len, concurrency, timeout_s)
-            warm_fail = [f"warm-up request {i}: {_failure(r, output_len)}"
-                         for i, r in enumerate(warm) if _failure(r, output_len)]
+            warm, _ = await _run(client, url, model, warmup_prompts, warm_len, concurrency, timeout_s)
+            warm_fail = [f"warm-up request {i}: {_failure(r, warm_len)}"
+                         for i, r in enumerate(warm) if _failure(r, warm_len)]
         before = await _scrape(client, base_url) if read_server_metrics else None
         results, duration = await _run(client, url, model, prompts, output_len, concurrency, timeout_s)
         after = await _scrape(client, base_url) if read_server_metrics else None
@@ -323,7 +358,7 @@ async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], out
     return m
 
 
-def run_leg(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+def run_leg(base_url: str, model: str, prompts: list[list[int]], output_len: int | list[int], concurrency: int,
             *, warmup_prompts: list[list[int]] | None = None, timeout_s: float = 600.0,
             read_server_metrics: bool = True) -> LegMetrics:
     """Run one measured leg against a running server (blocking; see run_leg_async)."""
@@ -428,7 +463,7 @@ def get_model_info(base_url: str, timeout_s: float = 30.0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``vtengine bench serve [--base-url URL] [--model M] [--input-len 1024] [--output-len 128]
-    [--concurrency 1] [--num-prompts N] [--warmup W] [--seed 0] [--vocab-range LO:HI] [--timeout S]
+    [--output-len-range 0] [--concurrency 1] [--num-prompts N] [--warmup W] [--seed 0] [--vocab-range LO:HI] [--timeout S]
     [--result-json PATH]``
 
     Runs one closed-loop leg against a running ``vtengine serve`` and prints vLLM-style figures. ``--model``
@@ -440,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len-range", type=float, default=0.0, metavar="R",
+                    help="each request's output length uniform in [L(1-R), L(1+R)] (default 0: all L)")
     ap.add_argument("--concurrency", "--max-concurrency", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
@@ -466,7 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     # one draw split in two, so warm-up and measured prompts are disjoint and both fixed by the seed
     allp = make_prompts(n + n_warm, args.input_len, args.seed, vocab_range)
     warm, prompts = allp[:n_warm], allp[n_warm:]
-    m = run_leg(args.base_url, model, prompts, args.output_len, args.concurrency, warmup_prompts=warm,
+    try:
+        lens = make_output_lens(n, args.output_len, args.output_len_range, args.seed)
+    except ValueError as e:
+        ap.error(f"--output-len-range {args.output_len_range}: {e}")
+    m = run_leg(args.base_url, model, prompts, lens, args.concurrency, warmup_prompts=warm,
                 timeout_s=args.timeout)
     print(format_summary(m))
     if args.result_json:

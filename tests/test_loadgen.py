@@ -7,8 +7,8 @@ import pytest
 
 from campaigns import grid
 from campaigns.loadgen import (SERVER_COUNTERS, SERVER_GAUGES, SERVER_MEANS, LegMetrics, RequestResult,
-                               _server_deltas, compute_metrics, format_summary, get_model_info, make_prompts,
-                               prompts_sha256, run_leg, safe_vocab_range)
+                               _server_deltas, compute_metrics, format_summary, get_model_info, make_output_lens,
+                               make_prompts, prompts_sha256, run_leg, safe_vocab_range)
 from helpers import serving
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,6 +25,30 @@ def test_make_prompts_exact_seeded_and_in_range():
     assert len({t for p in a for t in p}) == 10, "the whole range is drawn from"
     with pytest.raises(ValueError, match="vocab_range"):
         make_prompts(1, 4, seed=0, vocab_range=(5, 5))
+
+
+def test_make_output_lens_spans_the_range_seeded_and_refuses_what_cannot_run():
+    assert make_output_lens(4, 128, 0.0, seed=1) == [128] * 4
+    a = make_output_lens(400, 128, 0.5, seed=1)
+    assert a == make_output_lens(400, 128, 0.5, seed=1) != make_output_lens(400, 128, 0.5, seed=2)
+    assert min(a) == 64 and max(a) == 192 and all(isinstance(n, int) for n in a)
+    assert 120 < sum(a) / len(a) < 136                     # uniform about the asked length
+    with pytest.raises(ValueError, match=r"range_ratio must be in \[0, 1\), got 1.0"):
+        make_output_lens(2, 128, 1.0, seed=0)
+    with pytest.raises(ValueError, match="shortest 1"):
+        make_output_lens(2, 4, 0.75, seed=0)
+
+
+def test_each_request_is_validated_against_its_own_output_length():
+    """Per-request lengths: a request is checked against what it asked for, so a 4-token answer where 6 were asked
+    fails even though another request asked for 4; the metrics' output_len is the lengths' mean."""
+    results = [_result(4, 0.1, [0.01] * 3), _result(6, 0.1, [0.01] * 5), _result(4, 0.1, [0.01] * 3)]
+    m = compute_metrics(results, 1.0, concurrency=2, output_len=[4, 6, 4], prompts=[[1] * 4] * 3)
+    assert m.valid and m.total_output_tokens == 14 and m.output_len == 5
+    m = compute_metrics(results, 1.0, concurrency=2, output_len=[4, 6, 6], prompts=[[1] * 4] * 3)
+    assert not m.valid and m.failures == ["request 2: usage.completion_tokens = 4, expected 6"]
+    with pytest.raises(ValueError, match="2 output lengths for 3 prompts"):
+        compute_metrics(results, 1.0, concurrency=2, output_len=[4, 6], prompts=[[1] * 4] * 3)
 
 
 def test_safe_vocab_range():
@@ -189,6 +213,17 @@ def test_leg_c4_agrees_with_server_counters(server_url):
     assert 0 <= s["mean_queue_ms"] <= s["mean_ttft_ms"]
     assert s["e2el_s"] == pytest.approx(s["ttft_s"] + s["itl_s"], rel=1e-9)
     assert s["peak_gpu_memory_bytes"] == 0.0          # CPU: the metric is there, and 0 is its true value
+
+
+def test_a_leg_of_varied_output_lengths_gets_each_one_from_the_server(server_url):
+    info = get_model_info(server_url)
+    prompts = make_prompts(6, 16, seed=5, vocab_range=safe_vocab_range(info))
+    lens = make_output_lens(6, 8, 0.5, seed=5)
+    assert len(set(lens)) > 1
+    m = run_leg(server_url, info["id"], prompts, lens, 3, warmup_prompts=prompts[:1], timeout_s=120)
+    assert m.valid, m.failures
+    assert m.total_output_tokens == sum(lens) and m.server["tokens_generated"] == sum(lens)
+    assert m.server["itl_count"] == sum(n - 1 for n in lens)
 
 
 def test_leg_with_rejected_requests_is_invalid(server_url):
