@@ -96,6 +96,7 @@ class GridConfig:
     prompts_per_leg: List[int] = field(default_factory=lambda: [6, 6, 12, 24])
     input_len: int = 1024
     output_len: int = 128
+    output_len_range: float = 0.0        # each request's output length uniform in [L(1-r), L(1+r)] (loadgen)
     warmup_requests: int = 2
     seed: int = 0
     alternate_order: bool = True         # arm order A B, B A, ... per rep, to cancel drift
@@ -444,6 +445,13 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
             raise CampaignConfigError(f"grid.{key}={grid[key]} must be >= 1")
     if grid.output_len < 2:
         raise CampaignConfigError(f"grid.output_len={grid.output_len} must be >= 2 (TPOT needs two tokens)")
+    from campaigns.loadgen import make_output_lens
+    try:
+        make_output_lens(1, int(grid.output_len), float(getattr(grid, "output_len_range", 0.0)), 0)
+    except ValueError as e:
+        raise CampaignConfigError(f"grid.output_len_range={grid.output_len_range} with grid.output_len="
+                                  f"{grid.output_len}: {e}; accepted: 0 <= r < 1 with output_len * (1 - r) >= 2") \
+            from None
 
     model = cfg.model
     if "name" not in model or "quant" not in model:

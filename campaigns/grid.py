@@ -342,6 +342,22 @@ def prompt_partitions(grid, vocab_range: tuple[int, int]) -> tuple[dict[tuple[in
     return parts, pool[:base] + pool[at:]
 
 
+def output_len_partitions(grid) -> dict[tuple[int, int], int | list[int]]:
+    """Each leg's requested output lengths, (concurrency, rep) -> one int for all its requests, or (with
+    ``grid.output_len_range``) each request's own, drawn once per grid from its seed and sliced as
+    ``prompt_partitions`` slices the prompts: both arms of a leg ask for the same lengths."""
+    sizes = [(c, r, int(n)) for r in range(int(grid.reps)) for c, n in zip(grid.concurrency, grid.prompts_per_leg)]
+    ratio = float(getattr(grid, "output_len_range", 0.0) or 0.0)
+    if ratio == 0.0:
+        return {(c, r): int(grid.output_len) for c, r, _ in sizes}
+    pool = loadgen.make_output_lens(sum(n for _, _, n in sizes), int(grid.output_len), ratio, int(grid.seed))
+    parts, at = {}, 0
+    for c, r, n in sizes:
+        parts[(c, r)] = pool[at:at + n]
+        at += n
+    return parts
+
+
 def warmup_for(warmup: list[list[int]], concurrency: int, warmup_requests: int) -> list[list[int]]:
     """A leg's warm-up: ``max(warmup_requests, concurrency)`` requests (none when warmup_requests is 0), run at the
     leg's concurrency so the server has run this batch size before the clock starts. With two warm-up requests only,
@@ -353,7 +369,7 @@ def warmup_for(warmup: list[list[int]], concurrency: int, warmup_requests: int) 
 
 
 def run_leg(h: ServerHandle, arm: Arm, c: int, rep: int, order_index: int, prompts: list[list[int]],
-            warmup: list[list[int]], output_len: int) -> LegResult:
+            warmup: list[list[int]], output_len: int | list[int]) -> LegResult:
     started = utc_now()
     with GpuSampler() as sampler:
         m = loadgen.run_leg(h.url, h.model_name, prompts, output_len, c, warmup_prompts=warmup or None)

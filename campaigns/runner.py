@@ -524,7 +524,8 @@ def _server_env() -> dict[str, str]:
 
 def _cpu_max_model_len(cfg: DictConfig) -> int:
     """max_model_len of every CPU engine of the campaign (gates and servers alike: decode splits follow it)."""
-    return max(512, int(cfg.grid.input_len) + int(cfg.grid.output_len) + 64)
+    longest = round(int(cfg.grid.output_len) * (1 + float(getattr(cfg.grid, "output_len_range", 0.0) or 0.0)))
+    return max(512, int(cfg.grid.input_len) + longest + 64)
 
 
 def _cuda() -> bool:
@@ -568,6 +569,7 @@ def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
         next(iter(handles.values())).url)
     from campaigns.loadgen import safe_vocab_range
     parts, warm = gridmod.prompt_partitions(g, safe_vocab_range(info))
+    lens = gridmod.output_len_partitions(g)
     plan = _leg_plan(ev, cfg)
     done = ev.done_legs()
     with _progress() as prog:
@@ -577,7 +579,7 @@ def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
                 continue
             prog.update(task, description=f"leg c={c} rep={rep} [{arm.name}]")
             leg = gridmod.run_leg(handles[arm.name], arm, c, rep, i, parts[(c, rep)],
-                                  gridmod.warmup_for(warm, c, int(g.warmup_requests)), int(g.output_len))
+                                  gridmod.warmup_for(warm, c, int(g.warmup_requests)), lens[(c, rep)])
             ev.legs.append(leg)
             _save(ev, cdir)
             m = leg.metrics

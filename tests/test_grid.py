@@ -69,6 +69,26 @@ def test_prompt_partitions_are_disjoint_and_reproducible():
     assert wider[(1, 0)] == parts[(1, 0)] and wider[(2, 1)] == parts[(2, 1)]
 
 
+def test_output_len_partitions_follow_the_prompts_and_are_the_same_for_both_arms():
+    """With output_len_range each leg's requests ask for their own lengths, drawn once per grid from its seed and
+    sliced like the prompts (a resumed campaign, and the other arm, ask for the same); without it one int a leg.
+    The long-prompt grid varies them (64-192), so its closed-loop requests do not run in lockstep."""
+    g = OmegaConf.create({"concurrency": [1, 2, 4], "reps": 2, "prompts_per_leg": [2, 3, 4], "output_len": 8,
+                          "output_len_range": 0.5, "seed": 0})
+    lens = grid.output_len_partitions(g)
+    assert lens == grid.output_len_partitions(g)
+    assert [len(lens[(c, r)]) for r in range(2) for c in (1, 2, 4)] == [2, 3, 4, 2, 3, 4]
+    flat = [n for v in lens.values() for n in v]
+    assert all(4 <= n <= 12 for n in flat) and len(set(flat)) > 2
+    assert grid.output_len_partitions(OmegaConf.merge(g, {"output_len_range": 0.0})) == {
+        (c, r): 8 for r in range(2) for c in (1, 2, 4)}
+    from campaigns.config import compose
+    long = compose(["campaign=mixed_prefill", "grid=long_prompt"], cuda=True).grid
+    lens = grid.output_len_partitions(long)
+    assert min(min(v) for v in lens.values()) >= 64 and max(max(v) for v in lens.values()) <= 192
+    assert len({tuple(v) for k, v in lens.items() if k[0] > 1}) == 2 * 5      # every leg its own draw
+
+
 def test_warmup_fills_the_leg_batch():
     warm = [[i] for i in range(8)]
     assert grid.warmup_for(warm, 1, 2) == [[0], [1]]
@@ -116,6 +136,8 @@ def test_the_wide_grid_composes_plans_and_partitions():
     (["grid.prompts_per_leg=[6,6,12,24,48,96,192,100]"], r"at least as many prompts as its concurrency.*c128 with 100"),
     (["grid.prompts_per_leg=[6,6]"], "must have one entry per"),
     (["grid.concurrency=[1,2,4,8,16,32,64,64]"], "repeats a value"),
+    (["grid.output_len_range=1.0"], r"grid.output_len_range=1.0 with grid.output_len=128: range_ratio must be"),
+    (["grid.output_len=4", "grid.output_len_range=0.75"], r"shortest 1; accepted: 0 <= r < 1"),
 ])
 def test_the_wide_grid_refuses_a_malformed_override(override, match):
     from campaigns.config import CampaignConfigError, compose
