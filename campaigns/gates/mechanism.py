@@ -181,7 +181,7 @@ def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None =
                                                        "chunked: expected some of each (needs chunked_prefill on)")
     if lever == "whole_first":
         return _some_or_none(pr["waited_steps"], value, "steps prefilled whole prompts while the decoding sequences "
-                                                        "waited")
+                                                        "waited (needs mixed_steps on)")
     if lever == "chunk_graphs":
         return _some_or_none(pr["chunk_steps"], value, "full prefill chunks replayed from captured graphs")
     if lever == "w4a16_mid_m":

@@ -7,8 +7,9 @@ A binding grid's server reports how many steps a leg took and how many of them d
 ``server_decode_steps``), not what each step carried. This replays the leg's shape on the CPU engine (the ``tiny``
 model, so only the schedule means anything, not the time): ``concurrency`` clients, each sending its next request
 once its last one finished, and that request reaching the engine ``lag`` step() calls after the final token was
-returned (a server's HTTP round trip is shorter than a decode step). The first wave's requests reach an idle engine
-one call apart: the engine thread wakes on the first. Timing never enters, so a replay is exact and repeatable.
+returned (a server's HTTP round trip is shorter than a decode step). Of the first wave, request 0 reaches the idle
+engine first and the others one call later: the engine thread wakes on the first. Timing never enters, so a replay
+is exact and repeatable.
 
 It counts what the server counts (steps, decode steps, prefill or mixed steps) and each request's finishing call.
 On the H200 (2026-12-04, `2026-12-04-mixed_prefill-97ad59f`, 1,024 in / 128 out, c = 2, 6 prompts) every leg of the

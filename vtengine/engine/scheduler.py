@@ -33,8 +33,9 @@ prefills a newcomer's whole prompt: the sequence admitted a step earlier gains a
 step before it, and its successor arrives a step before the newcomer's, so the two never prefill together again (on
 the H200, 2026-12-04, 1k prompts at c = 2: 6 prefill steps for 6 requests where prefill first took 4, TTFT x1.5 and
 total tok/s x0.97). With whole_first, a mixed step whose prefill work is whole prompts only (no prompt under way in
-chunks, none admitted in part) runs as prefill first runs it: the decoding sequences wait that one step. Chunks of
-long prompts still carry every decode token.
+chunks, none admitted in part) runs as prefill first runs it: the decoding sequences wait that one step, never two
+steps in a row, and the KV blocks their next tokens need stay free. Chunks of long prompts still carry every decode
+token.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self._last_was_prefill = False
+        self._held_last = False                     # whole_first: the last step held decode tokens back
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -87,13 +89,18 @@ class Scheduler:
         return self._schedule_decode(), False
 
     def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
-        if self.whole_first and not any(s.in_prefill for s in self.running):
+        held_last, self._held_last = self._held_last, False
+        if self.whole_first and not held_last and not any(s.in_prefill for s in self.running):
             # whole_first: whole prompts at the head of the queue prefill first, the decoding sequences wait a step
-            waiting = sum(self._wants_token(s) for s in self.running)
-            prefill = self._schedule_prefill(whole_only=True)
+            # (never two in a row: a stream of short prompts would starve them); the blocks their next tokens need
+            # stay free, or the next step would preempt the prompt just prefilled
+            held = [s for s in self.running if self._wants_token(s)]
+            reserve = sum(max(s.num_blocks_needed - len(s.block_table), 0) for s in held)
+            prefill = self._schedule_prefill(whole_only=True, reserve=reserve)
             if prefill:
-                if waiting:     # the mechanism gate's proof: decode tokens held back for a whole prompt's step
-                    counters.record("whole_first", "waited", grid=(waiting,))
+                if held:        # the mechanism gate's proof: decode tokens held back for a whole prompt's step
+                    counters.record("whole_first", "waited", grid=(len(held),))
+                    self._held_last = True
                 return prefill, True
         preemptions = self.num_preemptions
         decode = self._schedule_decode()
@@ -105,12 +112,12 @@ class Scheduler:
             return decode, False
         return prefill + decode, True
 
-    def _schedule_prefill(self, room: int | None = None, admit: bool = True,
-                          whole_only: bool = False) -> list[Sequence]:
+    def _schedule_prefill(self, room: int | None = None, admit: bool = True, whole_only: bool = False,
+                          reserve: int = 0) -> list[Sequence]:
         """The step's prefill sequences. ``room``: the tokens the step may take (max_num_batched_tokens, less a mixed
         step's decode tokens). Chunks take chunked_prefill's N (without it, the room); whole short prompts
         (chunk_above) what the room has left. ``whole_only`` (whole_first): admit waiting prompts only while each
-        goes in this step whole, first come, first served."""
+        goes in this step whole, first come, first served, leaving ``reserve`` KV blocks free."""
         room = self.max_num_batched_tokens if room is None else room
         budget = self.prefill_chunk or room         # what chunks may take (chunked_prefill's N, even past the room)
         whole_max = None        # chunk_above: whole up to T, never past the step budget (it would wait for ever)
@@ -140,7 +147,7 @@ class Scheduler:
                 break
             if whole_only and not whole and need > min(budget, room):
                 break
-            if not self.block_manager.can_allocate(seq):
+            if self.block_manager.num_free - reserve < seq.num_blocks_needed:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
