@@ -344,16 +344,18 @@ def prompt_partitions(grid, vocab_range: tuple[int, int]) -> tuple[dict[tuple[in
 
 def output_len_partitions(grid) -> dict[tuple[int, int], int | list[int]]:
     """Each leg's requested output lengths, (concurrency, rep) -> one int for all its requests, or (with
-    ``grid.output_len_range``) each request's own, drawn once per grid from its seed and sliced as
-    ``prompt_partitions`` slices the prompts: both arms of a leg ask for the same lengths."""
-    sizes = [(c, r, int(n)) for r in range(int(grid.reps)) for c, n in zip(grid.concurrency, grid.prompts_per_leg)]
+    ``grid.output_len_range``) each request's own: drawn once per concurrency from the grid's seed and the same in
+    every rep, so the reps of a point stay replicates (the same work, in the same order) and both arms, and a
+    resumed campaign, ask for the same lengths."""
+    reps = range(int(grid.reps))
     ratio = float(getattr(grid, "output_len_range", 0.0) or 0.0)
     if ratio == 0.0:
-        return {(c, r): int(grid.output_len) for c, r, _ in sizes}
-    pool = loadgen.make_output_lens(sum(n for _, _, n in sizes), int(grid.output_len), ratio, int(grid.seed))
+        return {(int(c), r): int(grid.output_len) for r in reps for c in grid.concurrency}
+    sizes = [(int(c), int(n)) for c, n in zip(grid.concurrency, grid.prompts_per_leg)]
+    pool = loadgen.make_output_lens(sum(n for _, n in sizes), int(grid.output_len), ratio, int(grid.seed))
     parts, at = {}, 0
-    for c, r, n in sizes:
-        parts[(c, r)] = pool[at:at + n]
+    for c, n in sizes:
+        parts.update({(c, r): pool[at:at + n] for r in reps})
         at += n
     return parts
 

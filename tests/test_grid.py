@@ -70,9 +70,10 @@ def test_prompt_partitions_are_disjoint_and_reproducible():
 
 
 def test_output_len_partitions_follow_the_prompts_and_are_the_same_for_both_arms():
-    """With output_len_range each leg's requests ask for their own lengths, drawn once per grid from its seed and
-    sliced like the prompts (a resumed campaign, and the other arm, ask for the same); without it one int a leg.
-    The long-prompt grid varies them (64-192), so its closed-loop requests do not run in lockstep."""
+    """With output_len_range each leg's requests ask for their own lengths, drawn once per concurrency from the
+    grid's seed and the same in every rep (reps stay replicates; a resumed campaign, and the other arm, ask for the
+    same); without it one int a leg. The long-prompt grid varies them (64-192), so its closed-loop requests do not
+    run in lockstep."""
     g = OmegaConf.create({"concurrency": [1, 2, 4], "reps": 2, "prompts_per_leg": [2, 3, 4], "output_len": 8,
                           "output_len_range": 0.5, "seed": 0})
     lens = grid.output_len_partitions(g)
@@ -86,7 +87,9 @@ def test_output_len_partitions_follow_the_prompts_and_are_the_same_for_both_arms
     long = compose(["campaign=mixed_prefill", "grid=long_prompt"], cuda=True).grid
     lens = grid.output_len_partitions(long)
     assert min(min(v) for v in lens.values()) >= 64 and max(max(v) for v in lens.values()) <= 192
-    assert len({tuple(v) for k, v in lens.items() if k[0] > 1}) == 2 * 5      # every leg its own draw
+    for c in (1, 2, 4):                                             # every rep of a point asks for the same
+        assert all(lens[(c, r)] == lens[(c, 0)] for r in range(5)) and len(lens[(c, 0)]) == {1: 2, 2: 4, 4: 8}[c]
+    assert lens[(2, 0)] != lens[(4, 0)][:4]                         # the points' draws are their own
 
 
 def test_warmup_fills_the_leg_batch():
