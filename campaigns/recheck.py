@@ -54,32 +54,40 @@ def latest_binding(evs: list[Evidence]) -> dict[str, Evidence]:
 STANDARD_WORKLOAD = (1024, 128)     # conf/grid/online.yaml's prompt and output tokens (online_span, online_wide too)
 
 
-def workload(ev: Evidence) -> str:
-    """The grid's requests when they are not the standard grid's ("32000 in / 128 out" for long_prompt), else "".
+def workload(ev: Evidence, key: bool = False) -> str:
+    """The grid's requests when they are not the standard grid's ("32000 in / 64-192 out" for long_prompt), else "".
     A lever decided on two workloads holds two verdicts: the long-prompt grid measures another thing than the
-    standard one, while online_span and online_wide only span more concurrencies of the same requests."""
+    standard one, while online_span and online_wide only span more concurrencies of the same requests. ``key``:
+    the name a verdict is filed under, with the mean output length ("32000 in / 128 out"), so that a campaign on the
+    long-prompt grid of varied outputs (2026-12-04) replaces the stale ones of its fixed-output form."""
     from campaigns.config import settings
+    from campaigns.records import output_lens_text
     grid = settings(ev).grid
     shape = (int(grid.input_len), int(grid.output_len))
-    return "" if shape == STANDARD_WORKLOAD else f"{shape[0]} in / {shape[1]} out"
+    if shape == STANDARD_WORKLOAD:
+        return ""
+    return f"{shape[0]} in / {shape[1] if key else output_lens_text(grid, mean=False)} out"
 
 
-def measured_on(ev: Evidence, with_workload: bool = True) -> str:
+def measured_on(ev: Evidence, with_workload: bool = True, key: bool = False) -> str:
     """What a campaign measured on: "<model> (<quant>)", its pinned levers and its workload where not the standard
-    one ("qwen3-8b (bf16) with async_scheduling=true", "qwen3-8b (bf16), 32000 in / 128 out")."""
+    one ("qwen3-8b (bf16) with async_scheduling=true", "qwen3-8b (bf16), 32000 in / 64-192 out"); ``key``: the
+    name its verdict is filed under (``workload``)."""
     from campaigns.config import settings
     cfg = settings(ev)
     model = f"{cfg.model.get('name', '?')} ({cfg.model.get('quant', '?')})"
     pins = dict(cfg.campaign.with_levers or {}) if ev.kind != "aa" else {}
     text = model + (" with " + ", ".join(f"{k}={_text(v)}" for k, v in sorted(pins.items())) if pins else "")
-    return text + (f", {workload(ev)}" if with_workload and workload(ev) else "")
+    shape = workload(ev, key=key) if with_workload else ""
+    return text + (f", {shape}" if shape else "")
 
 
 def plan_key(ev: Evidence) -> str:
     """The name of what a campaign measured, one verdict per name: "<lever> on <measured_on>" ("pdl on qwen3-8b
     (mxfp4)"), or "A/A <model> (<quant>)" for a grid self-check. A lever decided on two models holds two verdicts:
     a bf16 campaign does not hide (nor recheck) the MXFP4 one."""
-    return f"A/A {measured_on(ev)}" if ev.kind == "aa" else f"{ev.lever} on {measured_on(ev)}"
+    name = measured_on(ev, key=True)
+    return f"A/A {name}" if ev.kind == "aa" else f"{ev.lever} on {name}"
 
 
 def latest_aa(evs: list[Evidence]) -> dict[str, Evidence]:

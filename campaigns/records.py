@@ -108,14 +108,14 @@ def _preset_note(ev: Evidence, arm: str) -> str:
     return " (a preset; its levers here: " + ", ".join(f"{n}={fmt_lever_value(values[n])}" for n in names) + ")"
 
 
-def _output_lens(grid) -> str:
+def output_lens_text(grid, mean: bool = True) -> str:
     """The grid's requested output length, or with ``output_len_range`` the range each request's was drawn from
-    ("64-192, mean 128")."""
+    ("64-192, mean 128"; "64-192" without ``mean``)."""
     ratio = float(getattr(grid, "output_len_range", 0.0) or 0.0)
     if not ratio:
         return str(grid.output_len)
     n = int(grid.output_len)
-    return f"{round(n * (1 - ratio))}-{round(n * (1 + ratio))}, mean {n}"
+    return f"{round(n * (1 - ratio))}-{round(n * (1 + ratio))}" + (f", mean {n}" if mean else "")
 
 
 def fmt_interval(e: EffectSize | None) -> str:
@@ -367,7 +367,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "model": _model(ev),
         "grid": {"name": grid.name, "concurrency": ", ".join(map(str, grid.concurrency)), "reps": grid.reps,
                  "prompts": ", ".join(map(str, grid.prompts_per_leg)), "input_len": grid.input_len,
-                 "output_len": _output_lens(grid)},
+                 "output_len": output_lens_text(grid)},
         "versions": f"torch {fp.torch_version}, triton {fp.triton_version or '—'}, "
                     f"CUDA {fp.cuda_version or '—'}, Python {fp.python_version}",
         "gates": [_gate_cell(g, ev) for g in sorted(ev.gates, key=lambda g: (_gate_rank(g.gate), g.gate,

@@ -355,6 +355,23 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
     check_flippable(flip, out)
 
 
+def test_a_long_prompt_verdict_of_varied_outputs_is_filed_under_its_mean_and_shows_its_range():
+    """The long-prompt grid's outputs vary since 2026-12-04 (64-192, mean 128): its verdicts show the range where
+    they are read, and are filed under "32000 in / 128 out", so a new one replaces the stale fixed-output ones."""
+    from campaigns import records
+    from campaigns.recheck import measured_on, plan_key
+    fixed = make_evidence(TPUT_WIN, lever="mixed_prefill", campaign_id="2026-12-03-mixed_prefill-aaa1111")
+    varied = make_evidence(TPUT_WIN, lever="mixed_prefill", campaign_id="2026-12-05-mixed_prefill-bbb2222")
+    fixed.config["grid"].update(name="long_prompt", input_len=32000, output_len=128)
+    varied.config["grid"].update(name="long_prompt", input_len=32000, output_len=128, output_len_range=0.5)
+    for ev in (fixed, varied):
+        ev.__dict__.pop("_settings", None)
+    assert measured_on(fixed) == "qwen3-8b (bf16), 32000 in / 128 out"
+    assert measured_on(varied) == "qwen3-8b (bf16), 32000 in / 64-192 out"
+    assert plan_key(fixed) == plan_key(varied) == "mixed_prefill on qwen3-8b (bf16), 32000 in / 128 out"
+    assert "32000 in / 64-192, mean 128 out)" in records.render_record(varied)
+
+
 def _stale(ev):
     """``ev`` measured with gqa_swap off and live, against its on default now: STALE."""
     for arm in ev.arms:
