@@ -4,8 +4,8 @@ One leg = a fixed list of random token-id prompts of exact length, sent to ``/v1
 ``max_tokens = output_len`` (the same for all, or each request's own: ``make_output_lens``), ``ignore_eos``,
 temperature 0, streaming, at most ``concurrency`` in flight (request rate infinite: a new request starts the moment
 one finishes). Warm-up requests run first and are not measured.
-Every prompt must have a result and every request is validated (completed, exactly ``output_len`` completion
-tokens by ``usage`` and by chunks, so ``output_len - 1`` inter-token gaps); failures are reported in the result,
+Every prompt must have a result and every request is validated (completed, exactly the completion tokens it asked
+for by ``usage`` and by chunks, and one inter-token gap fewer); failures are reported in the result,
 never dropped silently, and a leg with any failure is ``valid = False``.
 
 The metric definitions live in one place, ``LegMetrics``'s docstring, and follow vLLM's
@@ -58,6 +58,8 @@ def make_output_lens(n: int, output_len: int, range_ratio: float, seed: int) -> 
     loop of equal requests otherwise runs in lockstep, and a prefill never finds another request decoding."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    if range_ratio == 0.0 and n >= 0 and output_len >= 1:
+        return [output_len] * n
     lo, hi = round(output_len * (1 - range_ratio)), round(output_len * (1 + range_ratio))
     if n < 0 or lo < 2:
         raise ValueError(f"need n >= 0 and output lengths >= 2 (TPOT needs two tokens), got n={n}, "
@@ -69,11 +71,18 @@ def make_output_lens(n: int, output_len: int, range_ratio: float, seed: int) -> 
 
 def _per_request(output_len: int | list[int], n: int) -> list[int]:
     """One requested output length per prompt: an int for all of them, or a list of exactly ``n``."""
-    if isinstance(output_len, int):
-        return [output_len] * n
+    if isinstance(output_len, (int, np.integer)):
+        return [int(output_len)] * n
     if len(output_len) != n:
         raise ValueError(f"{len(output_len)} output lengths for {n} prompts: give one per prompt, or one int")
     return [int(x) for x in output_len]
+
+
+def _nominal(output_len: int | list[int], lens: list[int]) -> int:
+    """The one length every request asked for, or the mean of their own (rounded; 1 where there are none)."""
+    if isinstance(output_len, (int, np.integer)):
+        return int(output_len)
+    return round(sum(lens) / len(lens)) if lens else 1
 
 
 def safe_vocab_range(model_info: dict) -> tuple[int, int]:
@@ -124,8 +133,9 @@ class LegMetrics:
     - For each of ttft, tpot, itl, e2el: ``mean_*_ms``, ``median_*_ms``, ``std_*_ms``, ``p90_*_ms``,
       ``p99_*_ms`` (numpy percentiles, linear interpolation), in milliseconds.
 
-    ``valid`` is True only if every prompt has one result and every request completed with exactly ``output_len``
-    completion tokens (by usage and by chunk token ids) and ``output_len - 1`` ITLs.
+    ``valid`` is True only if every prompt has one result and every request completed with exactly the completion
+    tokens it asked for (by usage and by chunk token ids) and one ITL fewer. ``output_len``: what every request asked
+    for, or, where each asked for its own (``make_output_lens``), their mean, rounded.
 
     ``server`` holds the server's own figures over the leg (``SERVER_COUNTERS``: deltas of /metrics between just
     before and just after the measured requests; ``SERVER_GAUGES``: the value after), and means derived from them:
@@ -182,7 +192,7 @@ def compute_metrics(results: list[RequestResult | None], duration_s: float, *, c
     left no result); the definitions are in LegMetrics' docstring. ``output_len``: one for every request, or each
     request's own (``output_len`` in the metrics is then their mean, rounded)."""
     lens = _per_request(output_len, len(prompts))
-    nominal = output_len if isinstance(output_len, int) else round(sum(lens) / max(1, len(lens)))
+    nominal = _nominal(output_len, lens)
     m = LegMetrics(concurrency=concurrency, input_len=len(prompts[0]) if prompts else 0, output_len=nominal,
                    num_prompts=len(prompts), prompts_sha256=prompts_sha256(prompts), duration_s=duration_s)
     if len(results) > len(prompts):
@@ -330,7 +340,7 @@ async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], out
     import httpx
 
     lens = _per_request(output_len, len(prompts))
-    warm_len = output_len if isinstance(output_len, int) else round(sum(lens) / max(1, len(lens)))
+    warm_len = _nominal(output_len, lens)
 
     base_url = base_url.rstrip("/")
     url = f"{base_url}/v1/completions"

@@ -29,6 +29,7 @@ def test_make_prompts_exact_seeded_and_in_range():
 
 def test_make_output_lens_spans_the_range_seeded_and_refuses_what_cannot_run():
     assert make_output_lens(4, 128, 0.0, seed=1) == [128] * 4
+    assert make_output_lens(3, 1, 0.0, seed=0) == [1] * 3        # `bench serve --output-len 1` still runs
     a = make_output_lens(400, 128, 0.5, seed=1)
     assert a == make_output_lens(400, 128, 0.5, seed=1) != make_output_lens(400, 128, 0.5, seed=2)
     assert min(a) == 64 and max(a) == 192 and all(isinstance(n, int) for n in a)
