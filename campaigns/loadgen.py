@@ -473,8 +473,8 @@ def get_model_info(base_url: str, timeout_s: float = 30.0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``vtengine bench serve [--base-url URL] [--model M] [--input-len 1024] [--output-len 128]
-    [--output-len-range 0] [--concurrency 1] [--num-prompts N] [--warmup W] [--seed 0] [--vocab-range LO:HI] [--timeout S]
-    [--result-json PATH]``
+    [--output-len-range 0] [--concurrency 1] [--num-prompts N] [--warmup W] [--seed 0] [--vocab-range LO:HI]
+    [--timeout S] [--result-json PATH]``
 
     Runs one closed-loop leg against a running ``vtengine serve`` and prints vLLM-style figures. ``--model``
     defaults to what the server serves; ``--num-prompts`` to 4 x concurrency; ``--warmup`` to ``concurrency``
