@@ -66,13 +66,6 @@ def replay(levers: dict, concurrency: int, num_prompts: int, input_len: int, out
                   [finished[i] for i in range(num_prompts)])
 
 
-def _lever(text: str) -> tuple[str, object]:
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--lever takes NAME=VALUE, got {text!r}")
-    return name, {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vtengine.bench.closed_loop", description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=2)
@@ -80,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--lag", type=int, default=1, help="step() calls from a final token to the next request")
-    ap.add_argument("--lever", type=_lever, action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--lever", action="append", default=[], metavar="NAME=VALUE",
+                    help="a lever value, parsed as the engine parses it (repeatable)")
     args = ap.parse_args(argv)
-    levers = {"async_scheduling": True, "async_device_mirror": True, **dict(args.lever)}
+    from vtengine.cli import _lever_args
+    try:
+        levers = {"async_scheduling": True, "async_device_mirror": True, **_lever_args(args.lever)}
+    except ValueError as e:
+        ap.error(str(e))
     print(json.dumps(asdict(replay(levers, args.concurrency, args.num_prompts, args.input_len, args.output_len,
                                    args.lag))))
     return 0
