@@ -186,11 +186,11 @@ def test_gate_up_with_silu_mul_in_the_gemv_epilogue(m):
 def test_gemv_silu_mul_needs_the_triton_route_and_an_even_n():
     gen, _ = fresh_generator()
     x, w = rnd(2, 64, gen=gen), rnd(32, 64, gen=gen)
-    with pytest.raises(ValueError, match="silu_mul and norm fuse into the Triton GEMV"):
+    with pytest.raises(ValueError, match="silu_mul, norm and rope fuse into the Triton GEMV"):
         gemv.linear(x, w, silu_mul=True, triton_gemv=False)
     with pytest.raises(ValueError, match="silu_mul needs a \\[2I, K\\] weight, got N=33"):
         gemv.linear(x, rnd(33, 64, gen=gen), silu_mul=True, triton_gemv=True)
-    with pytest.raises(ValueError, match="silu_mul and norm fuse into the Triton GEMV"):
+    with pytest.raises(ValueError, match="silu_mul, norm and rope fuse into the Triton GEMV"):
         gemv.linear(rnd(17, 64, gen=gen), w, triton_gemv=True, silu_mul=True)
     with pytest.raises(ValueError, match=r"out must be \[2, 16\]"):
         gemv.linear(x, w, triton_gemv=True, silu_mul=True, out=poisoned(2, 32, x.dtype))
@@ -310,7 +310,7 @@ def test_fused_norm_inputs_are_checked():
                                                              rnd(128, gen=gen)[::2], 1e-6))
     with pytest.raises(ValueError, match=r"residual must be \[2, 32\] .* got \(2, 32\) torch.float64"):
         gemv.linear_add(x, w, rnd(2, 32, gen=gen).double())
-    with pytest.raises(ValueError, match="silu_mul and norm fuse into the Triton GEMV"):
+    with pytest.raises(ValueError, match="silu_mul, norm and rope fuse into the Triton GEMV"):
         gemv.linear(x, w, triton_gemv=False, norm=gemv.NormIn(torch.zeros(4, 16, device=DEV), rnd(64, gen=gen), 1e-6))
 
 
@@ -343,6 +343,10 @@ def test_fused_operands_load_before_the_k_loop_and_sum_after(gemv_sass):
         assert abs(gained["loop"] - plain["loop"]) <= 15 and gained["loop"] < norm["loop"], rows
         assert gained["post"] >= plain["post"] + 150 and gain["pre_loads"] > add["pre_loads"], rows
         assert abs(gain["loop"] - plain["loop"]) <= 15 and gain["post_loads"] == plain["post_loads"], rows
+        # the lever fuse_rope: the qkv epilogue after the K loop only (its loads, the head's sums, cos/sin, slots)
+        rope = rows[("norm_gained_rope", split)]
+        assert rope["pre_loads"] == gained["pre_loads"] and rope["loop_loads"] == gained["loop_loads"], rows
+        assert abs(rope["loop"] - gained["loop"]) <= 25 and rope["post_loads"] > gained["post_loads"], rows
 
 
 def test_pdl_prefetch_asks_l2_for_weights_before_the_wait_and_loads_nothing_there(gemv_sass):

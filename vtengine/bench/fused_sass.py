@@ -24,16 +24,20 @@ from vtengine.bench.w4a16_sass import _INSTR, before_wait, disassemble, entry, r
 # gemv_config's tiles on the H200 for o / qkv (32 W rows x 256 K, 3 stages, 4 warps); SS_BLOCK: a 4,096-wide
 # producer's 128 tiles of sums
 CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SS_BLOCK=128, num_warps=4, num_stages=3)
-# form: (NORM, ADD_RES, gained: GAINED with NORM / GAIN_OUT with ADD_RES), the last two what the engine runs
-FORMS = {"plain": (False, False, False), "norm": (True, False, False), "add_res": (False, True, False),
-         "norm_gained": (True, False, True), "add_res_gain": (False, True, True)}
+# form: (NORM, ADD_RES, gained: GAINED with NORM / GAIN_OUT with ADD_RES, ROPE), what the engine runs: add_res_gain
+# (o, down), norm_gained (gate_up, and qkv with fuse_rope off), norm_gained_rope (qkv with the lever fuse_rope: the
+# qkv epilogue of Qwen3-8B's 128-wide heads, pages of 16, in the head's last program)
+FORMS = {"plain": (False, False, False, False), "norm": (True, False, False, False),
+         "add_res": (False, True, False, False), "norm_gained": (True, False, True, False),
+         "add_res_gain": (False, True, True, False), "norm_gained_rope": (True, False, True, True)}
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BACK = re.compile(r"BRA `\((\.L_x_\d+)\)")
 
 
-def compile_gemv(norm: bool, add_res: bool, split: bool, prefetch: bool = False, gained: bool = False):
+def compile_gemv(norm: bool, add_res: bool, split: bool, prefetch: bool = False, gained: bool = False,
+                 rope: bool = False):
     """The bf16 GEMV (gemv._gemv_kernel) compiled for sm_90, with PDL (and ``prefetch``: the lever pdl_prefetch's
-    L2 prefetch of W before the wait): Triton's CompiledKernel."""
+    L2 prefetch of W before the wait; ``rope``: the lever fuse_rope's qkv epilogue): Triton's CompiledKernel."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -42,12 +46,17 @@ def compile_gemv(norm: bool, add_res: bool, split: bool, prefetch: bool = False,
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
            "SPLIT_K": "i32", "res_ptr": "*bf16", "stride_res": "i32", "ss_out_ptr": "*fp32", "ss_in_ptr": "*fp32",
-           "n_ss_in": "i32", "g_ptr": "*bf16", "eps": "fp32", "gain_ptr": "*bf16", "xg_ptr": "*bf16"}
+           "n_ss_in": "i32", "g_ptr": "*bf16", "eps": "fp32", "gain_ptr": "*bf16", "xg_ptr": "*bf16",
+           "pos_ptr": "*i64", "cs_ptr": "*fp32", "stride_cs": "i32", "slot_ptr": "*i32", "qn_ptr": "*bf16",
+           "kn_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "HQ": "i32", "HK": "i32",
+           "stride_qot": "i32", "stride_qoh": "i32", "stride_cb": "i32", "stride_ct": "i32", "stride_ch": "i32",
+           "rope_eps": "fp32"}
     const = dict(BLOCK_M=CONFIG["BLOCK_M"], BLOCK_N=CONFIG["BLOCK_N"], BLOCK_K=CONFIG["BLOCK_K"], SPLIT=split,
                  EVEN_K=True, DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32", USE_PDL=True, SILU_MUL=False,
                  ADD_RES=add_res, NORM=norm, SS_BLOCK=CONFIG["SS_BLOCK"], FAST_MATH=False, PREFETCH=prefetch,
                  PREFETCH_STEPS=gemv.prefetch_steps(CONFIG["BLOCK_N"], CONFIG["BLOCK_K"], 2), W_BYTES=2,
-                 GAINED=norm and gained, GAIN_OUT=add_res and gained)
+                 GAINED=norm and gained, GAIN_OUT=add_res and gained, ROPE=rope, HALF=64 if rope else 1,
+                 PAGE_SIZE=16 if rope else 1, ROPE_NORM=rope, ROPE_FAST=rope)
     sig.update({k: "constexpr" for k in const})
     # what the JIT's specialisation tells a launch at Qwen3-8B shapes (as w4a16_sass does)
     aligned = [n for n in sig if n.endswith("_ptr") or n in ("N", "K") or n.startswith("stride_")]
@@ -80,9 +89,9 @@ def main(out_dir: str = "bench/results") -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {"bench": "fused_sass", "target": "sm_90 (compiled without a GPU)", "triton": triton.__version__,
               "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "config": CONFIG, "rows": []}
-    for form, (norm, add_res, gained) in FORMS.items():
+    for form, (norm, add_res, gained, rope) in FORMS.items():
         for split in (False, True):
-            cubin = compile_gemv(norm, add_res, split, gained=gained).asm["cubin"]
+            cubin = compile_gemv(norm, add_res, split, gained=gained, rope=rope).asm["cubin"]
             row = {"form": form, "split": split, **around_loop(disassemble(cubin))}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)

@@ -8,6 +8,8 @@ output written once) except at tiny shapes, where launch latency dominates.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import vtengine.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU hosts before triton is imported)
 
 import torch
@@ -317,6 +319,37 @@ def _qkv_epilogue_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cs_ptr, slot_ptr, q_o
     tl.store(vc + HALF, v2.to(vdt), mask=km)
 
 
+def _check_qkv(what: str, t: int, width: int, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+               cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None) -> tuple[int, int, int]:
+    """The checks of the qkv epilogue's operands, for T tokens of a qkv row ``width`` wide: (Hq, Hkv, head_dim)."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{what}: q_norm and k_norm go together (Qwen3 has both, Llama neither)")
+    hq, hk = int(num_q_heads), int(num_kv_heads)
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{what}: KV cache must be two [num_blocks, block_size, Hkv, D] tensors of one "
+                         f"shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    d = k_cache.shape[3]
+    if k_cache.shape[2] != hk or width != (hq + 2 * hk) * d:
+        raise ValueError(f"{what}: qkv {(t, width)} and KV cache {tuple(k_cache.shape)} do not match "
+                         f"{hq} q heads, {hk} kv heads of head_dim {d}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"{what}: q heads {hq} must be a multiple of kv heads {hk}")
+    if d % 2 or (d // 2) & (d // 2 - 1):
+        raise ValueError(f"{what}: head_dim {d} must be twice a power of two (e.g. 64, 128)")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != d:
+        raise ValueError(f"{what}: cos_sin shape {tuple(cos_sin.shape)} must be [max_pos, {d}]")
+    if positions.shape != (t,) or slot_mapping.shape != (t,):
+        raise ValueError(f"{what}: positions {tuple(positions.shape)} and slot_mapping "
+                         f"{tuple(slot_mapping.shape)} must both be [{t}]")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and tuple(w.shape) != (d,):
+            raise ValueError(f"{what}: {name} shape {tuple(w.shape)} must be [{d}]")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{what}: KV cache head_dim must be contiguous; strides {k_cache.stride()}")
+    return hq, hk, d
+
+
 def qkv_epilogue(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -327,31 +360,9 @@ def qkv_epilogue(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positio
     ``TorchBackend.qkv_epilogue`` (rms_norm, rope and store_kv in sequence)."""
     if qkv.dim() != 2:
         raise ValueError(f"qkv_epilogue expects qkv [T, (Hq + 2 Hkv) x D], got shape {tuple(qkv.shape)}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("qkv_epilogue: q_norm and k_norm go together (Qwen3 has both, Llama neither)")
     t = qkv.shape[0]
-    hq, hk = int(num_q_heads), int(num_kv_heads)
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"qkv_epilogue: KV cache must be two [num_blocks, block_size, Hkv, D] tensors of one "
-                         f"shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    d = k_cache.shape[3]
-    if k_cache.shape[2] != hk or qkv.shape[1] != (hq + 2 * hk) * d:
-        raise ValueError(f"qkv_epilogue: qkv {tuple(qkv.shape)} and KV cache {tuple(k_cache.shape)} do not match "
-                         f"{hq} q heads, {hk} kv heads of head_dim {d}")
-    if hk == 0 or hq % hk:
-        raise ValueError(f"qkv_epilogue: q heads {hq} must be a multiple of kv heads {hk}")
-    if d % 2 or (d // 2) & (d // 2 - 1):
-        raise ValueError(f"qkv_epilogue: head_dim {d} must be twice a power of two (e.g. 64, 128)")
-    if cos_sin.dim() != 2 or cos_sin.shape[1] != d:
-        raise ValueError(f"qkv_epilogue: cos_sin shape {tuple(cos_sin.shape)} must be [max_pos, {d}]")
-    if positions.shape != (t,) or slot_mapping.shape != (t,):
-        raise ValueError(f"qkv_epilogue: positions {tuple(positions.shape)} and slot_mapping "
-                         f"{tuple(slot_mapping.shape)} must both be [{t}]")
-    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if w is not None and tuple(w.shape) != (d,):
-            raise ValueError(f"qkv_epilogue: {name} shape {tuple(w.shape)} must be [{d}]")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError(f"qkv_epilogue: KV cache head_dim must be contiguous; strides {k_cache.stride()}")
+    hq, hk, d = _check_qkv("qkv_epilogue", t, qkv.shape[1], num_q_heads, num_kv_heads, positions, cos_sin, k_cache,
+                           v_cache, slot_mapping, q_norm, k_norm)
     x = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     cs = cos_sin if cos_sin.stride(1) == 1 else cos_sin.contiguous()
     q_out = _out(q_out, (t, hq, d), x.dtype, x.device, "qkv_epilogue")
@@ -370,6 +381,85 @@ def qkv_epilogue(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positio
     counters.record("qkv_epilogue", "fast_math" if fast_math else "precise", grid=grid,
                     variant=("qkv_epilogue", d, has_norm, bool(fast_math)))
     return q_out
+
+
+@dataclass(frozen=True)
+class RopeOut:
+    """Where a qkv projection that runs the qkv epilogue in its own epilogue (lever ``fuse_rope``) sends its heads:
+    q [T, Hq, D] to a fresh tensor (or ``q_out``), k and v to the paged cache at ``slot_mapping``, with the q/k
+    norms (Qwen3), eps and fast_math's rsqrt as ``qkv_epilogue`` takes them."""
+    num_q_heads: int
+    num_kv_heads: int
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+    fast_math: bool = False
+    q_out: torch.Tensor | None = None
+
+    def check(self, t: int, width: int, dtype: torch.dtype, device, what: str) -> torch.Tensor:
+        """Checks the operands against a projection of T tokens into ``width`` outputs; returns q's buffer. The
+        kernel indexes both caches with one set of strides, so they must agree."""
+        hq, _, d = _check_qkv(what, t, width, self.num_q_heads, self.num_kv_heads, self.positions, self.cos_sin,
+                              self.k_cache, self.v_cache, self.slot_mapping, self.q_norm, self.k_norm)
+        if self.k_cache.stride() != self.v_cache.stride():
+            raise ValueError(f"{what}: k_cache strides {self.k_cache.stride()} and v_cache strides "
+                             f"{self.v_cache.stride()} must agree")
+        if self.cos_sin.stride(1) != 1:
+            raise ValueError(f"{what}: cos_sin needs a unit column stride, got strides {self.cos_sin.stride()}")
+        return _out(self.q_out, (t, hq, d), dtype, device, what)
+
+
+@triton.jit
+def _qkv_head(x1, x2, head, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr, q_out_ptr,
+              k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb, stride_ct, stride_ch, eps,
+              HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FAST_MATH: tl.constexpr):
+    """The qkv epilogue of one head for a projection's tokens (lever ``fuse_rope``), where the projection's epilogue
+    holds the head: x1, x2 [BLOCK_M, HALF] fp32, its two halves for tokens offs_m (row_mask: the real ones), already
+    rounded to the activation dtype as the projection's output is. Head ``head`` < HQ is a q head (normed with qn,
+    rotated, stored to q_out [T, HQ, D]); < HQ + HK a k head (normed with kn, rotated, stored to the paged cache at
+    the token's slot; slot -1 stores nothing); else a v head (stored as it is). Rounding points and expressions are
+    _qkv_epilogue_kernel's, one token per row instead of one head per row."""
+    dt = q_out_ptr.dtype.element_ty
+    d = tl.arange(0, HALF)
+    m = offs_m.to(tl.int64)
+    if head < HQ + HK:
+        pos = tl.load(pos_ptr + m, mask=row_mask, other=0).to(tl.int64)
+        cs = cs_ptr + pos[:, None] * stride_cs + d[None, :]
+        cos = tl.load(cs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(cs + HALF, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        if head < HQ:
+            if HAS_NORM:
+                x1, x2 = _norm_halves(x1, x2, qn_ptr, d, eps, HALF, FAST_MATH)
+                x1, x2 = x1.to(dt).to(tl.float32), x2.to(dt).to(tl.float32)
+            qo = q_out_ptr + m[:, None] * stride_qot + head * stride_qoh + d[None, :]
+            tl.store(qo, (x1 * cos - x2 * sin).to(dt), mask=row_mask[:, None])
+            tl.store(qo + HALF, (x2 * cos + x1 * sin).to(dt), mask=row_mask[:, None])
+        else:
+            if HAS_NORM:
+                x1, x2 = _norm_halves(x1, x2, kn_ptr, d, eps, HALF, FAST_MATH)
+                x1, x2 = x1.to(dt).to(tl.float32), x2.to(dt).to(tl.float32)
+            slot = tl.load(slot_ptr + m, mask=row_mask, other=-1).to(tl.int64)
+            km = (row_mask & (slot >= 0))[:, None]
+            slot = tl.where(slot >= 0, slot, 0)
+            kc = k_cache_ptr + ((slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_ct
+                                + (head - HQ) * stride_ch)[:, None] + d[None, :]
+            kdt = k_cache_ptr.dtype.element_ty
+            tl.store(kc, (x1 * cos - x2 * sin).to(dt).to(kdt), mask=km)
+            tl.store(kc + HALF, (x2 * cos + x1 * sin).to(dt).to(kdt), mask=km)
+    else:
+        slot = tl.load(slot_ptr + m, mask=row_mask, other=-1).to(tl.int64)
+        vm = (row_mask & (slot >= 0))[:, None]
+        slot = tl.where(slot >= 0, slot, 0)
+        vc = v_cache_ptr + ((slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_ct
+                            + (head - HQ - HK) * stride_ch)[:, None] + d[None, :]
+        vdt = v_cache_ptr.dtype.element_ty
+        tl.store(vc, x1.to(vdt), mask=vm)
+        tl.store(vc + HALF, x2.to(vdt), mask=vm)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ from vtengine.kernels import INTERPRET, dot_dtype, sm_count
 from vtengine.kernels.pdl import PREFETCH_BYTES  # noqa: F401  (the lever's size, named here by the benches)
 from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wait, prefetch_bytes, prefetch_l2,
                                   prefetch_steps, use_pdl)
-from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _residual_tile, _split_k_locks,
-                                       _tile_rows, check_fused)
+from vtengine.kernels.epilogue import (NormIn, _finish, _head_sums, _norm_inv, _norm_ss, _residual_tile,
+                                       _split_k_locks, _tile_rows, check_fused)
+from vtengine.kernels.fused import RopeOut, _qkv_head
 
 MAX_M = 16
 
@@ -51,12 +52,15 @@ def _store_gained(acc, res, gain, xg_ptrs, y_mask, GAIN_OUT: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_ym, SPLIT_K,
                  res_ptr, stride_res, ss_out_ptr, ss_in_ptr, n_ss_in, g_ptr, eps, gain_ptr, xg_ptr,
+                 pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, HQ, HK,
+                 stride_qot, stride_qoh, stride_cb, stride_ct, stride_ch, rope_eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
                  SILU_MUL: tl.constexpr = False, ADD_RES: tl.constexpr = False, NORM: tl.constexpr = False,
                  SS_BLOCK: tl.constexpr = 1, FAST_MATH: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                  PREFETCH_STEPS: tl.constexpr = 4, W_BYTES: tl.constexpr = 2, GAINED: tl.constexpr = False,
-                 GAIN_OUT: tl.constexpr = False):
+                 GAIN_OUT: tl.constexpr = False, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
+                 PAGE_SIZE: tl.constexpr = 1, ROPE_NORM: tl.constexpr = False, ROPE_FAST: tl.constexpr = False):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K), or (cdiv(N / 2, BLOCK_N / 2), SPLIT_K) under SILU_MUL. Accumulates
     [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T over the program's K slice in fp32. SPLIT: partials go to a workspace,
     the last program of a tile to arrive (counter, acq_rel) sums them in split order and writes y, then resets the
@@ -87,7 +91,14 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     PREFETCH (lever ``pdl_prefetch``, with USE_PDL): before that wait the program asks L2 for the first
     PREFETCH_STEPS K steps of its W rows (W_BYTES per element), so a GEMV launched early streams weights while the
     kernel before it drains; the launcher sizes the steps to about 16 KB per program (one step), so the programs of
-    one wave prefetch well under the 50 MB L2 of an H200 (a whole gate_up slice, 512 KB per program, would not fit)."""
+    one wave prefetch well under the 50 MB L2 of an H200 (a whole gate_up slice, 512 KB per program, would not fit).
+
+    ROPE (lever ``fuse_rope``): W is the fused qkv projection, heads of 2 * HALF rows (q heads, then k, then v), and
+    the qkv epilogue runs here instead of in its own launch: every program of a head's tiles (2 * HALF / BLOCK_N)
+    and splits stores its partial and counts in on the head's counter; the last to arrive sums the head from the
+    workspace (each tile in split order: the bits of the unfused y), rounds it as y is rounded and writes q
+    (y_ptr: q [M, HQ, 2 * HALF]) or the paged cache rows, as _qkv_epilogue_kernel does (fused._qkv_head). The
+    tiles, splits and K loop are the unfused GEMV's; the head's epilogue replaces a launch and the [M, N] y."""
     EARLY: tl.constexpr = PREFETCH and USE_PDL
     if not EARLY:
         pdl_wait(USE_PDL)
@@ -143,24 +154,35 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
     if NORM:
         acc = acc * _norm_inv(ss, K, eps, FAST_MATH)[None, :]
 
-    if not SPLIT:
+    if not SPLIT and not ROPE:
         _finish(acc, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
         _store_gained(acc, res, gain, xg_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y_mask,
                       GAIN_OUT)
     else:
+        # the partial to the workspace; the last program of the tile (ROPE: of the head) to arrive finishes it
+        HEAD_TILES: tl.constexpr = 2 * HALF // BLOCK_N if ROPE else 1
         ws_tile = ws_ptr + pid_n.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M)
         offs_acc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         tl.store(ws_tile + pid_k * (BLOCK_N * BLOCK_M) + offs_acc, acc)
         tl.debug_barrier()                          # every thread's partial is stored before the release below
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
-            for s in range(1, SPLIT_K):
-                total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + offs_acc, cache_modifier=".cg")
-            _finish(total, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
-            _store_gained(total, res, gain, xg_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
-                          y_mask, GAIN_OUT)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        owner = pid_n // HEAD_TILES
+        arrived = tl.atomic_add(lock_ptr + owner, 1, sem="acq_rel", scope="gpu")
+        if arrived == HEAD_TILES * SPLIT_K - 1:
+            if ROPE:
+                dt = y_ptr.dtype.element_ty             # the head as the unfused y holds it, rounded once
+                x1 = _head_sums(ws_ptr, owner, 0, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
+                x2 = _head_sums(ws_ptr, owner, HALF, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
+                _qkv_head(x1, x2, owner, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr,
+                          y_ptr, k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb, stride_ct,
+                          stride_ch, rope_eps, HALF, PAGE_SIZE, ROPE_NORM, ROPE_FAST)
+            else:
+                total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
+                for s in range(1, SPLIT_K):
+                    total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + offs_acc, cache_modifier=".cg")
+                _finish(total, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
+                _store_gained(total, res, gain, xg_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
+                              y_mask, GAIN_OUT)
+            tl.atomic_xchg(lock_ptr + owner, 0, sem="relaxed", scope="gpu")
 
 
 def gemv_config(n: int, k: int, num_sms: int) -> dict:
@@ -203,7 +225,7 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype, what: st
 
 def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool = False,
            out: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False,
-           norm: NormIn | None = None, prefetch: bool | int = False) -> torch.Tensor:
+           norm: NormIn | None = None, prefetch: bool | int = False, rope: RopeOut | None = None) -> torch.Tensor:
     """y = x @ weight^T for x [M, K] and weight [N, K] of x's dtype; y [M, N].
 
     ``triton_gemv`` is the lever: True and M <= 16 -> the Triton split-K GEMV, otherwise cuBLAS. ``pdl``: the lever
@@ -212,11 +234,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, triton_gemv: bool, pdl: bool =
     the GEMV's epilogue. ``norm`` (the lever fuse_norm): x is a residual from linear_add and the GEMV multiplies
     RMSNorm(x) instead (``norm.gained``: x is linear_add_gain's residual * g, the norm's rsqrt alone remains). Both
     on the Triton route only (fusable says when). ``prefetch``: the lever pdl_prefetch (with PDL, the first K steps
-    of W are asked of L2 before the wait; an int: about that many bytes per program, for benches)."""
+    of W are asked of L2 before the wait; an int: about that many bytes per program, for benches). ``rope`` (the
+    lever fuse_rope): weight is the fused qkv projection and the GEMV runs the qkv epilogue (q/k norm, RoPE, the KV
+    store) per head in its epilogue; returns q [M, Hq, D] (in ``rope.q_out`` when given) where y would be."""
     m, k, n = _check(x, weight, "linear")
-    if (silu_mul or norm is not None) and not fusable(m, triton_gemv):
-        raise ValueError(f"linear: silu_mul and norm fuse into the Triton GEMV (triton_gemv on, 1 <= M <= {MAX_M}); "
-                         f"got triton_gemv={triton_gemv}, M={m}")
+    if (silu_mul or norm is not None or rope is not None) and not fusable(m, triton_gemv):
+        raise ValueError(f"linear: silu_mul, norm and rope fuse into the Triton GEMV (triton_gemv on, 1 <= M <= "
+                         f"{MAX_M}); got triton_gemv={triton_gemv}, M={m}")
+    if rope is not None:
+        if silu_mul or out is not None:
+            raise ValueError("linear: rope writes q and the KV cache; it takes neither silu_mul nor out (give "
+                             "rope.q_out)")
+        q = rope.check(m, n, x.dtype, x.device, "linear")
+        _launch(x, weight, q, config, pdl, norm=norm, prefetch=prefetch, rope=rope)
+        return q
     if silu_mul and n % 2:
         raise ValueError(f"linear: silu_mul needs a [2I, K] weight, got N={n}")
     n_out = n // 2 if silu_mul else n
@@ -265,7 +296,7 @@ def _linear_add(x, weight, residual, gain, pdl, config, prefetch, what):
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict | None, pdl: bool,
             silu_mul: bool = False, norm: NormIn | None = None, residual: torch.Tensor | None = None,
             ss_out: torch.Tensor | None = None, prefetch: bool = False, gain: torch.Tensor | None = None,
-            gained_out: torch.Tensor | None = None) -> None:
+            gained_out: torch.Tensor | None = None, rope: RopeOut | None = None) -> None:
     m, k = x.shape
     n = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -277,9 +308,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
                          f"BLOCK_M >= {m}, e.g. {MAX_M})")
     grid = (triton.cdiv(n // 2, bn // 2) if silu_mul else triton.cdiv(n, bn), split)
     check_fused("linear", m, n, k, bm, grid[0], norm, residual, ss_out, x.dtype)
-    if split > 1:
+    d = rope.k_cache.shape[3] if rope is not None else 0
+    if rope is not None and d % bn:
+        raise ValueError(f"linear: rope needs whole heads per tile group: head_dim {d} is not a multiple of the "
+                         f"config's BLOCK_N={bn}")
+    if split > 1 or rope is not None:               # rope: a head's tiles meet in the workspace even unsplit
         ws = torch.empty((grid[0], split, bn * bm), dtype=torch.float32, device=x.device)
-        locks = _split_k_locks(x.device, grid[0])
+        locks = _split_k_locks(x.device, grid[0] // (d // bn) if rope is not None else grid[0])
     else:
         ws, locks = y, y                                # unused pointers
     dd = dot_dtype(x)
@@ -290,11 +325,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
         counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="dense_linear")
     res = residual if residual is not None else y       # unused pointers when a fusion is off
     ss_in = norm.ss if norm is not None else ws
+    rp = rope if rope is not None else RopeOut(0, 0, y, y, y, y, y)
+    cache_strides = rp.k_cache.stride()[:3] if rope is not None else (0, 0, 0)
+    rope_norm = rope is not None and rope.q_norm is not None
     _gemv_kernel[grid](x, w, y, ws, locks, m, n, k, x.stride(0), w.stride(0), y.stride(0), split,
                        res, res.stride(0), ss_out if ss_out is not None else ws, ss_in,
                        ss_in.shape[0] if norm is not None else 0, norm.weight if norm is not None else w,
                        norm.eps if norm is not None else 0.0, gain if gain is not None else w,
                        gained_out if gained_out is not None else y,
+                       rp.positions, rp.cos_sin, rp.cos_sin.stride(0) if rope is not None else 0, rp.slot_mapping,
+                       rp.q_norm if rope_norm else y, rp.k_norm if rope_norm else y, rp.k_cache, rp.v_cache,
+                       rp.num_q_heads, rp.num_kv_heads, y.stride(0), y.stride(1) if rope is not None else 0,
+                       *cache_strides, rp.eps,
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=k % (bk * split) == 0,
                        DOT_DTYPE=dd, DOT_PREC="ieee" if dd == tl.float32 else "tf32", USE_PDL=on,
                        SILU_MUL=bool(silu_mul), ADD_RES=residual is not None, NORM=norm is not None,
@@ -303,9 +345,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
                        PREFETCH_STEPS=prefetch_steps(bn, bk, w.element_size(), pf_bytes),
                        W_BYTES=w.element_size(),
                        GAINED=bool(norm is not None and norm.gained), GAIN_OUT=gain is not None,
+                       ROPE=rope is not None, HALF=max(1, d // 2),
+                       PAGE_SIZE=rp.k_cache.shape[1] if rope is not None else 1,
+                       ROPE_NORM=rope_norm, ROPE_FAST=bool(rope is not None and rope.fast_math),
                        num_warps=cfg.get("num_warps", 4),
                        num_stages=cfg.get("num_stages", 4), **launch_options(on))
     counters.record("dense_linear", "triton_gemv", grid=grid, splits=split,
                     variant=(bn, bk, split) + (("silu_mul",) if silu_mul else ()) + (("norm",) if norm else ())
                     + (("add_residual",) if residual is not None else ()) + (("gain_out",) if gain is not None else ())
-                    + (("gained",) if norm is not None and norm.gained else ()))
+                    + (("gained",) if norm is not None and norm.gained else ())
+                    + (("rope",) if rope is not None else ()))
