@@ -12,7 +12,7 @@ from helpers import TPUT_WIN, make_evidence, plain_defaults
 
 CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_graphs", "chunked_prefill",
              "decode_wave_grid",
-             "fast_math", "fuse_norm", "fuse_silu", "gqa_swap",
+             "fast_math", "fuse_norm", "fuse_rope", "fuse_silu", "gqa_swap",
              "marlin_dense",
              "mixed_chunk", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "pdl_stack",
              "prefill_gqa_pack", "split_rule",

@@ -20,7 +20,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     # campaigns (merges of row/<lever>-flip); the rest are off
     reg = levers.registry()
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_graphs", "chunked_prefill",
-                           "decode_wave_grid", "fast_math", "fuse_norm", "fuse_silu",
+                           "decode_wave_grid", "fast_math", "fuse_norm", "fuse_rope", "fuse_silu",
                            "gqa_swap",
                            "marlin_dense", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch",
                            "pdl_stack", "prefill_gqa_pack", "split_rule",
@@ -28,7 +28,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
                         "chunk_graphs": False, "chunked_prefill": "off", "decode_wave_grid": True,
-                        "fast_math": True, "fuse_norm": True, "fuse_silu": True,
+                        "fast_math": True, "fuse_norm": True, "fuse_rope": False, "fuse_silu": True,
                         "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
                         "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False, "pdl_stack": False,

@@ -350,6 +350,52 @@ def norm_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     return cases
 
 
+def rope_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
+    """The lever fuse_rope at decode sizes (the Triton GEMV in the model dtype): the qkv projection and the qkv
+    epilogue (q/k norm, RoPE, KV store), in the GEMV's own epilogue in a fuse_rope arm, the GEMV then the
+    qkv_epilogue kernel otherwise. q and the touched cache slots of k and v, flattened into one tensor; the fault
+    rotates by the next position."""
+    from vtengine.backends.torch_backend import rope_cos_sin
+    from vtengine.kernels import fused, gemv
+    hq, hkv, d, k, page = sh["hq"], sh["hkv"], sh["d"], sh["hidden"], 16
+    n = (hq + 2 * hkv) * d
+    cs = rope_cos_sin(d, 1024, 1e6, device=dev)
+    cases = []
+    for m in sorted({1, gemv.MAX_M // 2, gemv.MAX_M}):
+        x = torch.randn(m, k, generator=gen).to(dev, sh["dtype"])
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dev, sh["dtype"])
+        pos = torch.randint(0, 1000, (m,), generator=gen).to(dev)
+        slots = torch.randperm(8 * page, generator=gen)[:m].to(dev)
+        qn = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, sh["dtype"])
+        kn = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, sh["dtype"])
+
+        def pack(q, kc, vc, slots=slots):
+            flat = kc.shape[0] * kc.shape[1]
+            return torch.cat([q.reshape(-1), kc.view(flat, -1)[slots].reshape(-1),
+                              vc.view(flat, -1)[slots].reshape(-1)])
+
+        def run(setting, fault, x=x, w=w, pos=pos, slots=slots, qn=qn, kn=kn, pack=pack):
+            kc, vc = (_poisoned_like((8, page, hkv, d), sh["dtype"], dev) for _ in range(2))
+            p = pos + 1 if fault else pos
+            lin = dict(triton_gemv=setting["triton_gemv"], pdl=setting["pdl"], prefetch=setting.get("prefetch", False))
+            if setting.get("fused_rope") and setting["triton_gemv"]:
+                q = gemv.linear(x, w, rope=fused.RopeOut(hq, hkv, p, cs, kc, vc, slots, qn, kn,
+                                                         fast_math=setting.get("fast_math", False)), **lin)
+            else:
+                q = fused.qkv_epilogue(gemv.linear(x, w, **lin), hq, hkv, p, cs, kc, vc, slots, qn, kn,
+                                       fast_math=setting.get("fast_math", False), pdl=setting["pdl"])
+            return pack(q, kc, vc)
+
+        def ref(x=x, w=w, pos=pos, slots=slots, qn=qn, kn=kn, pack=pack):
+            be = TorchBackend()
+            kc, vc = (torch.zeros((8, page, hkv, d), dtype=torch.float32, device=dev) for _ in range(2))
+            q = be.qkv_epilogue(be.linear(x.float(), w.float()), hq, hkv, pos, cs, kc, vc, slots, qn.float(),
+                                kn.float())
+            return pack(q, kc, vc)
+        cases.append((f"qkv GEMV+qkv_epilogue M={m} K={k} heads={hq}/{hkv} d={d}", run, ref))
+    return cases
+
+
 def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, Any]:
     """Launcher keyword arguments that run ``kernel`` in a lever context: ``values`` maps levers to their values
     (the arm's whole context; levers it does not name are off)."""
@@ -371,6 +417,9 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         out = {"triton_gemv": on("triton_gemv") or lever in ("pdl", "pdl_prefetch"),
                "pdl": on("pdl") or lever == "pdl_prefetch", "prefetch": on("pdl_prefetch")}
         return out | ({"fused_norm": on("fuse_norm")} if lever == "fuse_norm" else {})
+    if kernel == "qkv_epilogue" and lever == "fuse_rope":     # its cases project first (the Triton GEMV's levers)
+        return {"fast_math": on("fast_math"), "pdl": on("pdl"), "triton_gemv": on("triton_gemv"),
+                "prefetch": on("pdl_prefetch"), "fused_rope": on("fuse_rope")}
     return {"fast_math": on("fast_math"), "pdl": on("pdl")}
 
 
@@ -400,8 +449,8 @@ def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callabl
             cs = gate_up_silu_cases(gen, dev, sh)
         elif kernel == "silu_mul":
             cs = silu_cases(gen, dev, sh)
-        elif kernel == "qkv_epilogue":
-            cs = qkv_epilogue_cases(gen, dev, sh)
+        elif kernel == "qkv_epilogue":           # fuse_rope's cases end in the epilogue: its bound
+            cs = qkv_epilogue_cases(gen, dev, sh) + (rope_gemv_cases(gen, dev, sh) if ctx.lever == "fuse_rope" else [])
         elif kernel == "argmax":
             cs = argmax_cases(gen, dev, sh)
         else:

@@ -61,6 +61,13 @@ class TorchBackend:
         never in the reference."""
         return False
 
+    def rope_out(self, tokens: int, weight, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6):
+        """What the qkv projection takes as ``rope=`` to run the qkv epilogue in its own epilogue (the lever
+        fuse_rope), or None: the decoder then runs qkv_epilogue after it. Never in the reference."""
+        return None
+
     def gate_up_silu(self, x: torch.Tensor, weight) -> torch.Tensor:
         """The MLP's first half: silu_mul(linear(x, gate_up weight)), [T, I] (a backend may fuse the two)."""
         return self.silu_mul(self.linear(x, weight))

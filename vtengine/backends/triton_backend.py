@@ -9,7 +9,7 @@ import torch
 
 from vtengine.backends import KERNEL_OPS
 from vtengine.backends.torch_backend import TorchBackend
-from vtengine.kernels import INTERPRET, attention, fused, gemv, w4a16
+from vtengine.kernels import INTERPRET, attention, fused, gemv, sm_count, w4a16
 from vtengine.kernels.epilogue import NormIn
 
 # Under the CPU interpreter each program runs one after another in Python: present a 2-SM machine to the split
@@ -92,10 +92,11 @@ class TritonBackend(TorchBackend):
         """The bf16 GEMV's lever arguments (PDL, and with it the weight prefetch before the wait)."""
         return dict(pdl=self.levers.on("pdl"), prefetch=self.levers.on("pdl_prefetch"))
 
-    def linear(self, x, weight):
+    def linear(self, x, weight, rope=None):
+        """x @ W^T; with ``rope`` (rope_out's, the lever fuse_rope) the qkv projection's q, its k and v in the cache."""
         if isinstance(weight, QuantizedWeight):
             return w4a16.w4a16_linear(x, weight, **self._w4a16_levers())
-        return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), **self._gemv_levers())
+        return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), rope=rope, **self._gemv_levers())
 
     def gate_up_silu(self, x, weight):
         if self.levers.on("fuse_silu"):
@@ -117,6 +118,21 @@ class TritonBackend(TorchBackend):
         return (self.kernels is None or {"dense_linear", "rms_norm"} <= set(self.kernels)) and \
             gemv.fusable(tokens, self.levers.on("triton_gemv"))
 
+    def rope_out(self, tokens, weight, num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                 q_norm=None, k_norm=None, eps=1e-6):
+        """The lever fuse_rope applies (bf16 weights on the Triton GEMV at M <= 16, with the fused qkv epilogue and
+        the dense linear both routed, and whole heads in the GEMV's tile groups): what the qkv projection takes
+        as ``rope=``; else None."""
+        if not self.levers.on("fuse_rope") or isinstance(weight, QuantizedWeight) or not self.fuse_qkv_epilogue or \
+                not gemv.fusable(tokens, self.levers.on("triton_gemv")):
+            return None
+        if self.kernels is not None and "dense_linear" not in self.kernels:
+            return None
+        if k_cache.shape[-1] % gemv.gemv_config(weight.shape[0], weight.shape[1], sm_count(weight.device))["BLOCK_N"]:
+            return None
+        return fused.RopeOut(num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm,
+                             k_norm, eps, self.levers.on("fast_math"))
+
     def linear_add(self, x, weight, residual, gain=None):
         """(round(x W^T + residual), its per-tile sums of squares, round(that residual * gain) or None): the new
         residual for norm_linear and, on the bf16 GEMV when the next norm's weight ``gain`` is given, its input with
@@ -127,11 +143,12 @@ class TritonBackend(TorchBackend):
             return *gemv.linear_add(x, weight, residual, **self._gemv_levers()), None
         return gemv.linear_add_gain(x, weight, residual, gain, **self._gemv_levers())
 
-    def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False, gained=None):
+    def norm_linear(self, residual, ss, norm_weight, eps, weight, silu_mul: bool = False, gained=None, rope=None):
         """RMSNorm(residual) @ W^T with the norm inside the GEMM (then silu_mul, fused with fuse_silu). ``gained``:
         linear_add's residual * norm_weight, the bf16 GEMV's input instead of the residual. Unfused, the projection
         is its own norm_linear call and silu_mul runs beside it, so a fault that repeats the projection repeats that
-        call alone (H200, 2026-12-04: repeating the whole call doubled silu_mul too, on fuse_silu's off arm)."""
+        call alone (H200, 2026-12-04: repeating the whole call doubled silu_mul too, on fuse_silu's off arm).
+        ``rope``: as linear's (the bf16 GEMV only)."""
         fuse_silu = silu_mul and self.levers.on("fuse_silu")
         if silu_mul and not fuse_silu:
             return self.silu_mul(self.norm_linear(residual, ss, norm_weight, eps, weight, gained=gained))
@@ -141,7 +158,7 @@ class TritonBackend(TorchBackend):
         else:
             norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"), gained=gained is not None)
             y = gemv.linear(residual if gained is None else gained, weight, triton_gemv=True, norm=norm,
-                            silu_mul=fuse_silu, **self._gemv_levers())
+                            silu_mul=fuse_silu, rope=rope, **self._gemv_levers())
         return y
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

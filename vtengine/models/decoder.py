@@ -112,16 +112,21 @@ class DecoderModel:
         # the norm each down GEMV's residual feeds: the next layer's input norm (the final norm stays separate)
         next_norm = {id(a): b.input_norm for a, b in zip(self.layers, self.layers[1:])}
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            # the lever fuse_rope: the qkv projection runs the qkv epilogue itself (q out, k and v to the cache)
+            rope = be.rope_out(t, layer.qkv, hq, hkv, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping,
+                               layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
+            on = {} if rope is None else {"rope": rope}
             if residual is None:
                 residual, x = h, be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-                qkv = be.linear(x, layer.qkv)
+                qkv = be.linear(x, layer.qkv, **on)
             elif fuse:
-                qkv = be.norm_linear(residual, ss, layer.input_norm, cfg.rms_norm_eps, layer.qkv, gained=gained)
+                qkv = be.norm_linear(residual, ss, layer.input_norm, cfg.rms_norm_eps, layer.qkv, gained=gained, **on)
             else:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, cfg.rms_norm_eps)
-                qkv = be.linear(x, layer.qkv)
-            q = be.qkv_epilogue(qkv, hq, hkv, positions, self.cos_sin, k_cache, v_cache,
-                                ctx.slot_mapping, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
+                qkv = be.linear(x, layer.qkv, **on)
+            q = qkv if rope is not None else be.qkv_epilogue(qkv, hq, hkv, positions, self.cos_sin, k_cache, v_cache,
+                                                             ctx.slot_mapping, layer.q_norm, layer.k_norm,
+                                                             cfg.rms_norm_eps)
             if ctx.is_prefill and ctx.decode is not None:      # a mixed step: prefill rows, then decoding rows
                 tp = t - ctx.decode.context_lens.shape[0]
                 attn = torch.cat([
