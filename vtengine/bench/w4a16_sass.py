@@ -36,8 +36,10 @@ CONFIG = dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=3)   #
 _INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def compile_dense(decode: int, nvfp4: bool = False, split: bool = True, pdl: bool = False, prefetch: bool = False):
-    """The dense swap-AB kernel compiled for sm_90 (no GPU needed): Triton's CompiledKernel."""
+def compile_dense(decode: int, nvfp4: bool = False, split: bool = True, pdl: bool = False, prefetch: bool = False,
+                  rope: bool = False):
+    """The dense swap-AB kernel compiled for sm_90 (no GPU needed): Triton's CompiledKernel. ``rope``: the lever
+    fuse_rope's form (the qkv epilogue of 128-wide heads, pages of 16, after the K loop)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -47,12 +49,17 @@ def compile_dense(decode: int, nvfp4: bool = False, split: bool = True, pdl: boo
            "sorted_ids_ptr": "*bf16", "num_post_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
            "stride_ym": "i32", "SPLIT_K": "i32", "res_ptr": "*bf16", "stride_res": "i32", "ss_out_ptr": "*fp32",
-           "ss_in_ptr": "*fp32", "n_ss_in": "i32", "g_ptr": "*bf16", "eps": "fp32"}
+           "ss_in_ptr": "*fp32", "n_ss_in": "i32", "g_ptr": "*bf16", "eps": "fp32",
+           "pos_ptr": "*i64", "cs_ptr": "*fp32", "stride_cs": "i32", "slot_ptr": "*i32", "qn_ptr": "*bf16",
+           "kn_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "HQ": "i32", "HK": "i32",
+           "stride_qot": "i32", "stride_qoh": "i32", "stride_cb": "i32", "stride_ct": "i32", "stride_ch": "i32",
+           "rope_eps": "fp32"}
     const = dict(NVFP4=nvfp4, DECODE=decode, GATHER=False, SWAP_AB=True, BLOCK_M=CONFIG["BLOCK_M"],
                  BLOCK_N=CONFIG["BLOCK_N"], BLOCK_K=CONFIG["BLOCK_K"], SPLIT=split, EVEN_K=True,
                  DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32", REPACKED=True, USE_PDL=pdl, PREFETCH=prefetch, SILU_MUL=False,
                  ADD_RES=False, NORM=False, SS_BLOCK=1, FAST_MATH=False,
-                 PREFETCH_STEPS=4)
+                 PREFETCH_STEPS=4, ROPE=rope, HALF=64 if rope else 1, PAGE_SIZE=16 if rope else 1, ROPE_NORM=rope,
+                 ROPE_FAST=rope)
     sig.update({k: "constexpr" for k in const})
     # what the JIT's specialisation tells a launch at Qwen3-8B shapes: 16-byte aligned pointers and N, K and the
     # strides divisible by 16 (M is never specialised)
@@ -86,8 +93,8 @@ def k_loop(sass: list[str]) -> list[str]:
     return best
 
 
-def count(decode: int, nvfp4: bool = False) -> dict:
-    return _counted(k_loop(disassemble(compile_dense(decode, nvfp4).asm["cubin"])))
+def count(decode: int, nvfp4: bool = False, rope: bool = False) -> dict:
+    return _counted(k_loop(disassemble(compile_dense(decode, nvfp4, rope=rope).asm["cubin"])))
 
 
 def before_wait(sass: list[str]) -> dict[str, int]:
@@ -215,6 +222,9 @@ def main(out_dir: str = "bench/results") -> dict:
             row = {"fmt": fmt, "decode": name, **count(d, nvfp4=fmt == "nvfp4")}
             result["rows"].append(row)
             print(json.dumps({k: row[k] for k in ("fmt", "decode", "instructions", "per_weight")}), flush=True)
+    # the lever fuse_rope: the qkv epilogue after the K loop leaves the loop as it is
+    result["rope"] = {"fmt": "mxfp4", "decode": "bf16_rot", **count(w4a16.DECODE_ROT, rope=True)}
+    print(json.dumps({k: result["rope"][k] for k in ("fmt", "decode", "instructions", "per_weight")}), flush=True)
     # the lever pdl_prefetch (with pdl): what runs before the wait
     result["pdl"] = {name: before_wait(disassemble(compile_dense(w4a16.DECODE_ROT, pdl=True, prefetch=pf)
                                                    .asm["cubin"]))
@@ -236,6 +246,8 @@ def main(out_dir: str = "bench/results") -> dict:
     for r in result["rows"]:
         top = ", ".join(f"{k} {v}" for k, v in list(r["by_opcode"].items())[:8])
         lines.append(f"| {r['fmt']} | {r['decode']} | {r['instructions']} | {r['per_weight']} | {top} |")
+    lines += ["", f"With the lever fuse_rope's qkv epilogue (rotation decode, MXFP4): {result['rope']['instructions']} "
+              f"instructions in the K loop, {result['rope']['per_weight']} per weight."]
     lines += ["", "Before the PDL wait (rotation decode, MXFP4): " + "; ".join(
         f"{name}: {v['prefetches']} L2 prefetches, {v['loads']} global loads, {v['waits']} wait(s)"
         for name, v in result["pdl"].items())]

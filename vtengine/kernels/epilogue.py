@@ -1,7 +1,8 @@
 """What the GEMMs of decode share after (and before) their K loop: the W4A16 GEMM (w4a16.py) and the bf16 GEMV
 (gemv.py) tile a gate_up weight the same way for SiLU-mul (lever ``fuse_silu``), add the residual and write the
-tiles' sums of squares in their epilogue and apply RMSNorm from those sums (lever ``fuse_norm``), and sum
-split-K partials with one set of arrival counters per device.
+tiles' sums of squares in their epilogue and apply RMSNorm from those sums (lever ``fuse_norm``), sum split-K
+partials with one set of arrival counters per device, and gather a head's sums across its tiles for the qkv
+epilogue (lever ``fuse_rope``).
 """
 from __future__ import annotations
 
@@ -99,6 +100,22 @@ def _norm_inv(ss, K, eps, FAST_MATH: tl.constexpr):
     if FAST_MATH:
         return tl.math.rsqrt(ms + eps)
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+
+
+@triton.jit
+def _head_sums(ws_ptr, head, r0, SPLIT_K, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows r0 .. r0 + HALF - 1 of one head's fp32 sums, [BLOCK_M, HALF] (token, row), from the split-K workspace
+    [tiles, SPLIT_K, BLOCK_N x BLOCK_M] (the swap-AB layout of both GEMMs) of the head's 2 * HALF / BLOCK_N tiles:
+    each tile's splits summed in split order, as the per-tile reducer sums them (the same fp32 bits). For the last
+    program of a head to arrive (lever ``fuse_rope``)."""
+    r = r0 + tl.arange(0, HALF)
+    tile = head * (2 * HALF // BLOCK_N) + r // BLOCK_N
+    base = ws_ptr + tile.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M) + (r % BLOCK_N) * BLOCK_M
+    ptrs = base[None, :] + tl.arange(0, BLOCK_M)[:, None]
+    total = tl.load(ptrs, cache_modifier=".cg")
+    for s in range(1, SPLIT_K):
+        total += tl.load(ptrs + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+    return total
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from vtengine.kernels import INTERPRET, dot_dtype, sm_count
 from vtengine.kernels.pdl import PREFETCH_BYTES  # noqa: F401  (the lever's size, named here by the benches)
 from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wait, prefetch_bytes, prefetch_l2,
                                   prefetch_steps, use_pdl)
-from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _residual_tile, _split_k_locks,
-                                       _tile_rows, check_fused)
+from vtengine.kernels.epilogue import (NormIn, _finish, _head_sums, _norm_inv, _norm_ss, _residual_tile,
+                                       _split_k_locks, _tile_rows, check_fused)
 from vtengine.kernels.fused import RopeOut, _qkv_head
 
 MAX_M = 16
@@ -47,21 +47,6 @@ def _store_gained(acc, res, gain, xg_ptrs, y_mask, GAIN_OUT: tl.constexpr):
     if GAIN_OUT:
         out = (acc + res.to(tl.float32)).to(xg_ptrs.dtype.element_ty).to(tl.float32)
         tl.store(xg_ptrs, (out * gain[:, None]).to(xg_ptrs.dtype.element_ty), mask=y_mask)
-
-
-@triton.jit
-def _head_sums(ws_ptr, head, r0, SPLIT_K, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Rows r0 .. r0 + HALF - 1 of one head's fp32 sums, [BLOCK_M, HALF] (token, row), from the split-K workspace
-    [tiles, SPLIT_K, BLOCK_N x BLOCK_M] of the head's 2 * HALF / BLOCK_N tiles: each tile's splits summed in split
-    order, as the per-tile reducer sums them (the same fp32 bits). For the last program of a head to arrive."""
-    r = r0 + tl.arange(0, HALF)
-    tile = head * (2 * HALF // BLOCK_N) + r // BLOCK_N
-    base = ws_ptr + tile.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M) + (r % BLOCK_N) * BLOCK_M
-    ptrs = base[None, :] + tl.arange(0, BLOCK_M)[:, None]
-    total = tl.load(ptrs, cache_modifier=".cg")
-    for s in range(1, SPLIT_K):
-        total += tl.load(ptrs + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
-    return total
 
 
 @triton.jit(do_not_specialize=["M"])

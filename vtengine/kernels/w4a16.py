@@ -39,8 +39,9 @@ import triton.language as tl
 
 from vtengine import counters
 from vtengine.kernels import H200_SMS, dot_dtype, sm_count
-from vtengine.kernels.epilogue import (NormIn, _finish, _norm_inv, _norm_ss, _residual_tile, _split_k_locks,
-                                       _tile_rows, check_fused)
+from vtengine.kernels.epilogue import (NormIn, _finish, _head_sums, _norm_inv, _norm_ss, _residual_tile,
+                                       _split_k_locks, _tile_rows, check_fused)
+from vtengine.kernels.fused import RopeOut, _qkv_head
 from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wait, prefetch_bytes, prefetch_l2,
                                   prefetch_steps, use_pdl)
 from vtengine.quant import BLOCK, QuantizedWeight
@@ -312,12 +313,16 @@ def _w4a16_gemm_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ids_ptr, num_post_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, SPLIT_K,
     res_ptr, stride_res, ss_out_ptr, ss_in_ptr, n_ss_in, g_ptr, eps,
+    pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, HQ, HK,
+    stride_qot, stride_qoh, stride_cb, stride_ct, stride_ch, rope_eps,
     NVFP4: tl.constexpr, DECODE: tl.constexpr, GATHER: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, REPACKED: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
     ADD_RES: tl.constexpr = False, NORM: tl.constexpr = False, SS_BLOCK: tl.constexpr = 1,
-    FAST_MATH: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 1,
+    FAST_MATH: tl.constexpr = False, PREFETCH_STEPS: tl.constexpr = 1, ROPE: tl.constexpr = False,
+    HALF: tl.constexpr = 1, PAGE_SIZE: tl.constexpr = 1, ROPE_NORM: tl.constexpr = False,
+    ROPE_FAST: tl.constexpr = False,
 ):
     """Grid (cdiv(rows, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); rows = M (dense) or the padded sorted length
     (grouped). M is axis 0 so programs running together share a W tile in L2 (prefill re-reads W per M block).
@@ -349,7 +354,11 @@ def _w4a16_gemm_kernel(
 
     ADD_RES and NORM (lever ``fuse_norm``, dense SWAP_AB only): the residual add in the epilogue, with each tile's
     sums of squares, and RMSNorm of A from the producer's sums: g as A is loaded, the token's rsqrt on the
-    fp32 sums after the K loop (epilogue.py; as the GEMV does)."""
+    fp32 sums after the K loop (epilogue.py; as the GEMV does).
+
+    ROPE (lever ``fuse_rope``, dense SWAP_AB with one M block): W is the fused qkv projection and the qkv epilogue
+    runs in the last program of each head's tiles and splits to arrive, writing q (y_ptr: [M, HQ, 2 * HALF]) and the
+    paged cache rows, as the bf16 GEMV's ROPE form does (gemv.py)."""
     SCALE_BLOCK: tl.constexpr = 16 if NVFP4 else 32
     EARLY: tl.constexpr = PREFETCH and USE_PDL and not GATHER
     if not EARLY:
@@ -443,23 +452,34 @@ def _w4a16_gemm_kernel(
             acc = acc * tl.load(gs_ptr)
         else:
             acc = acc * (tl.load(gs_ptr) * 512.0)   # the 2**9 left over from the 2**117 folded into the scales
-    if not SPLIT:
+    if not SPLIT and not ROPE:
         _finish(acc, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, BLOCK_N, BLOCK_M)
     else:
+        # the partial to the workspace; the last program of the tile (ROPE: of the head) to arrive finishes it
         ACC0: tl.constexpr = BLOCK_N if SWAP_AB else BLOCK_M
         ACC1: tl.constexpr = BLOCK_M if SWAP_AB else BLOCK_N
+        HEAD_TILES: tl.constexpr = 2 * HALF // BLOCK_N if ROPE else 1
         tile = pid_m * tl.num_programs(1) + pid_n
         ws_tile = ws_ptr + tile.to(tl.int64) * SPLIT_K * (ACC0 * ACC1)
         offs_acc = tl.arange(0, ACC0)[:, None] * ACC1 + tl.arange(0, ACC1)[None, :]
         tl.store(ws_tile + pid_k * (ACC0 * ACC1) + offs_acc, acc)
         tl.debug_barrier()                      # every thread's partial is stored before the release below
-        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
-            for s in range(1, SPLIT_K):
-                total += tl.load(ws_tile + s * (ACC0 * ACC1) + offs_acc, cache_modifier=".cg")
-            _finish(total, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, ACC0, ACC1)
-            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+        owner = tile // HEAD_TILES
+        arrived = tl.atomic_add(lock_ptr + owner, 1, sem="acq_rel", scope="gpu")
+        if arrived == HEAD_TILES * SPLIT_K - 1:
+            if ROPE:                            # one M block (pid_m 0): the workspace's tiles are the heads' rows
+                dt = y_ptr.dtype.element_ty
+                x1 = _head_sums(ws_ptr, owner, 0, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
+                x2 = _head_sums(ws_ptr, owner, HALF, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
+                _qkv_head(x1, x2, owner, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr,
+                          y_ptr, k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb, stride_ct,
+                          stride_ch, rope_eps, HALF, PAGE_SIZE, ROPE_NORM, ROPE_FAST)
+            else:
+                total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
+                for s in range(1, SPLIT_K):
+                    total += tl.load(ws_tile + s * (ACC0 * ACC1) + offs_acc, cache_modifier=".cg")
+                _finish(total, y_ptrs, y_mask, res, ss_out_ptr, pid_n, SILU_MUL, ADD_RES, ACC0, ACC1)
+            tl.atomic_xchg(lock_ptr + owner, 0, sem="relaxed", scope="gpu")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -664,7 +684,8 @@ def packed_words(q: QuantizedWeight) -> torch.Tensor:
 def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config: dict | None = None,
                  out: torch.Tensor | None = None, pdl: bool = False, rot: bool = False,
                  prefetch: bool | int = False, silu_mul: bool = False, mid: bool = False, norm: NormIn | None = None,
-                 residual: torch.Tensor | None = None, ss_out: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, ss_out: torch.Tensor | None = None,
+                 rope: RopeOut | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, K] and a W4A16 weight W [N, K]; y [M, N] in x's dtype.
 
     ``dense`` is the lever marlin_dense: True -> dense route, False -> grouped (E = 1) route. ``config`` overrides
@@ -679,7 +700,9 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     w4a16_mid_m (the dense route's decode tiles for 16 < M <= MID_M, see dense_config). ``norm``, ``residual`` and
     ``ss_out`` (the lever fuse_norm, the same tiles as silu_mul): x is RMSNorm'ed from the
     producer's sums of squares; y = round(x W^T + residual) and ss_out [tiles, BLOCK_M] its sums of squares
-    (w4a16_linear_add allocates them)."""
+    (w4a16_linear_add allocates them). ``rope`` (the lever fuse_rope, the same tiles): W is the fused qkv projection
+    and the GEMM runs the qkv epilogue per head in its epilogue; returns q [M, Hq, D] (in ``rope.q_out`` when given)
+    and writes k and v to the paged cache."""
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"w4a16_linear expects a QuantizedWeight, got {type(qweight).__name__}")
     if x.dim() != 2:
@@ -709,10 +732,17 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if silu_mul and not (dense and cfg["SWAP_AB"] and n % 2 == 0 and bn % 2 == 0):
         raise ValueError(f"w4a16_linear: silu_mul fuses into the dense swap-AB tiles (M <= 16) of a [2I, K] weight; "
                          f"got dense={dense}, M={m}, N={n}, SWAP_AB={cfg['SWAP_AB']}, BLOCK_N={bn}")
-    fused = norm is not None or residual is not None
+    fused = norm is not None or residual is not None or rope is not None
     if fused and not (dense and cfg["SWAP_AB"] and 1 <= m <= bm):
-        raise ValueError(f"w4a16_linear: norm and residual fuse into the dense swap-AB tiles (M <= 16); got "
+        raise ValueError(f"w4a16_linear: norm, residual and rope fuse into the dense swap-AB tiles (M <= 16); got "
                          f"dense={dense}, M={m}, SWAP_AB={cfg['SWAP_AB']}")
+    d = rope.k_cache.shape[3] if rope is not None else 0
+    if rope is not None and (silu_mul or residual is not None or out is not None):
+        raise ValueError("w4a16_linear: rope writes q and the KV cache; it takes neither silu_mul, residual nor out "
+                         "(give rope.q_out)")
+    if rope is not None and d % bn:
+        raise ValueError(f"w4a16_linear: rope needs whole heads per tile group: head_dim {d} is not a multiple of "
+                         f"the config's BLOCK_N={bn}")
     if norm is not None and norm.gained:
         raise ValueError("w4a16_linear: norm.gained=True is the bf16 GEMV's form (gemv.linear_add_gain); the W4A16 "
                          "GEMM applies the norm weight in its K loop: pass the residual with gained=False")
@@ -731,7 +761,9 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         words = rot_words(qweight)
     else:
         words = repacked_words(qweight) if repacked else packed_words(qweight)
-    if out is None:
+    if rope is not None:
+        y = rope.check(m, n, x.dtype, x.device, "w4a16_linear")
+    elif out is None:
         y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     else:
         if out.shape != (m, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
@@ -747,10 +779,10 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         rows = sorted_ids.numel()
     dd = dot_dtype(x)
     grid = (triton.cdiv(rows, bm), triton.cdiv(n_out, bn // 2) if silu_mul else triton.cdiv(n, bn), split)
-    if split > 1:
+    if split > 1 or rope is not None:               # rope: a head's tiles meet in the workspace even unsplit
         tiles = grid[0] * grid[1]
         ws = torch.empty((tiles, split, bm * bn), dtype=torch.float32, device=x.device)
-        locks = _split_k_locks(x.device, tiles)
+        locks = _split_k_locks(x.device, tiles // (d // bn) if rope is not None else tiles)
     else:
         ws, locks = y, y                                # unused pointers
     even_k = k % (bk * split) == 0
@@ -761,11 +793,17 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="w4a16_gemm")
     res = residual if residual is not None else y       # unused pointers when a fusion is off
     ss_in = norm.ss if norm is not None else ws
+    rp = rope if rope is not None else RopeOut(0, 0, y, y, y, y, y)
+    rope_norm = rope is not None and rope.q_norm is not None
     _w4a16_gemm_kernel[grid](
         x, words, qweight.scales, qweight.global_scale, y, sorted_ids, num_post, ws, locks,
         m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), y.stride(0), split,
         res, res.stride(0), ss_out if ss_out is not None else ws, ss_in, ss_in.shape[0] if norm is not None else 0,
         norm.weight if norm is not None else x, norm.eps if norm is not None else 0.0,
+        rp.positions, rp.cos_sin, rp.cos_sin.stride(0) if rope is not None else 0, rp.slot_mapping,
+        rp.q_norm if rope_norm else y, rp.k_norm if rope_norm else y, rp.k_cache, rp.v_cache,
+        rp.num_q_heads, rp.num_kv_heads, y.stride(0), y.stride(1) if rope is not None else 0,
+        *(rp.k_cache.stride()[:3] if rope is not None else (0, 0, 0)), rp.eps,
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=even_k, DOT_DTYPE=dd,
         DOT_PREC="ieee" if dd == tl.float32 else "tf32", REPACKED=repacked,
@@ -773,6 +811,8 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         SS_BLOCK=triton.next_power_of_2(max(1, ss_in.shape[0])) if norm is not None else 1,
         FAST_MATH=bool(norm is not None and norm.fast_math),
         PREFETCH_STEPS=prefetch_steps(bn, bk // 2, 1, pf_bytes) if early else 1,     # bk // 2 bytes per row and step
+        ROPE=rope is not None, HALF=max(1, d // 2), PAGE_SIZE=rp.k_cache.shape[1] if rope is not None else 1,
+        ROPE_NORM=rope_norm, ROPE_FAST=bool(rope is not None and rope.fast_math),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **launch_options(on),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
@@ -780,7 +820,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
                              DECODE_NAMES[decode], cfg.get("num_warps", 4), cfg.get("num_stages", 3),
                              cfg.get("TILES", "custom"))
                     + (("silu_mul",) if silu_mul else ()) + (("norm",) if norm is not None else ())
-                    + (("add_residual",) if residual is not None else ()))
+                    + (("add_residual",) if residual is not None else ()) + (("rope",) if rope is not None else ()))
     return y
 
 

@@ -1,6 +1,6 @@
-"""The lever fuse_rope: the qkv epilogue (q/k RMSNorm, RoPE, the paged KV store) in the qkv projection's Triton GEMV
-(vtengine/kernels/gemv.py, ROPE), against the pair it replaces (the GEMV, then fused.qkv_epilogue) and the fp64
-torch reference.
+"""The lever fuse_rope: the qkv epilogue (q/k RMSNorm, RoPE, the paged KV store) in the qkv projection's own epilogue
+(ROPE: the bf16 Triton GEMV, vtengine/kernels/gemv.py, and the W4A16 GEMM's dense route, w4a16.py), against the pair
+it replaces (the projection, then fused.qkv_epilogue) and the fp64 torch reference.
 
 CPU hosts run it in Triton's interpreter at tiny shapes (fp32: the fused and unfused pair must agree to the bit);
 the ``gpu`` tests take Qwen3-8B's qkv shape in bf16, eagerly and replayed from a CUDA graph. q and the caches are
@@ -13,8 +13,9 @@ import torch
 
 from vtengine import counters
 from vtengine.backends.torch_backend import TorchBackend, rope_cos_sin
-from vtengine.kernels import fused, gemv
+from vtengine.kernels import fused, gemv, w4a16
 from vtengine.kernels.epilogue import NormIn
+from vtengine.quant import dequantize, quantize
 from vtengine.testing import fresh_generator, rel_l2
 
 CUDA = torch.cuda.is_available()
@@ -40,6 +41,12 @@ class Case:
         self.cs = rope_cos_sin(d, 1024, 1e6, device=DEV)
         self.shape = (pages, page, hkv, d)
         self.dtype = dtype
+        self.qw = None                  # a W4A16 copy of w: the projection runs the W4A16 GEMM's dense route
+
+    def project(self, config=None, **kw):
+        if self.qw is not None:
+            return w4a16.w4a16_linear(self.x, self.qw, dense=True, rot=True, config=config, **kw)
+        return gemv.linear(self.x, self.w, triton_gemv=True, config=config, **kw)
 
     def caches(self):
         return [torch.full(self.shape, float("nan"), dtype=self.dtype, device=DEV) for _ in range(2)]
@@ -50,20 +57,20 @@ class Case:
     def fused(self, config=None, fast_math=False, **kw):
         kc, vc = self.caches()
         q_out = torch.full((self.x.shape[0], self.hq, self.d), float("nan"), dtype=self.dtype, device=DEV)
-        q = gemv.linear(self.x, self.w, triton_gemv=True, config=config,
-                        rope=self.rope(kc, vc, q_out=q_out, fast_math=fast_math), **kw)
+        q = self.project(config, rope=self.rope(kc, vc, q_out=q_out, fast_math=fast_math), **kw)
         assert q.data_ptr() == q_out.data_ptr()
         return q, kc, vc
 
     def unfused(self, config=None, fast_math=False, **kw):
         kc, vc = self.caches()
-        qkv = gemv.linear(self.x, self.w, triton_gemv=True, config=config, **kw)
+        qkv = self.project(config, **kw)
         return fused.qkv_epilogue(qkv, self.hq, self.hkv, self.pos, self.cs, kc, vc, self.slots, self.qn, self.kn,
                                   1e-6, fast_math=fast_math), kc, vc
 
     def reference(self):
         kc, vc = (torch.full(self.shape, float("nan"), dtype=torch.float64, device=DEV) for _ in range(2))
-        qkv = REF.linear(self.x.double(), self.w.double())
+        w = self.w if self.qw is None else dequantize(self.qw, dtype=torch.float32)
+        qkv = REF.linear(self.x.double(), w.double())
         q = REF.qkv_epilogue(qkv, self.hq, self.hkv, self.pos, self.cs.double(), kc, vc, self.slots,
                              None if self.qn is None else self.qn.double(),
                              None if self.kn is None else self.kn.double(), 1e-6)
@@ -134,6 +141,29 @@ def test_faults_in_the_head_epilogue_are_seen():
     assert all(same_bits(a, b) for a, b in zip(c.fused(), want)), f"seed {seed}: the case is not deterministic"
 
 
+def w4a16_cfg(m, n, k, fmt, block_n, split):
+    cfg = dict(w4a16.dense_config(m, n, k, fmt))
+    cfg.update(BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=split)
+    return cfg
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("m,block_n,split", [(1, 16, 1), (3, 16, 2), (9, 32, 2)])
+def test_the_w4a16_gemm_writes_q_and_the_cache_the_unfused_pair_writes(fmt, m, block_n, split):
+    """The W4A16 GEMM's dense swap-AB tiles with ROPE: the same bits as the GEMM then the qkv_epilogue kernel (NVFP4's
+    global scale applied before the partials meet), near the reference of the dequantized weight."""
+    gen, seed = fresh_generator()
+    c = Case(m, 128, 4, 2, 32, gen)
+    c.qw = quantize(c.w, fmt)
+    cfg = w4a16_cfg(m, c.w.shape[0], 128, fmt, block_n, split)
+    got, want = c.fused(cfg), c.unfused(cfg)
+    for name, a, b in zip("q k v".split(), got, want):
+        assert same_bits(a, b), f"seed {seed}: {name} differs from the unfused pair ({fmt})"
+    for a, b in zip(got, c.reference()):
+        ok = ~torch.isnan(b)
+        assert torch.equal(torch.isnan(a), ~ok) and rel_l2(a[ok].double(), b[ok]) < 2e-6, f"seed {seed} ({fmt})"
+
+
 def test_bad_rope_operands_are_clear_errors():
     gen, _ = fresh_generator()
     c = Case(3, 64, 4, 2, 32, gen)
@@ -151,6 +181,13 @@ def test_bad_rope_operands_are_clear_errors():
         gemv.linear(c.x, c.w, triton_gemv=True, rope=c.rope(kc, vc.transpose(0, 1).contiguous().transpose(0, 1)))
     with pytest.raises(ValueError, match=r"must both be \[3\]"):
         gemv.linear(c.x, c.w, triton_gemv=True, rope=fused.RopeOut(4, 2, c.pos[:2], c.cs, kc, vc, c.slots))
+    qw = quantize(c.w, "mxfp4")
+    with pytest.raises(ValueError, match="norm, residual and rope fuse into the dense swap-AB tiles"):
+        w4a16.w4a16_linear(c.x, qw, dense=False, rope=c.rope(kc, vc))
+    with pytest.raises(ValueError, match="takes neither silu_mul, residual nor out"):
+        w4a16.w4a16_linear(c.x, qw, dense=True, out=torch.empty(3, 256), rope=c.rope(kc, vc))
+    with pytest.raises(ValueError, match="head_dim 32 is not a multiple of the config's BLOCK_N=64"):
+        w4a16.w4a16_linear(c.x, qw, dense=True, config=w4a16_cfg(3, 256, 64, "mxfp4", 64, 1), rope=c.rope(kc, vc))
 
 
 def test_the_counters_name_the_fused_launch():
@@ -165,14 +202,17 @@ def test_the_counters_name_the_fused_launch():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_qwen3_8b_qkv_with_its_epilogue_eager_and_graphed():
-    """Qwen3-8B's qkv [6,144, 4,096] in bf16, 32 q heads and 8 kv heads of 128, at M = 1, 8, 16: v to the bit of
-    the unfused pair (no norm: the same sums, rounded once), q and k within a rounding of it (the norm's sum of
-    squares may reduce in another order), and the same bits again from a CUDA-graph replay (the head counters reset
-    themselves)."""
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_gpu_qwen3_8b_qkv_with_its_epilogue_eager_and_graphed(fmt):
+    """Qwen3-8B's qkv [6,144, 4,096], 32 q heads and 8 kv heads of 128, at M = 1, 8, 16, through the bf16 GEMV or
+    the W4A16 GEMM (MXFP4, the default rotation decode): v to the bit of the unfused pair (no norm: the same sums,
+    rounded once), q and k within a rounding of it (the norm's sum of squares may reduce in another order), and the
+    same bits again from a CUDA-graph replay with pdl_prefetch (the head counters reset themselves)."""
     gen, seed = fresh_generator()
     for m in (1, 8, 16):
         c = Case(m, 4096, 32, 8, 128, gen, dtype=torch.bfloat16, pages=64, page=16)
+        if fmt == "mxfp4":
+            c.qw = quantize(c.w, "mxfp4")
         got, want = c.fused(fast_math=False), c.unfused()
         assert same_bits(got[2], want[2]), f"seed {seed} m {m}: v differs from the unfused pair"
         for name, a, b in (("q", got[0], want[0]), ("k", got[1], want[1])):
@@ -186,10 +226,10 @@ def test_gpu_qwen3_8b_qkv_with_its_epilogue_eager_and_graphed():
         kc, vc = c.caches()
         q_out = torch.empty((m, 32, 128), dtype=torch.bfloat16, device=DEV)
         rope = c.rope(kc, vc, q_out=q_out)
-        gemv.linear(c.x, c.w, triton_gemv=True, pdl=True, prefetch=True, rope=rope)     # compile outside capture
+        c.project(pdl=True, prefetch=True, rope=rope)           # compile (and build the weight's copy) first
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            gemv.linear(c.x, c.w, triton_gemv=True, pdl=True, prefetch=True, rope=rope)
+            c.project(pdl=True, prefetch=True, rope=rope)
         for _ in range(2):
             q_out.fill_(float("nan"))
             graph.replay()
