@@ -179,20 +179,22 @@ def test_fuse_norm_keeps_the_tokens_and_launches_no_add_rms_norm_at_decode():
         assert any("'norm'" in v for st in snap[kernel].values() for v in st["variants"]), quant
 
 
-def test_fuse_rope_keeps_the_tokens_and_runs_each_decode_qkv_epilogue_in_the_gemv():
-    """The lever fuse_rope on tiny (fp32 under the interpreter), with fuse_norm on and off: the torch oracle's greedy
-    tokens, and every qkv epilogue run once, either in the qkv GEMV (decode steps) or as its kernel (the 20-token
-    prompt's prefill, M > 16): the fused launches plus the kernel's equal the kernel's launches with the lever off."""
+@pytest.mark.parametrize("quant,kernel", [("bf16", "dense_linear"), ("mxfp4", "w4a16_gemm")])
+def test_fuse_rope_keeps_the_tokens_and_runs_each_decode_qkv_epilogue_in_the_projection(quant, kernel):
+    """The lever fuse_rope on tiny (fp32 under the interpreter; bf16 weights through the Triton GEMV, MXFP4 through
+    the W4A16 GEMM's dense route), with fuse_norm on and off: the torch oracle's greedy tokens, and every qkv
+    epilogue run once, either in the qkv projection (decode steps) or as its kernel (the 20-token prompt's prefill,
+    M > 16): the fused launches plus the kernel's equal the kernel's launches with the lever off."""
     from vtengine import counters
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = mixed_prompts(2, seed=7) + [list(range(3, 23))]
-    want = tokens(LLM(model="tiny", backend="torch").generate(prompts, params))
+    want = tokens(LLM(model="tiny", quant=quant, backend="torch").generate(prompts, params))
 
     def run(**levers):
         counters.reset()
-        got = tokens(LLM(model="tiny", backend="triton", levers=levers).generate(prompts, params))
+        got = tokens(LLM(model="tiny", quant=quant, backend="triton", levers=levers).generate(prompts, params))
         snap = counters.snapshot()
-        fused = sum(n for st in snap["dense_linear"].values() for v, n in st["variants"].items() if "'rope'" in v)
+        fused = sum(n for st in snap[kernel].values() for v, n in st["variants"].items() if "'rope'" in v)
         return got, fused, sum(st["launches"] for st in snap.get("qkv_epilogue", {}).values())
     got, none, kernels_off = run(fuse_rope=False)
     assert got == want and none == 0 and kernels_off > 0

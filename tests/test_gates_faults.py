@@ -576,6 +576,37 @@ def test_fuse_norm_op_references_hold_in_the_gpu_dtype():
     assert torch.allclose(ref().double(), want, rtol=1e-4, atol=1e-4), name
 
 
+def test_fuse_rope_op_cases_take_both_routes_and_their_fault_fails_each():
+    """fuse_rope's op cases (the qkv projection, bf16 GEMV and MXFP4 GEMM, then the qkv epilogue): in a fuse_rope arm
+    the projection runs the epilogue (counted, and seen by the mechanism probe), otherwise the kernel runs after it;
+    both within the bound of the reference, and the fault (the next position) fails every case in both. In bf16 the
+    references are finite."""
+    from vtengine import counters
+    from vtengine.testing import rel_l2
+    sh = op._shapes("cpu")
+    cases = op.rope_gemv_cases(torch.Generator().manual_seed(0), "cpu", sh)
+    assert sorted({n.split()[2] for n, _, _ in cases}) == ["dense", "mxfp4"] and len(cases) == 6
+    for fused in (False, True):
+        setting = op.setting_for("qkv_epilogue", "fuse_rope", {"fuse_rope": fused, "triton_gemv": True,
+                                                               "marlin_dense": True, "fast_math": True})
+        assert setting["fused_rope"] is fused and setting["dense"] and setting["fast_math"]
+        for name, run, ref in cases:
+            want = ref()
+            counters.reset()
+            assert rel_l2(run(setting, False), want) < 1e-6, (name, fused)
+            snap = counters.snapshot()
+            ran = [v for kernel in ("dense_linear", "w4a16_gemm") for st in snap.get(kernel, {}).values()
+                   for v in st["variants"]]
+            assert any("'rope'" in v for v in ran) is fused and ("qkv_epilogue" in snap) is not fused, (name, snap)
+            # the mechanism probe counts either projection's fused launch (it once read the GEMV's only, and an
+            # MXFP4 rehearsal's candidate read inert)
+            assert mechanism.probe("fuse_rope", snap) == {"fused_gemvs": int(fused),
+                                                          "qkv_epilogue_launches": int(not fused)}, name
+            assert rel_l2(run(setting, True), want) > 1e-2, (name, fused)
+    bf = op.rope_gemv_cases(torch.Generator().manual_seed(0), "cpu", {**sh, "dtype": torch.bfloat16})
+    assert all(ref().dtype == torch.float32 and torch.isfinite(ref()).all() for _, _, ref in bf)
+
+
 def test_a_quantized_models_every_projection_broken_changes_its_tokens(monkeypatch):
     """fuse_silu on tiny MXFP4: the fault breaks every W4A16 GEMM. A negation cancels in pairs there (q.k, v then o,
     gate_up then down: the H200 campaign's tokens came out unchanged and its near_tie self-check was not caught);

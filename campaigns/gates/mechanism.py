@@ -119,9 +119,10 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
                     for v, n in st["variants"].items() if "'norm'" in v or "'add_residual'" in v)
         return {"fused_gemvs": fused, "add_rms_norm_launches": sum(
             n for st in snap.get("rms_norm", {}).values() for v, n in st["variants"].items() if "add_rms_norm" in v)}
-    if lever == "fuse_rope":        # qkv GEMVs that ran the qkv epilogue; qkv_epilogue launches left (prefill's)
-        return {"fused_gemvs": sum(n for st in snap.get("dense_linear", {}).values() for v, n in st["variants"].items()
-                                   if "'rope'" in v),
+    if lever == "fuse_rope":        # qkv projections (GEMV or W4A16 GEMM) that ran the qkv epilogue; kernels left
+        return {"fused_gemvs": sum(n for kernel in ("dense_linear", "w4a16_gemm")
+                                   for st in snap.get(kernel, {}).values()
+                                   for v, n in st["variants"].items() if "'rope'" in v),
                 "qkv_epilogue_launches": sum(st["launches"] for st in snap.get("qkv_epilogue", {}).values())}
     if lever == "pdl":
         return {"launches": _routes(snap, "launch"), "kernels": _variants(snap, "launch")}
@@ -213,7 +214,7 @@ def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None =
         return _some_or_none(pr["fused_gemvs"], value, "GEMVs added the residual or applied RMSNorm "
                                                        f"({pr['add_rms_norm_launches']} add_rms_norm launches)")
     if lever == "fuse_rope":
-        return _some_or_none(pr["fused_gemvs"], value, "qkv GEMVs ran the qkv epilogue in their own epilogue "
+        return _some_or_none(pr["fused_gemvs"], value, "qkv projections ran the qkv epilogue in their own epilogue "
                                                        f"({pr['qkv_epilogue_launches']} qkv_epilogue launches)")
     if lever == "pdl_prefetch":
         if not value and resolved is not None and not resolved.get("pdl"):     # a preset's off arm: no PDL at all

@@ -351,12 +351,12 @@ def norm_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
 
 
 def rope_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
-    """The lever fuse_rope at decode sizes (the Triton GEMV in the model dtype): the qkv projection and the qkv
-    epilogue (q/k norm, RoPE, KV store), in the GEMV's own epilogue in a fuse_rope arm, the GEMV then the
-    qkv_epilogue kernel otherwise. q and the touched cache slots of k and v, flattened into one tensor; the fault
-    rotates by the next position."""
+    """The lever fuse_rope at decode sizes, in the model dtype (the Triton GEMV) and in MXFP4 (the W4A16 GEMM's dense
+    route): the qkv projection and the qkv epilogue (q/k norm, RoPE, KV store), in the projection's own epilogue in a
+    fuse_rope arm, the projection then the qkv_epilogue kernel otherwise. q and the touched cache slots of k and v,
+    flattened into one tensor; the fault rotates by the next position."""
     from vtengine.backends.torch_backend import rope_cos_sin
-    from vtengine.kernels import fused, gemv
+    from vtengine.kernels import fused, gemv, w4a16
     hq, hkv, d, k, page = sh["hq"], sh["hkv"], sh["d"], sh["hidden"], 16
     n = (hq + 2 * hkv) * d
     cs = rope_cos_sin(d, 1024, 1e6, device=dev)
@@ -374,25 +374,33 @@ def rope_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
             return torch.cat([q.reshape(-1), kc.view(flat, -1)[slots].reshape(-1),
                               vc.view(flat, -1)[slots].reshape(-1)])
 
-        def run(setting, fault, x=x, w=w, pos=pos, slots=slots, qn=qn, kn=kn, pack=pack):
-            kc, vc = (_poisoned_like((8, page, hkv, d), sh["dtype"], dev) for _ in range(2))
-            p = pos + 1 if fault else pos
-            lin = dict(triton_gemv=setting["triton_gemv"], pdl=setting["pdl"], prefetch=setting.get("prefetch", False))
-            if setting.get("fused_rope") and setting["triton_gemv"]:
-                q = gemv.linear(x, w, rope=fused.RopeOut(hq, hkv, p, cs, kc, vc, slots, qn, kn,
-                                                         fast_math=setting.get("fast_math", False)), **lin)
-            else:
-                q = fused.qkv_epilogue(gemv.linear(x, w, **lin), hq, hkv, p, cs, kc, vc, slots, qn, kn,
-                                       fast_math=setting.get("fast_math", False), pdl=setting["pdl"])
-            return pack(q, kc, vc)
+        for name, wt in (("dense", w), ("mxfp4", quantize(w.float(), "mxfp4"))):
+            q4 = name == "mxfp4"
 
-        def ref(x=x, w=w, pos=pos, slots=slots, qn=qn, kn=kn, pack=pack):
-            be = TorchBackend()
-            kc, vc = (torch.zeros((8, page, hkv, d), dtype=torch.float32, device=dev) for _ in range(2))
-            q = be.qkv_epilogue(be.linear(x.float(), w.float()), hq, hkv, pos, cs, kc, vc, slots, qn.float(),
-                                kn.float())
-            return pack(q, kc, vc)
-        cases.append((f"qkv GEMV+qkv_epilogue M={m} K={k} heads={hq}/{hkv} d={d}", run, ref))
+            def proj(setting, x=x, wt=wt, q4=q4, **kw):
+                if q4:
+                    return w4a16.w4a16_linear(x, wt, dense=setting["dense"], pdl=setting["pdl"], rot=setting["rot"],
+                                              prefetch=setting.get("prefetch", False), **kw)
+                return gemv.linear(x, wt, triton_gemv=setting["triton_gemv"], pdl=setting["pdl"],
+                                   prefetch=setting.get("prefetch", False), **kw)
+
+            def run(setting, fault, x=x, pos=pos, slots=slots, qn=qn, kn=kn, pack=pack, proj=proj, q4=q4):
+                kc, vc = (_poisoned_like((8, page, hkv, d), sh["dtype"], dev) for _ in range(2))
+                p, fm = pos + 1 if fault else pos, setting.get("fast_math", False)
+                if setting.get("fused_rope") and setting["dense" if q4 else "triton_gemv"]:
+                    q = proj(setting, rope=fused.RopeOut(hq, hkv, p, cs, kc, vc, slots, qn, kn, fast_math=fm))
+                else:
+                    q = fused.qkv_epilogue(proj(setting), hq, hkv, p, cs, kc, vc, slots, qn, kn, fast_math=fm,
+                                           pdl=setting["pdl"])
+                return pack(q, kc, vc)
+
+            def ref(x=x, wt=wt, pos=pos, slots=slots, qn=qn, kn=kn, pack=pack):
+                be = TorchBackend()
+                kc, vc = (torch.zeros((8, page, hkv, d), dtype=torch.float32, device=dev) for _ in range(2))
+                qkv = be.linear(x.float(), wt) if isinstance(wt, QuantizedWeight) else be.linear(x.float(), wt.float())
+                q = be.qkv_epilogue(qkv, hq, hkv, pos, cs, kc, vc, slots, qn.float(), kn.float())
+                return pack(q, kc, vc)
+            cases.append((f"qkv projection+qkv_epilogue {name} M={m} K={k} heads={hq}/{hkv} d={d}", run, ref))
     return cases
 
 
@@ -419,7 +427,8 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         return out | ({"fused_norm": on("fuse_norm")} if lever == "fuse_norm" else {})
     if kernel == "qkv_epilogue" and lever == "fuse_rope":     # its cases project first (the Triton GEMV's levers)
         return {"fast_math": on("fast_math"), "pdl": on("pdl"), "triton_gemv": on("triton_gemv"),
-                "prefetch": on("pdl_prefetch"), "fused_rope": on("fuse_rope")}
+                "dense": on("marlin_dense"), "rot": on("w4a16_rot"), "prefetch": on("pdl_prefetch"),
+                "fused_rope": on("fuse_rope")}
     return {"fast_math": on("fast_math"), "pdl": on("pdl")}
 
 

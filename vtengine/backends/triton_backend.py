@@ -95,7 +95,7 @@ class TritonBackend(TorchBackend):
     def linear(self, x, weight, rope=None):
         """x @ W^T; with ``rope`` (rope_out's, the lever fuse_rope) the qkv projection's q, its k and v in the cache."""
         if isinstance(weight, QuantizedWeight):
-            return w4a16.w4a16_linear(x, weight, **self._w4a16_levers())
+            return w4a16.w4a16_linear(x, weight, rope=rope, **self._w4a16_levers())
         return gemv.linear(x, weight, triton_gemv=self.levers.on("triton_gemv"), rope=rope, **self._gemv_levers())
 
     def gate_up_silu(self, x, weight):
@@ -120,15 +120,24 @@ class TritonBackend(TorchBackend):
 
     def rope_out(self, tokens, weight, num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping,
                  q_norm=None, k_norm=None, eps=1e-6):
-        """The lever fuse_rope applies (bf16 weights on the Triton GEMV at M <= 16, with the fused qkv epilogue and
-        the dense linear both routed, and whole heads in the GEMV's tile groups): what the qkv projection takes
-        as ``rope=``; else None."""
-        if not self.levers.on("fuse_rope") or isinstance(weight, QuantizedWeight) or not self.fuse_qkv_epilogue or \
-                not gemv.fusable(tokens, self.levers.on("triton_gemv")):
+        """The lever fuse_rope applies (at M <= 16: bf16 weights on the Triton GEMV, or W4A16 on the dense route; the
+        fused qkv epilogue and the projection's kernel both routed; whole heads in the tile groups): what the qkv
+        projection takes as ``rope=``; else None."""
+        if not self.levers.on("fuse_rope") or not self.fuse_qkv_epilogue:
             return None
-        if self.kernels is not None and "dense_linear" not in self.kernels:
-            return None
-        if k_cache.shape[-1] % gemv.gemv_config(weight.shape[0], weight.shape[1], sm_count(weight.device))["BLOCK_N"]:
+        n, k = weight.shape
+        if isinstance(weight, QuantizedWeight):
+            if not w4a16.fusable(tokens, self.levers.on("marlin_dense")) or \
+                    (self.kernels is not None and "w4a16_gemm" not in self.kernels):
+                return None
+            block_n = w4a16.dense_config(tokens, n, k, weight.fmt, sm_count(weight.device))["BLOCK_N"]
+            block_n = min(block_n, 32) if INTERPRET else block_n        # w4a16's interpreter tiles
+        else:
+            if not gemv.fusable(tokens, self.levers.on("triton_gemv")) or \
+                    (self.kernels is not None and "dense_linear" not in self.kernels):
+                return None
+            block_n = gemv.gemv_config(n, k, sm_count(weight.device))["BLOCK_N"]
+        if k_cache.shape[-1] % block_n:
             return None
         return fused.RopeOut(num_q_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm,
                              k_norm, eps, self.levers.on("fast_math"))
@@ -148,13 +157,13 @@ class TritonBackend(TorchBackend):
         linear_add's residual * norm_weight, the bf16 GEMV's input instead of the residual. Unfused, the projection
         is its own norm_linear call and silu_mul runs beside it, so a fault that repeats the projection repeats that
         call alone (H200, 2026-12-04: repeating the whole call doubled silu_mul too, on fuse_silu's off arm).
-        ``rope``: as linear's (the bf16 GEMV only)."""
+        ``rope``: as linear's."""
         fuse_silu = silu_mul and self.levers.on("fuse_silu")
         if silu_mul and not fuse_silu:
             return self.silu_mul(self.norm_linear(residual, ss, norm_weight, eps, weight, gained=gained))
         if isinstance(weight, QuantizedWeight):
             norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"))
-            y = w4a16.w4a16_linear(residual, weight, norm=norm, silu_mul=fuse_silu, **self._w4a16_levers())
+            y = w4a16.w4a16_linear(residual, weight, norm=norm, silu_mul=fuse_silu, rope=rope, **self._w4a16_levers())
         else:
             norm = NormIn(ss, norm_weight, eps, self.levers.on("fast_math"), gained=gained is not None)
             y = gemv.linear(residual if gained is None else gained, weight, triton_gemv=True, norm=norm,
