@@ -377,3 +377,16 @@ def test_the_bench_fused_forms_compute_what_the_engine_does():
     assert rel_l2(forms["add_res_gain"][0](x, w)(), r) < 1e-5
     _, _, xg = gemv.linear_add_gain(x, w, residual, gain)
     assert rel_l2(xg, r * gain.double()) < 1e-5
+    # the lever fuse_rope's pair at a qkv shape (1 q head, 1 kv head of 16): the kernel after the GEMV, and the GEMV
+    # running it, write the same q and cache rows
+    forms = fused_gemv_forms(m, k, n, torch.device("cpu"), gen, dtype=torch.float32, heads=(1, 1, 16))
+    kc, vc = forms["rope_cache"]
+    q1 = forms["norm_gained_epilogue"][0](x, w)()
+    caches = kc.clone(), vc.clone()
+    assert caches[0].abs().sum() > 0 and caches[1].abs().sum() > 0
+    kc.zero_(), vc.zero_()
+    q2 = forms["norm_gained_rope"][0](x, w)()
+    assert torch.equal(q1, q2) and torch.equal(kc, caches[0]) and torch.equal(vc, caches[1])
+    assert forms["norm_gained_epilogue"][1] == forms["norm_gained_rope"][1] + m * n * 2
+    with pytest.raises(ValueError, match=r"heads \(2, 1, 16\) do not make a qkv weight of N=48"):
+        fused_gemv_forms(m, k, n, torch.device("cpu"), gen, heads=(2, 1, 16))

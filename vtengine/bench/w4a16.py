@@ -189,7 +189,10 @@ def gemv_variants(n: int, k: int, num_sms: int) -> list:
 
 # where the engine uses each fuse_norm form: RMSNorm into qkv and gate_up, the residual add in o and down
 # (the _gain forms are what the engine runs on bf16: the add hands the norm GEMV x * g, so its K loop is the plain one)
-FUSED_FORMS = {"qkv_proj": ("norm", "norm_gained"), "gate_up_proj": ("norm", "norm_gained"),
+# (and for qkv the lever fuse_rope: the engine's norm_gained GEMV then the qkv_epilogue kernel, against the GEMV that
+# runs the epilogue itself)
+FUSED_FORMS = {"qkv_proj": ("norm", "norm_gained", "norm_gained_epilogue", "norm_gained_rope"),
+               "gate_up_proj": ("norm", "norm_gained"),
                "o_proj": ("add_res", "add_res_gain"), "down_proj": ("add_res", "add_res_gain")}
 
 
@@ -199,14 +202,22 @@ PDL_GEMV_ROWS = {"pdl": 0, "pdl_pf8k": 8 * 1024, "pdl_pf16k": 16 * 1024, "pdl_pf
 PDL_W4A16_ROWS = {"pdl": 0, "pdl_pf16k": 16 * 1024, "pdl_pfall": 1 << 30}
 
 
-def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16) -> dict:
+# Qwen3-8B's qkv heads (q, kv, head_dim): the shape whose rope forms the bench times
+QKV_HEADS = (32, 8, 128)
+
+
+def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16,
+                     heads: tuple[int, int, int] | None = None) -> dict:
     """The lever fuse_norm's two GEMV forms at one shape, to time beside the plain one: ``norm`` (RMSNorm of x from a
     producer's sums of squares, the norm weight loaded with x) and ``add_res`` (plus a residual, writing its sums of
     squares), each as (fn_for(x, w) -> call, bytes moved beyond the plain call's), for x and weights of ``dtype``;
     ``operands`` holds (NormIn, residual) for references. The operands pass the kernels' checks. The decode bench
     says the fused step's GEMVs cost 9% more than the plain ones on bf16 (2026-12-02); these say which form. The
     engine's forms: ``norm_gained`` (x is already x * g: only the rsqrt after the K loop) and ``add_res_gain`` (also
-    writing round(residual * gain) for it)."""
+    writing round(residual * gain) for it). With ``heads`` (q heads, kv heads, head_dim of a qkv weight [N, K]), the
+    lever fuse_rope's pair: ``norm_gained_epilogue`` (that GEMV, then the qkv_epilogue kernel: what the engine runs
+    without the lever) and ``norm_gained_rope`` (the GEMV running the epilogue); ``rope_cache`` holds their KV
+    cache (k, v), which both write."""
     from vtengine.kernels import gemv, sm_count
     from vtengine.kernels.epilogue import NormIn
     prod_tiles = -(-k // 32)                           # the producer's output tiles (its N = this K), 32 rows each
@@ -217,7 +228,7 @@ def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16) 
     residual = torch.randn(m, n, device=device, generator=gen).to(dtype)
     gain = (torch.rand(n, device=device, generator=gen) + 0.5).to(dtype)
     tiles = -(-n // gemv.gemv_config(n, k, sm_count(device))["BLOCK_N"])
-    return {
+    forms = {
         "norm": (lambda x, w: lambda: gemv.linear(x, w, triton_gemv=True, norm=norm),
                  k * 2 + ss.numel() * 4),
         "add_res": (lambda x, w: lambda: gemv.linear_add(x, w, residual)[0],
@@ -228,6 +239,26 @@ def fused_gemv_forms(m: int, k: int, n: int, device, gen, dtype=torch.bfloat16) 
                          2 * m * n * 2 + n * 2 + tiles * gemv.MAX_M * 4),
         "operands": (norm, residual, gain),
     }
+    if heads is not None:
+        from vtengine.backends.torch_backend import rope_cos_sin
+        from vtengine.kernels import fused
+        hq, hkv, d = heads
+        if (hq + 2 * hkv) * d != n:
+            raise ValueError(f"fused_gemv_forms: heads {heads} do not make a qkv weight of N={n}")
+        pos = torch.randint(0, 4096, (m,), device=device, generator=gen)
+        slots = (torch.arange(m, device=device) * 7).to(torch.int32)
+        cs = rope_cos_sin(d, 4096, 1e6, device=device)
+        qn, kn = ((torch.rand(d, device=device, generator=gen) + 0.5).to(dtype) for _ in range(2))
+        kc, vc = (torch.zeros(-(-7 * m // 16) + 1, 16, hkv, d, dtype=dtype, device=device) for _ in range(2))
+        rope = fused.RopeOut(hq, hkv, pos, cs, kc, vc, slots, qn, kn, 1e-6, fast_math=True)
+        forms["norm_gained_epilogue"] = (
+            lambda x, w: lambda: fused.qkv_epilogue(gemv.linear(x, w, triton_gemv=True, norm=gained), hq, hkv, pos,
+                                                    cs, kc, vc, slots, qn, kn, 1e-6, fast_math=True),
+            ss.numel() * 4 + m * n * 2)         # the epilogue kernel reads qkv back
+        forms["norm_gained_rope"] = (lambda x, w: lambda: gemv.linear(x, w, triton_gemv=True, norm=gained, rope=rope),
+                                     ss.numel() * 4)
+        forms["rope_cache"] = (kc, vc)
+    return forms
 
 
 def bench_bf16(res: dict, k: int, n: int, copy_gbs: float, l2: int, gen, sweep: bool) -> None:
@@ -267,7 +298,8 @@ def bench_bf16(res: dict, k: int, n: int, copy_gbs: float, l2: int, gen, sweep: 
                 lambda x, w: lambda: gemv.linear(x, w, triton_gemv=True, pdl=True, prefetch=pf)))
             if r:
                 res["rows"].append(r)
-        forms = fused_gemv_forms(m, k, n, torch.device("cuda"), gen)
+        forms = fused_gemv_forms(m, k, n, torch.device("cuda"), gen,
+                                 heads=QKV_HEADS if SHAPE_NAMES.get((k, n)) == "qkv_proj" else None)
         for form in FUSED_FORMS.get(SHAPE_NAMES.get((k, n)), ()):
             fn_for, extra = forms[form]
             r = _try(errs, f"triton_gemv {form} M={m}", lambda: timed(f"triton_gemv_{form}_bf16", m, fn_for, extra))
@@ -527,7 +559,8 @@ METHODS = ["mxfp4_dense", "mxfp4_dense_rot", "mxfp4_grouped", "nvfp4_dense", "nv
            "mxfp4_dense_tuned", "nvfp4_dense_tuned", "mxfp4_dense_pdl", "mxfp4_dense_pdl_pf16k",
            "mxfp4_dense_pdl_pfall", "nvfp4_dense_pdl", "nvfp4_dense_pdl_pf16k", "nvfp4_dense_pdl_pfall",
            "cublas_bf16", "triton_gemv_bf16", "triton_gemv_norm_bf16", "triton_gemv_norm_gained_bf16",
-           "triton_gemv_add_res_bf16", "triton_gemv_add_res_gain_bf16", "triton_gemv_pdl_bf16",
+           "triton_gemv_add_res_bf16", "triton_gemv_add_res_gain_bf16", "triton_gemv_norm_gained_epilogue_bf16",
+           "triton_gemv_norm_gained_rope_bf16", "triton_gemv_pdl_bf16",
            "triton_gemv_pdl_pf8k_bf16", "triton_gemv_pdl_pf16k_bf16", "triton_gemv_pdl_pf64k_bf16",
            f"tinygemm_int4_g{TINYGEMM_GROUP}"]
 
