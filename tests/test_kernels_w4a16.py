@@ -419,7 +419,7 @@ def test_residual_add_then_rmsnorm_across_two_w4a16_gemms(fmt, m):
         assert rel_l2(y3, torch.nn.functional.silu(h3[:, :i]) * h3[:, i:]) < BOUND[ACT], f"seed {seed} {fmt}"
         bad = w4a16.w4a16_linear(r, q2, dense=True, norm=epilogue.NormIn(4 * ss, g, eps))
         assert rel_l2(bad, normed @ dequantize(q2, torch.float64).t()) > 0.3
-    with pytest.raises(ValueError, match="norm and residual fuse into the dense swap-AB tiles"):
+    with pytest.raises(ValueError, match="norm, residual and rope fuse into the dense swap-AB tiles"):
         w4a16.w4a16_linear(x, q1, dense=False, residual=res, ss_out=torch.zeros(4, 16, device=DEV))
     with pytest.raises(ValueError, match=r"norm.gained=True is the bf16 GEMV's form"):
         w4a16.w4a16_linear(r, q2, dense=True, norm=epilogue.NormIn(ss, g, eps, gained=True))
