@@ -103,6 +103,16 @@ def _norm_inv(ss, K, eps, FAST_MATH: tl.constexpr):
 
 
 @triton.jit
+def _arrive(ws_part_ptrs, acc, lock_ptr, owner, arrivals):
+    """Split-K: store this program's fp32 partial and count in on ``owner``'s arrival counter (a tile's, or a head's
+    under fuse_rope); whether this program arrived last of ``arrivals``, and so finishes the owner's output. The
+    barrier puts every thread's partial before the release (acq_rel: the last one sees every partial stored)."""
+    tl.store(ws_part_ptrs, acc)
+    tl.debug_barrier()
+    return tl.atomic_add(lock_ptr + owner, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
+@triton.jit
 def _head_sums(ws_ptr, head, r0, SPLIT_K, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows r0 .. r0 + HALF - 1 of one head's fp32 sums, [BLOCK_M, HALF] (token, row), from the split-K workspace
     [tiles, SPLIT_K, BLOCK_N x BLOCK_M] (the swap-AB layout of both GEMMs) of the head's 2 * HALF / BLOCK_N tiles:

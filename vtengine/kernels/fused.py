@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from vtengine import counters
+from vtengine.kernels.epilogue import _head_sums
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 
 
@@ -415,16 +416,20 @@ class RopeOut:
 
 
 @triton.jit
-def _qkv_head(x1, x2, head, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr, q_out_ptr,
-              k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb, stride_ct, stride_ch, eps,
-              HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FAST_MATH: tl.constexpr):
-    """The qkv epilogue of one head for a projection's tokens (lever ``fuse_rope``), where the projection's epilogue
-    holds the head: x1, x2 [BLOCK_M, HALF] fp32, its two halves for tokens offs_m (row_mask: the real ones), already
-    rounded to the activation dtype as the projection's output is. Head ``head`` < HQ is a q head (normed with qn,
-    rotated, stored to q_out [T, HQ, D]); < HQ + HK a k head (normed with kn, rotated, stored to the paged cache at
-    the token's slot; slot -1 stores nothing); else a v head (stored as it is). Rounding points and expressions are
-    _qkv_epilogue_kernel's, one token per row instead of one head per row."""
+def _qkv_head(ws_ptr, head, SPLIT_K, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr,
+              q_out_ptr, k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb, stride_ct, stride_ch, eps,
+              HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              HAS_NORM: tl.constexpr, FAST_MATH: tl.constexpr):
+    """The qkv epilogue of one head for a projection's tokens (lever ``fuse_rope``), run by the last program of the
+    head's tiles and splits to arrive: the head's two halves [BLOCK_M, HALF] from the split-K workspace (each tile
+    in split order, epilogue._head_sums), rounded to the activation dtype as the projection's output is, for tokens
+    offs_m (row_mask: the real ones). Head ``head`` < HQ is a q head (normed with qn, rotated, stored to q_out
+    [T, HQ, D]); < HQ + HK a k head (normed with kn, rotated, stored to the paged cache at the token's slot; slot -1
+    stores nothing); else a v head (stored as it is). Rounding points and expressions are _qkv_epilogue_kernel's,
+    one token per row instead of one head per row."""
     dt = q_out_ptr.dtype.element_ty
+    x1 = _head_sums(ws_ptr, head, 0, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
+    x2 = _head_sums(ws_ptr, head, HALF, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
     d = tl.arange(0, HALF)
     m = offs_m.to(tl.int64)
     if head < HQ + HK:

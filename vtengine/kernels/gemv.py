@@ -24,7 +24,7 @@ from vtengine.kernels import INTERPRET, dot_dtype, sm_count
 from vtengine.kernels.pdl import PREFETCH_BYTES  # noqa: F401  (the lever's size, named here by the benches)
 from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wait, prefetch_bytes, prefetch_l2,
                                   prefetch_steps, use_pdl)
-from vtengine.kernels.epilogue import (NormIn, _finish, _head_sums, _norm_inv, _norm_ss, _residual_tile,
+from vtengine.kernels.epilogue import (NormIn, _arrive, _finish, _norm_inv, _norm_ss, _residual_tile,
                                        _split_k_locks, _tile_rows, check_fused)
 from vtengine.kernels.fused import RopeOut, _qkv_head
 
@@ -163,18 +163,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stri
         HEAD_TILES: tl.constexpr = 2 * HALF // BLOCK_N if ROPE else 1
         ws_tile = ws_ptr + pid_n.to(tl.int64) * SPLIT_K * (BLOCK_N * BLOCK_M)
         offs_acc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(ws_tile + pid_k * (BLOCK_N * BLOCK_M) + offs_acc, acc)
-        tl.debug_barrier()                          # every thread's partial is stored before the release below
         owner = pid_n // HEAD_TILES
-        arrived = tl.atomic_add(lock_ptr + owner, 1, sem="acq_rel", scope="gpu")
-        if arrived == HEAD_TILES * SPLIT_K - 1:
-            if ROPE:
-                dt = y_ptr.dtype.element_ty             # the head as the unfused y holds it, rounded once
-                x1 = _head_sums(ws_ptr, owner, 0, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
-                x2 = _head_sums(ws_ptr, owner, HALF, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
-                _qkv_head(x1, x2, owner, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr,
-                          y_ptr, k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb, stride_ct,
-                          stride_ch, rope_eps, HALF, PAGE_SIZE, ROPE_NORM, ROPE_FAST)
+        if _arrive(ws_tile + pid_k * (BLOCK_N * BLOCK_M) + offs_acc, acc, lock_ptr, owner, HEAD_TILES * SPLIT_K):
+            if ROPE:                                    # y_ptr is q; the head rounded as y would be
+                _qkv_head(ws_ptr, owner, SPLIT_K, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr,
+                          kn_ptr, y_ptr, k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb,
+                          stride_ct, stride_ch, rope_eps, HALF, BLOCK_N, BLOCK_M, PAGE_SIZE, ROPE_NORM, ROPE_FAST)
             else:
                 total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
                 for s in range(1, SPLIT_K):

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from vtengine import counters
 from vtengine.kernels import H200_SMS, dot_dtype, sm_count
-from vtengine.kernels.epilogue import (NormIn, _finish, _head_sums, _norm_inv, _norm_ss, _residual_tile,
+from vtengine.kernels.epilogue import (NormIn, _arrive, _finish, _norm_inv, _norm_ss, _residual_tile,
                                        _split_k_locks, _tile_rows, check_fused)
 from vtengine.kernels.fused import RopeOut, _qkv_head
 from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wait, prefetch_bytes, prefetch_l2,
@@ -462,18 +462,12 @@ def _w4a16_gemm_kernel(
         tile = pid_m * tl.num_programs(1) + pid_n
         ws_tile = ws_ptr + tile.to(tl.int64) * SPLIT_K * (ACC0 * ACC1)
         offs_acc = tl.arange(0, ACC0)[:, None] * ACC1 + tl.arange(0, ACC1)[None, :]
-        tl.store(ws_tile + pid_k * (ACC0 * ACC1) + offs_acc, acc)
-        tl.debug_barrier()                      # every thread's partial is stored before the release below
         owner = tile // HEAD_TILES
-        arrived = tl.atomic_add(lock_ptr + owner, 1, sem="acq_rel", scope="gpu")
-        if arrived == HEAD_TILES * SPLIT_K - 1:
+        if _arrive(ws_tile + pid_k * (ACC0 * ACC1) + offs_acc, acc, lock_ptr, owner, HEAD_TILES * SPLIT_K):
             if ROPE:                            # one M block (pid_m 0): the workspace's tiles are the heads' rows
-                dt = y_ptr.dtype.element_ty
-                x1 = _head_sums(ws_ptr, owner, 0, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
-                x2 = _head_sums(ws_ptr, owner, HALF, SPLIT_K, HALF, BLOCK_N, BLOCK_M).to(dt).to(tl.float32)
-                _qkv_head(x1, x2, owner, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr,
-                          y_ptr, k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb, stride_ct,
-                          stride_ch, rope_eps, HALF, PAGE_SIZE, ROPE_NORM, ROPE_FAST)
+                _qkv_head(ws_ptr, owner, SPLIT_K, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr,
+                          kn_ptr, y_ptr, k_cache_ptr, v_cache_ptr, HQ, HK, stride_qot, stride_qoh, stride_cb,
+                          stride_ct, stride_ch, rope_eps, HALF, BLOCK_N, BLOCK_M, PAGE_SIZE, ROPE_NORM, ROPE_FAST)
             else:
                 total = tl.load(ws_tile + offs_acc, cache_modifier=".cg")
                 for s in range(1, SPLIT_K):
