@@ -236,3 +236,33 @@ def test_gpu_qwen3_8b_qkv_with_its_epilogue_eager_and_graphed(fmt):
             torch.cuda.synchronize()
             assert same_bits(q_out, got[0]) and same_bits(kc, got[1]) and same_bits(vc, got[2]), \
                 f"seed {seed} m {m}: a replay (with pdl_prefetch) changed the bits"
+
+
+def test_the_backend_offers_rope_only_where_it_applies():
+    """TritonBackend.rope_out: a RopeOut at decode sizes with the lever on, on either projection route, and None
+    with the lever off, past 16 tokens, on the grouped W4A16 route, or where a head would straddle tile groups (the
+    launch's own tiles: the interpreter's 16-row GEMV and 32-row W4A16 tiles on a CPU host)."""
+    from vtengine.backends.triton_backend import TritonBackend
+    from vtengine.kernels import sm_count
+    from vtengine.levers import resolve
+    gen, _ = fresh_generator()
+    on = TritonBackend(resolve({"fuse_rope": True}))
+    grouped = TritonBackend(resolve({"fuse_rope": True, "marlin_dense": False}))
+    off = TritonBackend(resolve({"fuse_rope": False}))
+
+    def offer(be, tokens, weight, d):
+        cache = torch.zeros(4, 4, 1, d, device=DEV)
+        return be.rope_out(tokens, weight, 1, 1, torch.zeros(tokens, dtype=torch.long, device=DEV),
+                           rope_cos_sin(d, 64, 1e4, device=DEV), cache, cache.clone(),
+                           torch.zeros(tokens, dtype=torch.int32, device=DEV))
+    for d in (16, 32):
+        w = torch.randn(3 * d, 64, generator=gen).to(DEV)
+        qw = quantize(w, "mxfp4")
+        got = offer(on, 3, w, d)
+        whole = d % gemv.gemv_config(3 * d, 64, sm_count(DEV))["BLOCK_N"] == 0
+        assert (isinstance(got, fused.RopeOut) and got.fast_math == on.levers.on("fast_math")) == whole, d
+        assert offer(off, 3, w, d) is None and offer(on, 17, w, d) is None, d
+        assert (offer(on, 3, qw, d) is not None) == (d % w4a16.launch_config(3, qw, dense=True)["BLOCK_N"] == 0), d
+        assert offer(grouped, 3, qw, d) is None, d
+    w = torch.randn(24, 64, generator=gen).to(DEV)
+    assert offer(on, 3, w, 8) is None              # an 8-wide head in the GEMV's 16-row tiles

@@ -130,8 +130,7 @@ class TritonBackend(TorchBackend):
             if not w4a16.fusable(tokens, self.levers.on("marlin_dense")) or \
                     (self.kernels is not None and "w4a16_gemm" not in self.kernels):
                 return None
-            block_n = w4a16.dense_config(tokens, n, k, weight.fmt, sm_count(weight.device))["BLOCK_N"]
-            block_n = min(block_n, 32) if INTERPRET else block_n        # w4a16's interpreter tiles
+            block_n = w4a16.launch_config(tokens, weight, dense=True, mid=self.levers.on("w4a16_mid_m"))["BLOCK_N"]
         else:
             if not gemv.fusable(tokens, self.levers.on("triton_gemv")) or \
                     (self.kernels is not None and "dense_linear" not in self.kernels):

@@ -651,6 +651,15 @@ def _cached_copy(q: QuantizedWeight, attr: str, what: str, build) -> torch.Tenso
     return words
 
 
+def launch_config(m: int, qweight: QuantizedWeight, dense: bool, mid: bool = False) -> dict:
+    """The tiles w4a16_linear launches a weight with when no config is given (the interpreter's small ones on a CPU
+    host): what a caller sizing work to the tiles (fuse_rope's whole heads per tile group) must read."""
+    n, k = qweight.shape
+    sms = sm_count(qweight.device)
+    cfg = dense_config(m, n, k, qweight.fmt, sms, mid=mid) if dense else grouped_config(m, n, k, qweight.fmt, sms)
+    return _interpreter_config(cfg, k, BLOCK[qweight.fmt]) if vtengine.kernels.INTERPRET else cfg
+
+
 def fusable(m: int, dense: bool) -> bool:
     """Whether the fused forms of w4a16_linear apply (silu_mul, and the residual add and norm of fuse_norm): the
     dense route's swap-AB tiles, 1 <= M <= 16 (decode); gemv.fusable is the GEMV's."""
@@ -713,15 +722,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     block = BLOCK[qweight.fmt]
     decode = decode_path(qweight, rot)
     route = "dense" if dense else "grouped"
-    if config is None:
-        sms = sm_count(x.device)
-        if dense:
-            config = dense_config(m, n, k, qweight.fmt, sms, mid=mid)
-        else:
-            config = grouped_config(m, n, k, qweight.fmt, sms)
-        if vtengine.kernels.INTERPRET:
-            config = _interpreter_config(config, k, block)
-    cfg = dict(config)
+    cfg = dict(config if config is not None else launch_config(m, qweight, dense, mid))
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("SPLIT_K", 1)
     if silu_mul and not (dense and cfg["SWAP_AB"] and n % 2 == 0 and bn % 2 == 0):
         raise ValueError(f"w4a16_linear: silu_mul fuses into the dense swap-AB tiles (M <= 16) of a [2I, K] weight; "
