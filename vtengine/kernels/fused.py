@@ -414,6 +414,42 @@ class RopeOut:
             raise ValueError(f"{what}: cos_sin needs a unit column stride, got strides {self.cos_sin.stride()}")
         return _out(self.q_out, (t, hq, d), dtype, device, what)
 
+    def head_tiles(self, block_n: int, what: str) -> int:
+        """The tiles of BLOCK_N rows one head spans (its last arrival runs the head); BLOCK_N must divide D."""
+        d = self.k_cache.shape[3]
+        if d % block_n:
+            raise ValueError(f"{what}: rope needs whole heads per tile group: head_dim {d} is not a multiple of the "
+                             f"config's BLOCK_N={block_n}")
+        return d // block_n
+
+    def kernel_args(self, q: torch.Tensor) -> tuple:
+        """The ROPE kernels' runtime arguments, pos_ptr through rope_eps in their order; q [T, Hq, D] is q's buffer
+        (the kernel's y_ptr). Both caches take the k cache's strides (check requires them equal)."""
+        norm = self.q_norm is not None
+        return (self.positions, self.cos_sin, self.cos_sin.stride(0), self.slot_mapping,
+                self.q_norm if norm else q, self.k_norm if norm else q, self.k_cache, self.v_cache,
+                self.num_q_heads, self.num_kv_heads, q.stride(0), q.stride(1), *self.k_cache.stride()[:3], self.eps)
+
+    def constexprs(self) -> dict:
+        """The ROPE kernels' constexprs: HALF is half the head dim, PAGE_SIZE the cache's block size."""
+        return dict(ROPE=True, HALF=self.k_cache.shape[3] // 2, PAGE_SIZE=self.k_cache.shape[1],
+                    ROPE_NORM=self.q_norm is not None, ROPE_FAST=bool(self.fast_math))
+
+
+def rope_kernel_args(rope: RopeOut | None, y: torch.Tensor) -> tuple:
+    """rope.kernel_args(y), or without rope the placeholders: y for every pointer, zero counts and strides (but y's
+    row stride as stride_qot) and RopeOut's default eps."""
+    if rope is not None:
+        return rope.kernel_args(y)
+    return (y, y, 0, y, y, y, y, y, 0, 0, y.stride(0), 0, 0, 0, 0, RopeOut.eps)
+
+
+def rope_constexprs(rope: RopeOut | None) -> dict:
+    """rope.constexprs(), or without rope ROPE off and the kernels' defaults for the rest."""
+    if rope is not None:
+        return rope.constexprs()
+    return dict(ROPE=False, HALF=1, PAGE_SIZE=1, ROPE_NORM=False, ROPE_FAST=False)
+
 
 @triton.jit
 def _qkv_head(ws_ptr, head, SPLIT_K, offs_m, row_mask, pos_ptr, cs_ptr, stride_cs, slot_ptr, qn_ptr, kn_ptr,

@@ -26,7 +26,7 @@ from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wai
                                   prefetch_steps, use_pdl)
 from vtengine.kernels.epilogue import (NormIn, _arrive, _finish, _norm_inv, _norm_ss, _residual_tile,
                                        _split_k_locks, _tile_rows, check_fused)
-from vtengine.kernels.fused import RopeOut, _qkv_head
+from vtengine.kernels.fused import RopeOut, _qkv_head, rope_constexprs, rope_kernel_args
 
 MAX_M = 16
 
@@ -302,13 +302,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
                          f"BLOCK_M >= {m}, e.g. {MAX_M})")
     grid = (triton.cdiv(n // 2, bn // 2) if silu_mul else triton.cdiv(n, bn), split)
     check_fused("linear", m, n, k, bm, grid[0], norm, residual, ss_out, x.dtype)
-    d = rope.k_cache.shape[3] if rope is not None else 0
-    if rope is not None and d % bn:
-        raise ValueError(f"linear: rope needs whole heads per tile group: head_dim {d} is not a multiple of the "
-                         f"config's BLOCK_N={bn}")
+    head_tiles = rope.head_tiles(bn, "linear") if rope is not None else 1
     if split > 1 or rope is not None:               # rope: a head's tiles meet in the workspace even unsplit
         ws = torch.empty((grid[0], split, bn * bm), dtype=torch.float32, device=x.device)
-        locks = _split_k_locks(x.device, grid[0] // (d // bn) if rope is not None else grid[0])
+        locks = _split_k_locks(x.device, grid[0] // head_tiles)     # a counter per tile (rope: per head)
     else:
         ws, locks = y, y                                # unused pointers
     dd = dot_dtype(x)
@@ -319,18 +316,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
         counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="dense_linear")
     res = residual if residual is not None else y       # unused pointers when a fusion is off
     ss_in = norm.ss if norm is not None else ws
-    rp = rope if rope is not None else RopeOut(0, 0, y, y, y, y, y)
-    cache_strides = rp.k_cache.stride()[:3] if rope is not None else (0, 0, 0)
-    rope_norm = rope is not None and rope.q_norm is not None
     _gemv_kernel[grid](x, w, y, ws, locks, m, n, k, x.stride(0), w.stride(0), y.stride(0), split,
                        res, res.stride(0), ss_out if ss_out is not None else ws, ss_in,
                        ss_in.shape[0] if norm is not None else 0, norm.weight if norm is not None else w,
                        norm.eps if norm is not None else 0.0, gain if gain is not None else w,
-                       gained_out if gained_out is not None else y,
-                       rp.positions, rp.cos_sin, rp.cos_sin.stride(0) if rope is not None else 0, rp.slot_mapping,
-                       rp.q_norm if rope_norm else y, rp.k_norm if rope_norm else y, rp.k_cache, rp.v_cache,
-                       rp.num_q_heads, rp.num_kv_heads, y.stride(0), y.stride(1) if rope is not None else 0,
-                       *cache_strides, rp.eps,
+                       gained_out if gained_out is not None else y, *rope_kernel_args(rope, y),
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=k % (bk * split) == 0,
                        DOT_DTYPE=dd, DOT_PREC="ieee" if dd == tl.float32 else "tf32", USE_PDL=on,
                        SILU_MUL=bool(silu_mul), ADD_RES=residual is not None, NORM=norm is not None,
@@ -339,10 +329,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: dict
                        PREFETCH_STEPS=prefetch_steps(bn, bk, w.element_size(), pf_bytes),
                        W_BYTES=w.element_size(),
                        GAINED=bool(norm is not None and norm.gained), GAIN_OUT=gain is not None,
-                       ROPE=rope is not None, HALF=max(1, d // 2),
-                       PAGE_SIZE=rp.k_cache.shape[1] if rope is not None else 1,
-                       ROPE_NORM=rope_norm, ROPE_FAST=bool(rope is not None and rope.fast_math),
-                       num_warps=cfg.get("num_warps", 4),
+                       **rope_constexprs(rope), num_warps=cfg.get("num_warps", 4),
                        num_stages=cfg.get("num_stages", 4), **launch_options(on))
     counters.record("dense_linear", "triton_gemv", grid=grid, splits=split,
                     variant=(bn, bk, split) + (("silu_mul",) if silu_mul else ()) + (("norm",) if norm else ())

@@ -41,7 +41,7 @@ from vtengine import counters
 from vtengine.kernels import H200_SMS, dot_dtype, sm_count
 from vtengine.kernels.epilogue import (NormIn, _arrive, _finish, _norm_inv, _norm_ss, _residual_tile,
                                        _split_k_locks, _tile_rows, check_fused)
-from vtengine.kernels.fused import RopeOut, _qkv_head
+from vtengine.kernels.fused import RopeOut, _qkv_head, rope_constexprs, rope_kernel_args
 from vtengine.kernels.pdl import (launch_options, pdl_launch_dependents, pdl_wait, prefetch_bytes, prefetch_l2,
                                   prefetch_steps, use_pdl)
 from vtengine.quant import BLOCK, QuantizedWeight
@@ -731,13 +731,10 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if fused and not (dense and cfg["SWAP_AB"] and 1 <= m <= bm):
         raise ValueError(f"w4a16_linear: norm, residual and rope fuse into the dense swap-AB tiles (M <= 16); got "
                          f"dense={dense}, M={m}, SWAP_AB={cfg['SWAP_AB']}")
-    d = rope.k_cache.shape[3] if rope is not None else 0
     if rope is not None and (silu_mul or residual is not None or out is not None):
         raise ValueError("w4a16_linear: rope writes q and the KV cache; it takes neither silu_mul, residual nor out "
                          "(give rope.q_out)")
-    if rope is not None and d % bn:
-        raise ValueError(f"w4a16_linear: rope needs whole heads per tile group: head_dim {d} is not a multiple of "
-                         f"the config's BLOCK_N={bn}")
+    head_tiles = rope.head_tiles(bn, "w4a16_linear") if rope is not None else 1
     if norm is not None and norm.gained:
         raise ValueError("w4a16_linear: norm.gained=True is the bf16 GEMV's form (gemv.linear_add_gain); the W4A16 "
                          "GEMM applies the norm weight in its K loop: pass the residual with gained=False")
@@ -777,7 +774,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
     if split > 1 or rope is not None:               # rope: a head's tiles meet in the workspace even unsplit
         tiles = grid[0] * grid[1]
         ws = torch.empty((tiles, split, bm * bn), dtype=torch.float32, device=x.device)
-        locks = _split_k_locks(x.device, tiles // (d // bn) if rope is not None else tiles)
+        locks = _split_k_locks(x.device, tiles // head_tiles)       # a counter per tile (rope: per head)
     else:
         ws, locks = y, y                                # unused pointers
     even_k = k % (bk * split) == 0
@@ -788,17 +785,11 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         counters.record("pdl_prefetch", "prefetch" if early else "wait_first", variant="w4a16_gemm")
     res = residual if residual is not None else y       # unused pointers when a fusion is off
     ss_in = norm.ss if norm is not None else ws
-    rp = rope if rope is not None else RopeOut(0, 0, y, y, y, y, y)
-    rope_norm = rope is not None and rope.q_norm is not None
     _w4a16_gemm_kernel[grid](
         x, words, qweight.scales, qweight.global_scale, y, sorted_ids, num_post, ws, locks,
         m, n, k, x.stride(0), words.stride(0), qweight.scales.stride(0), y.stride(0), split,
         res, res.stride(0), ss_out if ss_out is not None else ws, ss_in, ss_in.shape[0] if norm is not None else 0,
-        norm.weight if norm is not None else x, norm.eps if norm is not None else 0.0,
-        rp.positions, rp.cos_sin, rp.cos_sin.stride(0) if rope is not None else 0, rp.slot_mapping,
-        rp.q_norm if rope_norm else y, rp.k_norm if rope_norm else y, rp.k_cache, rp.v_cache,
-        rp.num_q_heads, rp.num_kv_heads, y.stride(0), y.stride(1) if rope is not None else 0,
-        *(rp.k_cache.stride()[:3] if rope is not None else (0, 0, 0)), rp.eps,
+        norm.weight if norm is not None else x, norm.eps if norm is not None else 0.0, *rope_kernel_args(rope, y),
         NVFP4=qweight.fmt == "nvfp4", DECODE=decode, GATHER=not dense, SWAP_AB=cfg["SWAP_AB"],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, EVEN_K=even_k, DOT_DTYPE=dd,
         DOT_PREC="ieee" if dd == tl.float32 else "tf32", REPACKED=repacked,
@@ -806,8 +797,7 @@ def w4a16_linear(x: torch.Tensor, qweight: QuantizedWeight, dense: bool, config:
         SS_BLOCK=triton.next_power_of_2(max(1, ss_in.shape[0])) if norm is not None else 1,
         FAST_MATH=bool(norm is not None and norm.fast_math),
         PREFETCH_STEPS=prefetch_steps(bn, bk // 2, 1, pf_bytes) if early else 1,     # bk // 2 bytes per row and step
-        ROPE=rope is not None, HALF=max(1, d // 2), PAGE_SIZE=rp.k_cache.shape[1] if rope is not None else 1,
-        ROPE_NORM=rope_norm, ROPE_FAST=bool(rope is not None and rope.fast_math),
+        **rope_constexprs(rope),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **launch_options(on),
     )
     counters.record("w4a16_gemm", route, grid=grid, splits=split,
