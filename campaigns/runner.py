@@ -639,8 +639,10 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
     (with ``records_dir``) no fresh binding verdict of the same lever on another model or workload of its
     quantization refuted it. Returns the flip's scope: None (the lever's ``default``, every quantization), or the
     quantization whose own default it sets (``default_by_quant``) where a binding REJECT on another quantization,
-    fresh or stale, refuted the change (pdl_stack, H200 2026-12-04: FLIP on bf16, REJECT on MXFP4), or where the
-    lever already has its own default on this one."""
+    fresh or stale, refuted the change (pdl_stack, H200 2026-12-04: FLIP on bf16, REJECT on MXFP4), where the
+    lever already has its own default on this one, or where some of its sources cannot run on this quantization
+    (``context.QUANT_SOURCES``): a bf16 campaign never ran a lever's W4A16 form, so it says nothing of it
+    (pdl_stack again: flipped for every quantization from bf16 alone, it cost MXFP4 x0.79 in total tok/s)."""
     d = ev.decision
     if ev.kind != "lever" or d is None or d.verdict != "FLIP":
         raise CampaignError(f"{ev.campaign_id}: its verdict is {d.verdict if d else 'not decided'}, not FLIP; only a "
@@ -679,6 +681,8 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
                             "measured another engine than the one users run. Re-run it: `vtcampaign recheck`, or "
                             f"`vtcampaign run campaign={settings(ev).campaign.name}`")
     scope = quant if quant in lever.default_by_quant else None
+    if quant is not None and len(lever_context.live_paths(lever, quant)) < len(lever.paths):
+        scope = quant       # its code for other quantizations did not run here
     if records_dir is not None:
         refuted = _refuted_elsewhere(ev, records_dir)
         same = [r for r in refuted if quant is None or lever_context.quant_of(r) in (quant, None)]

@@ -395,7 +395,7 @@ def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone
     out = tmp_path / "records" / "campaigns"
     for ev in (flip, mx):
         save_evidence(ev, out / ev.campaign_id)
-    assert check_flippable(flip) is None                        # alone: the lever's default, every quantization
+    assert check_flippable(flip) == "bf16"                      # alone too: its W4A16 form never ran on bf16
     assert check_flippable(flip, out) == "bf16"
     _stale(mx)
     save_evidence(mx, out / mx.campaign_id)
@@ -417,7 +417,34 @@ def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone
         ev.config["campaign"]["with_levers"] = {"gqa_swap": False}
         ev.__dict__.pop("_settings", None)
         save_evidence(ev, out / ev.campaign_id)
-    assert check_flippable(flip, out) is None
+    assert check_flippable(flip, out) == "bf16"                 # other pins refute nothing; its sources still scope it
+
+
+def test_a_flip_from_one_quantization_sets_only_its_default_where_the_others_ran_none_of_its_code(tmp_path,
+                                                                                                  plain_defaults):
+    """fuse_rope FLIPped on bf16 (H200 2026-12-05) but its W4A16 form (w4a16.py, MXFP4/NVFP4 only) never ran there:
+    the flip sets the bf16 default alone. A lever whose sources all run on bf16 flips for every
+    quantization, unless a REJECT on another one refuted it. Measured on MXFP4, every source of fuse_rope can run.
+    (prefill_gqa_pack stands for a lever whose sources all run on bf16; its off default is the premise.)"""
+    from campaigns.runner import check_flippable
+    rope = _fresh_today(make_evidence(TPUT_WIN, lever="fuse_rope", campaign_id="2026-12-05-fuse_rope-aaa1111"))
+    assert "vtengine/kernels/w4a16.py" in levers.registry()["fuse_rope"].paths
+    assert check_flippable(rope) == "bf16"
+    rope.config["model"]["quant"] = "mxfp4"
+    rope.__dict__.pop("_settings", None)
+    assert check_flippable(rope) is None
+    swap = _fresh_today(make_evidence(TPUT_WIN, lever="prefill_gqa_pack",
+                                      campaign_id="2026-12-05-prefill_gqa_pack-aaa1111"))
+    assert check_flippable(swap) is None
+    loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [79.0, 80.0, 81.0]}}
+    mx = _fresh_today(make_evidence(loss, lever="prefill_gqa_pack", campaign_id="2026-12-04-prefill_gqa_pack-bbb2222",
+                                    created="2026-12-01T10:00:00Z"))
+    mx.config["model"]["quant"] = "mxfp4"
+    mx.__dict__.pop("_settings", None)
+    out = tmp_path / "records" / "campaigns"
+    for ev in (swap, mx):
+        save_evidence(ev, out / ev.campaign_id)
+    assert check_flippable(swap, out) == "bf16"
 
 
 def _preset_verdict():
