@@ -321,8 +321,8 @@ def cmd_flip(args) -> int:
     info = flip_commit(project_root(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
                        lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id, quant=quant,
                        rendered=lambda copy: render_summaries_flipped(out_dir, summaries, ev.lever, copy))
-    scope = (f" on {quant} (its own default there; refuted on another quantization, or already its own)" if quant
-             else "")
+    scope = (f" on {quant} (its own default there: refuted on another quantization, already its own, or some of "
+             "its sources run on other quantizations alone)" if quant else "")
     print(f"flip of {ev.lever} to {ev.decision.new_default}{scope} committed on {info['branch']} "
           f"({info['commit'][:7]}); merge it to change the default")
     return 0
