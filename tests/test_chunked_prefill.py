@@ -91,12 +91,14 @@ def test_with_the_lever_a_decoding_sequence_keeps_its_tokens_coming_while_a_long
 
 @pytest.mark.parametrize("levers,budget", [({**SYNC, "chunked_prefill": 256}, 8192),
                                            ({**ASYNC, "chunked_prefill": 256}, 8192),
-                                           (SYNC, 257)], ids=["sync-chunk256", "async-chunk256", "sync-budget257"])
+                                           ({**SYNC, "chunked_prefill": 384}, 8192),
+                                           (SYNC, 257)], ids=["sync-chunk256", "async-chunk256", "sync-chunk384",
+                                                              "sync-budget257"])
 def test_mixed_steps_carry_the_decode_token_in_every_prefill_step(levers, budget):
-    """mixed_steps: while b's 1200 tokens prefill in 256-token chunks (the chunk lever, or a 257-token budget less
-    a's one decode token), every step also carries a's decode token: no step without a token for "a", no decode step
-    of its own between chunks (b's first token comes in the fifth step after it arrives), and both requests get
-    the tokens they get alone."""
+    """mixed_steps: while b's 1200 tokens prefill in 256- or 384-token chunks (the chunk lever, or a 257-token
+    budget less a's one decode token), every step also carries a's decode token: no step without a token for "a", no
+    decode step of its own between chunks (b's first token comes in the step after its last full chunk), and both
+    requests get the tokens they get alone."""
     long = long_prompt(1200, seed=2)
     alone_a = tokens(LLM(model="tiny", backend="torch", levers=SYNC).generate(
         [[11, 12, 13]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))[0]
@@ -105,12 +107,14 @@ def test_mixed_steps_carry_the_decode_token_in_every_prefill_step(levers, budget
     llm = LLM(model="tiny", backend="torch", levers={**levers, "mixed_steps": True}, max_num_batched_tokens=budget)
     counters.reset()
     steps, done = _timeline(llm, long)
-    # steps 1-4: a's token and a chunk of b; step 5 brings b's first (async: outputs come one step later)
+    # a's token and a full chunk of b in each step but the last, which brings b's first (async: one step later)
     lag = 1 if levers.get("async_scheduling") else 0
-    assert steps == ["a"] * (4 + lag) + ["ab"], steps
+    chunk = levers.get("chunked_prefill") or budget - 1
+    full, rest = divmod(len(long), chunk)                   # 1200 = 4 x 256 + 176 = 3 x 384 + 48
+    assert steps == ["a"] * (full + lag) + ["ab"], steps
     assert done["a"] == alone_a and done["b"] == alone_b
     mixed = counters.snapshot()["mixed_step"]
-    assert mixed["decode_rows"]["grids"] == {"1x256": 4, "1x176": 1}      # 1200 = 4 x 256 + 176, a's row in each
+    assert mixed["decode_rows"]["grids"] == {f"1x{chunk}": full, f"1x{rest}": 1}     # a's row in each
 
 
 @pytest.mark.parametrize("levers", [SYNC, ASYNC], ids=["sync", "async"])
