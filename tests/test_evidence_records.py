@@ -352,6 +352,31 @@ def test_the_record_shows_each_arms_gpu_clock_and_says_when_they_differ():
     assert "100" not in records.clock_rows(ev)[0]["arms"]
 
 
+def test_where_the_policy_reads_p99_itl_the_record_shows_the_itl_tail_with_its_max():
+    """The 32k grid at c2 (H200, 2026-12-05): prefill first's P99 ITL (20.9 ms) beat the mixed steps' (43.6 ms)
+    because its one stall a request sits past the P99; the record shows each arm's max ITL beside it, medians over
+    the valid reps, and "—" for legs recorded before the max was. A campaign whose policy does not read P99 ITL
+    shows no such table."""
+    assert records.itl_tail_rows(make_evidence(TPUT_WIN)) == []
+    ev = make_evidence(TPUT_WIN, concurrency=(2,), policy_cfg={"primary_axes": ["total_token_throughput", "tpot",
+                                                                               "p99_itl"]})
+    for leg in ev.legs:
+        stall = leg.arm == "off"
+        leg.metrics.update(p99_itl_ms=20.9 if stall else 43.6, std_itl_ms=132.6 if stall else 10.4,
+                           max_itl_ms=(2000.0 if stall else 47.0) + leg.rep)
+    ev.legs[0].valid = False                                 # an invalid leg's figures do not count
+    ev.legs[0].metrics["max_itl_ms"] = 1e6
+    rows = {r["arm"]: r["cells"] for r in records.itl_tail_rows(ev)}
+    assert rows["baseline (off)"][1:4] == ["20.90", "2001.50", "132.60"]
+    assert rows["candidate (on)"][1:4] == ["43.60", "48.00", "10.40"]
+    text = records.render_record(ev)
+    assert "| c | arm | median ITL | P99 ITL | max ITL | ITL std | TPOT |" in text
+    assert "| 2 | baseline (off) | " in text and "| 2001.50 | 132.60 |" in text
+    for leg in ev.legs:
+        del leg.metrics["max_itl_ms"]
+    assert all(r["cells"][2] == "—" for r in records.itl_tail_rows(ev))
+
+
 def test_the_mechanism_line_shows_routes_and_grids_not_their_counts():
     """The record's mechanism line is the proof a reader checks (RITUAL: the route and launch grid at the new
     default), not 'grids 1, routes 1'."""
