@@ -546,7 +546,7 @@ def format_summary(m: LegMetrics) -> str:
         ("Total token throughput (tok/s)", f"{m.total_token_throughput:.2f}"),
     ]
     for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
-        for stat in ("mean", "median", "p90", "p99"):
+        for stat in ("mean", "median", "p90", "p99", "max"):
             rows.append((f"{stat.capitalize()} {title} (ms)", f"{getattr(m, f'{stat}_{name}_ms'):.2f}"))
     if "mean_decode_step_ms" in m.server:
         rows.append(("Server mean decode step (ms)", f"{m.server['mean_decode_step_ms']:.2f}"))

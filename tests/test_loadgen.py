@@ -2,6 +2,8 @@
 ``vtengine serve`` (tiny model, loopback) whose client-side figures must agree with the server's own counters."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,7 @@ def test_a_stall_in_fewer_than_one_percent_of_the_gaps_shows_in_the_max_and_tpot
     assert m.p99_itl_ms == pytest.approx(7.0)
     assert m.max_itl_ms == pytest.approx(2000.0)
     assert m.p99_tpot_ms > 20.0
+    assert re.search(r"^Max ITL \(ms\) +2000\.00$", format_summary(m), re.M)
 
 
 def test_validation_reports_failures():
