@@ -116,6 +116,17 @@ def test_a_quantizations_own_default_resolves_and_flips_alone(tmp_path):
     levers.set_default_in_file("pdl_stack", False, lever_dir=d, quant="nvfp4")
     levers.set_default_in_file("pdl_stack", False, lever_dir=d, quant="bf16")
     assert (d / "pdl_stack.yaml").read_text().splitlines() == before
+    # a flip of the lever's default drops the entries it comes to equal and keeps the others
+    levers.set_default_in_file("pdl_stack", True, lever_dir=d, quant="bf16")
+    levers.set_default_in_file("pdl_stack", False, lever_dir=d, quant="nvfp4")      # equals default: no entry
+    assert "nvfp4" not in (d / "pdl_stack.yaml").read_text()
+    levers.set_default_in_file("pdl_stack", True, lever_dir=d)
+    assert "default_by_quant: {bf16: true}" not in (d / "pdl_stack.yaml").read_text().splitlines()
+    assert levers.registry(d)["pdl_stack"].default_by_quant == {}
+    levers.set_default_in_file("chunked_prefill", 256, lever_dir=d, quant="mxfp4")     # a multi-valued lever
+    levers.set_default_in_file("chunked_prefill", 384, lever_dir=d, quant="bf16")
+    levers.set_default_in_file("chunked_prefill", 384, lever_dir=d)          # bf16's entry goes, mxfp4's stays
+    assert levers.registry(d)["chunked_prefill"].default_by_quant == {"mxfp4": 256}
     with pytest.raises(LeverError, match=r"quantization 'int8' is not known; accepted: bf16, mxfp4, nvfp4"):
         levers.set_default_in_file("pdl_stack", True, lever_dir=d, quant="int8")
 

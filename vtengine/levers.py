@@ -316,7 +316,9 @@ def _yaml_scalar(value: Any) -> str:
 def set_default_in_file(name: str, value: Any, lever_dir: Path | str | None = None, quant: str | None = None) -> Path:
     """Rewrite only the ``default:`` line of a lever file (the flip): in ``lever_dir``, else the file the lever is
     read from. With ``quant``, only that quantization's entry of the ``default_by_quant:`` line (added after
-    ``default:`` when missing, dropped when it comes to equal ``default``). Returns the file path."""
+    ``default:`` when missing, dropped when it comes to equal ``default``). Without, ``default:`` and the entries
+    of ``default_by_quant:`` that come to equal it (they no longer say anything); the others stay, a campaign on
+    that quantization decided them. Returns the file path."""
     if lever_dir is None:
         lever_dir = lever_file(name).parent
     lever = registry(lever_dir)[name]
@@ -328,21 +330,22 @@ def set_default_in_file(name: str, value: Any, lever_dir: Path | str | None = No
     hits = [i for i, ln in enumerate(lines) if ln.startswith("default:")]
     if len(hits) != 1:
         raise LeverError(f"lever file {path}: expected exactly one 'default:' line, found {len(hits)}")
+    by_quant = dict(lever.default_by_quant)
     if quant is None:
         lines[hits[0]] = f"default: {_yaml_scalar(canonical)}\n"
+        by_quant = {q: v for q, v in by_quant.items() if v != canonical}
     else:
-        by_quant = dict(lever.default_by_quant)
         if canonical == lever.default:
             by_quant.pop(quant, None)
         else:
             by_quant[quant] = canonical
-        own = [i for i, ln in enumerate(lines) if ln.startswith("default_by_quant:")]
-        text = ("default_by_quant: {" + ", ".join(f"{q}: {_yaml_scalar(v)}" for q, v in sorted(by_quant.items()))
-                + "}\n") if by_quant else None
-        if own:
-            lines[own[0]:own[0] + 1] = [text] if text else []
-        elif text:
-            lines.insert(hits[0] + 1, text)
+    own = [i for i, ln in enumerate(lines) if ln.startswith("default_by_quant:")]
+    text = ("default_by_quant: {" + ", ".join(f"{q}: {_yaml_scalar(v)}" for q, v in sorted(by_quant.items()))
+            + "}\n") if by_quant else None
+    if own:
+        lines[own[0]:own[0] + 1] = [text] if text else []
+    elif text:
+        lines.insert(hits[0] + 1, text)
     path.write_text("".join(lines))
     _registry.cache_clear()
     return path
