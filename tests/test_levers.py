@@ -28,7 +28,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
                         "chunk_graphs": False, "chunked_prefill": "off", "decode_wave_grid": True,
-                        "fast_math": True, "fuse_norm": True, "fuse_rope": False, "fuse_silu": True,
+                        "fast_math": True, "fuse_norm": True, "fuse_rope": True, "fuse_silu": True,
                         "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
                         "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False, "pdl_stack": False,
@@ -37,8 +37,8 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}
     assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "decode_wave_grid",
-                                                  "fast_math", "fuse_norm", "fuse_silu", "gqa_swap", "marlin_dense",
-                                                  "triton_gemv",
+                                                  "fast_math", "fuse_norm", "fuse_rope", "fuse_silu", "gqa_swap",
+                                                  "marlin_dense", "triton_gemv",
                                                   "w4a16_mid_m", "w4a16_rot"]
 
 
