@@ -230,6 +230,50 @@ def test_prefill_ragged_with_cached_prefix(fast_math, gqa_pack, hq):
     assert st["variants"] == {"fast_math" if fast_math else "precise": 1}
 
 
+@pytest.mark.parametrize("fast_math", [False, True], ids=["precise", "fast_math"])
+def test_prefill_splits_match_reference_and_off(fast_math):
+    """prefill_splits: the gqa_pack route with the keys every row sees cut into S slices (own programs, partials
+    merged by log-sum-exp) against the fp64 reference, at counts that leave slices empty (a 1-token prompt, a fresh
+    prompt shorter than one key tile) and that do not divide the prefix; S = 1 is "off" bit for bit; "auto" splits
+    only a grid smaller than the wave (SMs x 2), and the counters show the count and the merge launch."""
+    gen, seed = fresh_generator()
+    hq, hkv, d, page = 6, 2, 16, 8
+    q_lens, ctx_lens = [1, 13, 5, 9], [1, 13, 69, 89]
+    kc, vc, bt, ctx = make_paged(ctx_lens, hkv, d, page, torch.float32, gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    q = make_q(sum(q_lens), hq, d, torch.float32, gen)
+    scale = d ** -0.5
+    ref = ref_prefill(q, kc, vc, cu, ctx, bt, scale)
+    off = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q), gqa_pack=True)
+    tiles = -(-sum(q_lens) // (attn.PREFILL_PACKED_TILES.block_m // 4)) + len(q_lens)     # group 3 pads to 4
+    for splits, sms, want in (("off", None, 1), (1, None, 1), (2, None, 2), (5, None, 5), ("auto", 1, 1),
+                              ("auto", tiles * hkv // 2 + 1, 3), ("auto", 1000, attn.PREFILL_MAX_SPLITS)):
+        counters.reset()
+        out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q),
+                                     gqa_pack=True, splits=splits, num_sms=sms)
+        err = rel_l2(out, ref)
+        assert err < BOUND[torch.float32], f"splits={splits}: rel L2 {err:.3e}, seed {seed}"
+        snap = counters.snapshot()
+        st = snap["prefill_attention"]["gqa_pack"]
+        assert st["splits"] == {str(want): 1}, f"splits={splits} num_sms={sms}: {st['splits']}"
+        if want == 1:
+            assert torch.equal(out, off), f"splits={splits}: one slice must be the unsplit kernel, bit for bit"
+            assert st["grids"] == {f"{tiles}x{hkv}": 1} and "prefill_attention_merge" not in snap
+        else:
+            assert st["grids"] == {f"{tiles}x{hkv}x{want}": 1}
+            assert snap["prefill_attention_merge"]["gqa_pack"]["grids"] == {f"{sum(q_lens)}x{hkv}": 1}
+            bitwise_report(f"prefill splits={want} vs off", out, off)
+
+
+def test_prefill_split_count_and_bad_values():
+    assert [attn.prefill_split_count("auto", p, 264) for p in (72, 136, 263, 264, 1000)] == [8, 4, 3, 1, 1]
+    assert attn.prefill_split_count("auto", 1, 264) == attn.PREFILL_MAX_SPLITS
+    assert [attn.prefill_split_count(v, 72, 264) for v in ("off", "OFF", 1, "4", 32)] == [1, 1, 1, 4, 32]
+    for bad in (0, -2, "two", True, 1.5, None):
+        with pytest.raises(ValueError, match=r"prefill_splits .* is not accepted; accepted: 'off', 'auto' or a "):
+            attn.parse_prefill_splits(bad)
+
+
 # -- decode: every lever arm ---------------------------------------------------------------------------------------
 DECODE_SHAPE = dict(hq=4, hkv=2, d=16, page=8, ctx=[1, 21, 38])    # context 1, and lengths off the block size
 TINY_TILES = attn.Tiles(block_n=16, num_warps=1, num_stages=1)
@@ -682,13 +726,13 @@ def test_gpu_prefill_real_shapes():
     scale = REAL["d"] ** -0.5
     ref = ref_prefill(q, kc, vc, cu, ctx, bt, scale)
     for fast_math in (False, True):
-        for gqa_pack in (False, True):
+        for gqa_pack, splits in ((False, "off"), (True, "off"), (True, 4), (True, "auto")):
             out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q),
-                                         gqa_pack=gqa_pack)
+                                         gqa_pack=gqa_pack, splits=splits)
             torch.cuda.synchronize()
             err = rel_l2(out, ref)
             assert err < BOUND[torch.bfloat16], \
-                f"fast_math={fast_math} gqa_pack={gqa_pack}: rel L2 {err:.3e}, seed {seed}"
+                f"fast_math={fast_math} gqa_pack={gqa_pack} splits={splits}: rel L2 {err:.3e}, seed {seed}"
 
 
 @gpu

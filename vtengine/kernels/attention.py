@@ -271,15 +271,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, context_len
 # sees (below the tile's first position, whole BLOCK_N tiles) with no mask at all, then the diagonal tiles with the
 # causal mask; with a long cached prefix nearly every tile is in the first part. Same arithmetic per row as the
 # per-q-head kernel (online softmax over keys in the same BLOCK_N order), so the two agree to rounding.
+# SPLIT (the lever prefill_splits): grid (.., .., S); program s walks slice s of the first part (whole BLOCK_N
+# tiles, cdiv(keys, S) each) and slice 0's program the diagonal tiles too, each writing an fp32 partial and its
+# log-sum-exp, merged in slice order by _prefill_merge_kernel. A short chunk over a long prefix fills the GPU so.
 @triton.jit
 def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
-                           out_ptr, qk_scale, num_seqs,
+                           out_ptr, o_part_ptr, lse_part_ptr, qk_scale, num_seqs, num_splits, num_q_heads,
                            stride_qt, stride_qh,
                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                            stride_bt, stride_ot, stride_oh,
                            GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                           BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                            FAST_MATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_IEEE: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P2
     kvh = tl.program_id(1)
@@ -307,10 +310,19 @@ def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, cont
     first_pos = ctx - q_len + tile * BLOCK_T                         # the tile's first query position
     kv_end = tl.minimum(ctx, first_pos + BLOCK_T)                    # one past the tile's last causal key
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N                  # keys [0, full_end): seen by every row
+    lo = 0
+    hi = full_end
+    diag_end = kv_end
+    if SPLIT:       # this program's slice of the unmasked keys; split 0 also takes the diagonal tiles
+        s = tl.program_id(2)
+        slice_len = tl.cdiv(tl.cdiv(full_end, num_splits), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(s * slice_len, full_end)
+        hi = tl.minimum(lo + slice_len, full_end)
+        diag_end = tl.where(s == 0, kv_end, full_end)
     bt_row = block_tables_ptr + seq * stride_bt
     k_base = k_cache_ptr + kvh * stride_kh
     v_base = v_cache_ptr + kvh * stride_vh
-    for start_n in range(0, full_end, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
@@ -320,7 +332,7 @@ def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, cont
         v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :],
                     mask=d_mask[None, :], other=0.0)
         m_i, l_i, acc = _softmax_update(qk, v, m_i, l_i, acc, FAST_MATH, DOT_DTYPE, DOT_IEEE)
-    for start_n in range(full_end, kv_end, BLOCK_N):
+    for start_n in range(full_end, diag_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -334,10 +346,19 @@ def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, cont
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         m_i, l_i, acc = _softmax_update(qk, v, m_i, l_i, acc, FAST_MATH, DOT_DTYPE, DOT_IEEE)
 
-    o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
-    o_off = (q_start + offs_t).to(tl.int64) * stride_ot + (kvh * GROUP + g) * stride_oh
-    tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & d_mask[None, :])
+    if SPLIT:       # the slice's partial; an empty slice (s > 0 past full_end) writes o = 0, lse = -inf
+        seen = l_i > 0
+        o = _normalize(acc, tl.zeros_like(acc) + tl.where(seen, l_i, 1.0)[:, None], FAST_MATH)
+        part = ((q_start + offs_t).to(tl.int64) * num_q_heads + kvh * GROUP + g) * num_splits + s
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(lse_part_ptr + part, tl.where(seen, m_i + _softmax_log(tl.where(seen, l_i, 1.0), FAST_MATH),
+                                               float("-inf")), mask=row_mask)
+    else:
+        o = _normalize(acc, tl.zeros_like(acc) + l_i[:, None], FAST_MATH)
+        o_off = (q_start + offs_t).to(tl.int64) * stride_ot + (kvh * GROUP + g) * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & d_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -377,17 +398,53 @@ else:
                     "gqa_swap": Tiles(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)}
 
 PACKED_SHORT_TOKENS = 1024      # gqa_pack: steps of at most this many new tokens take PREFILL_PACKED_TILES_SHORT
+# prefill_splits "auto": a wave is SMs x this many packed programs (the short tiles' ~112 KB of shared memory fit
+# twice in the H200's 228 KB per SM)
+PREFILL_PROGRAMS_PER_SM = 2
+
+
+def parse_prefill_splits(value) -> str | int:
+    """The lever ``prefill_splits``: "off", "auto" or a forced split count >= 1 (an int or its digits)."""
+    if isinstance(value, str) and value.strip().lower() in ("off", "auto"):
+        return value.strip().lower()
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"prefill_splits {value!r} is not accepted; accepted: 'off', 'auto' or a split count >= 1")
+
+
+PREFILL_MAX_SPLITS = 16
+
+
+def prefill_split_count(splits, programs: int, wave: int) -> int:
+    """Slices of the cached-prefix keys per (token tile, kv head) program. "auto": none while the grid's
+    ``programs`` fill a ``wave`` (SMs x 2, what the GPU holds at once), else enough for about two waves, at most
+    PREFILL_MAX_SPLITS. A short chunk over a long prefix is the case: at 32k keys a 128-token chunk of Qwen3-8B is
+    72 programs on 132 SMs, each walking every key (H200 2026-12-05: its mixed step ~27 ms whatever the chunk
+    size up to 256). A count depends on the launch shape alone (T, B, heads), never on the contexts, so a
+    CUDA-graphed chunk replays the split it was captured with."""
+    splits = parse_prefill_splits(splits)
+    if splits == "off":
+        return 1
+    if splits == "auto":
+        return 1 if programs >= wave else min(PREFILL_MAX_SPLITS, -(-2 * wave // max(1, programs)))
+    return splits
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                       fast_math: bool = False, tiles: Tiles | None = None,
-                      out: torch.Tensor | None = None, gqa_pack: bool = False) -> torch.Tensor:
+                      out: torch.Tensor | None = None, gqa_pack: bool = False, splits="off",
+                      num_sms: int | None = None) -> torch.Tensor:
     """Causal varlen attention of the new tokens q [T, Hq, D] over the paged cache (which already holds them).
     Sequence b's new tokens are q[cu[b]:cu[b+1]]; its query i sits at position context_lens[b] - q_len_b + i.
     ``out`` [T, Hq, D] (q's dtype), if given, is written in place and returned. ``gqa_pack`` (the lever
     ``prefill_gqa_pack``): one program per (token tile, kv head) with the group's q heads packed into its rows,
-    K/V loaded once per group; off: one program per (token tile, q head)."""
+    K/V loaded once per group; off: one program per (token tile, q head). ``splits`` (the lever
+    ``prefill_splits``, gqa_pack only): "off" | "auto" | N slices of the keys every row of a tile sees, each its
+    own program and partial (fp32 output and log-sum-exp), merged in slice order by a second launch
+    (prefill_split_count; ``num_sms`` stands in for the device's SM count)."""
     t, hq, d = q.shape
     b = cu_seqlens_q.shape[0] - 1
     hkv = _check_cache(k_cache, v_cache, None, d)
@@ -401,10 +458,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     fast_math = bool(fast_math)
     ddt = dot_dtype(q)
+    splits = parse_prefill_splits(splits)
     if gqa_pack:
         meta = tiles or (PREFILL_PACKED_TILES_SHORT if t <= PACKED_SHORT_TOKENS else PREFILL_PACKED_TILES)
         return _prefill_packed(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, fast_math,
-                               meta, out, hkv, ddt)
+                               meta, out, hkv, ddt, splits, num_sms)
     meta = tiles or PREFILL_TILES
     grid = (triton.cdiv(t, meta.block_m) + b, hq)
     _prefill_kernel[grid](
@@ -418,31 +476,47 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_M=meta.block_m, BLOCK_N=meta.block_n, BLOCK_B=max(2, triton.next_power_of_2(b)),
         PAGE_SIZE=k_cache.shape[1], FAST_MATH=fast_math, DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
         num_warps=meta.num_warps, num_stages=meta.num_stages)
-    counters.record("prefill_attention", "paged_causal", grid=grid, variant=_variant(fast_math))
+    counters.record("prefill_attention", "paged_causal", grid=grid, splits=1, variant=_variant(fast_math))
     return out
 
 
 def _prefill_packed(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, fast_math, meta, out,
-                    hkv, ddt) -> torch.Tensor:
+                    hkv, ddt, splits="off", num_sms=None) -> torch.Tensor:
     t, hq, d = q.shape
     b = cu_seqlens_q.shape[0] - 1
     group = hq // hkv
     group_p2 = triton.next_power_of_2(group)
     rows = max(meta.block_m, group_p2, 16)          # tl.dot needs 16 rows at least
     block_t = rows // group_p2
-    grid = (triton.cdiv(t, block_t) + b, hkv)
+    programs = triton.cdiv(t, block_t) + b
+    n_split = prefill_split_count(splits, programs * hkv, (num_sms or sm_count(q.device)) * PREFILL_PROGRAMS_PER_SM)
+    split = n_split > 1
+    grid = (programs, hkv, n_split) if split else (programs, hkv)
+    if split:
+        o_part, lse_part = _split_workspace(t, hq, n_split, d, q.device)
+    else:
+        o_part = lse_part = out        # unused: the SPLIT=False binary never touches them
+    block_d = max(16, triton.next_power_of_2(d))
     _prefill_packed_kernel[grid](
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out,
-        scale * LOG2E if fast_math else scale, b,
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, o_part, lse_part,
+        scale * LOG2E if fast_math else scale, b, n_split, hq,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_T=block_t, BLOCK_N=meta.block_n, BLOCK_B=max(2, triton.next_power_of_2(b)),
-        PAGE_SIZE=k_cache.shape[1], FAST_MATH=fast_math, DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
+        PAGE_SIZE=k_cache.shape[1], SPLIT=split, FAST_MATH=fast_math, DOT_DTYPE=ddt, DOT_IEEE=ddt == tl.float32,
         num_warps=meta.num_warps, num_stages=meta.num_stages)
-    counters.record("prefill_attention", "gqa_pack", grid=grid, variant=_variant(fast_math))
+    counters.record("prefill_attention", "gqa_pack", grid=grid, splits=n_split, variant=_variant(fast_math))
+    if split:
+        block_s = triton.next_power_of_2(n_split)
+        _prefill_merge_kernel[(t, hkv)](
+            o_part, lse_part, out, n_split, hq, out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_R=group_p2, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=min(block_s, 16),
+            FAST_MATH=fast_math, num_warps=4 if d >= 128 else 2)
+        counters.record("prefill_attention_merge", "gqa_pack", grid=(t, hkv), splits=n_split,
+                        variant=_variant(fast_math))
     return out
 
 
@@ -717,6 +791,18 @@ def _decode_merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, context_lens_ptr, nu
     _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, b, tl.program_id(1), tl.num_programs(1),
                   num_splits, n_live, stride_ob, stride_oh, ROWS=1, BLOCK_R=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                   BLOCK_S=BLOCK_S, CHUNK_S=CHUNK_S, FAST_MATH=FAST_MATH)
+
+
+# The split prefill's merge: grid (T, kv_heads), the group's q heads of one token per program, every slot live
+# (an empty slice wrote weight-0 partials; slice 0 holds key 0, so each row's max is finite).
+# Bound: bytes, T x Hq x S x (D + 1) x 4 read, T x Hq x D written.
+@triton.jit
+def _prefill_merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, num_splits, num_q_heads, stride_ot, stride_oh,
+                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, FAST_MATH: tl.constexpr):
+    _merge_splits(o_part_ptr, lse_part_ptr, out_ptr, tl.program_id(0), tl.program_id(1) * GROUP, num_q_heads,
+                  num_splits, num_splits, stride_ot, stride_oh, ROWS=GROUP, BLOCK_R=BLOCK_R, HEAD_DIM=HEAD_DIM,
+                  BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, CHUNK_S=CHUNK_S, FAST_MATH=FAST_MATH)
 
 
 # -- decode: arrival counters of the fused merge ---------------------------------------------------------------
