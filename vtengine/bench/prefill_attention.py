@@ -20,6 +20,9 @@ Definitions:
 - rel_l2 = vtengine.testing.rel_l2 of each route against SDPA's output (both bf16 out, fp32 accumulation).
 
 ``python -m vtengine.bench.prefill_attention [OUT_DIR]`` or ``vtengine bench prefill-attention``.
+``python -m vtengine.bench.prefill_attention OUT_DIR splits``: the split sweep instead (the lever ``prefill_splits``):
+chunks of 128-512 new tokens after a 32k prefix (a mixed step's prefill late in a long prompt) and two short-prefix
+controls, the packed route's default tiles at forced split counts and "auto", against splits "off" in the same run.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vtengine import counters
 from vtengine.bench import common
 from vtengine.kernels import attention as attn  # noqa: F401  (sets the interpreter switch before triton)
 from vtengine.kernels.splits import sm_count
@@ -42,6 +46,8 @@ import triton.testing  # noqa: E402
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DEVICE = "cuda"
 SHAPES = [(512, 0), (2048, 0), (8192, 0), (512, 30000), (2048, 30000), (8192, 24000)]    # (q_len, prefix)
+SPLIT_SHAPES = [(128, 32000), (256, 32000), (384, 32000), (512, 32000), (128, 2000), (512, 0)]
+SPLIT_ARMS = ["off", 2, 4, 8, 16, "auto"]
 PACKED_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (128, 64, 8, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2),
     (64, 64, 4, 3), (256, 64, 8, 2))]
@@ -96,7 +102,9 @@ def matmul_tflops() -> float:
     return 2 * 8192 ** 3 / ms / 1e9
 
 
-def main(out_dir: str = "bench/results") -> dict:
+def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
+    if what not in ("tiles", "splits"):
+        raise SystemExit(f"prefill attention bench: {what!r} is not a sweep; accepted: tiles, splits")
     if not torch.cuda.is_available():
         print("prefill attention bench: needs a CUDA GPU; nothing measured")
         return {"skipped": "needs a CUDA GPU"}
@@ -113,10 +121,11 @@ def main(out_dir: str = "bench/results") -> dict:
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"prefill-attention-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}"
+    kind = "prefill-attention-splits" if what == "splits" else "prefill-attention"
+    stem = out / f"{kind}-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}"
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
-    for q_len, prefix in SHAPES:
+    for q_len, prefix in (SPLIT_SHAPES if what == "splits" else SHAPES):
         q, k, v, kc, vc, bt, cu, cl = make_case(q_len, prefix, gen)
         flops = causal_flops(q_len, prefix)
         row = {"q_len": q_len, "prefix": prefix, "gflop": round(flops / 1e9, 1), "arms": {}}
@@ -128,24 +137,34 @@ def main(out_dir: str = "bench/results") -> dict:
         except Exception as e:                       # a backend refusing the mask/shape: say so, keep going
             ref = None
             row["arms"]["sdpa"] = {"error": common.error_text(e)}
-        arms = [("per_q_head", False, attn.PREFILL_TILES)] + [
-            (f"gqa_pack/m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}", True, t) for t in PACKED_SWEEP]
-        for name, pack, tiles in arms:
+        arms = [("per_q_head", False, attn.PREFILL_TILES, "off")] + [
+            (f"gqa_pack/m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}", True, t, "off") for t in PACKED_SWEEP]
+        if what == "splits":
+            arms = [(f"gqa_pack/splits={sp}", True, None, sp) for sp in SPLIT_ARMS]
+        for name, pack, tiles, sp in arms:
             try:
                 buf = torch.full_like(q, float("nan"))
 
-                def fn(pack=pack, tiles=tiles, buf=buf):
-                    return attn.prefill_attention(q, kc, vc, cu, cl, bt, scale, tiles=tiles, out=buf, gqa_pack=pack)
+                def fn(pack=pack, tiles=tiles, buf=buf, sp=sp):
+                    return attn.prefill_attention(q, kc, vc, cu, cl, bt, scale, tiles=tiles, out=buf, gqa_pack=pack,
+                                                  splits=sp)
                 ms = time_ms(fn)
                 entry = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
                          "fraction_of_matmul": round(flops / ms / 1e9 / peak, 3)}
+                if what == "splits":        # the count the launch used ("auto" picks it from the grid)
+                    counters.reset()
+                    fn()
+                    entry["splits"] = list(counters.snapshot()["prefill_attention"]["gqa_pack"]["splits"])
                 if ref is not None:
                     entry["rel_l2_vs_sdpa"] = float(f"{rel_l2(fn(), ref):.3e}")
                 row["arms"][name] = entry
             except Exception as e:
                 row["arms"][name] = {"error": common.error_text(e)}
         packed = {n: a for n, a in row["arms"].items() if n.startswith("gqa_pack") and "ms" in a}
-        if packed and "ms" in row["arms"]["per_q_head"]:
+        if what == "splits" and "ms" in row["arms"].get("gqa_pack/splits=off", {}):
+            off = row["arms"]["gqa_pack/splits=off"]["ms"]
+            row["speedup_vs_off"] = {n: round(off / a["ms"], 3) for n, a in packed.items()}
+        elif packed and "ms" in row["arms"]["per_q_head"]:
             best = min(packed, key=lambda n: packed[n]["ms"])
             row["best_packed"] = best
             row["best_packed_speedup_vs_per_q_head"] = round(row["arms"]["per_q_head"]["ms"] / packed[best]["ms"], 3)
@@ -171,4 +190,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main(*(sys.argv[1:2] or []))
+    main(*sys.argv[1:3])
