@@ -421,12 +421,18 @@ def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone
 
 
 def test_a_flip_from_one_quantization_sets_only_its_default_where_the_others_ran_none_of_its_code(tmp_path,
-                                                                                                  plain_defaults):
+                                                                                                  plain_defaults,
+                                                                                                  monkeypatch):
     """fuse_rope FLIPped on bf16 (H200 2026-12-05) but its W4A16 form (w4a16.py, MXFP4/NVFP4 only) never ran there:
     the flip sets the bf16 default alone. A lever whose sources all run on bf16 flips for every
     quantization, unless a REJECT on another one refuted it. Measured on MXFP4, every source of fuse_rope can run.
-    (prefill_gqa_pack stands for a lever whose sources all run on bf16; its off default is the premise.)"""
+    (prefill_gqa_pack stands for a lever whose sources all run on bf16; its off default is the premise, and
+    fuse_rope's, which the MXFP4 FLIP of 2026-12-05 has since turned on everywhere.)"""
+    import dataclasses
     from campaigns.runner import check_flippable
+    plain = levers.registry
+    monkeypatch.setattr(levers, "registry", lambda lever_dir=None: {
+        n: dataclasses.replace(lv, default=False) if n == "fuse_rope" else lv for n, lv in plain(lever_dir).items()})
     rope = _fresh_today(make_evidence(TPUT_WIN, lever="fuse_rope", campaign_id="2026-12-05-fuse_rope-aaa1111"))
     assert "vtengine/kernels/w4a16.py" in levers.registry()["fuse_rope"].paths
     assert check_flippable(rope) == "bf16"
