@@ -23,7 +23,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                            "decode_wave_grid", "fast_math", "fuse_norm", "fuse_rope", "fuse_silu",
                            "gqa_swap",
                            "marlin_dense", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch",
-                           "pdl_stack", "prefill_gqa_pack", "split_rule",
+                           "pdl_stack", "prefill_gqa_pack", "prefill_splits", "split_rule",
                            "triton_gemv", "w4a16_mid_m", "w4a16_rot", "whole_first"]
     r = levers.resolve(environ={})
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
@@ -32,7 +32,8 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                         "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
                         "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False, "pdl_stack": False,
-                        "prefill_gqa_pack": False, "split_rule": "off", "triton_gemv": True, "w4a16_mid_m": True,
+                        "prefill_gqa_pack": False, "prefill_splits": "off", "split_rule": "off", "triton_gemv": True,
+                        "w4a16_mid_m": True,
                         "w4a16_rot": True, "whole_first": False}
     assert r.values == {n: lv.default for n, lv in reg.items()}
     assert set(r.sources.values()) == {"default"}

@@ -68,9 +68,12 @@ class TritonBackend(TorchBackend):
                                   pdl=self.levers.on("pdl"))
 
     def prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+        # no INTERPRETER_SMS here: on 2 SMs every packed grid of the tiny model fills the wave and "auto" never
+        # splits, so the interpreter keeps its H200 count and prefill_splits stays live on the CPU
         return attention.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                                            fast_math=self.levers.on("fast_math"),
-                                           gqa_pack=self.levers.on("prefill_gqa_pack"))
+                                           gqa_pack=self.levers.on("prefill_gqa_pack"),
+                                           splits=self.levers.prefill_splits)
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None):
         return attention.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
