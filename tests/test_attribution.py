@@ -123,7 +123,7 @@ def test_the_profile_gates_self_check_names_its_planted_slowdown(slowed):
 @pytest.mark.parametrize("lever,quant,kernel", [
     ("gqa_swap", "bf16", "decode_attention"), ("marlin_dense", "mxfp4", "w4a16_gemm"),
     ("prefill_gqa_pack", "bf16", "rms_norm"), ("mixed_prefill", "bf16", "rms_norm"),
-    ("mixed_steps", "bf16", "rms_norm"),
+    ("mixed_steps", "bf16", "rms_norm"), ("prefill_splits", "bf16", "rms_norm"),
 ])
 def test_the_profile_self_check_slows_a_kernel_its_decode_windows_run(lever, quant, kernel):
     """The windows are decode steps: a lever whose only kernel is prefill attention gets rms_norm slowed, not its

@@ -15,7 +15,7 @@ CAMPAIGNS = ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_gr
              "fast_math", "fuse_norm", "fuse_rope", "fuse_silu", "gqa_swap",
              "marlin_dense",
              "mixed_chunk", "mixed_prefill", "mixed_steps", "nsplits_cap", "pdl", "pdl_prefetch", "pdl_stack",
-             "prefill_gqa_pack", "split_rule",
+             "prefill_gqa_pack", "prefill_splits", "split_rule",
              "triton_gemv",
              "w4a16_mid_m", "w4a16_rot", "whole_first"]
 

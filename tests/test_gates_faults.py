@@ -338,6 +338,7 @@ def test_the_perturbed_kernel_is_one_the_model_runs():
 @pytest.mark.parametrize("lever,quant,kernel", [
     ("gqa_swap", "bf16", "decode_attention"), ("marlin_dense", "mxfp4", "w4a16_gemm"),
     ("mixed_prefill", "bf16", "rms_norm"), ("prefill_gqa_pack", "bf16", "rms_norm"),
+    ("prefill_splits", "bf16", "rms_norm"),
 ])
 def test_graph_paritys_self_check_breaks_a_kernel_the_decode_graphs_run(lever, quant, kernel):
     """The graphs it re-captures are decode steps: breaking prefill attention there broke nothing it compares, and
@@ -426,6 +427,34 @@ def test_prefill_gqa_pack_op_and_mechanism_gates_pass_and_self_check():
         assert res.passed and res.self_check is True, res.details
     assert ctx.cache["mechanism:on#False"][0]["routes"] == ["paged_causal"]
     assert ctx.cache["mechanism:off#True"][0]["routes"] == ["gqa_pack"]
+    ctx.release_engines()
+
+
+def test_prefill_splits_op_and_mechanism_gates_pass_and_self_check():
+    """The split packed prefill under the op gate (a chunk after a long cached prefix beside the short one, against
+    the reference, both planted faults caught; packed in both arms, the lever's route) and the mechanism gate (with
+    prefill_gqa_pack pinned on, the interpreter's 132-SM wave splits every launch of the tiny model in the auto arm,
+    each merged once, and none in the off arm; an inert candidate and a stuck baseline are caught)."""
+    from vtengine import counters
+    ctx = context(lever="prefill_splits", values=("off", "auto"))
+    ctx.with_levers = {"prefill_gqa_pack": True}
+    base, cand = ctx.arms
+    counters.reset()
+    res = run_gate("op", ctx, cand)
+    assert res.passed and res.self_check is True, res.details
+    assert [c["case"].split()[0] for c in res.details["cases"]] == ["prefill_attention"] * 2
+    assert res.counts["max_rel_l2"] < 1e-6 and res.byte_exact is False
+    snap = counters.snapshot()
+    assert set(snap["prefill_attention"]) == {"gqa_pack"} and snap["prefill_attention_merge"]["gqa_pack"]["launches"]
+    for arm in (base, cand):
+        res = run_gate("mechanism", ctx, arm)
+        assert res.passed and res.self_check is True, res.details
+    on, off = ctx.cache["mechanism:auto"][0], ctx.cache["mechanism:off"][0]
+    assert list(off["splits"]) == ["1"] and off["merges"] == 0
+    assert all(int(n) > 1 for n in on["splits"]) and on["merges"] == sum(on["splits"].values()) > 0
+    assert ctx.cache["mechanism:auto#off"][0]["merges"] == 0 and ctx.cache["mechanism:off#auto"][0]["merges"] > 0
+    ok, why = mechanism.expected("prefill_splits", 4, on)         # a forced count: every launch split that many ways
+    assert not ok and "every launch split 4 ways" in why
     ctx.release_engines()
 
 

@@ -88,6 +88,9 @@ def probe(lever: str, snap: dict) -> dict[str, Any]:
                 "grids": _grids(snap, "decode_attention")}
     if lever == "prefill_gqa_pack":
         return {"routes": _routes(snap, "prefill_attention"), "grids": _grids(snap, "prefill_attention")[:8]}
+    if lever == "prefill_splits":   # launches by split count, and the merges the split launches need
+        return {"routes": _routes(snap, "prefill_attention"), "splits": _splits(snap, "prefill_attention"),
+                "merges": sum(st["launches"] for st in snap.get("prefill_attention_merge", {}).values())}
     if lever == "mixed_steps":
         return {"mixed_steps": sum(st["launches"] for st in snap.get("mixed_step", {}).values()),
                 "prefill_steps": _routes(snap, "prefill_step")}
@@ -174,6 +177,18 @@ def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None =
     if lever == "prefill_gqa_pack":
         want = ["gqa_pack"] if value else ["paged_causal"]
         return pr["routes"] == want, f"prefill_attention routes {pr['routes']}, expected {want}"
+    if lever == "prefill_splits":
+        # on: some launch split (a forced N: every launch, N ways), each split launch merged once; off: none split
+        split = sum(n for s, n in pr["splits"].items() if int(s) > 1)
+        got = (f"prefill_attention launches by split count {pr['splits']}, {pr['merges']} merges, routes "
+               f"{pr['routes']}")
+        if value == "off":
+            return split == 0 and pr["merges"] == 0, f"{got}; expected no split and no merge"
+        every = isinstance(value, int) and not isinstance(value, bool)
+        ok = pr["routes"] == ["gqa_pack"] and split > 0 and pr["merges"] == split
+        ok = ok and (not every or list(pr["splits"]) == [str(value)])
+        return ok, (f"{got}; expected {f'every launch split {value} ways' if every else 'some launch split'}, one "
+                    "merge per split launch, on the gqa_pack route (needs prefill_gqa_pack on)")
     if lever == "mixed_steps":
         return _some_or_none(pr["mixed_steps"], value, "steps carried decode rows beside a prefill chunk")
     if lever == "chunk_above":
@@ -328,5 +343,5 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     if not fault:
         details["counters"] = {k: v for k, v in snap.items()
                                if k in ("decode_attention", "decode_splits", "w4a16_gemm", "prefill_attention",
-                                        "rms_norm", "dense_linear", "launch")}
+                                        "prefill_attention_merge", "rms_norm", "dense_linear", "launch")}
     return result("mechanism", arm, ok, t0, counts=counts, details=details)

@@ -59,9 +59,9 @@ def _shapes(device: str) -> dict[str, Any]:
     if device == "cuda":
         return dict(hq=32, hkv=8, d=128, batches=[1, 8], ctx=[1, 100, 1025, 4097], hidden=4096,
                     gemm=[(1, 4096, 6144), (8, 4096, 4096), (16, 12288, 4096), (33, 4096, 4096)],
-                    dtype=torch.bfloat16)
+                    split_prefix=8192, dtype=torch.bfloat16)
     return dict(hq=4, hkv=2, d=32, batches=[1, 3], ctx=[1, 17, 40], hidden=64,
-                gemm=[(1, 64, 96), (3, 64, 32), (17, 128, 64)], dtype=torch.float32)
+                gemm=[(1, 64, 96), (3, 64, 32), (17, 128, 64)], split_prefix=200, dtype=torch.float32)
 
 
 class Case:
@@ -110,25 +110,33 @@ def decode_cases(gen, dev, sh, lever: str) -> list[tuple[str, Callable, Callable
     return cases
 
 
-def prefill_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
+def prefill_cases(gen, dev, sh, lever: str) -> list[tuple[str, Callable, Callable]]:
+    """A chunk after a short cached prefix beside a whole prompt; for prefill_splits also a chunk after a long prefix
+    (split_prefix tokens) whose keys fill the slices: a split count follows the grid alone, so the short prefix
+    splits too, but into slices that are nearly all empty."""
     from vtengine.kernels import attention
-    ctx_lens = [sh["ctx"][-1], sh["ctx"][1]]
-    q_lens = [min(ctx_lens[0], 37), sh["ctx"][1]]       # the first sequence has a cached prefix
-    k_cache, v_cache, bt, cl = _paged(gen, dev, sh["dtype"], 2, sh["hq"], sh["hkv"], sh["d"], ctx_lens)
-    cu = torch.tensor([0, q_lens[0], q_lens[0] + q_lens[1]], dtype=torch.int32, device=dev)
-    q = torch.randn(sum(q_lens), sh["hq"], sh["d"], generator=gen).to(dev, sh["dtype"])
-    scale = sh["d"] ** -0.5
+    q_lens = [min(sh["ctx"][-1], 37), sh["ctx"][1]]         # the first sequence has a cached prefix
+    prefixes = [sh["ctx"][-1] - q_lens[0]] + ([sh["split_prefix"]] if lever == "prefill_splits" else [])
+    cases = []
+    for prefix in prefixes:
+        ctx_lens = [prefix + q_lens[0], q_lens[1]]
+        k_cache, v_cache, bt, cl = _paged(gen, dev, sh["dtype"], 2, sh["hq"], sh["hkv"], sh["d"], ctx_lens)
+        cu = torch.tensor([0, q_lens[0], q_lens[0] + q_lens[1]], dtype=torch.int32, device=dev)
+        q = torch.randn(sum(q_lens), sh["hq"], sh["d"], generator=gen).to(dev, sh["dtype"])
+        scale = sh["d"] ** -0.5
 
-    def run(setting, fault):
-        tables = torch.where(bt >= 0, bt + 1, bt) if fault else bt
-        out = _poisoned_like(q.shape, q.dtype, q.device)
-        return attention.prefill_attention(q, k_cache, v_cache, cu, cl, tables, scale, out=out,
-                                           fast_math=setting.get("fast_math", False),
-                                           gqa_pack=setting.get("gqa_pack", False))
+        def run(setting, fault, q=q, k=k_cache, v=v_cache, bt=bt, cl=cl, cu=cu):
+            tables = torch.where(bt >= 0, bt + 1, bt) if fault else bt
+            out = _poisoned_like(q.shape, q.dtype, q.device)
+            return attention.prefill_attention(q, k, v, cu, cl, tables, scale, out=out,
+                                               fast_math=setting.get("fast_math", False),
+                                               gqa_pack=setting.get("gqa_pack", False),
+                                               splits=setting.get("splits", "off"))
 
-    def ref():
-        return TorchBackend().prefill_attention(q.float(), k_cache.float(), v_cache.float(), cu, cl, bt, scale)
-    return [(f"prefill_attention q_lens={q_lens} ctx={ctx_lens}", run, ref)]
+        def ref(q=q, k=k_cache, v=v_cache, bt=bt, cl=cl, cu=cu):
+            return TorchBackend().prefill_attention(q.float(), k.float(), v.float(), cu, cl, bt, scale)
+        cases.append((f"prefill_attention q_lens={q_lens} ctx={ctx_lens}", run, ref))
+    return cases
 
 
 def _w4a16_inputs(gen, dev, sh, m: int, k: int, n: int, fmt: str):
@@ -414,7 +422,9 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         return {"gqa_swap": on("gqa_swap"), "nsplits_cap": values.get("nsplits_cap", "off") or "off",
                 "fast_math": on("fast_math"), "pdl": on("pdl"), "wave_grid": on("decode_wave_grid")}
     if kernel == "prefill_attention":
-        return {"gqa_pack": on("prefill_gqa_pack"), "fast_math": on("fast_math")}
+        # prefill_splits acts on the packed route only: test it there, as pdl_prefetch with pdl
+        return {"gqa_pack": on("prefill_gqa_pack") or lever == "prefill_splits", "fast_math": on("fast_math"),
+                "splits": values.get("prefill_splits", "off") or "off"}
     if kernel == "silu_mul":
         return {"pdl": on("pdl"), "fused": on("fuse_silu")}
     if kernel == "w4a16_gemm":
@@ -447,7 +457,7 @@ def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callabl
         if kernel == "decode_attention":
             cs = decode_cases(gen, dev, sh, ctx.lever)
         elif kernel == "prefill_attention":
-            cs = prefill_cases(gen, dev, sh)
+            cs = prefill_cases(gen, dev, sh, ctx.lever)
         elif kernel == "w4a16_gemm":
             cs = gemm_cases(gen, dev, sh, "mxfp4") + gemm_cases(gen, dev, sh, "nvfp4")
         elif kernel == "rms_norm":
