@@ -66,6 +66,16 @@ def ref_prefill(q, kc, vc, cu, ctx, bt, scale):
     return REF.prefill_attention(q.double(), kc.double(), vc.double(), cu, ctx, bt, scale)
 
 
+def prefill_case(q_lens, ctx_lens, hq, hkv, d, page, gen):
+    """fp32 varlen prefill inputs (q_lens new tokens of contexts ctx_lens) and their fp64 reference output:
+    (q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, scale, ref)."""
+    kc, vc, bt, ctx = make_paged(ctx_lens, hkv, d, page, torch.float32, gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    q = make_q(sum(q_lens), hq, d, torch.float32, gen)
+    scale = d ** -0.5
+    return q, kc, vc, cu, ctx, bt, scale, ref_prefill(q, kc, vc, cu, ctx, bt, scale)
+
+
 def poisoned(like: torch.Tensor) -> torch.Tensor:
     return torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
 
@@ -209,11 +219,7 @@ def test_prefill_ragged_with_cached_prefix(fast_math, gqa_pack, hq):
     # (new tokens, context): a 1-token prompt, a fresh 13-token prompt, 5 new tokens after a 24-token cached
     # prefix, and a 1-token step after 16 cached tokens; none but the first is a multiple of the block size
     q_lens, ctx_lens = [1, 13, 5, 1], [1, 13, 29, 17]
-    kc, vc, bt, ctx = make_paged(ctx_lens, hkv, d, page, torch.float32, gen)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
-    q = make_q(sum(q_lens), hq, d, torch.float32, gen)
-    scale = d ** -0.5
-    ref = ref_prefill(q, kc, vc, cu, ctx, bt, scale)
+    q, kc, vc, cu, ctx, bt, scale, ref = prefill_case(q_lens, ctx_lens, hq, hkv, d, page, gen)
     counters.reset()
     out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q),
                                  gqa_pack=gqa_pack)
@@ -239,11 +245,7 @@ def test_prefill_splits_match_reference_and_off(fast_math):
     gen, seed = fresh_generator()
     hq, hkv, d, page = 6, 2, 16, 8
     q_lens, ctx_lens = [1, 13, 5, 9], [1, 13, 69, 89]
-    kc, vc, bt, ctx = make_paged(ctx_lens, hkv, d, page, torch.float32, gen)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV)
-    q = make_q(sum(q_lens), hq, d, torch.float32, gen)
-    scale = d ** -0.5
-    ref = ref_prefill(q, kc, vc, cu, ctx, bt, scale)
+    q, kc, vc, cu, ctx, bt, scale, ref = prefill_case(q_lens, ctx_lens, hq, hkv, d, page, gen)
     off = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q), gqa_pack=True)
     tiles = -(-sum(q_lens) // (attn.PREFILL_PACKED_TILES.block_m // 4)) + len(q_lens)     # group 3 pads to 4
     for splits, sms, want in (("off", None, 1), (1, None, 1), (2, None, 2), (5, None, 5), ("auto", 1, 1),
