@@ -264,21 +264,28 @@ def test_chunks_preemption_and_recompute_keep_every_token(levers):
     assert st["num_preemptions"] >= 3 and st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
-def test_mixed_steps_through_the_triton_kernels():
+@pytest.mark.parametrize("splits", ["off", "auto"])
+def test_mixed_steps_through_the_triton_kernels(splits):
     """The mixed step's two attention launches on sliced rows (the packed prefill route and split-KV decode) under
-    the interpreter: the decoding request and the chunked prompt get the tokens they get alone."""
+    the interpreter: the decoding request and the chunked prompt get the tokens they get alone. With prefill_splits
+    "auto" each chunk's prefix keys are split (the interpreter keeps the H200's SM count) and merged."""
     long = long_prompt(300, seed=2)
     p_a = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     alone_a = tokens(LLM(model="tiny", backend="triton", levers=SYNC).generate([[11, 12, 13]], p_a))[0]
     alone_b = tokens(LLM(model="tiny", backend="triton", levers=SYNC).generate(
         [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
     llm = LLM(model="tiny", backend="triton", max_num_batched_tokens=100,
-              levers={**SYNC, "chunked_prefill": 256, "mixed_steps": True, "prefill_gqa_pack": True})
+              levers={**SYNC, "chunked_prefill": 256, "mixed_steps": True, "prefill_gqa_pack": True,
+                      "prefill_splits": splits})
     counters.reset()
     steps, done = _timeline(llm, long)
     assert steps == ["a", "ab"], steps
     assert done["a"][:6] == alone_a and done["b"] == alone_b
-    assert counters.snapshot()["prefill_attention"]["gqa_pack"]["launches"] > 0
+    snap = counters.snapshot()
+    assert snap["prefill_attention"]["gqa_pack"]["launches"] > 0
+    split = sum(n for s, n in snap["prefill_attention"]["gqa_pack"]["splits"].items() if int(s) > 1)
+    assert (split > 0) == (splits == "auto")
+    assert snap.get("prefill_attention_merge", {}).get("gqa_pack", {}).get("launches", 0) == split
 
 
 def _staggered(eng, n: int, longest: int, max_tokens: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
