@@ -7,8 +7,8 @@ source files (``paths:`` in its lever file). A verdict is STALE, with the reason
 - another lever that was live in its context has a default now that differs from its value there (the engine the
   verdict measured is not the engine users run any more), or
 - the lever's own source files changed since the campaign (the code the verdict measured is gone; a change to
-  comments, docstrings or formatting alone is not one: Python sources are compared as parsed, see ``normalized``),
-  or
+  comments, docstrings or formatting alone is not one: Python sources are compared as parsed, and in a file the
+  lever file lists by its definitions, only the code they reach: campaigns/sources.py), or
 - a lever added since the campaign defaults to on (a lever added at its off default is the engine as it was), or
 - the campaign ran on code before an engine epoch: a commit declared in conf/epochs.yaml as moving the whole
   engine's performance (a fix outside every lever's own files, e.g. the per-launch lever lookup that cost every
@@ -21,7 +21,6 @@ commit is not in this repository), the answer is STALE: the safe one.
 """
 from __future__ import annotations
 
-import ast
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,10 @@ from typing import Any
 
 import yaml
 
+from campaigns import sources
 from campaigns.evidence import Evidence
+from campaigns.sources import normalized  # noqa: F401  (how sources compare: tests use it)
+from vtengine.levers import split_entry
 
 # the kernels schema-1 evidence's mechanism gate kept counters for: a lever whose kernels are all among these and
 # absent from the counters did not run; any other kernel is unknown (counted live)
@@ -79,40 +81,23 @@ def digest(files: dict[str, bytes | None]) -> str:
     return h.hexdigest()
 
 
-def normalized(path: str, data: bytes | None) -> bytes | None:
-    """A source file as far as its behaviour goes: Python parsed (comments and formatting gone) with its module,
-    class and function docstrings dropped, as ``ast.dump``; any other file, or Python that does not parse, as is."""
-    if data is None or not path.endswith(".py"):
-        return data
-    try:
-        tree = ast.parse(data)
-    except (SyntaxError, ValueError):
-        return data
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
-                                                                                                  str):
-                node.body = node.body[1:] or [ast.Pass()]
-    return ast.dump(tree, include_attributes=False).encode()
-
-
-def same_code(repo_root: Path | str, sha: str, paths: list[str]) -> bool:
-    """Whether ``paths`` hold the same code in the working tree as at commit ``sha`` (``normalized``: a change to
-    comments, docstrings or formatting is not a change); False where the commit is not in the repository."""
+def changed_sources(repo_root: Path | str, sha: str, entries: list[str]) -> list[str] | None:
+    """The ``paths:`` entries whose code differs in the working tree from commit ``sha`` (as ``sources.counted``
+    compares it: parsed, and in a file listed by its definitions only what they reach); None where the commit is not
+    in the repository (nothing can be compared)."""
     from campaigns.gitops import GitOpsError, open_repo
     root = Path(repo_root)
     try:
         repo = open_repo(root)
     except GitOpsError:
-        return False
+        return None
     if not _commit_known(repo, sha):
-        return False
-    for p in paths:
-        here = (root / p).read_bytes() if (root / p).is_file() else None
-        if normalized(p, here) != normalized(p, _git_file(repo, sha, p)):
-            return False
-    return True
+        return None
+    return sources.changed(entries, lambda p: _git_file(repo, sha, p), lambda p: _tree_file(root, p))
+
+
+def _tree_file(root: Path, path: str) -> bytes | None:
+    return (root / path).read_bytes() if (root / path).is_file() else None
 
 
 # Source files whose code runs for these weight quantizations alone: the W4A16 kernels run on quantized weights
@@ -125,23 +110,30 @@ QUANT_SOURCES = {"vtengine/kernels/w4a16.py": ("mxfp4", "nvfp4")}
 
 def live_paths(lever, quant: str | None) -> list[str]:
     """The lever's source files whose code can run on ``quant`` (all of them where the quantization is unknown)."""
-    return [p for p in lever.paths if quant is None or quant in QUANT_SOURCES.get(p, (quant,))]
+    return [p for p in lever.paths
+            if quant is None or quant in QUANT_SOURCES.get(split_entry(p)[0], (quant,))]
 
 
 def missing_sources(lever, root: Path | str) -> list[str]:
-    """The paths a lever file declares that are no file under ``root``: a typo there would hash as an absent file
-    for ever, and the lever's verdicts could never go STALE from their own sources."""
-    return [p for p in lever.paths if not (Path(root) / p).is_file()]
+    """The ``paths:`` entries of a lever file that are no file under ``root``, or name a definition the file does not
+    hold: a typo there would hash as an absent file (or compare the whole file) for ever, and the lever's verdicts
+    could never go STALE from their own sources (or for every change to the file)."""
+    root = Path(root)
+    out = []
+    for f, symbols in sources.by_file(lever.paths).items():
+        if not (root / f).is_file():
+            out += [p for p in lever.paths if split_entry(p)[0] == f]
+        elif symbols:
+            out += [f"{f}::{s}" for s in sources.undefined(_tree_file(root, f), symbols)]
+    return out
 
 
 def tree_digests(levers: dict, root: Path | str) -> dict[str, str]:
-    """Each lever's source digest from the working tree under ``root``."""
+    """Each lever's source digest from the working tree under ``root``: over its files' bytes (a quick test; where it
+    differs from the campaign's, ``changed_sources`` says whether the code that counts changed)."""
     root = Path(root)
-    out = {}
-    for name, lever in sorted(levers.items()):
-        files = {p: (root / p).read_bytes() if (root / p).is_file() else None for p in lever.paths}
-        out[name] = digest(files)
-    return out
+    return {name: digest({p: _tree_file(root, p) for p in sources.files_of(lever.paths)})
+            for name, lever in sorted(levers.items())}
 
 
 def _git_file(repo, sha: str, path: str) -> bytes | None:
@@ -215,7 +207,7 @@ def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Con
                 defaults[name] = lever.parse(data.get("default"), "default at the campaign's commit")
             except ValueError:
                 notes.append(f"lever {name}'s default at {sha[:7]} does not parse")
-            digests[name] = digest({p: _git_file(repo, sha, p) for p in lever.paths})
+            digests[name] = digest({p: _git_file(repo, sha, p) for p in sources.files_of(lever.paths)})
         source = f"git {sha[:7]}"
     else:
         notes.append(f"commit {sha[:7]} is not in this repository: lever defaults and source files unknown")
@@ -362,10 +354,16 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
         if not then:
             reasons.append(f"{ev.lever}'s source files at the campaign are not known")
             causes.append("own sources unknown")
-        elif then != now and not same_code(root, ev.fingerprint.git_sha, live_paths(own, quant_of(ev))):
-            reasons.append(f"{ev.lever}'s source files ({', '.join(live_paths(own, quant_of(ev)))}) changed since "
-                           f"{ev.fingerprint.git_short_sha}")
-            causes.append("own sources")
+        elif then != now:
+            moved = changed_sources(root, ev.fingerprint.git_sha, live_paths(own, quant_of(ev)))
+            if moved is None:
+                reasons.append(f"{ev.lever}'s source files cannot be compared: commit {ev.fingerprint.git_short_sha} "
+                               "is not in this repository")
+                causes.append("own sources")
+            elif moved:
+                reasons.append(f"{ev.lever}'s source files ({', '.join(moved)}) changed since "
+                               f"{ev.fingerprint.git_short_sha}")
+                causes.append("own sources")
     if ctx.source == "unknown" and not reasons:
         reasons.append("its context cannot be reconstructed")
         causes.append("context unknown")

@@ -52,9 +52,9 @@ def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
     lever = levers.get(cfg.campaign.lever)
     missing = lever_context.missing_sources(lever, confdirs.SOURCE_ROOT)
     if missing:
-        raise CampaignError(f"lever file {lever.path}: paths {missing} are no file under {confdirs.SOURCE_ROOT}; "
-                            "list the lever's own source files (repository-relative), or its verdicts could never "
-                            "go STALE when they change")
+        raise CampaignError(f"lever file {lever.path}: paths {missing} are no file under {confdirs.SOURCE_ROOT}, "
+                            "or name no definition in it; list the lever's own sources (repository-relative files, "
+                            "or file::definition), or its verdicts could never go STALE when they change")
     kind = "aa" if cfg.aa else "lever"
     arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates), aa=cfg.aa)
     fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=_not_dirt(repo, out_dir),

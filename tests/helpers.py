@@ -132,7 +132,7 @@ def lever_repo(tmp_path: Path) -> Path:
     root = tmp_path / "proj"
     copy_plain_levers(root / "conf" / "lever")
     for lv in levers.registry().values():
-        for p in lv.paths:
+        for p in dict.fromkeys(levers.split_entry(e)[0] for e in lv.paths):
             (root / p).parent.mkdir(parents=True, exist_ok=True)
             (root / p).write_text(f"SOURCE = {p!r}\n")
     r = git.Repo.init(root)

@@ -12,6 +12,7 @@ the lever's type. The files come from the packaged conf/ with a project's own co
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -43,7 +44,7 @@ class Lever:
     values: list
     affects: list[str]
     summary: str
-    paths: list[str] = field(default_factory=list)      # its source files (repository-relative): a change stales
+    paths: list[str] = field(default_factory=list)      # its sources (files, or file::definition): a change stales
     inapplicable: dict[str, str] = field(default_factory=dict)   # gate -> why it cannot apply to this lever
     sets: dict[str, Any] = field(default_factory=dict)           # a preset: these levers take these values when on
     # the default on one quantization where it differs from ``default``: a lever that wins on bf16 and loses on
@@ -142,6 +143,38 @@ class Lever:
         return value not in OFF_VALUES
 
 
+# A ``paths:`` entry is a repository-relative file, or one definition in a Python file that holds several levers'
+# code: "vtengine/backends/triton_backend.py::TritonBackend.rope_out" (only the code it reaches there counts for the
+# lever's staleness; campaigns/sources.py says how that is found).
+PATH_SEP = "::"
+_DEFINITION = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
+
+
+def split_entry(entry: str) -> tuple[str, str | None]:
+    """``"a/b.py::C.m"`` -> ``("a/b.py", "C.m")``; a plain file -> ``(file, None)``."""
+    path, sep, symbol = entry.partition(PATH_SEP)
+    return path, (symbol if sep else None)
+
+
+def entry_error(entry: str) -> str | None:
+    """Why ``entry`` is no valid ``paths:`` entry, or None."""
+    path, symbol = split_entry(entry)
+    if not path or path.startswith("/") or ".." in Path(path).parts:
+        return f"{entry!r} is no repository-relative path"
+    if symbol is not None:
+        if not path.endswith(".py"):
+            return f"{entry!r} names a definition in a file that is not Python"
+        if not _DEFINITION.match(symbol):
+            return (f"{entry!r}: after {PATH_SEP!r} comes a module-level name or Class.member (e.g. "
+                    f"{path}{PATH_SEP}decode_attention, {path}{PATH_SEP}TritonBackend.linear)")
+    return None
+
+
+def covers(entries, entry: str) -> bool:
+    """Whether ``entries`` include ``entry``'s code: the same entry, or its whole file."""
+    return entry in entries or split_entry(entry)[0] in entries
+
+
 def _load_file(path: Path) -> Lever:
     try:
         data = yaml.safe_load(path.read_text())
@@ -158,6 +191,9 @@ def _load_file(path: Path) -> Lever:
                          f"the schema is {list(required)} (optional: {list(optional)})")
     if not isinstance(data.get("paths", []), list) or not all(isinstance(p, str) for p in data.get("paths", [])):
         raise LeverError(f"lever file {path.name}: paths must be a list of repository-relative file paths")
+    bad = [why for why in map(entry_error, data.get("paths", [])) if why]
+    if bad:
+        raise LeverError(f"lever file {path.name}: paths: {'; '.join(bad)}")
     if not isinstance(data.get("inapplicable", {}), dict):
         raise LeverError(f"lever file {path.name}: inapplicable must map gate names to the reason")
     if data["name"] != path.stem:
@@ -195,7 +231,7 @@ def _check_preset(lever: Lever, levers: dict[str, Lever]) -> None:
     if sorted(set(lever.affects)) != kernels:
         raise LeverError(f"{where}: affects must list the kernels of the levers it sets, {kernels}, not "
                          f"{sorted(lever.affects)}")
-    missing = sorted({p for name in lever.sets for p in levers[name].paths} - set(lever.paths))
+    missing = sorted({p for name in lever.sets for p in levers[name].paths if not covers(lever.paths, p)})
     if missing:
         raise LeverError(f"{where}: paths must include the source files of the levers it sets; missing {missing}")
 

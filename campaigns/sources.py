@@ -1,0 +1,360 @@
+"""A lever's source code as far as its behaviour goes: what a verdict's staleness compares.
+
+A lever file's ``paths:`` lists the lever's sources. An entry is a repository-relative file
+(``vtengine/kernels/attention.py``: the whole file counts) or, in a Python file that holds several levers' code, one
+definition in it (``vtengine/backends/triton_backend.py::TritonBackend.rope_out``): then only the code that the
+lever's definitions there can reach counts, so a change to another lever's method of the same class no longer stales
+this lever's verdicts (prefill_splits' one-line wiring in ``TritonBackend.prefill_attention`` staled fuse_rope's).
+
+What counts in a file listed by its definitions, found statically and on the safe side (``counted``):
+
+- each definition, and every module-level name its code loads (a function, a class, a constant, an import), and
+  theirs in turn; a name bound in a module-level ``if``/``try`` block takes the whole block;
+- inside a class: every member named through ``self.``, ``cls.`` or the class's name; for an instance attribute
+  (``self.levers``), every method of the class that assigns it (``__init__``...); the class's bases, decorators and
+  keywords; the whole class where a method uses the class itself otherwise (builds one, passes it on);
+- module-level statements that bind no name (a call at import time), always;
+- every name of the file that the counted code of the lever's other listed files imports (``from
+  vtengine.kernels.fused import RopeOut``, ``fused.RopeOut``), to a fixed point.
+
+The whole file counts where a definition cannot be found (in the working tree or at the campaign's commit: a rename
+is a change), the file does not parse, or another listed file uses the module object in a way that cannot be told.
+What reaches the lever's code from a file it does not list (a call through an object: ``self.backend.rope_out``)
+is not followed: list that definition. Python is compared as parsed (comments, formatting and docstrings dropped).
+"""
+from __future__ import annotations
+
+import ast
+import copy
+
+from vtengine.levers import split_entry
+
+
+def files_of(entries) -> list[str]:
+    """The distinct files the entries name, in their order."""
+    return list(dict.fromkeys(split_entry(e)[0] for e in entries))
+
+
+def by_file(entries) -> dict[str, list[str] | None]:
+    """file -> the definitions declared in it, or None where the whole file is listed (which wins)."""
+    out: dict[str, list[str] | None] = {}
+    for e in entries:
+        path, symbol = split_entry(e)
+        if symbol is None:
+            out[path] = None
+        elif path not in out:
+            out[path] = [symbol]
+        elif out[path] is not None:
+            out[path].append(symbol)
+    return out
+
+
+def _strip_docstrings(tree: ast.AST) -> None:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
+
+
+def normalized(path: str, data: bytes | None) -> bytes | None:
+    """A source file as far as its behaviour goes: Python parsed (comments and formatting gone) with its module,
+    class and function docstrings dropped, as ``ast.dump``; any other file, or Python that does not parse, as is."""
+    if data is None or not path.endswith(".py"):
+        return data
+    try:
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError):
+        return data
+    _strip_docstrings(tree)
+    return ast.dump(tree, include_attributes=False).encode()
+
+
+def _child_blocks(stmt: ast.stmt):
+    """The statement lists nested in a compound statement (not in a def or class: those are their own scope)."""
+    for field in ("body", "orelse", "finalbody"):
+        yield getattr(stmt, field, None) or []
+    for h in getattr(stmt, "handlers", None) or []:
+        yield h.body
+    for c in getattr(stmt, "cases", None) or []:
+        yield c.body
+
+
+def _target_names(target: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def _binds(stmt: ast.stmt) -> set[str]:
+    """The names a statement binds in its scope."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {stmt.name}
+    if isinstance(stmt, ast.Assign):
+        return set().union(*(_target_names(t) for t in stmt.targets))
+    if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
+        return _target_names(stmt.target)
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in stmt.names}
+    out: set[str] = set()
+    if isinstance(stmt, (ast.For, ast.AsyncFor)):
+        out |= _target_names(stmt.target)
+    if isinstance(stmt, (ast.With, ast.AsyncWith)):
+        out |= set().union(*(_target_names(i.optional_vars) for i in stmt.items if i.optional_vars is not None))
+    for block in _child_blocks(stmt):
+        for s in block:
+            out |= _binds(s)
+    return out
+
+
+def _loaded_names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+class _Module:
+    def __init__(self, tree: ast.Module):
+        self.body = tree.body
+        self.top: dict[str, list[int]] = {}        # name -> indices of the module statements binding it
+        self.members: dict[str, dict[str, list[int]]] = {}     # class -> member -> indices in its body
+        for i, stmt in enumerate(self.body):
+            for name in _binds(stmt):
+                self.top.setdefault(name, []).append(i)
+            if isinstance(stmt, ast.ClassDef):
+                mem: dict[str, list[int]] = {}
+                for j, s in enumerate(stmt.body):
+                    for name in _binds(s):
+                        mem.setdefault(name, []).append(j)
+                self.members[stmt.name] = mem
+
+    def class_index(self, name: str) -> int | None:
+        """The index of the (last) class statement binding ``name``."""
+        found = [i for i in self.top.get(name, []) if isinstance(self.body[i], ast.ClassDef)]
+        return found[-1] if found else None
+
+    def cls(self, name: str) -> ast.ClassDef | None:
+        i = self.class_index(name)
+        return None if i is None else self.body[i]
+
+    def defines(self, symbol: str) -> bool:
+        head, _, member = symbol.partition(".")
+        if not member:
+            return head in self.top
+        return self.cls(head) is not None and member in self.members.get(head, {})
+
+
+def _assigners(cls: ast.ClassDef, attr: str) -> list[int]:
+    """Indices of the class's members that assign ``self.<attr>``."""
+    out = []
+    for j, s in enumerate(cls.body):
+        for n in ast.walk(s):
+            if (isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.ctx, (ast.Store, ast.Del))
+                    and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                out.append(j)
+                break
+    return out
+
+
+def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
+    """The part of ``tree`` (docstrings dropped) that the declared definitions reach in it (the module's
+    docstring says how); None where a definition is not in it."""
+    mod = _Module(tree)
+    if not all(mod.defines(s) for s in symbols):
+        return None
+    whole: set[int] = {i for i, s in enumerate(mod.body) if not _binds(s)}     # import-time side effects
+    parts: dict[int, set[int]] = {}         # class statement index -> member indices taken
+    work: list[tuple] = [("node", mod.body[i], None) for i in whole]
+
+    def take_top(name: str) -> None:
+        for i in mod.top.get(name, []):
+            if i not in whole:
+                whole.add(i)
+                stmt = mod.body[i]
+                work.append(("node", stmt, stmt.name if isinstance(stmt, ast.ClassDef) else None))
+
+    def take_member(cname: str, j: int) -> None:
+        i = mod.class_index(cname)
+        if i in whole or j in parts.setdefault(i, set()):
+            return
+        cls = mod.body[i]
+        if not parts[i]:        # the class's header: its bases, decorators and keywords
+            work.append(("header", cls, cname))
+        parts[i].add(j)
+        work.append(("node", cls.body[j], cname))
+
+    for s in symbols:
+        head, _, member = s.partition(".")
+        if not member:
+            take_top(head)
+        else:
+            for j in mod.members[head][member]:
+                take_member(head, j)
+    while work:
+        kind, node, cname = work.pop()
+        if kind == "header":
+            for n in [*node.bases, *node.keywords, *node.decorator_list]:
+                for name in _loaded_names(n):
+                    take_top(name)
+            continue
+        for name in _loaded_names(node):
+            if name not in ("self", "cls") and name != cname:
+                take_top(name)
+        if cname is None:
+            continue
+        cls, bases = mod.cls(cname), 0
+        for n in ast.walk(node):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls",
+                                                                                                 cname):
+                bases += n.value.id == cname
+                for j in mod.members[cname].get(n.attr) or _assigners(cls, n.attr):
+                    take_member(cname, j)
+        if sum(isinstance(n, ast.Name) and n.id == cname for n in ast.walk(node)) > bases:
+            take_top(cname)     # the class itself (an instance built, passed on): all of it
+    out = []
+    for i, stmt in enumerate(mod.body):
+        if i in whole:
+            out.append(stmt)
+        elif parts.get(i):
+            part = copy.copy(stmt)
+            part.body = [s for j, s in enumerate(stmt.body) if j in parts[i]]
+            out.append(part)
+    return ast.Module(body=out, type_ignores=[])
+
+
+def _parse(data: bytes | None) -> ast.Module | None:
+    if data is None:
+        return None
+    try:
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError):
+        return None
+    _strip_docstrings(tree)
+    return tree
+
+
+def module_name(path: str) -> str:
+    """``vtengine/kernels/fused.py`` -> ``vtengine.kernels.fused`` (a package's ``__init__.py``: the package)."""
+    parts = path.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(node: ast.ImportFrom, here: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = here.split(".") if is_package else here.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+ALL = "*"
+
+
+def _imported(tree: ast.Module, here_path: str, target: str) -> set[str]:
+    """The names of module ``target`` that ``tree`` (the module at ``here_path``) uses: ``from target import a``,
+    ``target_alias.a``; ``ALL`` where it uses the module in a way that cannot be told (``import *``, the module
+    object passed on)."""
+    here, is_package = module_name(here_path), here_path.endswith("__init__.py")
+    parent, _, last = target.rpartition(".")
+    names: set[str] = set()
+    aliases: set[str] = set()           # local names bound to the module object
+    dotted: set[str] = set()            # `import a.b.c`: used as a.b.c.x
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(node, here, is_package)
+            for a in node.names:
+                if mod == target:
+                    names.add(ALL if a.name == "*" else a.name)
+                elif mod == parent and a.name == last:
+                    aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == target:
+                    if a.asname:
+                        aliases.add(a.asname)
+                    else:
+                        dotted.add(target)
+    if not aliases and not dotted:
+        return names
+    used_as_value = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain = _dotted(node.value)
+            if chain in aliases or chain in dotted:
+                names.add(node.attr)
+                used_as_value.add(id(node.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in aliases and id(node) not in used_as_value:
+            names.add(ALL)
+    return names
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+def counted(entries, read) -> dict[str, bytes | None]:
+    """file -> the code of it that counts for these ``paths:`` entries, normalized; ``read(file)`` gives a file's
+    bytes (None: absent). A file listed by its definitions also counts every name of it that the counted code of
+    the lever's other files imports (``from vtengine.kernels.fused import RopeOut``, ``fused.RopeOut``), to a fixed
+    point: a helper another listed file calls is the lever's code too. The whole file counts where a definition is
+    not there, the file does not parse, or another file uses the module object in a way that cannot be told."""
+    spec = by_file(entries)
+    data = {f: read(f) for f in spec}
+    trees = {f: _parse(data[f]) if f.endswith(".py") else None for f in spec}
+    seeds = {f: set(syms) for f, syms in spec.items() if syms is not None}
+    while True:
+        parts: dict[str, ast.Module | None] = {}
+        for f, tree in trees.items():
+            part = None
+            if f in seeds and ALL not in seeds[f]:
+                part = None if tree is None else _reachable_tree(tree, sorted(seeds[f]))
+                if part is None:            # no file, no parse, or a definition not there: the whole file
+                    seeds[f].add(ALL)
+            parts[f] = tree if part is None else part
+        grew = False
+        for g, part in parts.items():
+            if part is None:
+                continue
+            for f in seeds:
+                if f == g or ALL in seeds[f]:
+                    continue
+                new = _imported(part, g, module_name(f)) - seeds[f]
+                if new:
+                    seeds[f] |= new
+                    grew = True
+        if not grew:
+            break
+    out = {}
+    for f, part in parts.items():
+        if f in seeds and ALL not in seeds[f]:
+            out[f] = b"reachable " + ",".join(sorted(seeds[f])).encode() + b"\0" + ast.dump(
+                part, include_attributes=False).encode()
+        else:
+            out[f] = normalized(f, data[f])
+    return out
+
+
+def changed(entries, read_then, read_now) -> list[str]:
+    """The entries whose code differs between two readings (a commit's and the working tree's): in each file whose
+    counted code differs, the definitions whose own reach changed (all of the file's where none did alone: the change
+    came through what another listed file imports)."""
+    then, now = counted(entries, read_then), counted(entries, read_now)
+    out: set[str] = set()
+    for f in (f for f in then if then[f] != now[f]):
+        mine = [e for e in entries if split_entry(e)[0] == f]
+        alone = [e for e in mine if split_entry(e)[1] is not None
+                 and counted([e], read_then)[f] != counted([e], read_now)[f]]
+        out |= set(alone or mine)
+    return [e for e in entries if e in out]
+
+
+def undefined(data: bytes | None, symbols: list[str]) -> list[str]:
+    """The declared definitions that ``data`` (a Python source) does not hold at module or class level."""
+    tree = _parse(data)
+    if tree is None:
+        return list(symbols)
+    mod = _Module(tree)
+    return [s for s in symbols if not mod.defines(s)]

@@ -1,0 +1,171 @@
+"""What code counts for a lever's staleness (campaigns/sources.py): a file listed by its definitions counts only the
+code they reach, on the safe side; every other change to the file leaves the lever's verdicts FRESH."""
+from __future__ import annotations
+
+import git
+import pytest
+
+from campaigns import context as lever_context
+from campaigns import sources
+from helpers import TPUT_WIN, make_evidence
+from vtengine import levers
+
+BACKEND = '''\
+from pkg.kernels import fused, gemv
+from pkg.kernels.attention import prefill_attention as _prefill
+
+SMS = 2
+UNUSED = 7
+
+
+def helper(x):
+    return x + SMS
+
+
+class Backend:
+    def __init__(self, levers):
+        self.levers = levers
+        self.rope_ok = True
+
+    def _gemv_levers(self):
+        return dict(pdl=self.levers["pdl"])
+
+    def rope_out(self, x):
+        if not self.rope_ok:
+            return None
+        return fused.RopeOut(helper(x), **self._gemv_levers())
+
+    def prefill(self, q):
+        return _prefill(q, splits=self.levers["splits"])
+'''
+
+FUSED = '''\
+from pkg.kernels.common import ROUND
+
+
+def _qkv_head(x):
+    return x * 2
+
+
+class RopeOut:
+    def __init__(self, x, pdl):
+        self.x = _qkv_head(x) + ROUND
+
+
+def rms_norm(x):
+    return x / 3
+'''
+
+GEMV = '''\
+from pkg.kernels.fused import _qkv_head
+
+
+def linear(x, rope=None):
+    return _qkv_head(x) if rope is not None else x
+'''
+
+ENTRIES = ["pkg/backend.py::Backend.rope_out", "pkg/kernels/fused.py::RopeOut", "pkg/kernels/gemv.py"]
+
+
+def tree(**over):
+    files = {"pkg/backend.py": BACKEND, "pkg/kernels/fused.py": FUSED, "pkg/kernels/gemv.py": GEMV}
+    files.update({k.replace("__", "/").replace("_py", ".py"): v for k, v in over.items()})
+    return lambda p: files[p].encode() if files.get(p) is not None else None
+
+
+def changed(**over):
+    return sources.changed(ENTRIES, tree(), tree(**over))
+
+
+def edit(text: str, old: str, new: str) -> str:
+    assert old in text, old
+    return text.replace(old, new)
+
+
+def test_unchanged_code_is_unchanged():
+    assert changed() == []
+    assert changed(pkg__backend_py=BACKEND.replace("    def", "    # a comment\n    def")) == []
+
+
+@pytest.mark.parametrize("where,old,new", [
+    ("backend", "return x + SMS", "return x - SMS"),                         # a module function it calls
+    ("backend", "SMS = 2", "SMS = 4"),                                      # a constant that function reads
+    ("backend", "self.rope_ok = True", "self.rope_ok = False"),             # an attribute set in __init__
+    ("backend", 'pdl=self.levers["pdl"]', 'pdl=False'),                     # a method it calls through self
+    ("backend", "from pkg.kernels import fused, gemv", "from pkg.other import fused, gemv"),   # an import it uses
+    ("backend", "    def rope_out(self, x):", "    def rope_out(self, x, y=0):"),
+])
+def test_what_the_definition_reaches_counts(where, old, new):
+    assert changed(pkg__backend_py=edit(BACKEND, old, new)) == ["pkg/backend.py::Backend.rope_out"]
+
+
+@pytest.mark.parametrize("old,new", [
+    ("UNUSED = 7", "UNUSED = 8"),                                            # a constant nothing of it reads
+    ('splits=self.levers["splits"]', "splits=4"),                           # another lever's method
+    ("    def prefill(self, q):", "    def prefill(self, q, extra=None):"),
+])
+def test_another_definitions_change_does_not_count(old, new):
+    assert changed(pkg__backend_py=edit(BACKEND, old, new)) == []
+
+
+def test_a_helper_another_listed_file_imports_counts():
+    """gemv.py (listed whole) imports fused._qkv_head: it counts for the lever although RopeOut is the only
+    definition listed in fused.py; rms_norm, which no listed code reaches, does not."""
+    assert sources.counted(ENTRIES, tree())["pkg/kernels/fused.py"].startswith(b"reachable RopeOut,_qkv_head\0")
+    assert changed(pkg__kernels__fused_py=edit(FUSED, "x * 2", "x * 3")) == ["pkg/kernels/fused.py::RopeOut"]
+    assert changed(pkg__kernels__fused_py=edit(FUSED, "x / 3", "x / 4")) == []
+    # the backend's counted code uses fused.RopeOut through the module: the same name, already listed
+    assert changed(pkg__kernels__fused_py=edit(FUSED, "+ ROUND", "- ROUND")) == ["pkg/kernels/fused.py::RopeOut"]
+
+
+def test_the_module_object_passed_on_counts_the_whole_file():
+    passed = edit(BACKEND, "return fused.RopeOut(helper(x), **self._gemv_levers())",
+                  "return getattr(fused, 'RopeOut')(helper(x))")
+    assert sources.counted(ENTRIES, tree(pkg__backend_py=passed))["pkg/kernels/fused.py"] == \
+        sources.normalized("pkg/kernels/fused.py", FUSED.encode())
+    assert sources.changed(ENTRIES, tree(pkg__backend_py=passed), tree(
+        pkg__backend_py=passed, pkg__kernels__fused_py=edit(FUSED, "x / 3", "x / 4"))) == \
+        ["pkg/kernels/fused.py::RopeOut"]
+
+
+def test_a_definition_gone_or_renamed_compares_the_whole_file():
+    renamed = edit(BACKEND, "def rope_out(", "def rope_out_v2(")
+    assert changed(pkg__backend_py=renamed) == ["pkg/backend.py::Backend.rope_out"]
+    assert sources.counted(ENTRIES, tree(pkg__backend_py=renamed))["pkg/backend.py"] == \
+        sources.normalized("pkg/backend.py", renamed.encode())
+    assert changed(pkg__backend_py="def broken(:\n") == ["pkg/backend.py::Backend.rope_out"]
+    assert changed(pkg__backend_py=None) == ["pkg/backend.py::Backend.rope_out"]
+
+
+def test_a_block_binding_the_name_and_the_class_itself_count_whole():
+    src = ("import sys\nif sys.platform == 'x':\n    def _exp(x):\n        return x\nelse:\n    def _exp(x):\n"
+           "        return -x\n\n\ndef kernel(x):\n    return _exp(x)\n\n\ndef other():\n    return 1\n")
+    entries = ["k.py::kernel"]
+    assert sources.changed(entries, lambda p: src.encode(), lambda p: src.replace("-x", "+x").encode()) == entries
+    assert sources.changed(entries, lambda p: src.encode(), lambda p: src.replace("1\n", "2\n").encode()) == []
+    cls = ("class C:\n    def a(self):\n        return C()\n\n    def b(self):\n        return 1\n")
+    entries = ["c.py::C.a"]
+    assert sources.changed(entries, lambda p: cls.encode(), lambda p: cls.replace("1\n", "2\n").encode()) == entries
+
+
+def test_entries_are_checked_where_the_lever_file_loads(tmp_path):
+    base = {"name": "x", "env": "VT_X", "type": "bool", "default": False, "values": [False, True], "affects": [],
+            "summary": "s"}
+    import yaml
+    for entry, why in [("conf/x.yaml::A", "not Python"), ("a.py::1bad", "module-level name or Class.member"),
+                       ("/abs/a.py", "repository-relative"), ("../a.py", "repository-relative")]:
+        (tmp_path / "x.yaml").write_text(yaml.safe_dump({**base, "paths": [entry]}))
+        with pytest.raises(levers.LeverError, match=why):
+            levers.registry(tmp_path)
+        levers.reload()
+    assert levers.covers(["a.py"], "a.py::f") and levers.covers(["a.py::f"], "a.py::f")
+    assert not levers.covers(["a.py::g"], "a.py::f")
+
+
+def test_a_declared_definition_missing_from_the_tree_is_reported(tmp_path):
+    (tmp_path / "pkg" / "kernels").mkdir(parents=True)
+    (tmp_path / "pkg" / "backend.py").write_text(BACKEND)
+    lever = levers.Lever(name="x", env="VT_X", type="bool", default=False, values=[False, True], affects=[],
+                         summary="s", paths=["pkg/backend.py::Backend.rope_out", "pkg/backend.py::Backend.gone",
+                                             "pkg/kernels/none.py"])
+    assert lever_context.missing_sources(lever, tmp_path) == ["pkg/backend.py::Backend.gone", "pkg/kernels/none.py"]
