@@ -210,10 +210,21 @@ MUTATIONS = [
               "tests/test_context.py::test_a_presets_own_levers_are_the_lever_not_its_context"]),
     Mutation("quant-scoped-sources-ignored", "staleness: a bf16 verdict goes STALE when a source that runs only "
              "on quantized weights (w4a16.py) changes", "campaigns/context.py",
-             "    return [p for p in lever.paths if quant is None or quant in QUANT_SOURCES.get(p, (quant,))]\n",
+             "    return [p for p in lever.paths\n            if quant is None or quant in QUANT_SOURCES.get(split_entry(p)[0], (quant,))]\n",
              "    return list(lever.paths)\n",
              ["tests/test_context.py::test_a_source_that_runs_on_other_quantizations_alone_does_not_stale_a_bf16_"
               "verdict"]),
+    Mutation("sources-reach-skips-instance-state", "staleness: a lever's method reading self.x does not count the "
+             "methods that set it (a changed __init__ leaves the verdict FRESH)", "campaigns/sources.py",
+             "                for j in mod.members[cname].get(n.attr) or _assigners(cls, n.attr):\n",
+             "                for j in mod.members[cname].get(n.attr) or []:\n",
+             ["tests/test_sources.py::test_what_the_definition_reaches_counts"]),
+    Mutation("sources-cross-file-imports-ignored", "staleness: a helper of a file listed by its definitions, which "
+             "another listed file imports, does not count (fused._qkv_head changing leaves fuse_rope FRESH)",
+             "campaigns/sources.py",
+             "                new = _imported(part, g, module_name(f)) - seeds[f]\n",
+             "                new = set()\n",
+             ["tests/test_sources.py::test_a_helper_another_listed_file_imports_counts"]),
     Mutation("liveness-ignores-counters", "staleness: the recorded live levers ignore the kernel counters (every "
              "lever live, so marlin_dense on bf16 stales)", "campaigns/context.py",
              "    return sorted(name for name, lv in levers.items() if not lv.affects or set(lv.affects) & ran)\n",
