@@ -169,3 +169,44 @@ def test_a_declared_definition_missing_from_the_tree_is_reported(tmp_path):
                          summary="s", paths=["pkg/backend.py::Backend.rope_out", "pkg/backend.py::Backend.gone",
                                              "pkg/kernels/none.py"])
     assert lever_context.missing_sources(lever, tmp_path) == ["pkg/backend.py::Backend.gone", "pkg/kernels/none.py"]
+
+
+def test_fuse_rope_stays_fresh_when_another_levers_backend_method_changes(tmp_path):
+    """The project's own lever files on a temporary repository whose backend holds the methods they name:
+    prefill_splits' wiring in TritonBackend.prefill_attention leaves fuse_rope's verdict FRESH (it staled it when
+    the whole file counted); a change to rope_out stales it, naming that definition."""
+    from helpers import lever_repo
+    root = lever_repo(tmp_path)
+    backend = root / "vtengine" / "backends" / "triton_backend.py"
+    methods = "".join(f"    def {m}(self, x):\n        return self.go(x, {m!r})\n\n" for m in (
+        "rope_out", "linear", "norm_linear", "qkv_epilogue", "prefill_attention", "fuses_norm", "linear_add",
+        "gate_up_silu", "silu_mul", "_w4a16_levers", "_gemv_levers"))
+    backend.write_text("class TritonBackend:\n    def go(self, x, name):\n        return x\n\n" + methods)
+    fused = root / "vtengine" / "kernels" / "fused.py"
+    fused.write_text("class RopeOut:\n    pass\n\n\ndef qkv_epilogue(x):\n    return x\n\n\ndef argmax(x):\n"
+                     "    return x\n")
+    repo = git.Repo(root)
+    repo.git.add(A=True)
+    sha = repo.index.commit("backend", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t")).hexsha
+    levers.reload()
+    reg = levers.registry(root / "conf" / "lever")
+    assert lever_context.missing_sources(reg["fuse_rope"], root) == []
+    ev = make_evidence(TPUT_WIN, lever="fuse_rope")
+    for arm in ev.arms:
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "fuse_rope": arm.value}
+        ev.live_levers[arm.name] = ["fuse_rope"]
+    ev.lever_digests = lever_context.tree_digests(reg, root)
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
+
+    def fresh():
+        return lever_context.freshness(ev, root, reg, lever_context.tree_digests(reg, root))
+
+    backend.write_text(backend.read_text().replace("'prefill_attention')", "'prefill_attention', 4)"))
+    fused.write_text(fused.read_text().replace("def argmax(x):\n    return x", "def argmax(x):\n    return -x"))
+    assert fresh().fresh, fresh().reasons
+    backend.write_text(backend.read_text().replace("'rope_out')", "'rope_out', 2)"))
+    assert fresh().reasons == ["fuse_rope's source files (vtengine/backends/triton_backend.py::TritonBackend.rope_out) "
+                               f"changed since {sha[:7]}"]
+    backend.write_text(backend.read_text().replace("return x\n", "return -x\n", 1))    # go(): every method calls it
+    assert fresh().reasons[0].startswith("fuse_rope's source files (vtengine/backends/triton_backend.py::TritonBackend."
+                                         "rope_out, vtengine/backends/triton_backend.py::TritonBackend.linear, ")
