@@ -71,6 +71,10 @@ class PolicyConfig:
     # axis -> why the lever trades it by design, written before the campaign runs (chunked prefill raises the median
     # ITL to take the multi-second stalls out): a LOSS there is reported, never vetoes a FLIP; never a primary axis
     traded_axes: Dict[str, str] = field(default_factory=dict)
+    # grid name -> {axis: why}: axes traded on that grid alone, added to traded_axes when the campaign runs on it (the
+    # evidence keeps the merged map). Mixed steps give back a 32k prompt's median TTFT, which prefill first wins by
+    # jumping every running request's decode; on short prompts nothing is traded but the ITL.
+    traded_axes_by_grid: Dict[str, Dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -408,6 +412,13 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     if bad_axes:
         raise CampaignConfigError(f"unknown axis {bad_axes} in campaign.policy.primary_axes; "
                                   f"accepted: {', '.join(_axis_names())}")
+    by_grid = {g: dict(axes) for g, axes in camp.policy.traded_axes_by_grid.items()}
+    unknown_grids = sorted(set(by_grid) - set(options("grid", conf_dir)))
+    if unknown_grids:
+        raise CampaignConfigError(f"campaign.policy.traded_axes_by_grid names unknown grid(s) {unknown_grids}; "
+                                  f"accepted: {', '.join(options('grid', conf_dir))}")
+    if cfg.grid.name in by_grid:
+        camp.policy.traded_axes = {**camp.policy.traded_axes, **by_grid[cfg.grid.name]}
     traded = dict(camp.policy.traded_axes)
     bad_traded = [a for a in traded if a not in _axis_names()]
     if bad_traded:

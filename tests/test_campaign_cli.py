@@ -90,6 +90,22 @@ def test_traded_axes_must_be_known_explained_and_not_primary(traded, match):
     assert dict(cfg.campaign.policy.traded_axes) == {"itl": "why"}
 
 
+def test_axes_traded_on_one_grid_join_the_policy_there_alone():
+    """mixed_prefill trades the median TTFT on the long-prompt grid only; the evidence's policy holds the merged map,
+    so its record quotes both reasons; a grid name that is no grid is an error naming the accepted ones."""
+    long = compose(["campaign=mixed_prefill", "grid=long_prompt"], cuda=True)
+    assert sorted(long.campaign.policy.traded_axes) == ["itl", "ttft"]
+    assert "median E2EL" in long.campaign.policy.traded_axes["ttft"]
+    short = compose(["campaign=mixed_prefill"], cuda=True)
+    assert sorted(short.campaign.policy.traded_axes) == ["itl"]
+    with pytest.raises(CampaignConfigError, match=r"traded_axes_by_grid names unknown grid\(s\) \['longer'\]; "
+                                                  r"accepted: long_prompt, online"):
+        compose(["campaign=mixed_prefill", "+campaign.policy.traded_axes_by_grid.longer={ttft: why}"], cuda=True)
+    with pytest.raises(CampaignConfigError, match=r"traded_axes \['tpot'\] are primary axes"):
+        compose(["campaign=mixed_prefill", "grid=long_prompt",
+                 "+campaign.policy.traded_axes_by_grid.long_prompt.tpot=why"], cuda=True)
+
+
 def test_arms_resolve_from_the_lever_file_default():
     from vtengine.levers import get
     cfg = compose(["campaign=nsplits_cap"], cuda=False)
