@@ -449,27 +449,31 @@ def arm_context(ctx: GateContext, arm: Arm) -> dict[str, Any]:
 
 
 def build_cases(ctx: GateContext, gen) -> list[tuple[str, str, Callable, Callable]]:
+    return cases_for(ctx.lever, ctx.device, _shapes(ctx.device), gen)
+
+
+def cases_for(lever: str, dev: str, sh: dict[str, Any], gen) -> list[tuple[str, str, Callable, Callable]]:
+    """(kernel, case name, run, reference) for each kernel the lever affects, at shapes ``sh`` on device ``dev``
+    (vtengine/kernels/aot.py builds the GPU's shapes on the CPU to compile what they launch)."""
     from vtengine import levers
-    dev = ctx.device
-    sh = _shapes(dev)
     out = []
-    for kernel in levers.get(ctx.lever).affects:
+    for kernel in levers.get(lever).affects:
         if kernel == "decode_attention":
-            cs = decode_cases(gen, dev, sh, ctx.lever)
+            cs = decode_cases(gen, dev, sh, lever)
         elif kernel == "prefill_attention":
-            cs = prefill_cases(gen, dev, sh, ctx.lever)
+            cs = prefill_cases(gen, dev, sh, lever)
         elif kernel == "w4a16_gemm":
             cs = gemm_cases(gen, dev, sh, "mxfp4") + gemm_cases(gen, dev, sh, "nvfp4")
         elif kernel == "rms_norm":
             cs = norm_cases(gen, dev, sh)
         elif kernel == "dense_linear":
-            cs = dense_linear_cases(gen, dev, sh) + (norm_gemv_cases(gen, dev, sh) if ctx.lever == "fuse_norm" else [])
-        elif kernel == "silu_mul" and ctx.lever == "fuse_silu":
+            cs = dense_linear_cases(gen, dev, sh) + (norm_gemv_cases(gen, dev, sh) if lever == "fuse_norm" else [])
+        elif kernel == "silu_mul" and lever == "fuse_silu":
             cs = gate_up_silu_cases(gen, dev, sh)
         elif kernel == "silu_mul":
             cs = silu_cases(gen, dev, sh)
         elif kernel == "qkv_epilogue":           # fuse_rope's cases end in the epilogue: its bound
-            cs = qkv_epilogue_cases(gen, dev, sh) + (rope_gemv_cases(gen, dev, sh) if ctx.lever == "fuse_rope" else [])
+            cs = qkv_epilogue_cases(gen, dev, sh) + (rope_gemv_cases(gen, dev, sh) if lever == "fuse_rope" else [])
         elif kernel == "argmax":
             cs = argmax_cases(gen, dev, sh)
         else:
