@@ -31,7 +31,7 @@ import yaml
 from campaigns import sources
 from campaigns.evidence import Evidence
 from campaigns.sources import normalized  # noqa: F401  (how sources compare: tests use it)
-from vtengine.levers import split_entry
+from vtengine.levers import PATH_SEP, split_entry
 
 # the kernels schema-1 evidence's mechanism gate kept counters for: a lever whose kernels are all among these and
 # absent from the counters did not run; any other kernel is unknown (counted live)
@@ -124,7 +124,7 @@ def missing_sources(lever, root: Path | str) -> list[str]:
         if not (root / f).is_file():
             out += [p for p in lever.paths if split_entry(p)[0] == f]
         elif symbols:
-            out += [f"{f}::{s}" for s in sources.undefined(_tree_file(root, f), symbols)]
+            out += [f"{f}{PATH_SEP}{s}" for s in sources.undefined(_tree_file(root, f), symbols)]
     return out
 
 

@@ -199,14 +199,14 @@ def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
                 take_top(name)
         if cname is None:
             continue
-        cls, bases = mod.cls(cname), 0
+        cls, named_member = mod.cls(cname), 0          # uses of the class's own name as `Class.member`
         for n in ast.walk(node):
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls",
                                                                                                  cname):
-                bases += n.value.id == cname
+                named_member += n.value.id == cname
                 for j in mod.members[cname].get(n.attr) or _assigners(cls, n.attr):
                     take_member(cname, j)
-        if sum(isinstance(n, ast.Name) and n.id == cname for n in ast.walk(node)) > bases:
+        if sum(isinstance(n, ast.Name) and n.id == cname for n in ast.walk(node)) > named_member:
             take_top(cname)     # the class itself (an instance built, passed on): all of it
     out = []
     for i, stmt in enumerate(mod.body):
