@@ -323,7 +323,8 @@ def report(results: list[Result], notes: dict[str, str], arch: int, seconds: flo
     return {"arch": f"sm_{arch}", "triton": triton.__version__, "specs": len(results),
             "failed": sum(not r.ok for r in results), "seconds": round(seconds, 1), "kernels": by_kernel,
             "failures": [asdict(r) for r in results if not r.ok],
-            "spills": [asdict(r) for r in results if r.ok and r.spill_bytes], "notes": notes}
+            "spills": [asdict(r) for r in results if r.ok and r.spill_bytes], "notes": notes,
+            "results": [asdict(r) for r in results]}
 
 
 def main(argv: list[str] | None = None) -> int:
