@@ -147,7 +147,7 @@ def _git_file(repo, sha: str, path: str) -> bytes | None:
 def _commit_known(repo, sha: str) -> bool:
     import git
     try:
-        repo.commit(sha)
+        repo.git.cat_file("-e", f"{sha}^{{commit}}")     # repo.commit() takes any 40-hex string on trust
         return True
     except (git.BadName, ValueError, git.GitCommandError):
         return False

@@ -582,3 +582,12 @@ def test_the_quantization_scoped_sources_run_on_their_quantizations_alone():
             if any(n.endswith("kernels.w4a16") for n in names):
                 importers.add(str(path.relative_to(ROOT)))
     assert importers == {"vtengine/backends/triton_backend.py"}
+
+
+def test_a_full_length_sha_the_repository_lacks_is_unknown(repo):
+    """gitpython's repo.commit() takes any 40-hex string on trust; a missing commit must read as unknown (its
+    sources cannot be compared: STALE), not fail on the first file read."""
+    r = git.Repo(repo)
+    assert lever_context._commit_known(r, r.head.commit.hexsha)
+    assert not lever_context._commit_known(r, "0" * 40)
+    assert lever_context.changed_sources(repo, "0" * 40, ["vtengine/kernels/attention.py"]) is None
