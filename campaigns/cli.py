@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--frozen", action="store_true",
                     help="work through the saved plan as it is (a copy without the repository's history, e.g. a "
                          "GPU host, cannot judge freshness: plan where the history is, carry the plan there)")
+    so = sub.add_parser("sources", help="what code counts for a lever's staleness, and what changed since a commit",
+                        description="For each file a lever file lists (paths:), the whole file or the definitions "
+                                    "whose code counts (the declared ones and what they reach; campaigns/sources.py)"
+                                    "; with --since, the entries whose code changed since that commit (what would "
+                                    "make a verdict measured there STALE by its own sources).")
+    so.add_argument("lever")
+    so.add_argument("--since", default=None, help="a commit: list the entries whose code changed since it")
     rd = sub.add_parser("render", help="rebuild records from evidence files")
     _out_dir_arg(rd)
     rd.add_argument("--no-plots", action="store_true", help="skip grid.png")
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_recheck(args)
         if extra:
             raise UsageError(f"unexpected argument(s) {extra} for {args.cmd}")
-        return {"status": cmd_status, "render": cmd_render, "log": cmd_log, "pr": cmd_pr, "ui": cmd_ui,
+        return {"status": cmd_status, "sources": cmd_sources, "render": cmd_render, "log": cmd_log, "pr": cmd_pr, "ui": cmd_ui,
                 "calibrate": cmd_calibrate, "flip": cmd_flip, "decide": cmd_decide,
                 "conclude": cmd_conclude}[args.cmd](args)
     except (UsageError, *USER_ERRORS) as e:
@@ -272,6 +279,33 @@ def cmd_status(args) -> int:
         console.print(f"{len(stale)} stale binding verdict(s) (`vtcampaign recheck` re-runs them):")
         for ev, f in stale:
             console.print(f"  {plan_key(ev)} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}")
+    return 0
+
+
+def cmd_sources(args) -> int:
+    from campaigns import context as lever_context
+    from campaigns import sources
+    from vtengine import confdirs, levers
+    lever = levers.get(args.lever)
+    root = confdirs.SOURCE_ROOT
+    missing = lever_context.missing_sources(lever, root)
+    if missing:
+        raise UsageError(f"lever file {lever.path}: paths {missing} are no file under {root}, or name no "
+                         "definition in it")
+    def read(path: str) -> bytes | None:
+        return (root / path).read_bytes() if (root / path).is_file() else None
+
+    for f, names in sources.reached(lever.paths, read).items():
+        declared = [sym for path, sym in map(levers.split_entry, lever.paths) if path == f and sym]
+        if names is None:
+            print(f"{f}: the whole file")
+        else:
+            print(f"{f}: {', '.join(declared)} and what they reach: {', '.join(names)}")
+    if args.since:
+        moved = lever_context.changed_sources(root, args.since, lever.paths)
+        if moved is None:
+            raise UsageError(f"commit {args.since!r} is not in the repository at {root}")
+        print(f"changed since {args.since}: {', '.join(moved) if moved else 'nothing'}")
     return 0
 
 

@@ -11,8 +11,10 @@ What counts in a file listed by its definitions, found statically and on the saf
 - each definition, and every module-level name its code loads (a function, a class, a constant, an import), and
   theirs in turn; a name bound in a module-level ``if``/``try`` block takes the whole block;
 - inside a class: every member named through ``self.``, ``cls.`` or the class's name; for an instance attribute
-  (``self.levers``), every method of the class that assigns it (``__init__``...); the class's bases, decorators and
-  keywords; the whole class where a method uses the class itself otherwise (builds one, passes it on);
+  (``self.levers``), every method of the class that assigns it; always what shapes every instance (``__init__``,
+  ``__post_init__``, ``__new__``, a method calling ``setattr(self, ...)``: the Triton backend's constructor routes
+  ops by it); the class's bases, decorators and keywords; the whole class where a method uses the class itself
+  otherwise (builds one, passes it on);
 - module-level statements that bind no name (a call at import time), always;
 - every name of the file that the counted code of the lever's other listed files imports (``from
   vtengine.kernels.fused import RopeOut``, ``fused.RopeOut``), to a fixed point.
@@ -153,6 +155,20 @@ def _assigners(cls: ast.ClassDef, attr: str) -> list[int]:
     return out
 
 
+def _constructors(cls: ast.ClassDef) -> list[int]:
+    """Indices of the members that shape every instance: __init__, __post_init__, __new__, and any method that sets
+    attributes by computed name (``setattr(self, name, ...)``: it may replace a method the lever calls)."""
+    out = []
+    for j, s in enumerate(cls.body):
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                s.name in ("__init__", "__post_init__", "__new__") or any(
+                    isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr"
+                    and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id in ("self", "cls")
+                    for n in ast.walk(s))):
+            out.append(j)
+    return out
+
+
 def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
     """The part of ``tree`` (docstrings dropped) that the declared definitions reach in it (the module's
     docstring says how); None where a definition is not in it."""
@@ -175,10 +191,13 @@ def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
         if i in whole or j in parts.setdefault(i, set()):
             return
         cls = mod.body[i]
-        if not parts[i]:        # the class's header: its bases, decorators and keywords
-            work.append(("header", cls, cname))
+        first = not parts[i]
         parts[i].add(j)
         work.append(("node", cls.body[j], cname))
+        if first:               # the class's header (bases, decorators, keywords) and what builds its instances
+            work.append(("header", cls, cname))
+            for k in _constructors(cls):
+                take_member(cname, k)
 
     for s in symbols:
         head, _, member = s.partition(".")
@@ -295,12 +314,8 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def counted(entries, read) -> dict[str, bytes | None]:
-    """file -> the code of it that counts for these ``paths:`` entries, normalized; ``read(file)`` gives a file's
-    bytes (None: absent). A file listed by its definitions also counts every name of it that the counted code of
-    the lever's other files imports (``from vtengine.kernels.fused import RopeOut``, ``fused.RopeOut``), to a fixed
-    point: a helper another listed file calls is the lever's code too. The whole file counts where a definition is
-    not there, the file does not parse, or another file uses the module object in a way that cannot be told."""
+def _reach(entries, read) -> tuple[dict[str, bytes | None], dict[str, ast.Module | None], dict[str, set[str]]]:
+    """(each file's bytes, the part of it that counts, the definitions it counts from: ALL where the whole file)."""
     spec = by_file(entries)
     data = {f: read(f) for f in spec}
     trees = {f: _parse(data[f]) if f.endswith(".py") else None for f in spec}
@@ -327,13 +342,44 @@ def counted(entries, read) -> dict[str, bytes | None]:
                     grew = True
         if not grew:
             break
+    return data, parts, {f: seeds.get(f, {ALL}) for f in spec}
+
+
+def counted(entries, read) -> dict[str, bytes | None]:
+    """file -> the code of it that counts for these ``paths:`` entries, normalized; ``read(file)`` gives a file's
+    bytes (None: absent). A file listed by its definitions also counts every name of it that the counted code of
+    the lever's other files imports (``from vtengine.kernels.fused import RopeOut``, ``fused.RopeOut``), to a fixed
+    point: a helper another listed file calls is the lever's code too. The whole file counts where a definition is
+    not there, the file does not parse, or another file uses the module object in a way that cannot be told."""
+    data, parts, seeds = _reach(entries, read)
     out = {}
     for f, part in parts.items():
-        if f in seeds and ALL not in seeds[f]:
+        if ALL not in seeds[f]:
             out[f] = b"reachable " + ",".join(sorted(seeds[f])).encode() + b"\0" + ast.dump(
                 part, include_attributes=False).encode()
         else:
             out[f] = normalized(f, data[f])
+    return out
+
+
+def reached(entries, read) -> dict[str, list[str] | None]:
+    """file -> the definitions whose code counts for the entries (functions, ``Class.member``, constants; imports
+    left out), or None where the whole file counts: what ``vtcampaign sources`` shows."""
+    _, parts, seeds = _reach(entries, read)
+    out: dict[str, list[str] | None] = {}
+    for f, part in parts.items():
+        if ALL in seeds[f] or part is None:
+            out[f] = None
+            continue
+        names: list[str] = []
+        for stmt in part.body:
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(stmt, ast.ClassDef):            # its members that count (a whole class: all)
+                names += [f"{stmt.name}.{m}" for s in stmt.body for m in sorted(_binds(s))]
+            else:
+                names += sorted(_binds(stmt)) or [type(stmt).__name__.lower()]
+        out[f] = names
     return out
 
 

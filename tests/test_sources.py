@@ -210,3 +210,37 @@ def test_fuse_rope_stays_fresh_when_another_levers_backend_method_changes(tmp_pa
     backend.write_text(backend.read_text().replace("return x\n", "return -x\n", 1))    # go(): every method calls it
     assert fresh().reasons[0].startswith("fuse_rope's source files (vtengine/backends/triton_backend.py::TritonBackend."
                                          "rope_out, vtengine/backends/triton_backend.py::TritonBackend.linear, ")
+
+
+def test_what_shapes_every_instance_counts():
+    """A declared method that reads no attribute still counts its class's constructor and any method that sets
+    attributes by computed name: the Triton backend's __init__ reroutes ops with setattr(self, op, ...)."""
+    src = ("class B:\n    def __init__(self, ops):\n        for op in ops:\n            setattr(self, op, None)\n\n"
+           "    def route(self, x):\n        return x\n\n    def late(self, name):\n        setattr(self, name, 1)\n\n"
+           "    def other(self):\n        return 2\n")
+    entries = ["b.py::B.route"]
+    for old, new in (("setattr(self, op, None)", "setattr(self, op, 0)"), ("setattr(self, name, 1)", "pass")):
+        assert sources.changed(entries, lambda p: src.encode(), lambda p: src.replace(old, new).encode()) == entries
+    assert sources.changed(entries, lambda p: src.encode(), lambda p: src.replace("2\n", "3\n").encode()) == []
+    assert sources.reached(entries, lambda p: src.encode()) == {"b.py": ["B.__init__", "B.route", "B.late"]}
+
+
+def test_reached_names_what_counts_and_whole_files():
+    got = sources.reached(ENTRIES, tree())
+    assert got["pkg/kernels/gemv.py"] is None
+    assert {"Backend.rope_out", "Backend.__init__", "Backend._gemv_levers", "helper", "SMS"} <= set(
+        got["pkg/backend.py"])
+    assert not {"UNUSED", "Backend.prefill"} & set(got["pkg/backend.py"])
+    assert got["pkg/kernels/fused.py"] == ["_qkv_head", "RopeOut.__init__"]
+
+
+def test_the_sources_command_shows_a_levers_code(capsys):
+    from campaigns.cli import main
+    assert main(["sources", "gqa_swap"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("vtengine/kernels/attention.py: "))
+    assert line.startswith("vtengine/kernels/attention.py: decode_attention and what they reach: ")
+    assert "_decode_kernel" in line and "_merge_splits" in line and "_prefill_kernel" not in line
+    assert main(["sources", "gqa_swap", "--since", "0" * 40]) == 2
+    assert "is not in the repository" in capsys.readouterr().err
+    assert main(["sources", "no_such_lever"]) == 2
