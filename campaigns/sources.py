@@ -63,14 +63,8 @@ def _strip_docstrings(tree: ast.AST) -> None:
 def normalized(path: str, data: bytes | None) -> bytes | None:
     """A source file as far as its behaviour goes: Python parsed (comments and formatting gone) with its module,
     class and function docstrings dropped, as ``ast.dump``; any other file, or Python that does not parse, as is."""
-    if data is None or not path.endswith(".py"):
-        return data
-    try:
-        tree = ast.parse(data)
-    except (SyntaxError, ValueError):
-        return data
-    _strip_docstrings(tree)
-    return ast.dump(tree, include_attributes=False).encode()
+    tree = _parse(data) if path.endswith(".py") else None
+    return data if tree is None else ast.dump(tree, include_attributes=False).encode()
 
 
 def _child_blocks(stmt: ast.stmt):
@@ -239,6 +233,7 @@ def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
 
 
 def _parse(data: bytes | None) -> ast.Module | None:
+    """Python source parsed with its docstrings dropped; None where there is none or it does not parse."""
     if data is None:
         return None
     try:
