@@ -30,10 +30,13 @@ class Backend:
     def _gemv_levers(self):
         return dict(pdl=self.levers["pdl"])
 
+    def configure(self, scale):
+        self.scale = scale
+
     def rope_out(self, x):
         if not self.rope_ok:
             return None
-        return fused.RopeOut(helper(x), **self._gemv_levers())
+        return fused.RopeOut(helper(x) * self.scale, **self._gemv_levers())
 
     def prefill(self, q):
         return _prefill(q, splits=self.levers["splits"])
@@ -91,6 +94,7 @@ def test_unchanged_code_is_unchanged():
     ("backend", "return x + SMS", "return x - SMS"),                         # a module function it calls
     ("backend", "SMS = 2", "SMS = 4"),                                      # a constant that function reads
     ("backend", "self.rope_ok = True", "self.rope_ok = False"),             # an attribute set in __init__
+    ("backend", "self.scale = scale", "self.scale = 2 * scale"),            # ... or in another method
     ("backend", 'pdl=self.levers["pdl"]', 'pdl=False'),                     # a method it calls through self
     ("backend", "from pkg.kernels import fused, gemv", "from pkg.other import fused, gemv"),   # an import it uses
     ("backend", "    def rope_out(self, x):", "    def rope_out(self, x, y=0):"),
@@ -119,7 +123,7 @@ def test_a_helper_another_listed_file_imports_counts():
 
 
 def test_the_module_object_passed_on_counts_the_whole_file():
-    passed = edit(BACKEND, "return fused.RopeOut(helper(x), **self._gemv_levers())",
+    passed = edit(BACKEND, "return fused.RopeOut(helper(x) * self.scale, **self._gemv_levers())",
                   "return getattr(fused, 'RopeOut')(helper(x))")
     assert sources.counted(ENTRIES, tree(pkg__backend_py=passed))["pkg/kernels/fused.py"] == \
         sources.normalized("pkg/kernels/fused.py", FUSED.encode())
