@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_recheck(args)
         if extra:
             raise UsageError(f"unexpected argument(s) {extra} for {args.cmd}")
-        return {"status": cmd_status, "sources": cmd_sources, "render": cmd_render, "log": cmd_log, "pr": cmd_pr, "ui": cmd_ui,
+        return {"status": cmd_status, "sources": cmd_sources, "render": cmd_render, "log": cmd_log, "pr": cmd_pr,
+                "ui": cmd_ui,
                 "calibrate": cmd_calibrate, "flip": cmd_flip, "decide": cmd_decide,
                 "conclude": cmd_conclude}[args.cmd](args)
     except (UsageError, *USER_ERRORS) as e:

@@ -210,7 +210,8 @@ MUTATIONS = [
               "tests/test_context.py::test_a_presets_own_levers_are_the_lever_not_its_context"]),
     Mutation("quant-scoped-sources-ignored", "staleness: a bf16 verdict goes STALE when a source that runs only "
              "on quantized weights (w4a16.py) changes", "campaigns/context.py",
-             "    return [p for p in lever.paths\n            if quant is None or quant in QUANT_SOURCES.get(split_entry(p)[0], (quant,))]\n",
+             "    return [p for p in lever.paths\n"
+             "            if quant is None or quant in QUANT_SOURCES.get(split_entry(p)[0], (quant,))]\n",
              "    return list(lever.paths)\n",
              ["tests/test_context.py::test_a_source_that_runs_on_other_quantizations_alone_does_not_stale_a_bf16_"
               "verdict"]),

@@ -126,7 +126,8 @@ def test_the_levers_own_source_change_stales_it(repo):
     ev = recorded(repo)
     (repo / "vtengine" / "kernels" / "attention.py").write_text("SPLITS = 8\n")
     f = lever_context.freshness(ev, repo, *now(repo))
-    assert not f.fresh and "gqa_swap's source files (vtengine/kernels/attention.py::decode_attention) changed" in f.reasons[0]
+    assert not f.fresh
+    assert "gqa_swap's source files (vtengine/kernels/attention.py::decode_attention) changed" in f.reasons[0]
     # another lever's file changing is not this verdict's business
     ev = recorded(repo)
     (repo / "vtengine" / "kernels" / "gemv.py").write_text("# another GEMV\n")
@@ -151,7 +152,8 @@ def test_comments_docstrings_and_formatting_do_not_stale_but_code_does(repo):
                  "BLOCK = 64\n\n\ndef launch(q, k, split=1):\n    return q + k\n"):
         src.write_text(code)
         f = lever_context.freshness(ev, repo, *now(repo))
-        assert not f.fresh and "gqa_swap's source files (vtengine/kernels/attention.py::decode_attention) changed" in f.reasons[0]
+        assert not f.fresh
+    assert "gqa_swap's source files (vtengine/kernels/attention.py::decode_attention) changed" in f.reasons[0]
     assert lever_context.normalized("conf/x.yaml", b"a: 1\n") != lever_context.normalized("conf/x.yaml",
                                                                                             b"a: 1  # c\n")
     src.write_text('"""Other words."""\nBLOCK = 64\n\n\ndef launch(q, k):\n    return q + k\n')
@@ -308,9 +310,9 @@ def test_a_campaign_refuses_a_lever_whose_paths_are_not_files(tmp_path, monkeypa
     repo = temp_repo(tmp_path)
     monkeypatch.setattr(confdirs, "SOURCE_ROOT", tmp_path / "empty")
     cfg = compose(["campaign=gqa_swap", "tracking=off"], cuda=False)
-    with pytest.raises(CampaignError, match=r"gqa_swap.yaml: paths \['vtengine/kernels/attention.py::decode_attention'\] "
-                                            r"are no file under .*empty, or name no definition in it; list the "
-                                            r"lever's own sources"):
+    with pytest.raises(CampaignError, match=r"gqa_swap.yaml: paths \['vtengine/kernels/attention.py::"
+                                            r"decode_attention'\] are no file under .*empty, or name no definition "
+                                            r"in it; list the lever's own sources"):
         _preflight(cfg, repo, repo / "records" / "campaigns")
 
 
