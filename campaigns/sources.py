@@ -8,8 +8,9 @@ this lever's verdicts (prefill_splits' one-line wiring in ``TritonBackend.prefil
 
 What counts in a file listed by its definitions, found statically and on the safe side (``counted``):
 
-- each definition, and every module-level name its code loads (a function, a class, a constant, an import), and
-  theirs in turn; a name bound in a module-level ``if``/``try`` block takes the whole block;
+- each definition, and every module-level name its code loads (a function, a class, a constant, an import: the
+  name alone, not the other names of its ``from m import a, b``), and theirs in turn; a name bound in a
+  module-level ``if``/``try`` block takes the whole block;
 - inside a class: every member named through ``self.``, ``cls.`` or the class's name; for an instance attribute
   (``self.levers``), every method of the class that assigns it; always what shapes every instance (``__init__``,
   ``__post_init__``, ``__new__``, a method calling ``setattr(self, ...)``: the Triton backend's constructor routes
@@ -171,11 +172,14 @@ def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
         return None
     whole: set[int] = {i for i, s in enumerate(mod.body) if not _binds(s)}     # import-time side effects
     parts: dict[int, set[int]] = {}         # class statement index -> member indices taken
+    imported: dict[int, set[str]] = {}      # import statement index -> the names of it taken
     work: list[tuple] = [("node", mod.body[i], None) for i in whole]
 
     def take_top(name: str) -> None:
         for i in mod.top.get(name, []):
-            if i not in whole:
+            if isinstance(mod.body[i], (ast.Import, ast.ImportFrom)):
+                imported.setdefault(i, set()).add(name)     # one name of `from m import a, b`: not the others
+            elif i not in whole:
                 whole.add(i)
                 stmt = mod.body[i]
                 work.append(("node", stmt, stmt.name if isinstance(stmt, ast.ClassDef) else None))
@@ -225,6 +229,10 @@ def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
     for i, stmt in enumerate(mod.body):
         if i in whole:
             out.append(stmt)
+        elif i in imported:
+            part = copy.copy(stmt)
+            part.names = [a for a in stmt.names if (a.asname or a.name).split(".")[0] in imported[i]]
+            out.append(part)
         elif parts.get(i):
             part = copy.copy(stmt)
             part.body = [s for j, s in enumerate(stmt.body) if j in parts[i]]

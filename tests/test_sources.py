@@ -107,6 +107,7 @@ def test_what_the_definition_reaches_counts(where, old, new):
     ("UNUSED = 7", "UNUSED = 8"),                                            # a constant nothing of it reads
     ('splits=self.levers["splits"]', "splits=4"),                           # another lever's method
     ("    def prefill(self, q):", "    def prefill(self, q, extra=None):"),
+    ("from pkg.kernels import fused, gemv", "from pkg.kernels import fused, gemv, sm_count"),    # a name it never uses
 ])
 def test_another_definitions_change_does_not_count(old, new):
     assert changed(pkg__backend_py=edit(BACKEND, old, new)) == []
