@@ -115,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
                                     "make a verdict measured there STALE by its own sources).")
     so.add_argument("lever")
     so.add_argument("--since", default=None, help="a commit: list the entries whose code changed since it")
+    so.add_argument("--diff", action="store_true", help="with --since: print how the code that counts changed")
     rd = sub.add_parser("render", help="rebuild records from evidence files")
     _out_dir_arg(rd)
     rd.add_argument("--no-plots", action="store_true", help="skip grid.png")
@@ -307,6 +308,10 @@ def cmd_sources(args) -> int:
         if moved is None:
             raise UsageError(f"commit {args.since!r} is not in the repository at {root}")
         print(f"changed since {args.since}: {', '.join(moved) if moved else 'nothing'}")
+        if args.diff and moved:
+            print(lever_context.sources_diff(root, args.since, lever.paths), end="")
+    elif args.diff:
+        raise UsageError("--diff needs --since <commit>: the commit to compare the lever's code with")
     return 0
 
 

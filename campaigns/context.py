@@ -96,6 +96,18 @@ def changed_sources(repo_root: Path | str, sha: str, entries: list[str]) -> list
     return sources.changed(entries, lambda p: _git_file(repo, sha, p), lambda p: _tree_file(root, p))
 
 
+def sources_diff(repo_root: Path | str, sha: str, entries: list[str]) -> str:
+    """``sources.diff`` of the entries' counted code between commit ``sha`` and the working tree ("" where the
+    commit is unknown: see ``changed_sources``)."""
+    from campaigns.gitops import open_repo
+    root = Path(repo_root)
+    repo = open_repo(root)
+    if not _commit_known(repo, sha):
+        return ""
+    return sources.diff(entries, lambda p: _git_file(repo, sha, p), lambda p: _tree_file(root, p), sha[:7],
+                        "working tree")
+
+
 def _tree_file(root: Path, path: str) -> bytes | None:
     return (root / path).read_bytes() if (root / path).is_file() else None
 

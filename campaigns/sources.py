@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import difflib
 
 from vtengine.levers import split_entry
 
@@ -384,6 +385,29 @@ def reached(entries, read) -> dict[str, list[str] | None]:
                 names += sorted(_binds(stmt)) or [type(stmt).__name__.lower()]
         out[f] = names
     return out
+
+
+def counted_text(entries, read) -> dict[str, str]:
+    """file -> the code that counts, as Python source again (``ast.unparse``: comments and docstrings gone); a file
+    that is absent or does not parse, as it is."""
+    data, parts, seeds = _reach(entries, read)
+    out = {}
+    for f, part in parts.items():
+        if part is not None:
+            out[f] = ast.unparse(part) + "\n"
+        else:
+            out[f] = "" if data[f] is None else data[f].decode(errors="replace")
+    return out
+
+
+def diff(entries, read_then, read_now, then_label: str = "then", now_label: str = "now") -> str:
+    """A unified diff of the code that counts, per file whose counted code changed: what made a verdict STALE by its
+    own sources, without the comments, formatting and other levers' definitions that did not count."""
+    then, now = counted_text(entries, read_then), counted_text(entries, read_now)
+    return "".join(
+        "".join(difflib.unified_diff(then[f].splitlines(keepends=True), now[f].splitlines(keepends=True),
+                                     f"{f} ({then_label})", f"{f} ({now_label})", n=2))
+        for f in then if then[f] != now[f])
 
 
 def changed(entries, read_then, read_now) -> list[str]:

@@ -239,6 +239,15 @@ def test_reached_names_what_counts_and_whole_files():
     assert got["pkg/kernels/fused.py"] == ["_qkv_head", "RopeOut.__init__"]
 
 
+def test_the_diff_shows_only_the_code_that_counts():
+    after = edit(edit(BACKEND, "return x + SMS", "return x - SMS"), "UNUSED = 7", "UNUSED = 8")
+    text = sources.diff(ENTRIES, tree(), tree(pkg__backend_py=after), "abc1234", "working tree")
+    assert text.startswith("--- pkg/backend.py (abc1234)\n+++ pkg/backend.py (working tree)\n")
+    assert "-    return x + SMS\n+    return x - SMS\n" in text
+    assert "UNUSED" not in text and "fused.py" not in text
+    assert sources.diff(ENTRIES, tree(), tree()) == ""
+
+
 def test_the_sources_command_shows_a_levers_code(capsys):
     from campaigns.cli import main
     assert main(["sources", "gqa_swap"]) == 0
@@ -249,3 +258,5 @@ def test_the_sources_command_shows_a_levers_code(capsys):
     assert main(["sources", "gqa_swap", "--since", "0" * 40]) == 2
     assert "is not in the repository" in capsys.readouterr().err
     assert main(["sources", "no_such_lever"]) == 2
+    assert main(["sources", "gqa_swap", "--diff"]) == 2
+    assert "--diff needs --since <commit>" in capsys.readouterr().err
