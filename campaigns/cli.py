@@ -288,12 +288,15 @@ def cmd_sources(args) -> int:
     from campaigns import context as lever_context
     from campaigns import sources
     from vtengine import confdirs, levers
+    if args.diff and not args.since:
+        raise UsageError("--diff needs --since <commit>: the commit to compare the lever's code with")
     lever = levers.get(args.lever)
     root = confdirs.SOURCE_ROOT
     missing = lever_context.missing_sources(lever, root)
     if missing:
         raise UsageError(f"lever file {lever.path}: paths {missing} are no file under {root}, or name no "
                          "definition in it")
+
     def read(path: str) -> bytes | None:
         return (root / path).read_bytes() if (root / path).is_file() else None
 
@@ -310,8 +313,6 @@ def cmd_sources(args) -> int:
         print(f"changed since {args.since}: {', '.join(moved) if moved else 'nothing'}")
         if args.diff and moved:
             print(lever_context.sources_diff(root, args.since, lever.paths), end="")
-    elif args.diff:
-        raise UsageError("--diff needs --since <commit>: the commit to compare the lever's code with")
     return 0
 
 
