@@ -526,14 +526,33 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--output-len-range {args.output_len_range}: {e}")
     m = run_leg(args.base_url, model, prompts, lens, args.concurrency, warmup_prompts=warm,
                 timeout_s=args.timeout)
+    context = server_context(args.base_url)
     print(format_summary(m))
+    print(f"{'Server':<45}{context.get('error') or _describe(context)}")
     if args.result_json:
         path = Path(args.result_json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"base_url": args.base_url, "model": model, "vocab_range": list(vocab_range),
                                     "seed": args.seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                    **m.to_dict()}, indent=2))
+                                    "context": context, **m.to_dict()}, indent=2))
     return 0 if m.valid else 1
+
+
+def server_context(base_url: str) -> dict:
+    """What the server says it ran (its build: model, quant, dtype, device, versions; every lever's resolved value),
+    as a campaign records it for each arm, so a leg's JSON says which GPU and settings its figures belong to. A
+    server without those series (not a vtengine server) gives ``{"error": why}``: the leg is still recorded."""
+    from campaigns.grid import GridError, server_info
+    try:
+        info = server_info(base_url.rstrip("/"))
+    except GridError as e:
+        return {"error": str(e)}
+    return {"build": info["build"], "levers": dict(sorted(info["levers"].items()))}
+
+
+def _describe(context: dict) -> str:
+    b = context["build"]
+    return ", ".join(f"{k} {b[k]}" for k in ("device", "model", "quant", "torch", "triton") if b.get(k))
 
 
 def format_summary(m: LegMetrics) -> str:

@@ -12,6 +12,7 @@ from campaigns.loadgen import (SERVER_COUNTERS, SERVER_GAUGES, SERVER_MEANS, Leg
                                _server_deltas, compute_metrics, format_summary, get_model_info, make_output_lens,
                                make_prompts, prompts_sha256, run_leg, safe_vocab_range)
 from helpers import serving
+from vtengine import levers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -263,6 +264,24 @@ def test_cli_writes_result_json(server_url, tmp_path):
     res = json.loads(out.read_text())
     assert rc == 0 and res["valid"] and res["completed"] == 4 and res["total_output_tokens"] == 16
     assert res["model"] == "tiny" and res["concurrency"] == 2 and len(res["prompts_sha256"]) == 64
+    # the figures name the server they came from: its device and build, and every lever as it resolved them
+    build, lev = res["context"]["build"], res["context"]["levers"]
+    assert build["device"] == "cpu" and build["model"] == "tiny" and build["torch"]
+    assert set(lev) == set(levers.registry()) and lev == grid.server_info(server_url)["levers"]
+
+
+def test_cli_records_why_a_server_has_no_context(served, tmp_path, monkeypatch):
+    import json
+
+    from campaigns.loadgen import main
+    server, url = served
+    _without(server, monkeypatch, "vtengine_build_info")
+    out = tmp_path / "leg.json"
+    rc = main(["--base-url", url, "--input-len", "12", "--output-len", "4", "--num-prompts", "2",
+               "--warmup", "0", "--result-json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["completed"] == 2
+    assert "vtengine_build_info" in res["context"]["error"] and "build" not in res["context"]
 
 
 def _without(server, monkeypatch, name: str, renamed: str | None = None) -> None:
