@@ -532,7 +532,8 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
     latest = latest_aa(done)
     aa = [{
         "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
-        "model": _model(e), "value": f"{e.lever}={fmt_lever_value(e.baseline.value)}", "verdict": e.decision.verdict,
+        "model": _model(e), "gpu": gpu_label(e), "value": f"{e.lever}={fmt_lever_value(e.baseline.value)}",
+        "verdict": e.decision.verdict,
         "binding": "binding" if e.decision.binding else "non-binding", "headline": e.decision.headline,
         "bias": "; ".join(fmt_effect(pe) for pe in e.pooled if pe.primary).replace("|", "/") or "—",
         "fresh": (_fresh_cell(fresh(e)) if latest.get(plan_key(e)) is e
@@ -549,6 +550,7 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
     return {
         "lever": name,
         "on": measured_on(last) if last else "—",
+        "gpu": gpu_label(last) if last else "—",
         "default": (fmt_lever_value(default) + _by_quant_note(lever)) if lever else "(no lever file)",
         "env": lever.env if lever else "—",
         "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
@@ -561,6 +563,14 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
                      if last else "—").replace("|", "/"),
         "calibration": (calibrate.sentence(last.calibration) if last and last.calibration else "—"),
     }
+
+
+def gpu_label(ev: Evidence) -> str:
+    """The device a campaign measured on, short: "H200", "H100 80GB HBM3", "cpu". A verdict holds on its GPU: the
+    lender may run a session on another kind than the last (an H100 for an H200 call), and the latest binding
+    verdict of a lever and model replaces the one before it whatever its GPU, so the table names it."""
+    name = ev.fingerprint.device_name or "?"
+    return "cpu" if ev.fingerprint.device_type == "cpu" else name.removeprefix("NVIDIA ").strip()
 
 
 def _by_quant_note(lever) -> str:

@@ -184,13 +184,18 @@ def test_render_of_one_campaign_leaves_the_others_files_alone(tmp_path):
 
 
 def _status_row(status: str, lever: str, on: str | None = None) -> list[str]:
-    """The lever's STATUS row (of the model ``on``, when given) without its "measured on" cell."""
+    """The lever's STATUS row (of the model ``on``, when given) without its "measured on" and GPU cells."""
     table = status.split("## Refuted levers")[0]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in table.splitlines()
             if ln.startswith(f"| {lever} |")]
     rows = [r for r in rows if on is None or r[1] == on]
     assert len(rows) == 1, rows                    # keyed: exactly one row per lever and model
-    return rows[0][:1] + rows[0][2:]
+    return rows[0][:1] + rows[0][3:]
+
+
+def _gpu_cell(status: str, lever: str) -> str:
+    table = status.split("## Refuted levers")[0]
+    return [ln.strip("|").split("|")[2].strip() for ln in table.splitlines() if ln.startswith(f"| {lever} |")][0]
 
 
 def test_status_gives_each_quantizations_row_its_own_default(tmp_path):
@@ -230,6 +235,7 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     status = (tmp_path / "records" / "STATUS.md").read_text()
     row = _status_row(status, "gqa_swap")
     assert row[5] == "FLIP" and "2026-11-30-gqa_swap-abc1234" in row[4] and row[3] == "yes"
+    assert _gpu_cell(status, "gqa_swap") == "H200" and _gpu_cell(status, "nsplits_cap") == "—"
     assert _status_row(status, "fast_math")[5] == "REJECT-PERFORMANCE"
     refuted_part = status.split("## Refuted levers")[1]
     assert "| fast_math | qwen3-8b (bf16) | on | REJECT-PERFORMANCE |" in refuted_part
@@ -259,6 +265,16 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     gqa = (tmp_path / "records" / "BENCHMARKS.md").read_text().split("## gqa_swap")[1]
     assert "2026-11-30-gqa_swap-abc1234" in gqa and "| 8 | candidate (on) | 111.0 | 101.0 | 1.099 WIN |" in gqa
     assert len(find_evidence(out)) == 4
+
+    # A later binding verdict measured on another GPU replaces the row (one verdict per lever and model), and the
+    # row names that GPU: the lender may give an H100 to a session that asked for an H200.
+    h100 = make_evidence(LOSS, created="2026-12-01T09:30:00Z", campaign_id="2026-12-01-gqa_swap-fed4321")
+    h100.fingerprint.device_name = "NVIDIA H100 80GB HBM3"
+    _campaigns(tmp_path, h100)
+    records.render_all(out, plots=False)
+    status = (tmp_path / "records" / "STATUS.md").read_text()
+    assert _gpu_cell(status, "gqa_swap") == "H100 80GB HBM3" and "2026-12-01-gqa_swap-fed4321" in status
+    shutil.rmtree(out / h100.campaign_id)
 
     # The same lever decided on another model holds its own row; the bf16 verdict stays beside it.
     other = make_evidence(LOSS, created="2026-12-01T10:00:00Z", campaign_id="2026-12-01-gqa_swap-def5678")
