@@ -50,7 +50,10 @@ SPLIT_SHAPES = [(128, 32000), (256, 32000), (384, 32000), (512, 32000), (128, 20
 SPLIT_ARMS = ["off", 2, 4, 8, 16, "auto"]
 PACKED_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (128, 64, 8, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2),
-    (64, 64, 4, 3), (256, 64, 8, 2))]
+    (64, 64, 4, 3), (256, 64, 8, 2),
+    # deeper pipelines for the long steps (2026-12-05): the default 128 x 128 / 8 warps at 3 stages (K and V tiles
+    # of 32 KB each per stage: 192 KB, inside Hopper's 227 KB), 64 x 128 at 3, 128 x 64 at 4
+    (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 4))]
 
 
 def causal_flops(q_len: int, prefix: int) -> float:
