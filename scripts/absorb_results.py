@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import hashlib
 import json
 import shutil
 import subprocess
@@ -42,6 +43,15 @@ def _place(src: Path, dest: Path) -> Path | None:
         n += 1
         cand = dest.with_name(f"{dest.stem}-{n}{dest.suffix}")
     return cand
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digests(folder: Path) -> set[str]:
+    """The contents the checkout's ``folder`` holds, by SHA-256, whatever their names."""
+    return {_digest(f) for f in folder.glob("*") if f.is_file()} if folder.is_dir() else set()
 
 
 def _created(evidence: Path) -> str | None:
@@ -98,8 +108,11 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
             continue                                    # an older copy back: the checkout's is further along
         shutil.copytree(cdir, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("runner.pid", "*.pid"))
         campaigns.append(dest.name)
+    held = _digests(root / "bench" / "results")
     for src in sorted((tmp / "bench" / "results").glob("*")):
         if not src.is_file():
+            continue
+        if _digest(src) in held:         # already here, maybe renamed since (the call carried an older checkout)
             continue
         dest = _place(src, root / "bench" / "results" / src.name)
         if dest is None:
