@@ -150,6 +150,14 @@ def headline(ev: Evidence, cand: str, p: PolicyConfig, verdict: str = "") -> str
     stats = [s for s in ev.stats if s.candidate == cand and s.axis in p.primary_axes and s.ratio is not None]
     if not stats:
         return "no grid figures"
+    counted = [s for s in stats if s.separation in ("WIN", "LOSS") and counts(s, p)]
+    if verdict == "KEEP" and {s.separation for s in counted} == {"WIN", "LOSS"}:
+        # a mixed KEEP: its primary axes separated both ways, so no pooled interval summarises it (one straddling
+        # 1 would read as "could not tell"); quote the worst LOSS and the best WIN the rules counted
+        loss = min((s for s in counted if s.separation == "LOSS"), key=lambda s: s.ratio)
+        win = max((s for s in counted if s.separation == "WIN"), key=lambda s: s.ratio)
+        return "; ".join(f"{_label(s.axis)} ×{s.ratio:.3f} at c{s.concurrency} ({separation_label(s, p)})"
+                         for s in (loss, win))
     if verdict in ("KEEP", "NON-BINDING", "AA-PASS", "AA-FAIL", "INVALID", "REJECT-CORRECTNESS"):
         pooled = _widest_pooled(ev, cand, p)
         if pooled is not None:
@@ -182,8 +190,9 @@ def _widest_pooled(ev: Evidence, cand: str, p: PolicyConfig) -> PooledEffect | N
 def effect_note(ev: Evidence, cand: str, p: PolicyConfig) -> str:
     """What a KEEP measured, from the pooled interval of the primary axis that reaches furthest from 1:
     'neutral' (every primary interval within ±neutral_margin), 'slower'/'faster' (the interval excludes 1),
-    else 'underpowered' (the grid cannot tell); then the concurrencies where a primary axis separated (a KEEP
-    can hold LOSSes beside a WIN: a mixed lever), or that none did."""
+    'mixed' (it straddles 1 while primary axes separated both ways: a KEEP can hold LOSSes beside WINs), else
+    'underpowered' (the grid cannot tell); then the concurrencies where a primary axis separated, or that none
+    did."""
     pe = _widest_pooled(ev, cand, p)
     if pe is None:
         return ""
@@ -203,6 +212,9 @@ def effect_note(ev: Evidence, cand: str, p: PolicyConfig) -> str:
         why = ("the LOSSes keep the rule from flipping it" if "LOSS" in seps else "too few for the rule to flip it")
         return (f"faster: the candidate gains {e.lo - 1:.1%} to {e.hi - 1:.1%} on {where}"
                 + (f"; {seps}: {why}" if seps else none + ", so the rule does not flip it"))
+    if seps.startswith("mixed: "):      # separated both ways: decided points, not a grid that could not tell
+        return (f"{seps}: the effect changes direction across the grid, so no pooled interval summarises it "
+                f"({_label(pe.axis)}'s, pooled over concurrencies, spans {e.lo - 1:+.1%} to {e.hi - 1:+.1%})")
     return (f"underpowered: the effect could be anywhere from {e.lo - 1:+.1%} to {e.hi - 1:+.1%} on {where}; "
             f"the grid cannot call it neutral within ±{p.neutral_margin:.0%}" + (f"; {seps}" if seps else ""))
 

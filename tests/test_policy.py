@@ -524,8 +524,24 @@ def test_keep_of_a_mixed_lever_names_where_it_separated():
     """A WIN at one concurrency beside LOSSes at the others is a KEEP (rule 5 needs no WIN): its note must say
     where each separated, never that no point did (the split_rule record of 2026-12-02 read so)."""
     note = keep_note_with_a_tpot_win_at_c8({"median_tpot_ms": {"off": [10.0, 10.1, 10.2], "on": [11.0, 11.1, 11.2]}})
-    assert note.endswith("mixed: LOSSes at c1, c2, c4 and a WIN at c8"), note
-    assert "no point separated" not in note
+    assert note.startswith("mixed: LOSSes at c1, c2, c4 and a WIN at c8: the effect changes direction"), note
+    # its pooled interval straddles 1 because the points disagree, not because the grid could not tell
+    assert "no point separated" not in note and "underpowered" not in note
+
+
+def test_a_mixed_keep_quotes_its_worst_loss_and_best_win():
+    """The headline of a KEEP whose primary axes separated both ways quotes both points, not a pooled interval
+    that straddles 1 (the long-prompt mixed_prefill KEEP of 2026-12-05 read 'P99 ITL ×1.045 [0.578, 1.086]
+    pooled' over a LOSS ×0.532 at c2 and WINs up to ×1.457)."""
+    ev = make_evidence({"median_tpot_ms": {"off": [10.0, 10.1, 10.2], "on": [11.0, 11.1, 11.2]}})
+    for leg in ev.legs:
+        if leg.concurrency == 8:
+            leg.metrics["median_tpot_ms"] = {"off": 10.0, "on": 9.0}[leg.arm] + 0.1 * leg.rep
+    d = policy.conclude(ev).decision
+    assert d.verdict == "KEEP" and "pooled" not in d.headline, d.headline
+    loss, win = d.headline.split("; ")
+    assert loss.startswith("TPOT ×0.9") and loss.endswith("(LOSS)") and "at c8" not in loss
+    assert win.startswith("TPOT ×1.1") and win.endswith("at c8 (WIN)"), d.headline
 
 
 def test_a_concurrency_that_separated_both_ways_names_its_axes():
