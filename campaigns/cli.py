@@ -383,15 +383,17 @@ def cmd_decide(args) -> int:
     if ev.status != "complete" or ev.decision is None:
         raise UsageError(f"campaign {ev.campaign_id} is {ev.status}, not complete: finish it first (vtcampaign run "
                          f"campaign={ev.lever} resume={ev.campaign_id})")
+    from campaigns.runner import CONCLUDED
     before = ev.decision
     after = policy.decide(ev)
-    kept = [r for r in before.reasons if not r.startswith(REDECIDED)]
+    history = (REDECIDED, CONCLUDED)        # where and when it was decided: not the policy's reasons, kept as they are
+    kept = [r for r in before.reasons if not r.startswith(history)]
     if (after.verdict, after.reasons, after.new_default, after.headline) == (before.verdict, kept, before.new_default,
                                                                              before.headline):
         print(f"{ev.campaign_id}: {before.verdict}, unchanged by this checkout's policy")
         return 0
     sha = repo_state(project_root()).short_sha
-    after.reasons += [r for r in before.reasons if r.startswith(REDECIDED)]       # the history of earlier reads
+    after.reasons += [r for r in before.reasons if r.startswith(history)]         # the history of earlier reads
     after.reasons.append(f"{REDECIDED} on {utc_now()[:10]} with the policy at {sha}; it had read {before.verdict}"
                          + (f" ({'; '.join(kept[:2])})" if kept else ""))
     ev.decision = after

@@ -192,9 +192,12 @@ def conclude_recorded(campaign_id: str, repo: Path | str = ".", out_dir: Path | 
     run = _Run(cfg, repo, out_dir, cdir, ev, _gate_context(cfg, ev, cdir, {}), gates, {}, time.perf_counter())
     here = repo_state(repo).short_sha
     ran = f"{ev.fingerprint.git_short_sha} on {ev.fingerprint.device_name}"
-    _conclude(run, note=f"concluded on {utc_now()[:10]} at {here} from the recorded gates and legs (the run at "
+    _conclude(run, note=f"{CONCLUDED} {utc_now()[:10]} at {here} from the recorded gates and legs (the run at "
                         f"{ran} stopped before its verdict); the conclusion measured nothing")
     return ev
+
+
+CONCLUDED = "concluded on"       # the reason conclude_recorded adds: where and when, not the policy's own
 
 
 def _recorded_cfg(ev: Evidence) -> DictConfig:

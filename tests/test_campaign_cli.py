@@ -219,6 +219,14 @@ def test_decide_applies_the_policy_again_and_keeps_the_earlier_verdict(tmp_path,
     assert f"FLIP -> FLIP ({fresh_headline})" in capsys.readouterr().out
     reads = load_evidence(out / ev.campaign_id / "evidence.json").decision.reasons[-2:]
     assert "it had read NON-BINDING" in reads[0] and "it had read FLIP" in reads[1]      # both reads kept
+    # where a verdict was concluded (a device command cut off before it) is history too: it survives a re-read
+    ev3 = load_evidence(out / ev.campaign_id / "evidence.json")
+    concluded = "concluded on 2026-12-05 at abc1234 from the recorded gates and legs (the run at abc1234 on X ...)"
+    ev3.decision.reasons.append(concluded)
+    ev3.decision.headline = "TPOT x0.999 at c4 (NEUTRAL)"
+    save_evidence(ev3, out / ev.campaign_id)
+    assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 0
+    assert concluded in load_evidence(out / ev.campaign_id / "evidence.json").decision.reasons
     ev.status, ev.campaign_id = "in-progress", "2026-01-02-gqa_swap-abc1234"
     save_evidence(ev, out / ev.campaign_id)
     assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 2
