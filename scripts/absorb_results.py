@@ -10,7 +10,8 @@ RESULTS_TGZ is the tarball `scripts/h200_session.sh` leaves in $OUT (records, be
   <date>-<lever>-<sha7>: the later one comes in as <id>-2 (then -3...), its evidence's campaign_id rewritten, as
   `new_campaign_id` names a re-run.
 - bench/results/: files the checkout lacks are copied; a file whose name the checkout already holds with other
-  content (the decode bench names its output by date) is kept beside it as <stem>-<n><suffix>, never overwritten.
+  content (the decode bench names its output by date) is kept beside it as <stem>-<n><suffix>, never overwritten;
+  one whose bytes the checkout holds under any name (renamed since the call's copy was made) is left out.
 - campaigns/gates/op_bounds.yaml: taken when it differs (bounds measured on the device).
 - the logs go to the directory printed at the end, outside the tree.
 Then `vtcampaign render` and, unless --no-commit, one commit of what changed ("Device results: ...", a subject of at
