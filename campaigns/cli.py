@@ -427,6 +427,8 @@ def cmd_recheck(args) -> int:
             print("recheck: no stale binding verdict")
         for e in state["entries"]:
             took = f"~{e['took_s'] / 60:.1f} min" if e.get("took_s") else "time unknown"
+            if e.get("gpu"):        # the last run's device: its time, and the GPU the verdict moves from
+                took += f" on {e['gpu'].removeprefix('NVIDIA ')}"
             key = e.get("key", e["lever"])
             print(f"{e['status']:<8} {key:<13} {e['stale']} ({took} last time)  ->  vtcampaign run "
                   f"{' '.join(e['overrides'])}{' ' + ' '.join(args.overrides) if args.overrides else ''}  "

@@ -255,7 +255,7 @@ def _key(e: dict) -> str:
 def _entry(ev: Evidence, f: lever_context.Freshness, registry: dict) -> dict:
     return {"key": plan_key(ev), "lever": ev.lever if ev.kind == "lever" else plan_key(ev), "stale": ev.campaign_id,
             "why": f.reasons, "overrides": overrides_for(ev, registry),
-            "new": None, "status": "pending", "took_s": took_s(ev)}
+            "new": None, "status": "pending", "took_s": took_s(ev), "gpu": ev.fingerprint.device_name}
 
 
 def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = None, frozen: bool = False) -> dict:

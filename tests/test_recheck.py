@@ -337,6 +337,8 @@ def test_a_plan_entry_gives_the_device_step_that_reruns_it_and_the_seconds_it_ne
     assert re.search(r'^  1: bash scripts/h200_session\.sh "65@campaign:gqa_swap:model=qwen3-8b model\.quant=bf16"$',
                      printed, re.M), printed
     assert "1 to run: ~1 min of device steps" in printed
+    # each entry names the GPU its last run measured on (its time is that GPU's; the re-run may get another)
+    assert re.search(r"^pending .*gqa_swap.* \(~0\.1 min on H200 last time\)", printed, re.M), printed
 
 
 def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_call():
