@@ -420,6 +420,7 @@ def cmd_conclude(args) -> int:
 
 def cmd_recheck(args) -> int:
     from campaigns import recheck
+    from campaigns.records import short_gpu
     from campaigns.runner import CampaignError, run_campaign
     if args.dry_run:
         state = recheck.plan(args.out_dir, restart=args.restart, frozen=args.frozen)
@@ -428,7 +429,7 @@ def cmd_recheck(args) -> int:
         for e in state["entries"]:
             took = f"~{e['took_s'] / 60:.1f} min" if e.get("took_s") else "time unknown"
             if e.get("gpu"):        # the last run's device: its time, and the GPU the verdict moves from
-                took += f" on {e['gpu'].removeprefix('NVIDIA ')}"
+                took += f" on {short_gpu(e['gpu'])}"
             key = e.get("key", e["lever"])
             print(f"{e['status']:<8} {key:<13} {e['stale']} ({took} last time)  ->  vtcampaign run "
                   f"{' '.join(e['overrides'])}{' ' + ' '.join(args.overrides) if args.overrides else ''}  "

@@ -569,8 +569,12 @@ def gpu_label(ev: Evidence) -> str:
     """The device a campaign measured on, short: "H200", "H100 80GB HBM3", "cpu". A verdict holds on its GPU: the
     lender may run a session on another kind than the last (an H100 for an H200 call), and the latest binding
     verdict of a lever and model replaces the one before it whatever its GPU, so the table names it."""
-    name = ev.fingerprint.device_name or "?"
-    return "cpu" if ev.fingerprint.device_type == "cpu" else name.removeprefix("NVIDIA ").strip()
+    return "cpu" if ev.fingerprint.device_type == "cpu" else short_gpu(ev.fingerprint.device_name)
+
+
+def short_gpu(device_name: str | None) -> str:
+    """A device name without the vendor: "NVIDIA H100 80GB HBM3" -> "H100 80GB HBM3"."""
+    return (device_name or "?").removeprefix("NVIDIA ").strip()
 
 
 def _by_quant_note(lever) -> str:
