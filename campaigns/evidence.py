@@ -52,6 +52,8 @@ class Fingerprint:
     arms_env: dict[str, dict[str, str]]     # arm -> the VT_* environment its server runs with
     config_hash: str
     dirty_files: list[str] = field(default_factory=list)
+    # gitops.code_digest at git_sha: what a resume at a later commit must match (None: recorded before 2026-12-05)
+    code_digest: Optional[str] = None
 
 
 @dataclass
@@ -223,6 +225,8 @@ class Evidence:
     # the arms in the order their servers started (empty: written before the order was drawn, when the baseline's
     # server always started first)
     server_order: list[str] = field(default_factory=list)
+    # later commits (short sha) the campaign was resumed at, each with the code of its own commit (runner._same_code)
+    resumed_at: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     # --- queries the runner and the views share

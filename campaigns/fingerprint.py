@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from campaigns.config import arm_env_value, arm_name
 from campaigns.evidence import Arm, Fingerprint
-from campaigns.gitops import repo_state
+from campaigns.gitops import code_digest, repo_state
 
 
 def device_info(device: str) -> tuple[str, str, str | None]:
@@ -68,4 +68,5 @@ def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm],
         device_type=device_type, device_name=device_name, cuda_version=cuda_version,
         torch_version=torch.__version__,
         triton_version=triton_version, python_version=platform.python_version(), hostname=socket.gethostname(),
-        arms_env=arms_env(lever_env, arms, pinned=pinned), config_hash=config_hash, dirty_files=state.dirty_files)
+        arms_env=arms_env(lever_env, arms, pinned=pinned), config_hash=config_hash, dirty_files=state.dirty_files,
+        code_digest=code_digest(repo_path))

@@ -8,6 +8,7 @@ flip reaches the default only when that branch is merged; re-running a campaign 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -25,6 +26,30 @@ RUN_OUTPUTS = ("records", "bench/results", "mlflow.db", "mlruns", "mlartifacts",
 def under(path: str, roots: Iterable[str]) -> bool:
     """Is ``path`` (repo-relative) one of ``roots`` or inside one."""
     return any(path == r.rstrip("/") or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+# What no measurement reads: the run outputs and the prose (*.md). Commits that change only these leave the code a
+# campaign measures as it was (code_digest), so its grid may resume across them.
+def is_prose(path: str) -> bool:
+    return path.lower().endswith(".md")
+
+
+def code_digest(path: Path | str = ".", outputs: Iterable[str] = RUN_OUTPUTS) -> str:
+    """A digest of the code at HEAD: sha256 over the (path, blob id) of every file in HEAD's tree but the run
+    outputs and the prose. Equal digests at two commits mean the same bytes in every file a campaign runs
+    (engine, campaigns, conf, scripts, tests), whatever records, results or notes were committed between them.
+    Working-tree changes are not in it (the fingerprint's dirty_files are)."""
+    repo = open_repo(path)
+    try:
+        tree = repo.head.commit.tree
+    except ValueError:
+        raise GitOpsError(f"repository {repo.working_tree_dir} has no commit yet") from None
+    outputs = tuple(outputs)
+    h = hashlib.sha256()
+    for item in sorted((b for b in tree.traverse() if b.type == "blob"), key=lambda b: b.path):
+        if not under(item.path, outputs) and not is_prose(item.path):
+            h.update(f"{item.path}\0{item.hexsha}\n".encode())
+    return h.hexdigest()
 
 
 def code_dirt(files: Iterable[str], outputs: Iterable[str] = RUN_OUTPUTS) -> list[str]:

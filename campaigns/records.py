@@ -356,7 +356,8 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "effect_note": _effect_note(ev),
         "ev": ev, "d": d, "fp": fp, "row_id": f"row/{ev.lever}", "campaign_id": ev.campaign_id,
         "headline": verdict_headline(ev), "title": title, "date": ev.date,
-        "branch": fp.branch, "base_sha": fp.git_short_sha + ("" if measured_dirt(fp) is None else "-dirty"),
+        "branch": fp.branch, "base_sha": fp.git_short_sha + ("" if measured_dirt(fp) is None else "-dirty")
+        + (f" (resumed at {', '.join(ev.resumed_at)}: the same code)" if ev.resumed_at else ""),
         "device": fp.device_name, "lever": ev.lever, "env": env_name,
         "summary": lever.summary if lever else "",
         "baseline": ev.baseline.name, "baseline_value": fmt_lever_value(ev.baseline.value),

@@ -417,7 +417,7 @@ def _record_gate_context(ev: Evidence, ctx: GateContext) -> None:
 
 def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
     """The newest in-progress campaign under ``out_dir`` that ``cfg`` may resume (its lever, its composed config,
-    this commit), or None."""
+    this code: this commit or one that differs in records, results or prose alone), or None."""
     want = config_hash(cfg)
     mine = [ev for ev in (load_evidence(p.parent) for p in find_evidence(out_dir))
             if ev.status != "complete" and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
@@ -425,7 +425,7 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
         return None
     now = fp.collect(repo, cfg.device, levers.get(cfg.campaign.lever).env, mine[0].arms, want,
                      ignore_dirty=RUN_OUTPUTS)
-    mine = [ev for ev in mine if ev.fingerprint.git_sha == now.git_sha]
+    mine = [ev for ev in mine if _same_code(ev.fingerprint, now)]
     return max(mine, key=lambda ev: (ev.created, ev.campaign_id)).campaign_id if mine else None
 
 
@@ -458,14 +458,17 @@ def _resumable(cfg: DictConfig, cdir: Path, repo: Path, out_dir: Path) -> Eviden
     ev = load_evidence(cdir)
     if ev.lever != cfg.campaign.lever:
         raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
-    _check_resumable(ev, cfg, repo, out_dir)
+    later = _check_resumable(ev, cfg, repo, out_dir)
+    if later and later not in ev.resumed_at:
+        ev.resumed_at.append(later)
     return ev
 
 
-def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | None = None) -> None:
-    """New legs must compare like with like: the same composed config, the same commit, the same tree (clean, or
-    dirty in the same files), device and versions as the first run. The host may differ (a fresh device machine
-    per command is the normal way to spread a grid)."""
+def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | None = None) -> str | None:
+    """New legs must compare like with like: the same composed config, the same code (the campaign's commit, or a
+    later one that changed only records, results or prose: _same_code), the same tree (clean, or dirty in the same
+    files), device and versions as the first run. The host may differ (a fresh device machine per command is the
+    normal way to spread a grid). Returns the later commit a resume runs at, else None."""
     if config_hash(cfg) != ev.fingerprint.config_hash:
         raise CampaignError(f"resume={cfg.resume!r}: the composed config differs from the campaign's (its overrides "
                             f"were recorded in {ev.campaign_id}/evidence.json under 'config'); resume with the same "
@@ -473,9 +476,12 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
     then = ev.fingerprint
     now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, then.config_hash,
                      ignore_dirty=_not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
-    if now.git_sha != then.git_sha:
+    if now.git_sha != then.git_sha and not _same_code(then, now):
+        why = ("its code at that commit was not recorded (before 2026-12-05)" if then.code_digest is None else
+               "the commits between them change code, not only records, results or prose (*.md)")
         raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at {then.git_short_sha}, the checkout "
-                            f"is now at {now.git_short_sha}; legs from two commits would not compare")
+                            f"is now at {now.git_short_sha} and {why}; legs from two codes would not compare "
+                            f"(resume on a checkout of {then.git_short_sha}, or start a new campaign)")
     if sorted(now.dirty_files) != sorted(then.dirty_files):
         def tree(f):
             return f"dirty in {', '.join(sorted(f))}" if f else "clean"
@@ -487,6 +493,13 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
     if differ:
         raise CampaignError(f"resume={cfg.resume!r}: {'; '.join(differ)}; legs measured on two setups would not "
                             "compare: resume where it ran, or start a new campaign")
+    return now.git_short_sha if now.git_sha != then.git_sha else None
+
+
+def _same_code(then, now) -> bool:
+    """Two fingerprints of one code: the same commit, or commits whose code digests (gitops.code_digest: every file
+    but the run outputs and the prose) are equal, e.g. a resume after the first command's results were committed."""
+    return then.git_sha == now.git_sha or (then.code_digest is not None and then.code_digest == now.code_digest)
 
 
 def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], self_check: bool) -> None:

@@ -238,6 +238,57 @@ def test_a_resume_refuses_another_tree_device_or_versions(tmp_path):
         _check_resumable(ev, cfg, repo, out)
 
 
+def test_a_resume_crosses_commits_of_records_and_prose_but_not_of_code(tmp_path):
+    """A grid spread over device commands has its first command's results committed before the next one runs:
+    a resume at that later commit goes on (the code digest is the campaign's: only records, results and *.md
+    changed), and the record names the commit it resumed at; one commit that touches code (here a conf file)
+    makes the next resume refuse, saying why, and resume=auto no longer takes the campaign."""
+    import dataclasses
+
+    import git
+    from campaigns.config import config_hash
+    from campaigns.evidence import save_evidence
+    from campaigns.fingerprint import collect
+    from campaigns.runner import CampaignError, _check_resumable, _resumable, _unfinished
+    from helpers import make_evidence
+    from vtengine import levers
+    repo = temp_repo(tmp_path)
+    r = git.Repo(repo)
+
+    def commit(files: dict[str, str], msg: str) -> str:
+        for name, text in files.items():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            (repo / name).write_text(text)
+        r.index.add(list(files))
+        return r.index.commit(msg, author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t")).hexsha[:7]
+
+    commit({"vtengine/x.py": "A = 1\n"}, "code")
+    cfg = compose(["campaign=gqa_swap", "tracking=off", "resume=x"], cuda=False)
+    out = repo / "records" / "campaigns"
+    ev = make_evidence(lever="gqa_swap", campaign_id="x")
+    ev.status = "in-progress"
+    ev.fingerprint = collect(repo, "cpu", levers.get("gqa_swap").env, ev.arms, config_hash(cfg))
+    assert ev.fingerprint.code_digest and len(ev.fingerprint.code_digest) == 64
+    save_evidence(ev, out / "x")
+    assert _check_resumable(ev, cfg, repo, out) is None              # its own commit
+    later = commit({"records/campaigns/x/evidence.json": ev.to_json(), "bench/results/r.md": "figures\n",
+                    "README.md": "what the first command measured\n", "notes/n.md": "a note\n"}, "results")
+    assert _check_resumable(ev, cfg, repo, out) == later
+    auto = compose(["campaign=gqa_swap", "tracking=off", "resume=auto"], cuda=False)
+    assert _unfinished(auto, repo, out) == "x"
+    resumed = _resumable(cfg, out / "x", repo, out)
+    assert resumed.resumed_at == [later]
+    assert f"(resumed at {later}: the same code)" in records.render_record(resumed)
+    commit({"conf/x.yaml": "a: 1\n"}, "code change")
+    with pytest.raises(CampaignError, match=r"the commits between them change code, not only records, results or "
+                                            r"prose \(\*\.md\); legs from two codes would not compare"):
+        _check_resumable(ev, cfg, repo, out)
+    assert _unfinished(auto, repo, out) is None
+    ev.fingerprint = dataclasses.replace(ev.fingerprint, code_digest=None)      # evidence from before the digest
+    with pytest.raises(CampaignError, match=r"its code at that commit was not recorded"):
+        _check_resumable(ev, cfg, repo, out)
+
+
 def test_an_invalid_leg_stops_the_grid_and_a_resume_runs_no_more_legs(tmp_path, monkeypatch):
     """The grid of a campaign that holds an invalid leg is void: resumed, it runs nothing (no server is even asked:
     the handles here are empty), says why, and the policy reads NON-BINDING naming the leg."""
