@@ -86,6 +86,9 @@ class CampaignConfig:
     gates: List[str] = field(default_factory=lambda: list(GATE_NAMES))
     inapplicable: Dict[str, str] = field(default_factory=dict)   # gate -> why it cannot apply (the record quotes it)
     with_levers: Dict[str, Any] = field(default_factory=dict)    # other levers pinned for both arms
+    # the binding grid a GPU run takes when the command names none (None: online): a lever decided where large
+    # batches live (online_wide) must not be re-decided, and its verdict replaced, on the 4-point grid by default
+    grid: Optional[str] = None
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     hypothesis: str = ""                 # why the lever should help: the record's narrative starts here
     residual: str = ""                   # what still bounds the gap after this lever (PR "Residual")
@@ -227,7 +230,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), conf_dir: Path | str | 
     choice = first.campaign.models.cuda if device == "cuda" else first.campaign.models.cpu
     extra = []
     if "grid" not in user_keys:
-        extra.append(f"grid={'online' if device == 'cuda' else 'rehearsal'}")
+        extra.append(f"grid={(first.campaign.grid or 'online') if device == 'cuda' else 'rehearsal'}")
     if "gate" not in user_keys and device != "cuda":
         extra.append("gate=quick")      # the CPU rehearsal: Triton's interpreter is slow, keep the gates small
     if "model" not in user_keys:
@@ -238,6 +241,15 @@ def compose(overrides: list[str] | tuple[str, ...] = (), conf_dir: Path | str | 
     cfg.device = device
     _resolve_and_validate(cfg, conf_dir)
     return cfg
+
+
+def campaign_grid(name: str, conf_dir: Path | str | None = None) -> str:
+    """The grid a GPU run of campaign ``name`` takes when the command names none: its file's ``grid:``, else
+    online (compose's rule, read without composing)."""
+    conf_dir = Path(conf_dir) if conf_dir is not None else confdirs.merged()
+    path = conf_dir / "campaign" / f"{name}.yaml"
+    grid = OmegaConf.load(path).get("grid") if path.is_file() else None
+    return str(grid) if grid else "online"
 
 
 def _override_keys(overrides: list[str]) -> set[str]:

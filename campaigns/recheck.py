@@ -146,9 +146,9 @@ def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | s
 
 
 def overrides_for(ev: Evidence, registry: dict) -> list[str]:
-    """Hydra overrides that re-run ``ev``'s campaign on today's defaults, on its own binding grid (the CUDA
-    default, ``online``, unless it ran on another, such as ``online_wide``)."""
-    from campaigns.config import settings
+    """Hydra overrides that re-run ``ev``'s campaign on today's defaults, on its own binding grid (named unless it
+    is the one the campaign's file takes by default: config.campaign_grid)."""
+    from campaigns.config import campaign_grid, settings
     cfg = settings(ev)
     camp, model = cfg.campaign, cfg.model
     out = [f"campaign={camp.name}"] + (["aa=true"] if ev.kind == "aa" else [])
@@ -156,8 +156,8 @@ def overrides_for(ev: Evidence, registry: dict) -> list[str]:
         out.append(f"model={model['name']}")
     if model.get("quant"):
         out.append(f"model.quant={model['quant']}")
-    if cfg.grid.binding and cfg.grid.name != "online":
-        out.append(f"grid={cfg.grid.name}")       # a verdict decided on another binding grid (online_wide) keeps it
+    if cfg.grid.binding and cfg.grid.name != campaign_grid(camp.name):
+        out.append(f"grid={cfg.grid.name}")       # a verdict decided on another binding grid keeps it
     lever = registry[ev.lever]
     from vtengine import levers
     default = levers.effective_defaults(registry, lever_context.quant_of(ev))[ev.lever]

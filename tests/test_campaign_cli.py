@@ -35,7 +35,13 @@ def test_every_campaign_composes_on_both_host_kinds():
     assert options("campaign") == CAMPAIGNS
     for name in CAMPAIGNS:
         gpu, cpu = compose([f"campaign={name}"], cuda=True), compose([f"campaign={name}"], cuda=False)
-        assert (gpu.device, gpu.grid.name, gpu.model.name) == ("cuda", "online", "qwen3-8b")
+        # a GPU run takes the campaign file's grid where it names one (the levers decided where large batches or
+        # long prompts live), else online; grid= on the command line still wins
+        own = {"split_rule": "online_wide", "decode_wave_grid": "online_wide", "nsplits_cap": "online_wide",
+               "w4a16_mid_m": "online_span", "mixed_chunk": "long_prompt"}.get(name, "online")
+        assert (gpu.device, gpu.grid.name, gpu.model.name) == ("cuda", own, "qwen3-8b")
+        gpu = compose([f"campaign={name}", "grid=online"], cuda=True)
+        assert gpu.grid.name == "online"
         assert (cpu.device, cpu.grid.name, cpu.model.name) == ("cpu", "rehearsal", "tiny")
         # marlin_dense and w4a16_rot act on W4A16 only; pdl is measured where every kernel of the layer is ours
         # (MXFP4), and rehearses in bf16 on CPU, where it is inert anyway

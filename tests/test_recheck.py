@@ -127,19 +127,31 @@ def test_a_keep_that_won_goes_before_an_equal_flip_and_new_levers_count_where_th
 
 def test_a_stale_aa_grid_is_rechecked_last_and_a_wide_grid_verdict_keeps_its_grid(proj):
     """Each model's latest A/A goes stale like a verdict and is re-run after the verdicts (on the engine as the plan
-    leaves it); an A/A on today's defaults stays out. A verdict decided on the wide grid is re-run on it."""
+    leaves it); an A/A on today's defaults stays out. A verdict is re-run on the grid it was decided on: named
+    when it is not the one its campaign's file takes by default (nsplits_cap's is online_wide, fast_math's online)."""
+    from campaigns.config import compose
     out = proj / "records"
     verdict(proj, "gqa_swap", "2026-11-30T09:00:00Z", aa=True, pdl=True)        # pdl was on, and live
     verdict(proj, "nsplits_cap", "2026-11-30T10:00:00Z", pdl=True, grid="online_wide")
+    verdict(proj, "fast_math", "2026-11-30T10:30:00Z", pdl=True, grid="online_wide")
     entries = recheck.plan(out, root=proj)["entries"]
-    assert [e["lever"] for e in entries] == ["nsplits_cap", "A/A qwen3-8b (bf16)"]
-    wide, aa = entries
+    assert entries[-1]["lever"] == "A/A qwen3-8b (bf16)"
+    by_lever = {e["lever"]: e for e in entries}
+    assert sorted(by_lever) == ["A/A qwen3-8b (bf16)", "fast_math", "nsplits_cap"]
+    wide, fast, aa = by_lever["nsplits_cap"], by_lever["fast_math"], entries[-1]
     assert aa["overrides"] == ["campaign=gqa_swap", "aa=true", "model=qwen3-8b", "model.quant=bf16"]
     assert aa["why"] == ["pdl's default is now off; the campaign ran with on and pdl's kernels ran there"]
-    assert "grid=online_wide" in wide["overrides"]
+    assert not any(o.startswith("grid=") for o in wide["overrides"])
+    assert "grid=online_wide" in fast["overrides"]
+    assert compose(fast["overrides"], cuda=True).grid.name == "online_wide"
+    assert compose(["campaign=nsplits_cap"], cuda=True).grid.name == "online_wide"     # its file's grid
+    cid = verdict(proj, "nsplits_cap", "2026-11-30T11:00:00Z", pdl=True, grid="online")    # the 4-point grid
+    on_online = next(e for e in recheck.plan(out, restart=True, root=proj)["entries"] if e["stale"] == cid)
+    assert "grid=online" in on_online["overrides"]
     # an A/A measured on today's defaults since: the model's latest, fresh, so the plan drops the old one
     verdict(proj, "gqa_swap", "2026-12-01T09:00:00Z", aa=True)
-    assert [e["lever"] for e in recheck.plan(out, restart=True, root=proj)["entries"]] == ["nsplits_cap"]
+    assert sorted(e["lever"] for e in recheck.plan(out, restart=True, root=proj)["entries"]) == [
+        "fast_math", "nsplits_cap"]
 
 
 def test_a_run_works_through_the_plan_and_resumes_the_campaign_it_was_stopped_in(proj):
