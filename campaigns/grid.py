@@ -273,6 +273,21 @@ def peak_memory_gib(url: str) -> float:
     return round(vals[name] / 2**30, 3)
 
 
+def visible_gpu(environ=None) -> str:
+    """The physical GPU that CUDA calls device 0 here, as NVML names it: the first entry of CUDA_VISIBLE_DEVICES (an
+    index or a GPU-/MIG- UUID), "0" when unset. NVML ignores CUDA_VISIBLE_DEVICES, so a sweep job that sees one
+    GPU of a host must ask NVML for that GPU, not for NVML's first (vLLM maps its devices the same way)."""
+    environ = os.environ if environ is None else environ
+    first = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return first or "0"
+
+
+def nvml_handle(nv, environ=None):
+    """The NVML handle of ``visible_gpu``: by index, or by UUID."""
+    gpu = visible_gpu(environ)
+    return nv.nvmlDeviceGetHandleByIndex(int(gpu)) if gpu.isdigit() else nv.nvmlDeviceGetHandleByUUID(gpu)
+
+
 class GpuSampler:
     """Samples SM clock, memory clock, temperature and power every ``period_s`` while a leg runs (pynvml)."""
 
@@ -282,7 +297,7 @@ class GpuSampler:
         try:
             import pynvml
             pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml, self._handle = pynvml, nvml_handle(pynvml)
         except Exception:       # no NVIDIA driver (CPU host): nothing to sample
             self._nvml = None
 

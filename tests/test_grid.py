@@ -146,3 +146,20 @@ def test_the_wide_grid_refuses_a_malformed_override(override, match):
     from campaigns.config import CampaignConfigError, compose
     with pytest.raises(CampaignConfigError, match=match):
         compose(["campaign=nsplits_cap", "grid=online_wide"] + override, cuda=True)
+
+
+def test_the_sampler_asks_nvml_for_the_gpu_cuda_sees_as_device_0():
+    """NVML numbers every GPU of the host and ignores CUDA_VISIBLE_DEVICES: a sweep job pinned to GPU 3 must sample
+    GPU 3's clocks, not GPU 0's; a UUID entry is looked up by UUID."""
+    class Nvml:
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return ("index", i)
+
+        def nvmlDeviceGetHandleByUUID(self, u):
+            return ("uuid", u)
+
+    nv = Nvml()
+    assert grid.nvml_handle(nv, {}) == ("index", 0)
+    assert grid.nvml_handle(nv, {"CUDA_VISIBLE_DEVICES": "3,1"}) == ("index", 3)
+    assert grid.nvml_handle(nv, {"CUDA_VISIBLE_DEVICES": "GPU-8f2e,GPU-11aa"}) == ("uuid", "GPU-8f2e")
+    assert grid.nvml_handle(nv, {"CUDA_VISIBLE_DEVICES": ""}) == ("index", 0)
