@@ -31,7 +31,7 @@ from pathlib import Path
 
 from campaigns.config import CampaignConfigError, compose, options, settings
 from campaigns.evidence import EvidenceError, find_evidence, load_evidence
-from campaigns.gitops import GitOpsError
+from campaigns.gitops import GitOpsError, project_root
 from campaigns.recheck import RecheckError
 
 from vtengine.confdirs import ConfDirError
@@ -41,15 +41,6 @@ USER_ERRORS = (CampaignConfigError, EvidenceError, GitOpsError, ConfDirError, Le
 DEFAULT_OUT_DIR = "records/campaigns"       # under the project root: the git work tree the command runs in
 
 
-def project_root(cwd: Path | None = None) -> Path:
-    """The top of the git work tree that holds ``cwd`` (as git finds it), else ``cwd``: a command run from a
-    sub-folder reads and writes the project's records/, not a records/ of its own."""
-    cwd = Path.cwd() if cwd is None else Path(cwd)
-    try:
-        import git
-        return Path(git.Repo(cwd, search_parent_directories=True).working_tree_dir)
-    except Exception:           # not in a repository (or git missing): the folder itself
-        return cwd
 DEFAULT_URI = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"      # as campaigns.tracking's
 
 
@@ -466,9 +457,12 @@ def cmd_recheck(args) -> int:
 
 def cmd_render(args) -> int:
     from campaigns.records import render_all
+    from campaigns.runner import status_dir
     if not Path(args.out_dir).is_dir():
         raise UsageError(f"no campaigns directory {args.out_dir!r}; pass --out-dir (default {DEFAULT_OUT_DIR})")
-    written = render_all(args.out_dir, plots=not args.no_plots)
+    # the summaries go where a run writes them: records/ for the project's own campaigns, else beside a scratch
+    # directory's (a rehearsal's render must not overwrite records/STATUS.md with its rows)
+    written = render_all(args.out_dir, status_dir(project_root(), Path(args.out_dir)), plots=not args.no_plots)
     print(f"rendered {len(written)} files from {len(find_evidence(args.out_dir))} evidence file(s)")
     return 0
 

@@ -71,6 +71,16 @@ class RepoState:
     dirty_files: list[str]
 
 
+def project_root(cwd: Path | str | None = None) -> Path:
+    """The top of the git work tree that holds ``cwd`` (as git finds it), else ``cwd``: a command run from a
+    sub-folder reads and writes the project's records/ and mlflow.db, not ones of its own."""
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    try:
+        return Path(git.Repo(cwd, search_parent_directories=True).working_tree_dir)
+    except Exception:           # not in a repository: the folder itself
+        return cwd
+
+
 def open_repo(path: Path | str = ".") -> git.Repo:
     try:
         return git.Repo(path, search_parent_directories=True)

@@ -139,12 +139,14 @@ def _after_sweep(out_dir: Path, t0: float, commit: bool, tracking: str, uri: str
     from rich.table import Table
 
     from campaigns import records
+    from campaigns.gitops import project_root
     from campaigns.runner import CampaignError, status_dir
     console = Console(stderr=True)
+    out_dir = Path(out_dir) if Path(out_dir).is_absolute() else project_root() / out_dir     # where the jobs wrote
     touched = _touched(out_dir, t0) if out_dir.is_dir() else []
     evs = [load_evidence(p) for p in touched]
     if out_dir.is_dir() and find_evidence(out_dir):
-        records.render_all(out_dir, status_dir(Path.cwd(), out_dir.resolve()))
+        records.render_all(out_dir, status_dir(project_root(), out_dir.resolve()))
     if tracking == "local" or (uri and uri.startswith("sqlite:")):
         from campaigns import tracking as mlflow_tracking
         target = uri or "sqlite:///mlflow.db"
@@ -163,7 +165,7 @@ def _after_sweep(out_dir: Path, t0: float, commit: bool, tracking: str, uri: str
         elif commit and ev.status == "complete" and ev.decision and ev.decision.verdict == "FLIP":
             from campaigns.runner import _flip
             try:
-                _flip(ev, path.parent, Path.cwd(), status_dir(Path.cwd(), out_dir.resolve()))
+                _flip(ev, path.parent, project_root(), status_dir(project_root(), out_dir.resolve()))
                 flip = ev.flip.get("branch", "")
                 flipped[ev.lever] = ev.campaign_id
             except CampaignError as e:

@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
+from campaigns import gitops
 from campaigns.evidence import Evidence, parse_utc
 
 # MLflow's own environment variable first (where a team's tracking server is named), else a local sqlite store
@@ -36,13 +37,24 @@ def experiment_name(lever: str) -> str:
     return f"vtcampaign/{lever}"
 
 
+def at_project_root(uri: str, root: Path | str | None = None) -> str:
+    """A sqlite URI with a relative path (the default ``sqlite:///mlflow.db``) made absolute at the project root
+    (gitops.project_root), so a command run from a sub-folder logs to the project's store, not to a stray one
+    there; any other URI as it is."""
+    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:////"):
+        return uri
+    root = gitops.project_root() if root is None else Path(root)
+    return "sqlite:///" + str((root / uri[len("sqlite:///"):]).resolve())
+
+
 def client(uri: str = DEFAULT_URI):
     from mlflow.tracking import MlflowClient
-    return MlflowClient(tracking_uri=uri)
+    return MlflowClient(tracking_uri=at_project_root(uri))
 
 
 def _artifact_root(uri: str) -> str | None:
     """For a local sqlite store, artifacts go to mlartifacts/ beside the database (not to ./mlruns of the cwd)."""
+    uri = at_project_root(uri)
     if not uri.startswith("sqlite:///"):
         return None
     db = Path(uri[len("sqlite:///"):])

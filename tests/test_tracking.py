@@ -149,3 +149,18 @@ def test_mlflow_tracking_uri_names_the_default_store(monkeypatch):
     assert compose(["campaign=gqa_swap"], cuda=False).tracking.uri == "http://tracking.example:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert compose(["campaign=gqa_swap"], cuda=False).tracking.uri == "sqlite:///mlflow.db"
+
+
+def test_the_default_store_is_the_project_roots_from_any_sub_folder(tmp_path, monkeypatch):
+    """`sqlite:///mlflow.db` (the default) names the store at the project root, as the README says, wherever the
+    command runs; an absolute sqlite path and a server URI stay as they are."""
+    import git
+
+    from campaigns.tracking import at_project_root
+    git.Repo.init(tmp_path)
+    sub = tmp_path / "a" / "b"
+    sub.mkdir(parents=True)
+    monkeypatch.chdir(sub)
+    assert at_project_root("sqlite:///mlflow.db") == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert at_project_root("sqlite:////x/y.db") == "sqlite:////x/y.db"
+    assert at_project_root("http://mlflow:5000") == "http://mlflow:5000"
