@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_run(overrides: list[str], dry_run: bool) -> int:
     cfg = compose(overrides)
+    cfg.overrides = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "resume"]
     if dry_run:
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(cfg), end="")

@@ -170,6 +170,8 @@ class AppConfig:
     resume: Optional[str] = None         # a campaign id under out_dir to continue, or "auto" (runner._unfinished)
     out_dir: str = "records/campaigns"
     device: str = "auto"                 # auto | cuda | cpu; composed configs carry the resolved device
+    # the command line's overrides (resume= left out), recorded so that a resume can be told what to repeat
+    overrides: List[str] = field(default_factory=list)
 
 
 # Each group's schema, as Hydra's structured-config examples register them: a group file names its schema first in
@@ -538,7 +540,25 @@ def to_plain(cfg: DictConfig) -> dict:
 
 # Keys that change what happens around a campaign, not what it measures: a resume may differ in them (a sweep's job
 # ran with commit=false summaries=false tracking=off; its resume by hand need not repeat them).
-UNMEASURED_KEYS = ("resume", "commit", "summaries", "tracking", "allow_dirty")
+UNMEASURED_KEYS = ("resume", "commit", "summaries", "tracking", "allow_dirty", "out_dir", "overrides")
+
+
+def config_diff(then: DictConfig | dict, now: DictConfig | dict, limit: int = 6) -> list[str]:
+    """The measured keys (UNMEASURED_KEYS left out) whose values differ between two composed configs, as
+    "grid.name: 'online' then, 'online_wide' now", at most ``limit`` of them."""
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(d, dict):
+            out = {}
+            for k, v in d.items():
+                if not prefix and k in UNMEASURED_KEYS:
+                    continue
+                out.update(flat(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: d}
+    a = flat(to_plain(then) if isinstance(then, DictConfig) else dict(then))
+    b = flat(to_plain(now) if isinstance(now, DictConfig) else dict(now))
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k, "(absent)") != b.get(k, "(absent)"))
+    return [f"{k}: {a.get(k, '(absent)')!r} then, {b.get(k, '(absent)')!r} now" for k in keys[:limit]]
 
 
 def config_hash(cfg: DictConfig | dict) -> str:

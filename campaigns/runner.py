@@ -28,7 +28,7 @@ from campaigns import context as lever_context
 from campaigns import fingerprint as fp
 from campaigns import grid as gridmod
 from campaigns import policy, recheck, records
-from campaigns.config import config_hash, settings
+from campaigns.config import config_diff, config_hash, settings
 from campaigns.evidence import (Evidence, find_evidence, load_evidence, new_campaign_id, new_evidence,
                                 save_evidence, utc_now)
 from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate, skipped
@@ -151,8 +151,7 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
     except KeyboardInterrupt:
         _save(run.ev, run.cdir)
         console.print(f"[red]interrupted[/]: {len(run.ev.legs)} legs kept; continue with "
-                      f"`vtcampaign run campaign={cfg.campaign.name} resume={run.ev.campaign_id}` (or resume=auto, "
-                      "with the same overrides)")
+                      f"`{resume_command(run.ev)}` (or resume=auto in place of the id)")
         raise
     except gridmod.GridError as e:
         _save(run.ev, run.cdir)
@@ -186,8 +185,7 @@ def conclude_recorded(campaign_id: str, repo: Path | str = ".", out_dir: Path | 
     left = left_to_measure(ev)
     if left:
         raise CampaignError(f"{campaign_id} has measurements left ({'; '.join(left)}); resume it where it ran "
-                            f"(its device and commit {ev.fingerprint.git_short_sha}): `vtcampaign run "
-                            f"campaign={cfg.campaign.name} <the overrides it ran with> resume={campaign_id}`")
+                            f"(its device and the code of {ev.fingerprint.git_short_sha}): `{resume_command(ev)}`")
     from campaigns.gitops import repo_state
     run = _Run(cfg, repo, out_dir, cdir, ev, _gate_context(cfg, ev, cdir, {}), gates, {}, time.perf_counter())
     here = repo_state(repo).short_sha
@@ -470,9 +468,10 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
     files), device and versions as the first run. The host may differ (a fresh device machine per command is the
     normal way to spread a grid). Returns the later commit a resume runs at, else None."""
     if config_hash(cfg) != ev.fingerprint.config_hash:
-        raise CampaignError(f"resume={cfg.resume!r}: the composed config differs from the campaign's (its overrides "
-                            f"were recorded in {ev.campaign_id}/evidence.json under 'config'); resume with the same "
-                            "campaign and overrides, or start a new campaign")
+        differ = config_diff(ev.config, cfg)
+        raise CampaignError(f"resume={cfg.resume!r}: the composed config differs from the campaign's"
+                            f"{' (' + '; '.join(differ) + ')' if differ else ''}; resume with "
+                            f"`{resume_command(ev)}`, or start a new campaign")
     then = ev.fingerprint
     now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, then.config_hash,
                      ignore_dirty=_not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
@@ -494,6 +493,15 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
         raise CampaignError(f"resume={cfg.resume!r}: {'; '.join(differ)}; legs measured on two setups would not "
                             "compare: resume where it ran, or start a new campaign")
     return now.git_short_sha if now.git_sha != then.git_sha else None
+
+
+def resume_command(ev: Evidence) -> str:
+    """The command that resumes ``ev``: its recorded overrides (config ``overrides``, since 2026-12-05) and
+    resume=<id>; before they were recorded, the campaign's name and a placeholder for the rest."""
+    recorded = (ev.config or {}).get("overrides")
+    name = (ev.config or {}).get("campaign", {}).get("name", ev.lever)
+    words = list(recorded) if recorded else [f"campaign={name}", "<the overrides it ran with>"]
+    return " ".join(["vtcampaign", "run", *words, f"resume={ev.campaign_id}"])
 
 
 def _same_code(then, now) -> bool:

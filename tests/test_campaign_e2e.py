@@ -289,6 +289,34 @@ def test_a_resume_crosses_commits_of_records_and_prose_but_not_of_code(tmp_path)
         _check_resumable(ev, cfg, repo, out)
 
 
+def test_a_resume_with_other_overrides_is_told_what_differs_and_what_to_run(tmp_path):
+    """A campaign records its command line's overrides; a resume whose composed config differs names the keys that
+    differ and the command that resumes it. Where it writes (out_dir) and how it logs do not make a difference."""
+    from campaigns.config import config_hash, to_plain
+    from campaigns.fingerprint import collect
+    from campaigns.runner import CampaignError, _check_resumable, resume_command
+    from helpers import make_evidence
+    from vtengine import levers
+    repo = temp_repo(tmp_path)
+    first = ["campaign=nsplits_cap", "tracking=off", "campaign.arms.candidates=[8]"]
+    cfg = compose(first, cuda=False)
+    cfg.overrides = first
+    ev = make_evidence(lever="nsplits_cap", campaign_id="2026-12-05-nsplits_cap-abc1234")
+    ev.config = to_plain(cfg)
+    ev.fingerprint = collect(repo, "cpu", levers.get("nsplits_cap").env, ev.arms, config_hash(cfg))
+    out = repo / "records" / "campaigns"
+    assert resume_command(ev) == ("vtcampaign run campaign=nsplits_cap tracking=off campaign.arms.candidates=[8] "
+                                  "resume=2026-12-05-nsplits_cap-abc1234")
+    again = compose(first + [f"out_dir={tmp_path / 'elsewhere'}", "tracking=local", f"resume={ev.campaign_id}"],
+                    cuda=False)
+    _check_resumable(ev, again, repo, out)
+    other = compose(["campaign=nsplits_cap", "tracking=off", f"resume={ev.campaign_id}"], cuda=False)
+    with pytest.raises(CampaignError) as err:
+        _check_resumable(ev, other, repo, out)
+    assert "campaign.arms.candidates: [8] then, ['auto'] now" in str(err.value)
+    assert f"resume with `{resume_command(ev)}`" in str(err.value)
+
+
 def test_an_invalid_leg_stops_the_grid_and_a_resume_runs_no_more_legs(tmp_path, monkeypatch):
     """The grid of a campaign that holds an invalid leg is void: resumed, it runs nothing (no server is even asked:
     the handles here are empty), says why, and the policy reads NON-BINDING naming the leg."""
