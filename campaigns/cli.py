@@ -354,10 +354,14 @@ def cmd_flip(args) -> int:
     info = flip_commit(project_root(), ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
                        lever_dir=levers.lever_file(ev.lever).parent, campaign_id=ev.campaign_id, quant=quant,
                        rendered=lambda copy: render_summaries_flipped(out_dir, summaries, ev.lever, copy))
+    from campaigns.gitops import clear_for_merge
+    cleared = clear_for_merge(project_root(), info["commit"])
     scope = (f" on {quant} (its own default there: refuted on another quantization, already its own, or some of "
              "its sources run on other quantizations alone)" if quant else "")
     print(f"flip of {ev.lever} to {ev.decision.new_default}{scope} committed on {info['branch']} "
-          f"({info['commit'][:7]}); merge it to change the default")
+          f"({info['commit'][:7]}); merge it to change the default (`git merge --no-ff {info['branch']}`)"
+          + (f"; {len(cleared)} working copies of its records put back as HEAD has them, so the merge can write "
+             "them" if cleared else ""))
     return 0
 
 

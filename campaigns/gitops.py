@@ -103,6 +103,40 @@ def repo_state(path: Path | str = ".", ignore: Iterable[str] = ()) -> RepoState:
     return RepoState(sha=sha, short_sha=sha[:7], dirty=bool(dirty_files), branch=branch, dirty_files=dirty_files)
 
 
+RENDERED = ("record.md", "pr.md", "grid.png", "STATUS.md", "BENCHMARKS.md")     # derived from evidence files
+
+
+def clear_for_merge(repo_path: Path | str, commit: str) -> list[str]:
+    """Make ``git merge <commit>`` (a flip commit on top of HEAD) go through: every run output the commit adds or
+    changes is put back as HEAD has it (removed where HEAD has none) when the working copy is the commit's own or
+    is rendered from evidence (records, summaries, plots: ``vtcampaign render`` rebuilds them); git refuses to
+    merge over untracked or modified copies even when their bytes are the commit's. An evidence file whose bytes
+    differ from the commit's, and anything outside the run outputs, is left as it is (the merge then says so).
+    Returns the paths put back."""
+    repo = open_repo(repo_path)
+    root = Path(repo.working_tree_dir)
+    head = repo.head.commit
+    cleared = []
+    for rel in repo.git.diff("--name-only", head.hexsha, commit).splitlines():
+        path = root / rel
+        if not under(rel, RUN_OUTPUTS) or not path.is_file():
+            continue
+        try:
+            theirs = (repo.commit(commit).tree / rel).data_stream.read()
+        except KeyError:            # removed by the commit: not a flip's doing; the user's to settle
+            continue
+        if path.read_bytes() != theirs and Path(rel).name not in RENDERED:
+            continue
+        try:
+            head.tree / rel
+        except KeyError:
+            path.unlink()
+        else:
+            repo.git.checkout(head.hexsha, "--", rel)
+        cleared.append(rel)
+    return cleared
+
+
 def flip_branch(lever: str) -> str:
     return f"row/{lever}-flip"
 

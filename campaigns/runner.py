@@ -652,10 +652,13 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
     info = flip_commit(repo, ev.lever, ev.decision.new_default, files, (cdir / "pr.md").read_text(),
                        lever_dir=levers.lever_file(ev.lever).parent, quant=quant,
                        rendered=lambda copy: records.render_summaries_flipped(cdir.parent, summaries, ev.lever, copy))
-    ev.flip = info
-    _save(ev, cdir)
+    ev.flip = info          # kept in memory (the sweep's table): the evidence on disk stays the committed one
+    from campaigns.gitops import clear_for_merge
+    cleared = clear_for_merge(repo, info["commit"])
     console.print(f"flip{f' of the {quant} default' if quant else ''} committed on {info['branch']} "
-                  f"({info['commit'][:7]})")
+                  f"({info['commit'][:7]}) with the campaign's records; `git merge --no-ff {info['branch']}` "
+                  f"brings both in" + (f" ({len(cleared)} working copies of them put back as HEAD has them, so the "
+                                       "merge can write them)" if cleared else ""))
 
 
 def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None:

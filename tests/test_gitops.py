@@ -153,3 +153,46 @@ def test_flip_commit_takes_the_summaries_as_they_read_once_merged(repo, tmp_path
     committed = repo.commit(out["commit"]).tree["records/STATUS.md"].data_stream.read().decode()
     assert committed == "# Lever status\n| gqa_swap | after the flip |\n"
     assert (root / "records" / "STATUS.md").read_text() == "# Lever status\n"
+
+
+def test_after_clear_for_merge_the_flip_branch_merges_into_the_working_tree(repo):
+    """A run with commit=true leaves its records in the working tree (a new campaign directory, STATUS rendered
+    with the old default) and the same records on the flip branch; git refuses to merge over untracked or modified
+    copies even with the commit's bytes. clear_for_merge puts those run outputs back as HEAD has them, the merge
+    then goes through and brings the records and the new default; a changed evidence file and a file outside the
+    run outputs are the user's and stay."""
+    from campaigns.gitops import clear_for_merge
+    root = Path(repo.working_tree_dir)
+    (root / "records").mkdir()
+    (root / "records" / "STATUS.md").write_text("# Lever status (before)\n")
+    repo.index.add(["records/STATUS.md"])
+    repo.index.commit("records")
+    files = _records(root)
+    current = "default: true" in (root / "conf/lever/gqa_swap.yaml").read_text().splitlines()
+    flipped = "# Lever status\n| gqa_swap | after the flip |\n"
+    out = flip_commit(root, "gqa_swap", not current, files, PR_TEXT,
+                      rendered=lambda d: {root / "records" / "STATUS.md": flipped})
+    with pytest.raises(git.GitCommandError):
+        repo.git.merge("--no-ff", "--no-edit", out["branch"])
+    cleared = clear_for_merge(root, out["commit"])
+    assert sorted(cleared) == sorted(str(f.relative_to(root)) for f in files)
+    assert (root / "records" / "STATUS.md").read_text() == "# Lever status (before)\n"
+    assert not (root / "records" / "campaigns").exists() or not any((root / "records" / "campaigns").rglob("*.*"))
+    repo.git.merge("--no-ff", "--no-edit", out["branch"])
+    assert (root / "records" / "STATUS.md").read_text() == flipped
+    assert (files[0]).read_text() == '{"x": 1}\n'
+    assert f"default: {str(not current).lower()}" in (root / "conf/lever/gqa_swap.yaml").read_text().splitlines()
+    # an evidence file the user changed since the flip was committed is not theirs to lose: it stays
+    files = [f for f in _records_again(root)]
+    out = flip_commit(root, "gqa_swap", current, files, PR_TEXT)
+    files[0].write_text('{"x": 2}\n')
+    assert "records/campaigns/2026-12-01-gqa_swap-def5678/evidence.json" not in clear_for_merge(root, out["commit"])
+    assert files[0].read_text() == '{"x": 2}\n'
+
+
+def _records_again(root: Path) -> list[Path]:
+    cdir = root / "records" / "campaigns" / "2026-12-01-gqa_swap-def5678"
+    cdir.mkdir(parents=True)
+    (cdir / "evidence.json").write_text('{"x": 1}\n')
+    (cdir / "record.md").write_text("## row/gqa_swap again\n")
+    return [cdir / "evidence.json", cdir / "record.md"]
