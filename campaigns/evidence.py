@@ -345,13 +345,18 @@ def campaign_id(date: str, lever: str, short_sha: str, kind: str = "lever") -> s
 
 def new_campaign_id(out_dir: Path | str, date: str, lever: str, short_sha: str, kind: str = "lever") -> str:
     """``<date>-<lever>-<sha7>`` (``<date>-<lever>-aa-<sha7>`` for an A/A grid), with ``-2``, ``-3``... when that
-    directory already exists (a re-run)."""
+    directory already exists (a re-run). The directory is claimed by creating it (mkdir fails if it exists), so
+    two sweep jobs of one lever starting together (bf16 and MXFP4) get two ids, never one directory."""
     base = campaign_id(date, lever, short_sha, kind)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     cid, n = base, 1
-    while (Path(out_dir) / cid).exists():
-        n += 1
-        cid = f"{base}-{n}"
-    return cid
+    while True:
+        try:
+            (Path(out_dir) / cid).mkdir()
+            return cid
+        except FileExistsError:
+            n += 1
+            cid = f"{base}-{n}"
 
 
 def write_atomic(path: Path | str, data: str | bytes) -> Path:

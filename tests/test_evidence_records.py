@@ -83,9 +83,15 @@ def test_atomic_write_leaves_the_old_file_on_interruption(tmp_path, monkeypatch)
 
 
 def test_campaign_ids_do_not_collide(tmp_path):
+    """Each id claims its directory as it is handed out: two jobs of one lever (a sweep over quantizations) that
+    start at once get two ids, as a re-run does."""
+    from concurrent.futures import ThreadPoolExecutor
     assert new_campaign_id(tmp_path, "2026-11-30", "gqa_swap", "abc1234ffff") == "2026-11-30-gqa_swap-abc1234"
-    (tmp_path / "2026-11-30-gqa_swap-abc1234").mkdir()
+    assert (tmp_path / "2026-11-30-gqa_swap-abc1234").is_dir()
     assert new_campaign_id(tmp_path, "2026-11-30", "gqa_swap", "abc1234") == "2026-11-30-gqa_swap-abc1234-2"
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(lambda _: new_campaign_id(tmp_path, "2026-12-01", "pdl", "abc1234"), range(8)))
+    assert len(set(ids)) == 8
 
 
 def test_leg_from_loadgen_metrics():
