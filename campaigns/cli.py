@@ -192,12 +192,22 @@ def cmd_run(overrides: list[str], dry_run: bool) -> int:
                          "`vtcampaign run ... --dry-run` shows the composed config") from None
     from campaigns.runner import CampaignError
     try:
-        run_campaign(cfg, repo=project_root())
+        ev = run_campaign(cfg, repo=project_root())
     except CampaignError as e:
         raise UsageError(str(e)) from None
     except KeyboardInterrupt:
         return 130          # the runner saved the evidence and printed how to resume
-    return 0
+    return exit_code(ev.decision.verdict if ev.decision else None)
+
+
+# `vtcampaign run`'s exit status by verdict, for CI and scripts: 0 a decision reached (whichever), 3 the product's own
+# checks failed (a gate that cannot fail, a void grid: INVALID; a grid that invents effects: AA-FAIL), 4 the
+# candidate is wrong (REJECT-CORRECTNESS); 2 a usage error, 130 interrupted
+EXIT_CODES = {"INVALID": 3, "AA-FAIL": 3, "REJECT-CORRECTNESS": 4}
+
+
+def exit_code(verdict: str | None) -> int:
+    return EXIT_CODES.get(verdict or "", 0)
 
 
 def _campaign_evidence(out_dir: str, campaign_id: str) -> Path:

@@ -63,7 +63,8 @@ def job(cfg: DictConfig) -> int:
         cmd = [sys.executable, "-m", "campaigns.cli", "run", *task, *_job_overrides(cfg)]
         print(f"job {hc.job.num}{'' if gpu is None else f' on GPU {gpu}'}: {' '.join(cmd[3:])}", flush=True)
         rc = subprocess.call(cmd, env=env)
-    if rc != 0:
+    from campaigns.cli import EXIT_CODES
+    if rc != 0 and rc not in EXIT_CODES.values():       # 3, 4: the campaign ran to a verdict, in its evidence
         raise RuntimeError(f"job {hc.job.num} ({' '.join(task)}) exited with {rc}; its evidence is kept and "
                            "resumable (resume=<campaign id>)")
     return rc

@@ -373,3 +373,15 @@ def test_the_usage_line_names_every_command(capsys):
         main(["--help"])
     usage = capsys.readouterr().out.split("\n\n")[0]
     assert "{" + ",".join(commands) + "}" in usage.replace(" ", "").replace("\n", "")
+
+
+def test_run_exits_non_zero_when_the_product_or_the_candidate_fails():
+    """CI reads `vtcampaign run`'s status: any decision reached is 0 (a REJECT-PERFORMANCE is a finding, not an
+    error), a failed self-check or a void grid (INVALID) and a grid that invents effects (AA-FAIL) are 3, a
+    candidate that breaks correctness is 4."""
+    from campaigns.cli import exit_code
+    from campaigns.evidence import VERDICTS
+    codes = {v: exit_code(v) for v in VERDICTS}
+    assert codes == {"INVALID": 3, "REJECT-CORRECTNESS": 4, "NON-BINDING": 0, "FLIP": 0, "REJECT-PERFORMANCE": 0,
+                     "KEEP": 0, "AA-PASS": 0, "AA-FAIL": 3}
+    assert exit_code(None) == 0
