@@ -407,6 +407,13 @@ def cmd_decide(args) -> int:
     out_dir = Path(args.out_dir).resolve()
     render_all(out_dir, status_dir(project_root(), out_dir), only=[ev.campaign_id])
     print(f"{ev.campaign_id}: {before.verdict} -> {after.verdict} ({after.headline})")
+    try:                    # the store that holds the campaign follows its verdict (an old tag would mislead)
+        from campaigns.tracking import DEFAULT_URI, relog_if_logged
+        run_id = relog_if_logged(ev, path.parent, DEFAULT_URI)
+        if run_id:
+            print(f"MLflow: {DEFAULT_URI} re-logged, run {run_id}")
+    except Exception as e:  # MLflow's errors are many types; the evidence and records are updated already
+        print(f"MLflow not updated ({type(e).__name__}); `vtcampaign log {path}` re-logs it")
     return 0
 
 

@@ -219,6 +219,20 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
     return pid
 
 
+def relog_if_logged(ev: Evidence, campaign_dir: Path | str | None = None, uri: str = DEFAULT_URI) -> str | None:
+    """Log ``ev`` again (its earlier runs replaced) where the store already holds it, so a verdict decided again
+    (``vtcampaign decide``) does not leave MLflow on the old one; the new parent run id, or None where the store
+    does not hold the campaign (a local sqlite store that does not exist is not created)."""
+    uri = at_project_root(uri)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return None
+    c = client(uri)
+    exp = c.get_experiment_by_name(experiment_name(ev.lever))
+    if exp is None or not campaign_runs(c, exp.experiment_id, ev.campaign_id):
+        return None
+    return log_evidence(ev, uri, campaign_dir)
+
+
 def log_campaign(ev: Evidence, campaign_dir: Path | str | None = None, uri: str = DEFAULT_URI) -> str:
     """The runner's spelling of ``log_evidence`` (campaign directory first); same behaviour."""
     return log_evidence(ev, uri, campaign_dir)

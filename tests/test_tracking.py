@@ -164,3 +164,21 @@ def test_the_default_store_is_the_project_roots_from_any_sub_folder(tmp_path, mo
     assert at_project_root("sqlite:///mlflow.db") == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
     assert at_project_root("sqlite:////x/y.db") == "sqlite:////x/y.db"
     assert at_project_root("http://mlflow:5000") == "http://mlflow:5000"
+
+
+def test_a_campaign_decided_again_is_re_logged_where_the_store_holds_it(store, tmp_path):
+    """`vtcampaign decide` may change a verdict: the store that holds the campaign gets it again (its runs replaced,
+    the verdict tag the new one); a store without it, or a sqlite file that does not exist, is left alone."""
+    import copy
+    ev = copy.deepcopy(store["ev"])
+    ev.decision.verdict = "KEEP"
+    run_id = tracking.relog_if_logged(ev, store["cdir"], store["uri"])
+    assert run_id and run_id != store["parent"]
+    parents = _runs(store, "campaign")
+    assert [r.data.tags["verdict"] for r in parents] == ["KEEP"]
+    other = copy.deepcopy(ev)
+    other.campaign_id = "2026-12-05-gqa_swap-fff0000"
+    assert tracking.relog_if_logged(other, None, store["uri"]) is None
+    missing = tmp_path / "none.db"
+    assert tracking.relog_if_logged(ev, None, f"sqlite:///{missing}") is None and not missing.exists()
+    tracking.relog_if_logged(store["ev"], store["cdir"], store["uri"])        # the module's store as it was
