@@ -155,7 +155,7 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
         raise
     except gridmod.GridError as e:
         _save(run.ev, run.cdir)
-        raise CampaignError(str(e)) from None
+        raise CampaignError(str(e) + memory_hint(run.ev, str(e))) from None
     finally:
         run.ctx.release_engines()
     _conclude(run)
@@ -571,6 +571,18 @@ def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
     return gridmod.server_command(str(cfg.model.name), str(cfg.model.quant), {**others, ev.lever: value},
                                   backend=backend, gpu_util=util, max_num_seqs=max_seqs, triton_kernels=kernels,
                                   max_model_len=max_len, fault_injection=True)
+
+
+def memory_hint(ev: Evidence, error: str) -> str:
+    """Every arm's server is resident at once, each with 0.9 / arms of the GPU's memory (_server_cmd): a campaign of
+    several candidates can leave a server too little for the model and its KV cache. A server that did not start
+    in such a campaign gets that said beside its log."""
+    n = len(ev.arms)
+    if ev.fingerprint.device_type != "cuda" or n <= 2 or "did not start" not in error:
+        return ""
+    return (f"\n(the {n} arms' servers run side by side, each with {0.9 / n:.0%} of the GPU's memory: if the log says "
+            "the weights or the KV cache did not fit, run fewer candidates per campaign, "
+            "campaign.arms.candidates=[...], or on a GPU with more memory)")
 
 
 def void_leg(ev: Evidence) -> str | None:

@@ -385,3 +385,18 @@ def test_run_exits_non_zero_when_the_product_or_the_candidate_fails():
     assert codes == {"INVALID": 3, "REJECT-CORRECTNESS": 4, "NON-BINDING": 0, "FLIP": 0, "REJECT-PERFORMANCE": 0,
                      "KEEP": 0, "AA-PASS": 0, "AA-FAIL": 3}
     assert exit_code(None) == 0
+
+
+def test_a_server_that_did_not_start_in_a_many_armed_gpu_campaign_is_told_about_its_memory_share():
+    import dataclasses
+
+    from campaigns.evidence import Arm
+    from campaigns.runner import memory_hint
+    from helpers import make_evidence
+    ev = make_evidence(lever="nsplits_cap")
+    ev.fingerprint = dataclasses.replace(ev.fingerprint, device_type="cuda")
+    assert memory_hint(ev, "the 'on' server did not start (exited with 1)") == ""            # two arms
+    ev.arms = ev.arms + [Arm("8", 8, "candidate"), Arm("16", 16, "candidate"), Arm("auto", "auto", "candidate")]
+    hint = memory_hint(ev, "the '8' server did not start (exited with 1); log x")
+    assert "the 5 arms' servers run side by side, each with 18% of the GPU's memory" in hint
+    assert memory_hint(ev, "cannot read http://x/metrics") == ""
