@@ -2,9 +2,11 @@
 
 ``flip_commit`` never touches the working tree, the index or the checked-out branch: it builds the commit with
 git's plumbing (a temporary index seeded from HEAD, the new lever file and the records as blobs, ``commit-tree``)
-and points ``row/<lever>-flip`` at it. The user's checkout stays exactly as it was (records included), and the
-flip reaches the default only when that branch is merged; re-running a campaign re-points the branch at a fresh
-``HEAD + one commit``, so the branch always holds exactly the flip under review.
+and points ``row/<lever>-flip`` (``row/<lever>-<quant>-flip`` for one quantization's default) at it. The flip
+reaches the default only when that branch is merged; re-running a campaign re-points the branch at a fresh
+``HEAD + one commit``, so the branch always holds exactly the flip under review. ``clear_for_merge``, which the
+flip paths call next, then puts the working copies of the records the commit carries back as HEAD has them, so the
+merge can write them (git refuses to merge over untracked or modified copies, even with the same bytes).
 """
 from __future__ import annotations
 
@@ -137,8 +139,10 @@ def clear_for_merge(repo_path: Path | str, commit: str) -> list[str]:
     return cleared
 
 
-def flip_branch(lever: str) -> str:
-    return f"row/{lever}-flip"
+def flip_branch(lever: str, quant: str | None = None) -> str:
+    """The branch of a flip: one per lever, and one per quantization for a flip of that quantization's default
+    alone, so that two such flips of one lever (bf16 and NVFP4, say) do not re-point one branch."""
+    return f"row/{lever}-{quant}-flip" if quant else f"row/{lever}-flip"
 
 
 SUBJECT_MAX = 72
@@ -184,7 +188,7 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
                           f"installed package's conf/?); copy it into your project's conf/lever/ (or name a conf "
                           f"directory with --conf-dir) and flip it there")
     base = repo.head.commit.hexsha
-    branch = flip_branch(lever)
+    branch = flip_branch(lever, quant)
 
     # The new lever file: edit a copy of the lever directory, never the working tree.
     with tempfile.TemporaryDirectory() as tmp:

@@ -123,16 +123,29 @@ def run_sweep(args: list[str], out_dir: str = "records/campaigns") -> int:
     return _after_sweep(Path(out_dir), t0, commit, tracking, uri, failed)
 
 
-def lever_vetoes(evs: list) -> dict[str, str]:
-    """A lever swept over several models (``-m campaign=X model.quant=bf16,mxfp4``) flips when at least one model
-    FLIPs and none REJECTs: lever -> why its FLIPs are refused."""
-    vetoes = {}
+def plan_flips(evs: list, records_dir: Path) -> dict[str, tuple[str, str | None]]:
+    """What a commit=true sweep does with each complete FLIP among ``evs``, by campaign id: ("flip", scope) or
+    ("refused", why). The rule is `vtcampaign flip`'s (runner.check_flippable), with the sweep's own campaigns in
+    ``records_dir``: a fresh REJECT of the same change on the same quantization refuses the FLIP; one on another
+    quantization scopes it to its own (``default_by_quant``: bf16 FLIP, MXFP4 REJECT flips bf16's default alone).
+    One flip per lever and scope: a second FLIP of it in the sweep is refused, naming the first."""
+    from campaigns.runner import CampaignError, check_flippable
+    plan, first = {}, {}
     for ev in evs:
-        verdict = ev.decision.verdict if ev.decision else ""
-        if verdict.startswith("REJECT"):
-            vetoes[ev.lever] = (f"{ev.campaign_id} is {verdict}; a lever flips only when no model of the sweep "
-                                "rejects it")
-    return vetoes
+        if ev.status != "complete" or ev.decision is None or ev.decision.verdict != "FLIP":
+            continue
+        try:
+            scope = check_flippable(ev, records_dir)
+        except CampaignError as e:
+            plan[ev.campaign_id] = ("refused", str(e))
+            continue
+        taken = first.get((ev.lever, scope)) or first.get((ev.lever, None))
+        if taken:
+            plan[ev.campaign_id] = ("refused", f"already flipped by {taken}")
+            continue
+        first[(ev.lever, scope)] = ev.campaign_id
+        plan[ev.campaign_id] = ("flip", scope)
+    return plan
 
 
 def _after_sweep(out_dir: Path, t0: float, commit: bool, tracking: str, uri: str | None, failed) -> int:
@@ -156,19 +169,17 @@ def _after_sweep(out_dir: Path, t0: float, commit: bool, tracking: str, uri: str
     table = Table(title=f"sweep: {len(evs)} campaign(s) in {out_dir}")
     for col in ("campaign", "status", "verdict", "flip"):
         table.add_column(col)
-    vetoes, flipped = lever_vetoes(evs), {}
+    plan = plan_flips(evs, out_dir) if commit else {}
     for ev, path in zip(evs, touched):
         flip = ""
-        if commit and ev.lever in vetoes and ev.decision and ev.decision.verdict == "FLIP":
-            flip = f"refused: {vetoes[ev.lever]}"
-        elif commit and ev.lever in flipped and ev.decision and ev.decision.verdict == "FLIP":
-            flip = f"already flipped by {flipped[ev.lever]}"
-        elif commit and ev.status == "complete" and ev.decision and ev.decision.verdict == "FLIP":
+        action, detail = plan.get(ev.campaign_id, ("", None))
+        if action == "refused":
+            flip = f"refused: {detail}"
+        elif action == "flip":
             from campaigns.runner import _flip
             try:
                 _flip(ev, path.parent, project_root(), status_dir(project_root(), out_dir.resolve()))
                 flip = ev.flip.get("branch", "")
-                flipped[ev.lever] = ev.campaign_id
             except CampaignError as e:
                 flip = f"refused: {e}"
         table.add_row(ev.campaign_id, ev.status, ev.decision.verdict if ev.decision else "—", flip)

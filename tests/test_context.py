@@ -425,6 +425,35 @@ def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone
     assert check_flippable(flip, out) == "bf16"                 # other pins refute nothing; its sources still scope it
 
 
+def test_a_sweep_flips_by_the_flip_commands_rule(tmp_path, plain_defaults):
+    """`-m campaign=pdl_stack model.quant=bf16,mxfp4 commit=true` on the H200 of 2026-12-04 (FLIP on bf16, REJECT
+    on MXFP4): the sweep flips bf16's default alone, as `vtcampaign flip` does, where it used to refuse every FLIP
+    of a lever any model rejected; a second bf16 FLIP of it is refused naming the first, and a fresh REJECT on
+    bf16 refuses them all."""
+    from campaigns.sweep import plan_flips
+    loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [79.0, 80.0, 81.0]}}
+    flip = _fresh_today(make_evidence(TPUT_WIN, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111-2"))
+    again = _fresh_today(make_evidence(TPUT_WIN, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111-3"))
+    mx = _fresh_today(make_evidence(loss, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111",
+                                    created="2026-12-01T10:00:00Z"))
+    mx.config["model"]["quant"] = "mxfp4"
+    mx.__dict__.pop("_settings", None)
+    out = tmp_path / "records" / "campaigns"
+    for ev in (flip, again, mx):
+        save_evidence(ev, out / ev.campaign_id)
+    plan = plan_flips([mx, flip, again], out)
+    assert plan[flip.campaign_id] == ("flip", "bf16")
+    assert plan[again.campaign_id] == ("refused", f"already flipped by {flip.campaign_id}")
+    assert mx.campaign_id not in plan                           # a REJECT is nothing to commit
+    other = _fresh_today(make_evidence(loss, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-ccc3333",
+                                       created="2026-12-01T11:00:00Z"))
+    other.config["model"]["name"] = "llama-3.1-8b"             # bf16, another model: the bf16 default is refuted
+    other.__dict__.pop("_settings", None)
+    save_evidence(other, out / other.campaign_id)
+    plan = plan_flips([mx, flip, other], out)
+    assert plan[flip.campaign_id][0] == "refused" and "ccc3333" in plan[flip.campaign_id][1]
+
+
 def test_a_flip_from_one_quantization_sets_only_its_default_where_the_others_ran_none_of_its_code(tmp_path,
                                                                                                   plain_defaults,
                                                                                                   monkeypatch):

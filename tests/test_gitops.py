@@ -98,6 +98,11 @@ def test_a_flip_of_one_quantization_adds_its_own_default_line(repo):
     body = [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
     assert body == ["+default_by_quant: {bf16: true}"]
     assert "default_by_quant" not in (root / "conf/lever/pdl_stack.yaml").read_text()     # the checkout untouched
+    # its own branch: a flip of another quantization's default, or of the lever's, does not re-point it
+    assert out["branch"] == "row/pdl_stack-bf16-flip"
+    other = flip_commit(root, "pdl_stack", True, _records_again(root), PR_TEXT, quant="nvfp4")
+    assert other["branch"] == "row/pdl_stack-nvfp4-flip" and other["previous"] == ""
+    assert repo.heads["row/pdl_stack-bf16-flip"].commit.hexsha == out["commit"]
 
 
 def test_flip_subjects_stay_within_72_characters():

@@ -52,19 +52,6 @@ def test_gpu_slots_give_each_job_its_own_gpu_and_make_the_rest_wait(tmp_path):
         assert g is None
 
 
-def test_a_lever_swept_over_models_flips_only_when_no_model_rejects_it():
-    from campaigns.sweep import lever_vetoes
-    loss = {"total_token_throughput": {"off": [110.0, 111.0, 112.0], "on": [100.0, 101.0, 102.0]}}
-    bf16 = make_evidence(TPUT_WIN, lever="async_scheduling", campaign_id="2026-12-01-async_scheduling-bf16")
-    mxfp4 = make_evidence(loss, lever="async_scheduling", campaign_id="2026-12-01-async_scheduling-mxfp4")
-    other = make_evidence(TPUT_WIN, lever="gqa_swap")
-    assert (bf16.decision.verdict, mxfp4.decision.verdict) == ("FLIP", "REJECT-PERFORMANCE")
-    vetoes = lever_vetoes([bf16, mxfp4, other])
-    assert list(vetoes) == ["async_scheduling"] and "async_scheduling-mxfp4 is REJECT-PERFORMANCE" in vetoes[
-        "async_scheduling"]
-    assert lever_vetoes([bf16, other]) == {}
-
-
 def test_host_gpus_prefers_the_sweeps_list(monkeypatch):
     monkeypatch.setenv(gpus.ENV, "2,3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
