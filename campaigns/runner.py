@@ -656,8 +656,10 @@ def status_dir(repo: Path, out_dir: Path) -> Path:
     return own.parent if out_dir == own else out_dir
 
 
-def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
-    """Commit the flip on row/<lever>-flip: only a fresh, binding FLIP (a stale one measured another engine)."""
+def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path, clear: bool = True) -> None:
+    """Commit the flip on row/<lever>-flip: only a fresh, binding FLIP (a stale one measured another engine).
+    ``clear``: then put the working copies of what it carries back as HEAD has them (gitops.clear_for_merge); a
+    sweep committing several flips clears after the last, so each flip's summaries see every campaign."""
     from campaigns.gitops import flip_commit
     quant = check_flippable(ev, cdir.parent)
     files = [cdir / n for n in ("evidence.json", "record.md", "pr.md", "grid.png") if (cdir / n).exists()]
@@ -666,7 +668,7 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path) -> None:
                        rendered=lambda copy: records.render_summaries_flipped(cdir.parent, summaries, ev.lever, copy))
     ev.flip = info          # kept in memory (the sweep's table): the evidence on disk stays the committed one
     from campaigns.gitops import clear_for_merge
-    cleared = clear_for_merge(repo, info["commit"])
+    cleared = clear_for_merge(repo, info["commit"]) if clear else []
     console.print(f"flip{f' of the {quant} default' if quant else ''} committed on {info['branch']} "
                   f"({info['commit'][:7]}) with the campaign's records; `git merge --no-ff {info['branch']}` "
                   f"brings both in" + (f" ({len(cleared)} working copies of them put back as HEAD has them, so the "

@@ -170,6 +170,7 @@ def _after_sweep(out_dir: Path, t0: float, commit: bool, tracking: str, uri: str
     for col in ("campaign", "status", "verdict", "flip"):
         table.add_column(col)
     plan = plan_flips(evs, out_dir) if commit else {}
+    committed = []
     for ev, path in zip(evs, touched):
         flip = ""
         action, detail = plan.get(ev.campaign_id, ("", None))
@@ -178,12 +179,16 @@ def _after_sweep(out_dir: Path, t0: float, commit: bool, tracking: str, uri: str
         elif action == "flip":
             from campaigns.runner import _flip
             try:
-                _flip(ev, path.parent, project_root(), status_dir(project_root(), out_dir.resolve()))
+                _flip(ev, path.parent, project_root(), status_dir(project_root(), out_dir.resolve()), clear=False)
                 flip = ev.flip.get("branch", "")
+                committed.append(ev.flip["commit"])
             except CampaignError as e:
                 flip = f"refused: {e}"
         table.add_row(ev.campaign_id, ev.status, ev.decision.verdict if ev.decision else "—", flip)
     console.print(table)
+    from campaigns.gitops import clear_for_merge
+    for commit_sha in committed:        # after the last flip: each one's summaries were rendered from every campaign
+        clear_for_merge(project_root(), commit_sha)
     if failed is not None:
         console.print(f"[red]a job failed[/]: {failed}")
         return 1
