@@ -139,7 +139,8 @@ def plan_flips(evs: list, records_dir: Path) -> dict[str, tuple[str, str | None]
         except CampaignError as e:
             plan[ev.campaign_id] = ("refused", str(e))
             continue
-        taken = first.get((ev.lever, scope)) or first.get((ev.lever, None))
+        taken = first.get((ev.lever, scope)) or first.get((ev.lever, None)) or (
+            next((cid for (lever, _s), cid in first.items() if lever == ev.lever), None) if scope is None else None)
         if taken:
             plan[ev.campaign_id] = ("refused", f"already flipped by {taken}")
             continue
