@@ -3,8 +3,9 @@ decision -> evidence -> records, MLflow, PR text, optional flip commit.
 
 Evidence is written after every gate and every leg (atomically), so Ctrl-C or a crash keeps everything finished;
 ``resume=<campaign id>`` reloads it and runs only what is missing, and ``resume=auto`` finds it: the newest
-unfinished campaign of this lever with the same composed config at this commit, else a new campaign (what a
-campaign spread over several time-limited commands wants). Everything after the evidence file is a pure function
+unfinished campaign of this lever with the same composed config and code (this commit, or one that changed only
+records, results or prose since), else a new campaign (what a campaign spread over several time-limited commands
+wants). Everything after the evidence file is a pure function
 of it (``vtcampaign render`` rebuilds the records from evidence alone).
 """
 from __future__ import annotations
@@ -225,7 +226,7 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
     if cfg.resume == "auto":
         found = _unfinished(cfg, repo, out_dir)
         console.print(f"resume=auto: resuming {found}" if found else
-                      "resume=auto: no unfinished campaign of this config at this commit; a new one")
+                      "resume=auto: no unfinished campaign of this config and code; a new one")
         cfg = cfg.copy()
         OmegaConf.update(cfg, "resume", found, force_add=True)
     if cfg.resume:
@@ -434,12 +435,12 @@ _SAME_ON_RESUME = (("device_name", "device"), ("torch_version", "torch"), ("trit
 
 def resume_plan(cfg: DictConfig, repo: Path | str) -> str:
     """What ``resume=`` would do, for --dry-run: the campaign it takes (resume=auto: the newest unfinished one of
-    this config at this commit, or none), the legs done and left; the checks a real resume makes, made."""
+    this config and code, or none), the legs done and left; the checks a real resume makes, made."""
     repo = Path(repo).resolve()
     out_dir = (repo / cfg.out_dir).resolve()
     cid = _unfinished(cfg, repo, out_dir) if cfg.resume == "auto" else str(cfg.resume)
     if cid is None:
-        return "resume=auto: no unfinished campaign of this config at this commit; a new one would start"
+        return "resume=auto: no unfinished campaign of this config and code; a new one would start"
     ev = _resumable(cfg, out_dir / cid, repo, out_dir)
     planned = len(_leg_plan(ev, cfg))
     done = len(ev.done_legs())
