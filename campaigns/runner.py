@@ -132,6 +132,7 @@ class _Run:
     gates: list[str]                    # the gates to run (inapplicable ones already recorded as skipped)
     inject: dict[str, Any]
     t_start: float
+    live: Any                           # tracking.LiveCampaign: the MLflow runs while the campaign runs
 
 
 def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | None,
@@ -139,6 +140,20 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
     """The phases: open (preflight or resume) -> in-process gates -> servers (server gates, then the grid unless
     the gates already fixed the verdict) -> conclude (policy, records, tracking, flip)."""
     run = _open(cfg, Path(repo).resolve(), dict(inject or {}), on_start)
+    try:
+        _measure(run)
+        _conclude(run)
+    except KeyboardInterrupt:
+        run.live.end("KILLED")
+        raise
+    except BaseException:
+        run.live.end("FAILED")
+        raise
+    return run.ev
+
+
+def _measure(run: _Run) -> None:
+    """Gates and grid: what is left of them (all of it, on a new campaign)."""
     try:
         _in_process_gates(run)
         why = _gates_decide(run.ev)
@@ -159,8 +174,6 @@ def _run_campaign(cfg: DictConfig, repo: Path | str, inject: dict[str, Any] | No
         raise CampaignError(str(e) + memory_hint(run.ev, str(e))) from None
     finally:
         run.ctx.release_engines()
-    _conclude(run)
-    return run.ev
 
 
 def conclude_recorded(campaign_id: str, repo: Path | str = ".", out_dir: Path | str | None = None) -> Evidence:
@@ -188,7 +201,8 @@ def conclude_recorded(campaign_id: str, repo: Path | str = ".", out_dir: Path | 
         raise CampaignError(f"{campaign_id} has measurements left ({'; '.join(left)}); resume it where it ran "
                             f"(its device and the code of {ev.fingerprint.git_short_sha}): `{resume_command(ev)}`")
     from campaigns.gitops import repo_state
-    run = _Run(cfg, repo, out_dir, cdir, ev, _gate_context(cfg, ev, cdir, {}), gates, {}, time.perf_counter())
+    run = _Run(cfg, repo, out_dir, cdir, ev, _gate_context(cfg, ev, cdir, {}), gates, {}, time.perf_counter(),
+               _live(cfg, off=True))   # nothing runs: the end logs the campaign whole, as a run's end does
     here = repo_state(repo).short_sha
     ran = f"{ev.fingerprint.git_short_sha} on {ev.fingerprint.device_name}"
     _conclude(run, note=f"{CONCLUDED} {utc_now()[:10]} at {here} from the recorded gates and legs (the run at "
@@ -245,7 +259,16 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
                   f"{[f'{a.name}({a.role})' for a in ev.arms]}  model={cfg.model.name}/{cfg.model.quant}  "
                   f"device={ev.fingerprint.device_name}  evidence={cdir}")
     ctx = _gate_context(cfg, ev, cdir, inject)
-    return _Run(cfg, repo, out_dir, cdir, ev, ctx, _gates_to_run(cfg, ev), inject, t_start)
+    live = _live(cfg)
+    live.start(ev, cdir)
+    return _Run(cfg, repo, out_dir, cdir, ev, ctx, _gates_to_run(cfg, ev), inject, t_start, live)
+
+
+def _live(cfg: DictConfig, off: bool = False):
+    """The campaign's live MLflow runs (tracking.LiveCampaign); inert under tracking=off (or ``off``)."""
+    from campaigns import tracking
+    on = cfg.tracking.enabled and not off
+    return tracking.LiveCampaign(str(cfg.tracking.uri) if on else None, lambda msg: console.print(f"[yellow]{msg}[/]"))
 
 
 def _gate_context(cfg: DictConfig, ev: Evidence, cdir: Path, inject: dict[str, Any]) -> GateContext:
@@ -274,7 +297,7 @@ def _in_process_gates(run: _Run) -> None:
     """The gates that run on in-process engines, then the async gate's anchors; the engines are freed after, so
     they never sit on the GPU beside the servers."""
     _run_gates(run.ev, run.cdir, run.ctx, [g for g in run.gates if g in IN_PROCESS_GATES],
-               bool(run.cfg.gate.self_check))
+               bool(run.cfg.gate.self_check), run.live.gate)
     if "async_parity" in run.gates:
         from campaigns.gates.parity import sync_reference
         for arm in run.ev.arms:
@@ -307,12 +330,13 @@ def _serve(run: _Run) -> None:
                          on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
         run.ctx.server_urls = {n: h.url for n, h in handles.items()}
         run.ctx.server_model = next(iter(handles.values())).model_name
-        _run_gates(ev, run.cdir, run.ctx, [g for g in run.gates if g in SERVER_GATES], bool(cfg.gate.self_check))
+        _run_gates(ev, run.cdir, run.ctx, [g for g in run.gates if g in SERVER_GATES], bool(cfg.gate.self_check),
+                   run.live.gate)
         why = _gates_decide(ev)                 # the gates so far, the server gates included
         if why:
             console.print(f"[yellow]grid skipped:[/] {why}")
         else:
-            _run_grid(ev, run.cdir, cfg, handles)
+            _run_grid(ev, run.cdir, cfg, handles, run.live.leg)
         for n, h in handles.items():
             ev.peak_memory_gib[n] = gridmod.peak_memory_gib(h.url)
         _record_context(ev, handles)
@@ -371,6 +395,7 @@ def _conclude(run: _Run, note: str | None = None) -> None:
             _flip(ev, run.cdir, run.repo, summaries)
         except CampaignError as e:      # stale, or the default moved: the campaign is complete all the same
             refused = e
+    run.live.end("FINISHED")            # the live runs, replaced now by the whole campaign's
     _track(cfg, ev, run.cdir)           # last: a tracking store out of reach costs nothing but the logging
     (run.cdir / "runner.pid").unlink(missing_ok=True)
     _summary(ev, run.cdir, time.perf_counter() - run.t_start)
@@ -511,7 +536,8 @@ def _same_code(then, now) -> bool:
     return then.git_sha == now.git_sha or (then.code_digest is not None and then.code_digest == now.code_digest)
 
 
-def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], self_check: bool) -> None:
+def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], self_check: bool,
+               on_result: Callable[[Any], None] = lambda g: None) -> None:
     todo = [(g, a) for g in names for a in ev.arms if ev.gate(g, a.name) is None]
     if not todo:
         return
@@ -522,6 +548,7 @@ def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], sel
             res = run_gate(gate, ctx, arm, self_check=self_check)
             ev.gates.append(res)
             _save(ev, cdir)
+            on_result(res)
             mark = "skip" if res.skipped else ("pass" if res.passed else "FAIL")
             if gate == "battery" and not res.passed and not res.skipped and res.counts.get("divergent") == 0:
                 mark = "near-ties (near_tie rules)"     # only near-tie divergences: RATIFIED or FAIL after it
@@ -597,7 +624,8 @@ def void_leg(ev: Evidence) -> str | None:
             "leg voids the grid, so no more legs run; find the cause in the servers' logs and start a new campaign")
 
 
-def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
+def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict,
+              on_leg: Callable[[Any], None] = lambda leg: None) -> None:
     if (why := void_leg(ev)) is not None:
         console.print(f"[red]{why}[/]")
         return
@@ -619,6 +647,7 @@ def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict) -> None:
                                   gridmod.warmup_for(warm, c, int(g.warmup_requests)), lens[(c, rep)])
             ev.legs.append(leg)
             _save(ev, cdir)
+            on_leg(leg)
             m = leg.metrics
             prog.console.print(f"  c={c} rep={rep} {arm.name:<6} {'valid' if leg.valid else 'INVALID'}  "
                                f"total {m.get('total_token_throughput', 0):.1f} tok/s  "

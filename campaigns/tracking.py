@@ -10,6 +10,9 @@ Layout, one experiment per lever (``vtcampaign/<lever>``):
     └── arm <arm>                 one per arm: the median over reps of every leg metric at step = concurrency,
                                   so the UI's chart view draws the arms against each other by concurrency
 
+While a campaign runs (LiveCampaign), its parent run is RUNNING and each gate and leg appears as it is recorded;
+a campaign stopped early ends KILLED (Ctrl-C, a time limit) or FAILED (an error), with what it finished.
+
 Every run carries the tag ``vtcampaign.campaign_id``. Logging is idempotent by *replacement*: logging a campaign
 id that is already in the experiment first deletes its earlier runs (MLflow's soft delete: they leave the UI and
 searches but stay in the store's trash), then logs the evidence anew, so ``vtcampaign log`` can be re-run after a
@@ -20,7 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from campaigns import gitops
 from campaigns.evidence import Evidence, parse_utc
@@ -131,8 +134,10 @@ def _log(c, run_id: str, metrics: Iterable[tuple[str, float, int]] = (), params:
                     tags=ts[i * 100:(i + 1) * 100])
 
 
-def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str | None = None) -> str:
-    """Log one campaign (replacing any earlier logging of the same id); returns the parent run id."""
+def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str | None = None,
+                 live: bool = False) -> str:
+    """Log one campaign (replacing any earlier logging of the same id); returns the parent run id. ``live``: a
+    campaign that runs now (LiveCampaign.start): its gates and legs so far, the parent left RUNNING."""
     c = client(uri)
     exp = ensure_experiment(c, ev.lever, uri)
     for old in campaign_runs(c, exp, ev.campaign_id):
@@ -175,27 +180,11 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
     _log(c, pid, params=_flatten(ev.config), metrics=metrics, tags=tags, timestamp=start or 0)
 
     for g in ev.gates:
-        run = c.create_run(exp, start_time=start, run_name=f"gate {g.gate} [{g.arm}]", tags={
-            **child, KIND_TAG: "gate", "gate": g.gate, "arm": g.arm, "passed": str(g.passed).lower(),
-            "skipped": str(g.skipped).lower(), "self_check": str(g.self_check).lower(),
-            "byte_exact": str(g.byte_exact).lower()})
-        metrics = [(k, v, 0) for k, v in g.counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        _log(c, run.info.run_id, metrics=metrics + [("duration_s", g.duration_s, 0)],
-             tags={"reason": g.reason[:5000]} if g.reason else None, timestamp=start or 0)
-        c.set_terminated(run.info.run_id, "FINISHED" if g.passed or g.skipped else "FAILED",
-                         end_time=(start + int(1000 * g.duration_s)) if start else None)
-
+        _log_gate(c, exp, child, g, start)
     for leg in ev.legs:
-        t0 = _ms(leg.started)
-        run = c.create_run(exp, start_time=t0, run_name=f"leg c{leg.concurrency} rep{leg.rep} [{leg.arm}]", tags={
-            **child, KIND_TAG: "leg", "arm": leg.arm, "concurrency": leg.concurrency, "rep": leg.rep,
-            "order_index": leg.order_index, "valid": str(leg.valid).lower(), "prompts_sha256": leg.prompts_sha256})
-        metrics = [(k, v, 0) for k, v in leg.metrics.items()]
-        metrics += [(k, v, i) for i, sample in enumerate(leg.gpu_samples) for k, v in sample.items()
-                    if isinstance(v, (int, float))]
-        _log(c, run.info.run_id, metrics=metrics, timestamp=t0 or 0,
-             tags={"reasons": "; ".join(leg.reasons)[:5000]} if leg.reasons else None)
-        c.set_terminated(run.info.run_id, "FINISHED" if leg.valid else "FAILED", end_time=_ms(leg.ended))
+        _log_leg(c, exp, child, leg)
+    if live:            # the arm summaries and artifacts come with the campaign's end; the parent stays RUNNING
+        return pid
 
     for arm in ev.arms:
         arm_legs = [leg for leg in ev.legs if leg.arm == arm.name]
@@ -217,6 +206,31 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
                 c.log_artifact(pid, str(path))
     c.set_terminated(pid, "FINISHED", end_time=end)   # an in-progress campaign shows as such in its `status` tag
     return pid
+
+
+def _log_gate(c, exp: str, child: dict[str, str], g, start: int | None) -> None:
+    run = c.create_run(exp, start_time=start, run_name=f"gate {g.gate} [{g.arm}]", tags={
+        **child, KIND_TAG: "gate", "gate": g.gate, "arm": g.arm, "passed": str(g.passed).lower(),
+        "skipped": str(g.skipped).lower(), "self_check": str(g.self_check).lower(),
+        "byte_exact": str(g.byte_exact).lower()})
+    metrics = [(k, v, 0) for k, v in g.counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    _log(c, run.info.run_id, metrics=metrics + [("duration_s", g.duration_s, 0)],
+         tags={"reason": g.reason[:5000]} if g.reason else None, timestamp=start or 0)
+    c.set_terminated(run.info.run_id, "FINISHED" if g.passed or g.skipped else "FAILED",
+                     end_time=(start + int(1000 * g.duration_s)) if start else None)
+
+
+def _log_leg(c, exp: str, child: dict[str, str], leg) -> None:
+    t0 = _ms(leg.started)
+    run = c.create_run(exp, start_time=t0, run_name=f"leg c{leg.concurrency} rep{leg.rep} [{leg.arm}]", tags={
+        **child, KIND_TAG: "leg", "arm": leg.arm, "concurrency": leg.concurrency, "rep": leg.rep,
+        "order_index": leg.order_index, "valid": str(leg.valid).lower(), "prompts_sha256": leg.prompts_sha256})
+    metrics = [(k, v, 0) for k, v in leg.metrics.items()]
+    metrics += [(k, v, i) for i, sample in enumerate(leg.gpu_samples) for k, v in sample.items()
+                if isinstance(v, (int, float))]
+    _log(c, run.info.run_id, metrics=metrics, timestamp=t0 or 0,
+         tags={"reasons": "; ".join(leg.reasons)[:5000]} if leg.reasons else None)
+    c.set_terminated(run.info.run_id, "FINISHED" if leg.valid else "FAILED", end_time=_ms(leg.ended))
 
 
 def relog_if_logged(ev: Evidence, campaign_dir: Path | str | None = None, uri: str = DEFAULT_URI) -> str | None:
@@ -246,3 +260,56 @@ def arm_summary_metrics(ev: Evidence, arm: str) -> list[tuple[str, float, int]]:
             for k, v in leg.metrics.items():
                 by.setdefault((k, leg.concurrency), []).append(v)
     return [(k, float(statistics.median(vals)), c) for (k, c), vals in sorted(by.items())]
+
+
+class LiveCampaign:
+    """A campaign's MLflow runs while it runs, so the UI shows it as it goes, and shows how it stopped.
+
+    ``start`` logs the parent run RUNNING (a resume first replaces the earlier runs of its id, its recorded gates
+    and legs logged again); ``gate`` and ``leg`` add a child run as each is recorded; ``end`` ends the parent KILLED
+    (Ctrl-C, a device command's time limit) or FAILED (an error), and FINISHED just before the campaign's end logs it
+    whole (log_campaign, which replaces these runs with the verdict's). ``uri=None`` (tracking=off) does nothing.
+    Logging never stops a campaign: the first error is one warning, and live logging stops there; the evidence file
+    holds everything, and the end (or `vtcampaign log`) logs it."""
+
+    def __init__(self, uri: str | None, warn: Callable[[str], None]):
+        self.uri, self.warn = uri, warn
+        self.c = self.exp = self.pid = None
+        self.child: dict[str, str] = {}
+        self.start_ms: int | None = None
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:      # MLflow raises many types (connection, bad URI, store schema): one warning
+            msg = str(e).splitlines()[0] if str(e) else ""
+            self.warn(f"MLflow live logging to {self.uri} stopped ({type(e).__name__}: {msg}); the evidence keeps "
+                      "every gate and leg, and the campaign's end logs them")
+            self.c = None
+
+    def start(self, ev: Evidence, campaign_dir: Path | str | None = None) -> None:
+        if self.uri is None:
+            return
+
+        def go():
+            self.pid = log_evidence(ev, self.uri, campaign_dir, live=True)
+            self.c = client(self.uri)
+            self.exp = ensure_experiment(self.c, ev.lever, self.uri)
+            self.child = {CAMPAIGN_TAG: ev.campaign_id, "lever": ev.lever, "mlflow.parentRunId": self.pid}
+            self.start_ms = campaign_span(ev)[0]
+        self._guard(go)
+
+    def gate(self, g) -> None:
+        if self.c is not None:
+            self._guard(lambda: _log_gate(self.c, self.exp, self.child, g, self.start_ms))
+
+    def leg(self, leg) -> None:
+        if self.c is not None:
+            self._guard(lambda: _log_leg(self.c, self.exp, self.child, leg))
+
+    def end(self, status: str) -> None:
+        """End the parent run with MLflow's ``status`` (FINISHED, FAILED, KILLED); later calls do nothing."""
+        if self.c is not None:
+            c, pid = self.c, self.pid
+            self._guard(lambda: c.set_terminated(pid, status))
+            self.c = None

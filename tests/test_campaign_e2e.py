@@ -96,8 +96,9 @@ def test_rehearsal_end_to_end(tmp_path):
 def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     repo = temp_repo(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"         # MLflow follows the campaign live, and hears how it stopped
     args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
-            "tracking=off", "campaign.gates=[op,mechanism]"]
+            "tracking=local", f"tracking.uri={uri}", "campaign.gates=[op,mechanism]"]
     proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out_dir = repo / "records" / "campaigns"
     deadline = time.time() + 600
@@ -120,6 +121,9 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     ev = load_evidence(evidence)
     assert ev.status == "in-progress" and 2 <= len(ev.legs) < 8
     kept = {leg.key: leg.started for leg in ev.legs}
+    runs = _mlflow_runs(uri, ev)
+    assert [(r.info.status, r.data.tags["verdict"]) for r in runs["campaign"]] == [("KILLED", "IN-PROGRESS")]
+    assert len(runs["leg"]) == len(ev.legs) and len(runs["gate"]) == len(ev.gates) > 0   # each as it was recorded
 
     # resume=auto finds it (what a campaign spread over time-limited device commands passes every time)
     done = subprocess.run(args + ["resume=auto"], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
@@ -129,6 +133,9 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     assert ev2.status == "complete" and len(ev2.legs) == 8
     assert {leg.key: leg.started for leg in ev2.legs if leg.key in kept} == kept     # finished legs kept as they were
     assert ev2.decision.verdict == "NON-BINDING"
+    runs = _mlflow_runs(uri, ev)        # the resume's runs replaced the killed ones; the end logged it whole
+    assert [(r.info.status, r.data.tags["verdict"]) for r in runs["campaign"]] == [("FINISHED", "NON-BINDING")]
+    assert len(runs["leg"]) == 8 and len(runs["arm-summary"]) == 2
 
     # stopped after the grid, before the verdict (on the H200 a command's time limit landed there): the resume
     # concludes from what is recorded and starts no server (that took 73 s of device time for two qwen3-8b servers)
@@ -173,6 +180,17 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     assert f"resume={ev.campaign_id}" in short.stderr
     left = load_evidence(evidence)
     assert left.status == "in-progress" and left.decision is None and len(left.legs) == 7
+
+
+def _mlflow_runs(uri: str, ev) -> dict[str, list]:
+    """The active MLflow runs of ``ev``'s campaign by kind (campaign, gate, leg, arm-summary)."""
+    from campaigns import tracking
+    c = tracking.client(uri)
+    exp = c.get_experiment_by_name(tracking.experiment_name(ev.lever))
+    by: dict[str, list] = {}
+    for r in tracking.campaign_runs(c, exp.experiment_id, ev.campaign_id):
+        by.setdefault(r.data.tags[tracking.KIND_TAG], []).append(r)
+    return by
 
 
 def test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_commit(tmp_path):

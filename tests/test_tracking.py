@@ -182,3 +182,48 @@ def test_a_campaign_decided_again_is_re_logged_where_the_store_holds_it(store, t
     missing = tmp_path / "none.db"
     assert tracking.relog_if_logged(ev, None, f"sqlite:///{missing}") is None and not missing.exists()
     tracking.relog_if_logged(store["ev"], store["cdir"], store["uri"])        # the module's store as it was
+
+
+def test_live_logging_follows_the_campaign_and_an_unreachable_store_only_warns_once(store, tmp_path):
+    """LiveCampaign on a store of its own: the parent RUNNING from the start with its recorded legs, each later leg
+    a child as it comes, the parent ended KILLED; the end's whole logging replaces them. A URI MLflow cannot use
+    warns once and does nothing after; tracking=off (uri None) does nothing at all."""
+    import copy
+    ev = copy.deepcopy(store["ev"])
+    ev.campaign_id, ev.status, ev.decision = "2026-12-05-gqa_swap-live000", "in-progress", None
+    later, ev.legs = ev.legs[2:], ev.legs[:2]
+    uri = f"sqlite:///{tmp_path / 'live.db'}"
+    said: list[str] = []
+    live = tracking.LiveCampaign(uri, said.append)
+    live.start(ev)
+    c = tracking.client(uri)
+    exp = c.get_experiment_by_name("vtcampaign/gqa_swap").experiment_id
+
+    def runs(kind):
+        return [r for r in tracking.campaign_runs(c, exp, ev.campaign_id) if r.data.tags[tracking.KIND_TAG] == kind]
+    assert [(r.info.status, r.data.tags["verdict"]) for r in runs("campaign")] == [("RUNNING", "IN-PROGRESS")]
+    assert len(runs("leg")) == 2 and len(runs("gate")) == len(ev.gates) and not runs("arm-summary")
+    live.leg(later[0])
+    leg = [r for r in runs("leg") if r.data.tags["order_index"] == str(later[0].order_index)]
+    assert len(runs("leg")) == 3 and leg[0].data.metrics == later[0].metrics
+    assert leg[0].data.tags["mlflow.parentRunId"] == runs("campaign")[0].info.run_id
+    live.end("KILLED")
+    live.end("FAILED")                  # a later end changes nothing
+    assert [r.info.status for r in runs("campaign")] == ["KILLED"]
+    ev.legs += later
+    tracking.log_evidence(ev, uri)
+    assert [r.info.status for r in runs("campaign")] == ["FINISHED"] and len(runs("leg")) == len(ev.legs)
+    assert said == []
+
+    (tmp_path / "a-file").write_text("not a directory\n")
+    bad = tracking.LiveCampaign(f"sqlite:///{tmp_path / 'a-file' / 'm.db'}", said.append)
+    bad.start(ev)
+    bad.leg(later[0])
+    bad.end("KILLED")
+    assert len(said) == 1 and said[0].startswith(f"MLflow live logging to sqlite:///{tmp_path / 'a-file'}")
+    assert "the evidence keeps every gate and leg" in said[0]
+    off = tracking.LiveCampaign(None, said.append)
+    off.start(ev)
+    off.leg(later[0])
+    off.end("KILLED")
+    assert len(said) == 1
