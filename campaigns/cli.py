@@ -1,6 +1,6 @@
 """``vtcampaign``: run a lever's campaign, and view its evidence as records, MLflow runs and PR text.
 
-    vtcampaign run campaign=gqa_swap [grid.reps=5 model=qwen3-8b ...] [--dry-run]
+    vtcampaign run campaign=gqa_swap [grid.reps=5 model=qwen3-8b ...] [--dry-run | --cfg job | --info]
     vtcampaign run campaign=gqa_swap aa=true   the grid's A/A self-check (two servers at one value)
     vtcampaign run -m campaign=gqa_swap,pdl [hydra/launcher=submitit_local]   a sweep (Hydra multirun): one
                                        campaign per job, one GPU per campaign; records and MLflow once at the end
@@ -64,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
                                      f"Campaigns: {', '.join(options('campaign'))}.")
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. campaign=gqa_swap grid.reps=5")
     run.add_argument("--dry-run", action="store_true", help="print the composed config and the plan; run nothing")
+    # Hydra's own flags where a single run can honour them (a sweep, -m, is a Hydra app and takes all of Hydra's)
+    run.add_argument("--cfg", "-c", choices=("job", "hydra", "all"),
+                     help="print the composed config and exit, as a Hydra app does (job; all = job here)")
+    run.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations")
+    run.add_argument("--info", "-i", nargs="?", const="all", choices=("all", "searchpath", "defaults"),
+                     help="print where the config is read from and the group options chosen, then exit")
+    run.add_argument("--config-dir", "-cd", help="a project's conf/ over the packaged one (same as --conf-dir)")
     st = sub.add_parser("status", help="levers, defaults, resolved values and last verdicts")
     _out_dir_arg(st)
     cal = sub.add_parser("calibrate", help="the grid rule's error rates for every binding campaign")
@@ -149,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                                  + (", --restart, --frozen, --out-dir" if args.cmd == "recheck" else "")
                                  + ", and Hydra overrides key=value")
             if args.cmd == "run":
+                if args.config_dir:
+                    from vtengine.confdirs import set_project_conf
+                    set_project_conf(args.config_dir)
+                if args.cfg or args.info:
+                    return cmd_show(list(args.overrides) + extra, args.cfg, args.resolve, args.info)
                 return cmd_run(list(args.overrides) + extra, args.dry_run)
             args.overrides = list(args.overrides) + extra
             return cmd_recheck(args)
@@ -161,6 +173,34 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, *USER_ERRORS) as e:
         print(f"vtcampaign: error: {e}", file=sys.stderr)
         return 2
+
+
+def cmd_show(overrides: list[str], cfg_kind: str | None, resolve: bool, info: str | None) -> int:
+    """Hydra's --cfg and --info for a single run. A single run composes with Hydra's compose API (one campaign,
+    one process, its own Ctrl-C and exit codes), so it has no ``hydra:`` node to print."""
+    if cfg_kind == "hydra":
+        raise UsageError("--cfg hydra: a single run composes its config without Hydra's app, so it has no hydra "
+                         "node; --cfg job prints the campaign's config, and a sweep (run -m ...) is a Hydra app "
+                         "that takes --cfg hydra")
+    from omegaconf import OmegaConf
+
+    from vtengine import confdirs
+    cfg = compose(overrides)
+    if info:
+        if info in ("all", "searchpath"):
+            print("Config search path (first wins, file by file):")
+            for d in confdirs.search_dirs():
+                print(f"  {d}{'  (packaged)' if d == confdirs.PACKAGED.resolve() else '  (project)'}")
+        if info in ("all", "defaults"):
+            print("Defaults chosen:")
+            chosen = {"campaign": cfg.campaign.name, "model": f"{cfg.model.name} ({cfg.model.quant})",
+                      "grid": cfg.grid.name, "gate": cfg.gate.name, "tracking": cfg.tracking.name,
+                      "device": cfg.device}
+            for group, name in chosen.items():
+                print(f"  {group:<9} {name}")
+    if cfg_kind:
+        print(OmegaConf.to_yaml(cfg, resolve=resolve), end="")
+    return 0
 
 
 def cmd_run(overrides: list[str], dry_run: bool) -> int:

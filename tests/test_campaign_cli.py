@@ -187,6 +187,36 @@ def test_dry_run_prints_the_composed_config_and_plan(capsys):
     assert "16 legs (2 concurrencies x 4 reps x 2 arms)" in out
 
 
+def test_hydra_flags_cfg_info_and_config_dir_work_on_a_single_run(tmp_path, capsys):
+    """What a Hydra user types: --cfg job prints the composed config and runs nothing (a project's conf named by
+    -cd laid over the packaged one), --info the search path and the options chosen; --cfg hydra is refused, saying
+    why and where it works."""
+    import yaml
+
+    from vtengine import confdirs
+    assert main(["run", "campaign=marlin_dense", "grid.reps=4", "device=cpu", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    cfg = yaml.safe_load(out)
+    assert cfg["campaign"]["lever"] == "marlin_dense" and cfg["grid"]["reps"] == 4 and "# plan" not in out
+    assert main(["run", "campaign=marlin_dense", "--info"]) == 0
+    out = capsys.readouterr().out
+    assert "Config search path" in out and f"  {confdirs.PACKAGED.resolve()}  (packaged)" in out
+    assert "  campaign  marlin_dense" in out and "  model     tiny (mxfp4)" in out
+    assert main(["run", "campaign=gqa_swap", "--cfg", "hydra"]) == 2
+    assert "a sweep (run -m ...) is a Hydra app that takes --cfg hydra" in _error_line(capsys)
+    own = tmp_path / "conf" / "grid"
+    own.mkdir(parents=True)
+    (own / "mine.yaml").write_text((confdirs.PACKAGED / "grid" / "rehearsal.yaml").read_text()
+                                   .replace("reps: 2", "reps: 7"))
+    try:
+        assert main(["run", "campaign=gqa_swap", "grid=mine", "-cd", str(tmp_path / "conf"), "-c", "job"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out)["grid"]["reps"] == 7
+    finally:
+        confdirs.set_project_conf(None)
+    assert main(["run", "campaign=gqa_swap", "grid=mine", "--cfg", "job"]) == 2      # gone with -cd
+    assert "unknown grid 'mine'; accepted: " in _error_line(capsys)
+
+
 def test_unknown_option_is_a_usage_error(capsys):
     assert main(["run", "campaign=gqa_swap", "--fast"]) == 2
     assert "unknown option(s) ['--fast']" in _error_line(capsys)
