@@ -526,3 +526,22 @@ def test_each_kind_of_bytes_against_its_own_floor():
     p.byte_floors = list(floors.values())
     md = report.render_markdown(DecodeResult.from_dict({"engine": [], "profiles": [p.to_dict()]}))
     assert "| w4a16_gemm | `_w4a16_gemm_kernel` | 10.0 |" in md and "% of floor |" in md
+
+
+def test_profiling_prints_no_kineto_lines():
+    """A profiled campaign gate or bench prints none of Kineto's "USDT: ... profiler_start/stop" lines (torch 2.13
+    writes two per session to stderr): quiet_profiler sets Kineto's log level above them before the session."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    session = ("import torch\nfrom torch.profiler import profile\n"
+               "with profile(): torch.ones(3) + 1\nprint('ok')\n")
+    quiet = subprocess.run([sys.executable, "-c", "from vtengine.bench.common import quiet_profiler\n"
+                            "quiet_profiler()\n" + session], capture_output=True, text=True, timeout=120,
+                           env=env)
+    assert quiet.returncode == 0 and quiet.stdout == "ok\n", quiet.stderr[-2000:]
+    assert "profiler_start" not in quiet.stderr and "USDT" not in quiet.stderr, quiet.stderr[-2000:]
+    loud = subprocess.run([sys.executable, "-c", session], capture_output=True, text=True, timeout=120, env=env)
+    if "profiler_start" not in loud.stderr:
+        pytest.skip(f"torch {torch.__version__} prints no Kineto lines: nothing to silence here")

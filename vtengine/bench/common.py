@@ -71,6 +71,14 @@ def copy_bandwidth_gbs(nbytes: int | None = None, *, device: str | torch.device 
 
 
 # -- chores of a long run --------------------------------------------------------------------------------------
+def quiet_profiler() -> None:
+    """Silence Kineto's own log lines before a torch.profiler session starts. Since torch 2.13 every session prints
+    "USDT: ... profiler_start" and "profiler_stop" to stderr at Kineto's highest level (5), so a campaign's profile
+    gate filled the console with them; level 6 is above every message. A level the user set is kept."""
+    import os
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def error_text(e: BaseException, limit: int = 400) -> str:
     """An exception as one line of at most ``limit`` characters, for a result's ``error`` field."""
     return f"{type(e).__name__}: {e}"[:limit]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from vtengine.bench.common import error_text, free_memory, synchronize
+from vtengine.bench.common import error_text, free_memory, quiet_profiler, synchronize
 from vtengine.bench.decode.engine_timing import random_prompts
 from vtengine.bench.decode.kernel_profile import kernel_table
 from vtengine.bench.decode.report import unique_stem
@@ -120,6 +120,7 @@ def _profile(eng, seq, prefix: int, chunk: int) -> tuple[list[dict], list[dict],
     """(top device kernels, top host operations by self time, the profiled step's wall ms): a step much longer than
     its kernels spends the difference on the host, and the host table says where."""
     from torch.profiler import ProfilerActivity, profile
+    quiet_profiler()
     on_device = eng.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     with profile(activities=activities) as prof:

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vtengine.bench.common import synchronize
+from vtengine.bench.common import quiet_profiler, synchronize
 from vtengine.bench.decode.engine_timing import kv_bytes_per_step, random_prompts
 from vtengine.bench.decode.results import ByteFloor, KernelProfile, KernelRow, KernelsOther
 
@@ -154,6 +154,7 @@ def _record_trace(eng, batch: int, steps: int) -> tuple[list[dict], list[float]]
     """``PROFILER_WARM_STEPS`` + ``steps`` decode steps of all ``batch`` sequences under torch.profiler: the Kineto
     trace's events and each step's wall time (s)."""
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
+    quiet_profiler()
 
     trace: dict = {}
 
