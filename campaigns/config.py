@@ -107,6 +107,9 @@ class GridConfig:
     warmup_requests: int = 2
     seed: int = 0
     alternate_order: bool = True         # arm order A B, B A, ... per rep, to cancel drift
+    # the arms' servers: side by side, each with 0.9 / arms of the GPU's memory (together), one at a time with 0.9
+    # each, restarted between blocks of legs (alternate), or together unless they do not fit (auto)
+    residency: str = "auto"
 
 
 @dataclass
@@ -465,6 +468,9 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
     if len(set(grid.concurrency)) != len(grid.concurrency):
         raise CampaignConfigError(f"grid.concurrency {list(grid.concurrency)} repeats a value; each concurrency "
                                   "is one point of the grid (use grid.reps for repetitions)")
+    if grid.residency not in RESIDENCIES:
+        raise CampaignConfigError(f"grid.residency={grid.residency!r} is not accepted; accepted: "
+                                  f"{', '.join(RESIDENCIES)}")
     for key in ("reps", "input_len", "output_len"):
         if grid[key] < 1:
             raise CampaignConfigError(f"grid.{key}={grid[key]} must be >= 1")
@@ -540,6 +546,7 @@ def to_plain(cfg: DictConfig) -> dict:
 
 # Keys that change what happens around a campaign, not what it measures: a resume may differ in them (a sweep's job
 # ran with commit=false summaries=false tracking=off; its resume by hand need not repeat them).
+RESIDENCIES = ("auto", "together", "alternate")
 UNMEASURED_KEYS = ("resume", "commit", "summaries", "tracking", "allow_dirty", "out_dir", "overrides")
 
 

@@ -225,6 +225,9 @@ class Evidence:
     # the arms in the order their servers started (empty: written before the order was drawn, when the baseline's
     # server always started first)
     server_order: list[str] = field(default_factory=list)
+    # how the arms' servers shared the GPU: "together" (side by side, the whole grid) or "alternate" (one at a time,
+    # restarted between blocks of legs: they did not fit side by side, or grid.residency=alternate asked for it)
+    residency: str = "together"
     # later commits (short sha) the campaign was resumed at, each with the code of its own commit (runner._same_code)
     resumed_at: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION

@@ -338,6 +338,30 @@ def leg_plan(arms: list[Arm], concurrency: list[int], reps: int, alternate: bool
     return plan
 
 
+def alternating_plan(arms_order: list[Arm], concurrency: list[int], reps: int,
+                     alternate: bool) -> list[tuple[int, int, Arm]]:
+    """leg_plan's legs in the order of one-server-at-a-time residency: per rep, each arm's legs at every
+    concurrency as one block, the arms in leg_plan's order for that rep (flipped on odd reps), so a block of one
+    arm that ends a rep and the block of the same arm that starts the next share a server (A | B B | A A | B ...:
+    reps + 1 server starts for two arms, not 2 x reps)."""
+    plan = []
+    for rep in range(reps):
+        order = list(arms_order) if (not alternate or rep % 2 == 0) else list(reversed(arms_order))
+        for arm in order:
+            plan += [(c, rep, arm) for c in concurrency]
+    return plan
+
+
+# what a server's log says when the GPU's memory share could not hold the model and a KV cache (the engine's
+# ConfigError, or torch's allocator): the one failure that running the arms one at a time can cure
+OUT_OF_MEMORY = ("no room for the KV cache", "CUDA out of memory", "OutOfMemoryError")
+
+
+def out_of_memory(error: str) -> bool:
+    """Whether a GridError is a server that did not start because its memory share was too small."""
+    return "did not start" in error and any(sign in error for sign in OUT_OF_MEMORY)
+
+
 def prompt_partitions(grid, vocab_range: tuple[int, int]) -> tuple[dict[tuple[int, int], list[list[int]]],
                                                                      list[list[int]]]:
     """Disjoint prompt sets per (concurrency, rep) sliced from one seeded pool, plus the warm-up prompts.

@@ -368,7 +368,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "model": _model(ev),
         "grid": {"name": grid.name, "concurrency": ", ".join(map(str, grid.concurrency)), "reps": grid.reps,
                  "prompts": ", ".join(map(str, grid.prompts_per_leg)), "input_len": grid.input_len,
-                 "output_len": output_lens_text(grid)},
+                 "output_len": output_lens_text(grid), "residency": grid.residency},
         "versions": f"torch {fp.torch_version}, triton {fp.triton_version or '—'}, "
                     f"CUDA {fp.cuda_version or '—'}, Python {fp.python_version}",
         "gates": [_gate_cell(g, ev) for g in sorted(ev.gates, key=lambda g: (_gate_rank(g.gate), g.gate,

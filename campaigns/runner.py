@@ -318,7 +318,8 @@ def server_order(ev: Evidence) -> list:
 
 def _serve(run: _Run) -> None:
     """Every arm's server: the server gates, then the grid (unless the gates, the server gates included, fixed the
-    verdict), then what the servers report (peak memory, lever context)."""
+    verdict), then what the servers report (peak memory, lever context). The servers run side by side (together)
+    unless grid.residency says alternate, or (auto) they do not fit: then one at a time (_serve_alternating)."""
     ev, cfg = run.ev, run.cfg
     stale = gridmod.stop_stale_servers(run.cdir)        # an earlier run killed with SIGKILL may have left some
     if stale:
@@ -326,6 +327,24 @@ def _serve(run: _Run) -> None:
                       f"{stale}[/]")
     order = server_order(ev)
     ev.server_order = [a.name for a in order]
+    residency = str(cfg.grid.residency)
+    if residency != "alternate" and ev.residency != "alternate":
+        try:
+            _serve_together(run, order)
+            return
+        except gridmod.GridError as e:
+            if residency == "together" or not gridmod.out_of_memory(str(e)):
+                raise
+            console.print(f"[yellow]the {len(ev.arms)} arms' servers do not fit side by side ({0.9 / len(ev.arms):.0%} "
+                          "of the GPU's memory each; the server's log says so): one at a time from here on, each "
+                          "with 90%, restarted between blocks of legs[/]")
+    ev.residency = "alternate"
+    _save(ev, run.cdir)
+    _serve_alternating(run, order)
+
+
+def _serve_together(run: _Run, order: list) -> None:
+    ev, cfg = run.ev, run.cfg
     with gridmod.servers(order, lambda a: _server_cmd(cfg, ev, a, run.inject), str(run.cdir), _server_env(),
                          on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
         run.ctx.server_urls = {n: h.url for n, h in handles.items()}
@@ -337,10 +356,54 @@ def _serve(run: _Run) -> None:
             console.print(f"[yellow]grid skipped:[/] {why}")
         else:
             _run_grid(ev, run.cdir, cfg, handles, run.live.leg)
-        for n, h in handles.items():
-            ev.peak_memory_gib[n] = gridmod.peak_memory_gib(h.url)
-        _record_context(ev, handles)
+        _server_reports(ev, handles)
         _save(ev, run.cdir)
+
+
+def _serve_alternating(run: _Run, order: list) -> None:
+    """One server at a time, each with 90% of the GPU's memory: the arms' legs in blocks (gridmod.alternating_plan:
+    per rep, every concurrency of one arm), a server started per run of blocks of its arm. An arm's server gates run
+    in its first block; once the gates fix the verdict (or a leg is invalid) no more legs run, but every arm still
+    runs its server gates and reports. A resume skips the blocks that have nothing left."""
+    ev, cfg = run.ev, run.cfg
+    g = cfg.grid
+    plan = list(enumerate(gridmod.alternating_plan(ev.arms, list(g.concurrency), int(g.reps),
+                                                   bool(g.alternate_order))))
+    runs: list[tuple[Any, list]] = []          # (arm, its legs) per server start: consecutive blocks of one arm
+    for i, (c, rep, arm) in plan:
+        if runs and runs[-1][0].name == arm.name:
+            runs[-1][1].append((i, (c, rep, arm)))
+        else:
+            runs.append((arm, [(i, (c, rep, arm))]))
+    gates = [name for name in run.gates if name in SERVER_GATES]
+    for arm, legs in runs:
+        done = ev.done_legs()
+        legs = [(i, leg) for i, leg in legs if (leg[0], leg[1], arm.name) not in done]
+        if void_leg(ev) is not None or _gates_decide(ev):
+            legs = []
+        if not legs and all(ev.gate(name, arm.name) for name in gates) and arm.name in ev.peak_memory_gib \
+                and arm.name in ev.context:
+            continue
+        with gridmod.servers([arm], lambda a: _server_cmd(cfg, ev, a, run.inject, alone=True), str(run.cdir),
+                             _server_env(), on_start=lambda n: console.print(f"starting the {n!r} server ...")) \
+                as handles:
+            run.ctx.server_urls = {n: h.url for n, h in handles.items()}
+            run.ctx.server_model = handles[arm.name].model_name
+            _run_gates(ev, run.cdir, run.ctx, gates, bool(cfg.gate.self_check), run.live.gate, arms=[arm])
+            if legs and not _gates_decide(ev):
+                _run_grid(ev, run.cdir, cfg, handles, run.live.leg, legs=legs)
+            _server_reports(ev, handles)
+            _save(ev, run.cdir)
+    if (why := _gates_decide(ev)):
+        console.print(f"[yellow]grid skipped:[/] {why}")
+
+
+def _server_reports(ev: Evidence, handles: dict) -> None:
+    """What each running server reports: its peak memory (the largest of its arm's servers, one at a time) and
+    its lever context."""
+    for n, h in handles.items():
+        ev.peak_memory_gib[n] = max(gridmod.peak_memory_gib(h.url), ev.peak_memory_gib.get(n, 0.0))
+    _record_context(ev, handles)
 
 
 def _served(run: _Run) -> bool:
@@ -424,7 +487,10 @@ def _record_context(ev: Evidence, handles: dict) -> None:
         info = gridmod.server_info(h.url)
         ev.context[name] = {k: registry[k].parse(v, "server-reported value") if k in registry else v
                             for k, v in info["levers"].items()}
-        ev.live_levers[name] = lever_context.live_levers(registry, info["kernels_ran"])
+        # kernels that ran on any of the arm's servers (one per block of legs when they run one at a time, one per
+        # command when a campaign is resumed)
+        ran = set(lever_context.live_levers(registry, info["kernels_ran"])) | set(ev.live_levers.get(name, ()))
+        ev.live_levers[name] = sorted(ran)
         ev.arm_fingerprints[name] = hashlib.sha256(json.dumps(info["build"], sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -537,8 +603,8 @@ def _same_code(then, now) -> bool:
 
 
 def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], self_check: bool,
-               on_result: Callable[[Any], None] = lambda g: None) -> None:
-    todo = [(g, a) for g in names for a in ev.arms if ev.gate(g, a.name) is None]
+               on_result: Callable[[Any], None] = lambda g: None, arms: list | None = None) -> None:
+    todo = [(g, a) for g in names for a in (ev.arms if arms is None else arms) if ev.gate(g, a.name) is None]
     if not todo:
         return
     with _progress() as prog:
@@ -585,11 +651,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
+def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict, alone: bool = False) -> list[str]:
+    """An arm's `vtengine serve` command; on a GPU with 0.9 / arms of its memory, or 0.9 when it runs ``alone``."""
     value = ev.baseline.value if inject.get("inert_arm") == arm.name else arm.value
     others = dict(cfg.campaign.with_levers)
     cuda = ev.fingerprint.device_type == "cuda"
-    util = round(0.9 / len(ev.arms), 3) if cuda else None
+    util = round(0.9 / (1 if alone else len(ev.arms)), 3) if cuda else None
     max_seqs = max(16, max(int(c) for c in cfg.grid.concurrency))
     # on CPU: the Triton interpreter for the lever's own kernels only, and a short max_model_len (see GateContext)
     kernels = None if cuda else list(levers.get(ev.lever).affects)
@@ -602,15 +669,16 @@ def _server_cmd(cfg: DictConfig, ev: Evidence, arm, inject: dict) -> list[str]:
 
 
 def memory_hint(ev: Evidence, error: str) -> str:
-    """Every arm's server is resident at once, each with 0.9 / arms of the GPU's memory (_server_cmd): a campaign of
-    several candidates can leave a server too little for the model and its KV cache. A server that did not start
-    in such a campaign gets that said beside its log."""
+    """The arms' servers run side by side, each with 0.9 / arms of the GPU's memory (_server_cmd), unless they do
+    not fit (grid.residency=auto runs them one at a time when a server's log says so). A server that did not start
+    side by side for another stated reason, or under grid.residency=together, gets the memory share said beside
+    its log."""
     n = len(ev.arms)
-    if ev.fingerprint.device_type != "cuda" or n <= 2 or "did not start" not in error:
+    if ev.fingerprint.device_type != "cuda" or ev.residency == "alternate" or "did not start" not in error:
         return ""
     return (f"\n(the {n} arms' servers run side by side, each with {0.9 / n:.0%} of the GPU's memory: if the log says "
-            "the weights or the KV cache did not fit, run fewer candidates per campaign, "
-            "campaign.arms.candidates=[...], or on a GPU with more memory)")
+            "the weights or the KV cache did not fit, grid.residency=alternate runs them one at a time, each with "
+            "90%; or run fewer candidates per campaign, campaign.arms.candidates=[...])")
 
 
 def void_leg(ev: Evidence) -> str | None:
@@ -625,7 +693,9 @@ def void_leg(ev: Evidence) -> str | None:
 
 
 def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict,
-              on_leg: Callable[[Any], None] = lambda leg: None) -> None:
+              on_leg: Callable[[Any], None] = lambda leg: None, legs: list | None = None) -> None:
+    """The legs not yet measured, each on its arm's server in ``handles``: ``legs`` as (run-order index,
+    (concurrency, rep, arm)), by default the whole plan (_leg_plan)."""
     if (why := void_leg(ev)) is not None:
         console.print(f"[red]{why}[/]")
         return
@@ -635,11 +705,11 @@ def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict,
     from campaigns.loadgen import safe_vocab_range
     parts, warm = gridmod.prompt_partitions(g, safe_vocab_range(info))
     lens = gridmod.output_len_partitions(g)
-    plan = _leg_plan(ev, cfg)
+    plan = list(enumerate(_leg_plan(ev, cfg))) if legs is None else legs
     done = ev.done_legs()
     with _progress() as prog:
-        task = prog.add_task("grid", total=len(plan), completed=sum((c, r, a.name) in done for c, r, a in plan))
-        for i, (c, rep, arm) in enumerate(plan):
+        task = prog.add_task("grid", total=len(plan), completed=sum((c, r, a.name) in done for _, (c, r, a) in plan))
+        for i, (c, rep, arm) in plan:
             if (c, rep, arm.name) in done:
                 continue
             prog.update(task, description=f"leg c={c} rep={rep} [{arm.name}]")

@@ -160,6 +160,8 @@ def test_user_choices_override_the_host_defaults():
     (["campaign=gqa_swap", "grid.concurrency=[1,2,3]"], "must have one entry per grid.concurrency [1, 2, 3]"),
     (["campaign=gqa_swap", "grid.concurrency=[2,2]", "grid.prompts_per_leg=[2,2]"], "repeats a value"),
     (["campaign=gqa_swap", "tracking=remote"], "tracking=remote needs tracking.uri=<uri>"),
+    (["campaign=gqa_swap", "grid.residency=sequential"],
+     "grid.residency='sequential' is not accepted; accepted: auto, together, alternate"),
     (["campaign=gqa_swap", "device=tpu"], "device='tpu' is not accepted; accepted: auto, cuda, cpu"),
     (["campaign=gqa_swap", "allow_dirty=maybe"], "bad value for allow_dirty"),
     (["campaign=gqa_swap", "grid.reps"], "bad override syntax"),
@@ -425,8 +427,20 @@ def test_a_server_that_did_not_start_in_a_many_armed_gpu_campaign_is_told_about_
     from helpers import make_evidence
     ev = make_evidence(lever="nsplits_cap")
     ev.fingerprint = dataclasses.replace(ev.fingerprint, device_type="cuda")
-    assert memory_hint(ev, "the 'on' server did not start (exited with 1)") == ""            # two arms
+    assert "the 2 arms' servers run side by side, each with 45% of the GPU's memory" in memory_hint(
+        ev, "the 'on' server did not start (exited with 1)")
     ev.arms = ev.arms + [Arm("8", 8, "candidate"), Arm("16", 16, "candidate"), Arm("auto", "auto", "candidate")]
     hint = memory_hint(ev, "the '8' server did not start (exited with 1); log x")
     assert "the 5 arms' servers run side by side, each with 18% of the GPU's memory" in hint
+    assert "grid.residency=alternate runs them one at a time" in hint
     assert memory_hint(ev, "cannot read http://x/metrics") == ""
+    ev.residency = "alternate"              # one at a time already: the share is not what failed
+    assert memory_hint(ev, "the '8' server did not start (exited with 1); log x") == ""
+    # what makes grid.residency=auto run the arms one at a time: a start that failed for memory, nothing else
+    from campaigns.grid import out_of_memory
+    assert out_of_memory("the 'on' server did not start (exited with 1); log x:\nConfigError: no room for the KV "
+                         "cache (-3 blocks)")
+    assert out_of_memory("the 'on' server did not start (exited with 1); log x:\ntorch.OutOfMemoryError: CUDA out of "
+                         "memory. Tried to allocate 2.00 GiB")
+    assert not out_of_memory("the 'on' server did not start (exited with 1); log x:\nValueError: bad --lever")
+    assert not out_of_memory("leg c=8 rep=0: CUDA out of memory")        # not a start: a leg's failure

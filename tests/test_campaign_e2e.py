@@ -552,3 +552,40 @@ def test_commit_true_on_a_flip_it_cannot_commit_completes_the_campaign_then_fail
         _conclude(run)
     assert load_evidence(cdir).status == "complete" and ev.decision.verdict == "FLIP"
     assert (cdir / "record.md").is_file() and not (cdir / "runner.pid").exists()
+
+
+def test_arms_that_do_not_fit_side_by_side_run_one_at_a_time(tmp_path, monkeypatch):
+    """grid.residency=auto: the servers start side by side; when a server's log says its memory share could not
+    hold the model (here a stand-in command that fails as the engine does), the arms run one at a time: each rep a
+    block of every concurrency per arm, arms alternating, one server start per run of blocks of an arm (off | on on
+    | off: 3 starts for 2 reps), server gates and reports on every arm, the record saying so."""
+    repo = temp_repo(tmp_path)
+    real, starts = runner._server_cmd, []
+
+    def server_cmd(cfg, ev, arm, inject, alone=False):
+        starts.append((arm.name, alone))
+        if not alone:
+            return [sys.executable, "-c", "print('vtengine.config.ConfigError: no room for the KV cache (-41 blocks): "
+                                          "lower the model size or raise gpu_memory_utilization (now 0.45)')\n"
+                                          "raise SystemExit(1)"]
+        return real(cfg, ev, arm, inject, alone=True)
+    monkeypatch.setattr(runner, "_server_cmd", server_cmd)
+    cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=false", "tracking=off",
+                   "campaign.gates=[mechanism,async_parity]"], cuda=False)
+    ev = run_campaign(cfg, repo=repo)
+    assert ev.residency == "alternate" and ev.status == "complete" and ev.decision.verdict == "NON-BINDING"
+    assert starts == [("off", False), ("on", False), ("off", True), ("on", True), ("off", True)]
+    legs = sorted(ev.legs, key=lambda leg: leg.order_index)
+    assert [(leg.arm, leg.rep, leg.concurrency) for leg in legs] == [
+        ("off", 0, 1), ("off", 0, 2), ("on", 0, 1), ("on", 0, 2), ("on", 1, 1), ("on", 1, 2), ("off", 1, 1),
+        ("off", 1, 2)]
+    assert all(leg.valid for leg in legs)
+    by_point: dict = {}
+    for leg in legs:                    # the arms still share each (c, rep)'s prompts
+        by_point.setdefault((leg.concurrency, leg.rep), set()).add(leg.prompts_sha256)
+    assert all(len(s) == 1 for s in by_point.values())
+    assert {g.arm for g in ev.gates if g.gate == "async_parity" and g.passed} == {"off", "on"}
+    assert set(ev.peak_memory_gib) == set(ev.context) == set(ev.live_levers) == {"off", "on"}
+    assert "gqa_swap" in ev.live_levers["on"]
+    record = (repo / "records" / "campaigns" / ev.campaign_id / "record.md").read_text()
+    assert "The arms' servers ran one at a time, each with 90% of the GPU's memory (grid.residency auto" in record
