@@ -235,14 +235,15 @@ def cmd_run(overrides: list[str], dry_run: bool) -> int:
         ev = run_campaign(cfg, repo=project_root())
     except CampaignError as e:
         raise UsageError(str(e)) from None
-    except KeyboardInterrupt:
-        return 130          # the runner saved the evidence and printed how to resume
+    except KeyboardInterrupt as e:
+        from campaigns.runner import exit_status
+        return exit_status(e)   # 130 Ctrl-C, 143 SIGTERM: the runner saved the evidence and printed how to resume
     return exit_code(ev.decision.verdict if ev.decision else None)
 
 
 # `vtcampaign run`'s exit status by verdict, for CI and scripts: 0 a decision reached (whichever), 3 the product's own
 # checks failed (a gate that cannot fail, a void grid: INVALID; a grid that invents effects: AA-FAIL), 4 the
-# candidate is wrong (REJECT-CORRECTNESS); 2 a usage error, 130 interrupted
+# candidate is wrong (REJECT-CORRECTNESS); 2 a usage error, 130 interrupted (Ctrl-C), 143 stopped (SIGTERM)
 EXIT_CODES = {"INVALID": 3, "AA-FAIL": 3, "REJECT-CORRECTNESS": 4}
 
 
@@ -511,9 +512,10 @@ def cmd_recheck(args) -> int:
         # on the device (--frozen) a resume concludes without starting servers anyway, on the device it ran on
         recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart, frozen=args.frozen,
                     conclude_one=None if args.frozen else lambda cid: _conclude_recorded(cid, args.out_dir))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from campaigns.runner import exit_status
         print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)
-        return 130
+        return exit_status(e)
     return 0
 
 

@@ -99,13 +99,28 @@ def run_campaign(cfg: DictConfig, repo: Path | str = ".", inject: dict[str, Any]
         return _run_campaign(cfg, repo, inject, on_start)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit or preemption, `kill`, a closed session) while a campaign runs: handled as
+    Ctrl-C is (servers stopped, evidence kept, MLflow's run ended KILLED); the command exits 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+def exit_status(e: KeyboardInterrupt) -> int:
+    """A stopped campaign's exit status, as a shell reports a signal: 130 for Ctrl-C, 143 for SIGTERM."""
+    return 128 + getattr(e, "signum", signal.SIGINT)
+
+
 @contextmanager
 def _ctrl_c_raises():
     """While a campaign runs, Ctrl-C (SIGINT) raises KeyboardInterrupt wherever the main thread is, inside a leg's
     or a gate's asyncio loop too. asyncio.run's own handler only cancels the running task, and a cancellation
     absorbed below it lets the leg return and the campaign go on: in CI a Ctrl-C sent mid-grid was lost and the
     campaign ran to its end. With this handler installed asyncio.run leaves SIGINT alone (it only takes over the
-    default handler), and the interrupted leg is simply not recorded."""
+    default handler), and the interrupted leg is simply not recorded. SIGTERM raises Stopped, a KeyboardInterrupt:
+    by default it killed the runner outright, leaving its servers to die with it and MLflow's run RUNNING."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -113,11 +128,15 @@ def _ctrl_c_raises():
     def raise_interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, raise_interrupt)
+    def raise_stopped(signum, frame):
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGINT, raise_interrupt), signal.signal(signal.SIGTERM, raise_stopped)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
 
 
 @dataclass

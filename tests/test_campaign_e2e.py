@@ -589,3 +589,38 @@ def test_arms_that_do_not_fit_side_by_side_run_one_at_a_time(tmp_path, monkeypat
     assert "gqa_swap" in ev.live_levers["on"]
     record = (repo / "records" / "campaigns" / ev.campaign_id / "record.md").read_text()
     assert "The arms' servers ran one at a time, each with 90% of the GPU's memory (grid.residency auto" in record
+
+
+def test_sigterm_stops_a_campaign_as_ctrl_c_does(tmp_path):
+    """SIGTERM (a scheduler's time limit, `kill`) mid-grid: the runner stops its servers (their pid files gone, the
+    processes exited), keeps the finished legs, says how to resume, and exits 143; before, the default action
+    killed it where it stood."""
+    repo = temp_repo(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
+            "tracking=off", "campaign.gates=[mechanism]"]
+    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out_dir = repo / "records" / "campaigns"
+    deadline, evidence, pids = time.time() + 600, None, []
+    while time.time() < deadline and proc.poll() is None:
+        found = list(out_dir.glob("*/evidence.json"))
+        if found:
+            try:
+                if len(json.loads(found[0].read_text())["legs"]) >= 1:
+                    evidence = found[0]
+                    pids = [json.loads(p.read_text())["pid"] for p in evidence.parent.glob("server-*.pid")]
+                    break
+            except (json.JSONDecodeError, KeyError):
+                pass
+        time.sleep(0.3)
+    assert evidence is not None and len(pids) == 2, "the grid did not start with two servers"
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert "interrupted" in out and "resume=" in out
+    assert not list(evidence.parent.glob("server-*.pid"))       # stopped by the runner, not orphaned
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    ev = load_evidence(evidence)
+    assert ev.status == "in-progress" and 1 <= len(ev.legs) < 8
