@@ -477,8 +477,11 @@ def _conclude(run: _Run, note: str | None = None) -> None:
             _flip(ev, run.cdir, run.repo, summaries)
         except CampaignError as e:      # stale, or the default moved: the campaign is complete all the same
             refused = e
-    run.live.end("FINISHED")            # the live runs, replaced now by the whole campaign's
-    _track(cfg, ev, run.cdir)           # last: a tracking store out of reach costs nothing but the logging
+    live_id = run.live.finish(ev, run.cdir)     # the run MLflow has shown since the start, completed
+    if live_id:
+        console.print(f"MLflow: {cfg.tracking.uri} run {live_id}")
+    else:
+        _track(cfg, ev, run.cdir)       # last: a tracking store out of reach costs nothing but the logging
     (run.cdir / "runner.pid").unlink(missing_ok=True)
     _summary(ev, run.cdir, time.perf_counter() - run.t_start)
     if refused is not None:             # commit=true asked for a flip it did not get: the command fails, saying why

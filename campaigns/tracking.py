@@ -11,7 +11,8 @@ Layout, one experiment per lever (``vtcampaign/<lever>``):
                                   so the UI's chart view draws the arms against each other by concurrency
 
 While a campaign runs (LiveCampaign), its parent run is RUNNING and each gate and leg appears as it is recorded;
-a campaign stopped early ends KILLED (Ctrl-C, a time limit) or FAILED (an error), with what it finished.
+a campaign stopped early ends KILLED (Ctrl-C, SIGTERM, a time limit) or FAILED (an error), with what it finished;
+one that ends is completed on the same run.
 
 Every run carries the tag ``vtcampaign.campaign_id``. Logging is idempotent by *replacement*: logging a campaign
 id that is already in the experiment first deletes its earlier runs (MLflow's soft delete: they leave the UI and
@@ -143,17 +144,38 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
     for old in campaign_runs(c, exp, ev.campaign_id):
         c.delete_run(old.info.run_id)
 
-    fp, d = ev.fingerprint, ev.decision
     start, end = campaign_span(ev)
     base_tags = {CAMPAIGN_TAG: ev.campaign_id, "lever": ev.lever}
-    parent = c.create_run(exp, start_time=start, run_name=f"campaign {ev.campaign_id}", tags={
-        **base_tags, KIND_TAG: "campaign", "verdict": d.verdict if d else "IN-PROGRESS",
-        "git_sha": fp.git_sha, "dirty": str(fp.dirty).lower(), "device": fp.device_name,
-        "device_type": fp.device_type, "branch": fp.branch, "status": ev.status,
-        "candidate": (d.candidate if d else "") or "", "binding": str(bool(d and d.binding)).lower(),
-        "byte_exact": str(d.byte_exact).lower() if d else "none"})
+    parent = c.create_run(exp, start_time=start, run_name=f"campaign {ev.campaign_id}",
+                          tags={**base_tags, KIND_TAG: "campaign", **_parent_tags(ev)})
     pid = parent.info.run_id
     child = {**base_tags, "mlflow.parentRunId": pid}
+    _log(c, pid, params=_flatten(ev.config), metrics=_parent_metrics(ev), timestamp=start or 0)
+    for g in ev.gates:
+        _log_gate(c, exp, child, g, start)
+    for leg in ev.legs:
+        _log_leg(c, exp, child, leg)
+    if not live:        # a live campaign's arm summaries and artifacts come with its end; its parent stays RUNNING
+        _finish(c, exp, pid, child, ev, campaign_dir)
+    return pid
+
+
+def _parent_tags(ev: Evidence) -> dict[str, str]:
+    fp, d = ev.fingerprint, ev.decision
+    tags = {"verdict": d.verdict if d else "IN-PROGRESS", "git_sha": fp.git_sha, "dirty": str(fp.dirty).lower(),
+            "device": fp.device_name, "device_type": fp.device_type, "branch": fp.branch, "status": ev.status,
+            "candidate": (d.candidate if d else "") or "", "binding": str(bool(d and d.binding)).lower(),
+            "byte_exact": str(d.byte_exact).lower() if d else "none", "kind": ev.kind}
+    if d:
+        tags["rule"] = d.rule[:5000]
+        if d.effect_note:
+            tags["effect_note"] = d.effect_note[:5000]
+    return tags
+
+
+def _parent_metrics(ev: Evidence) -> list[tuple[str, float, int]]:
+    """The verdict's figures: ratios and their intervals by concurrency, pooled effects, the grid's calibration,
+    the attribution table."""
     metrics = [(f"ratio/{s.candidate}/{s.axis}", s.ratio, s.concurrency) for s in ev.stats if s.ratio is not None]
     for s in ev.stats:          # the effect's interval, charted by concurrency beside the ratio
         if s.effect is not None:
@@ -174,18 +196,13 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
             for key in ("base", "cand", "delta"):
                 metrics.append((f"attribution/{a['arm']}/{r['kernel'].replace(' ', '_')}/{key}_us",
                                 float(r[key].replace(",", "")), int(a["c"])))
-    tags = {"rule": d.rule[:5000], "kind": ev.kind} if d else {"kind": ev.kind}
-    if d and d.effect_note:
-        tags["effect_note"] = d.effect_note[:5000]
-    _log(c, pid, params=_flatten(ev.config), metrics=metrics, tags=tags, timestamp=start or 0)
+    return metrics
 
-    for g in ev.gates:
-        _log_gate(c, exp, child, g, start)
-    for leg in ev.legs:
-        _log_leg(c, exp, child, leg)
-    if live:            # the arm summaries and artifacts come with the campaign's end; the parent stays RUNNING
-        return pid
 
+def _finish(c, exp: str, pid: str, child: dict[str, str], ev: Evidence, campaign_dir: Path | str | None) -> None:
+    """A campaign's end: a summary run per arm, the artifacts, the parent FINISHED."""
+    fp = ev.fingerprint
+    start, end = campaign_span(ev)
     for arm in ev.arms:
         arm_legs = [leg for leg in ev.legs if leg.arm == arm.name]
         arm_start = min((_ms(leg.started) for leg in arm_legs if leg.started), default=start)
@@ -198,14 +215,12 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
              params={"lever_value": str(arm.value), "env": " ".join(f"{k}={v}" for k, v in
                                                                      sorted(fp.arms_env.get(arm.name, {}).items()))})
         c.set_terminated(run.info.run_id, "FINISHED", end_time=arm_end)
-
     if campaign_dir is not None:
         for name in ARTIFACTS:
             path = Path(campaign_dir) / name
             if path.is_file():
                 c.log_artifact(pid, str(path))
     c.set_terminated(pid, "FINISHED", end_time=end)   # an in-progress campaign shows as such in its `status` tag
-    return pid
 
 
 def _log_gate(c, exp: str, child: dict[str, str], g, start: int | None) -> None:
@@ -267,8 +282,8 @@ class LiveCampaign:
 
     ``start`` logs the parent run RUNNING (a resume first replaces the earlier runs of its id, its recorded gates
     and legs logged again); ``gate`` and ``leg`` add a child run as each is recorded; ``end`` ends the parent KILLED
-    (Ctrl-C, a device command's time limit) or FAILED (an error), and FINISHED just before the campaign's end logs it
-    whole (log_campaign, which replaces these runs with the verdict's). ``uri=None`` (tracking=off) does nothing.
+    (Ctrl-C, SIGTERM, a device command's time limit) or FAILED (an error); ``finish`` completes the same run with the
+    verdict, so the run a user watched is the one that holds it. ``uri=None`` (tracking=off) does nothing.
     Logging never stops a campaign: the first error is one warning, and live logging stops there; the evidence file
     holds everything, and the end (or `vtcampaign log`) logs it."""
 
@@ -277,6 +292,7 @@ class LiveCampaign:
         self.c = self.exp = self.pid = None
         self.child: dict[str, str] = {}
         self.start_ms: int | None = None
+        self.logged: set = set()        # the gates ((gate, arm)) and legs (their keys) the parent has as children
 
     def _guard(self, fn: Callable[[], None]) -> None:
         try:
@@ -297,15 +313,41 @@ class LiveCampaign:
             self.exp = ensure_experiment(self.c, ev.lever, self.uri)
             self.child = {CAMPAIGN_TAG: ev.campaign_id, "lever": ev.lever, "mlflow.parentRunId": self.pid}
             self.start_ms = campaign_span(ev)[0]
+            self.logged = {(g.gate, g.arm) for g in ev.gates} | {leg.key for leg in ev.legs}
         self._guard(go)
 
     def gate(self, g) -> None:
         if self.c is not None:
             self._guard(lambda: _log_gate(self.c, self.exp, self.child, g, self.start_ms))
+            self.logged.add((g.gate, g.arm))
 
     def leg(self, leg) -> None:
         if self.c is not None:
             self._guard(lambda: _log_leg(self.c, self.exp, self.child, leg))
+            self.logged.add(leg.key)
+
+    def finish(self, ev: Evidence, campaign_dir: Path | str | None = None) -> str | None:
+        """The campaign's end on the run it has had since its start (its id stays the one a user watched): the
+        verdict's tags and figures, any gate or leg not yet a child (gates recorded as skipped at the start), the arm
+        summaries and artifacts, FINISHED. Returns the run id, or None where live logging is off or stopped (then
+        log_campaign logs the campaign whole)."""
+        if self.c is None:
+            return None
+        c, done = self.c, []
+
+        def go():
+            _log(c, self.pid, metrics=_parent_metrics(ev), tags=_parent_tags(ev), timestamp=self.start_ms or 0)
+            for g in ev.gates:
+                if (g.gate, g.arm) not in self.logged:
+                    _log_gate(c, self.exp, self.child, g, self.start_ms)
+            for leg in ev.legs:
+                if leg.key not in self.logged:
+                    _log_leg(c, self.exp, self.child, leg)
+            _finish(c, self.exp, self.pid, self.child, ev, campaign_dir)
+            done.append(self.pid)
+        self._guard(go)
+        self.c = None
+        return done[0] if done else None
 
     def end(self, status: str) -> None:
         """End the parent run with MLflow's ``status`` (FINISHED, FAILED, KILLED); later calls do nothing."""

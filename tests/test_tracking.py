@@ -215,6 +215,29 @@ def test_live_logging_follows_the_campaign_and_an_unreachable_store_only_warns_o
     assert [r.info.status for r in runs("campaign")] == ["FINISHED"] and len(runs("leg")) == len(ev.legs)
     assert said == []
 
+    # a campaign that ends: finish completes the run it has had since its start (the id a user watched), with
+    # the verdict, the arm summaries, and what was recorded without a live call (gates skipped at the start)
+    ev.legs, ev.decision, ev.status = ev.legs[:2], None, "in-progress"
+    gates, ev.gates = ev.gates, ev.gates[:-1]
+    live = tracking.LiveCampaign(uri, said.append)
+    live.start(ev)
+    first = runs("campaign")
+    assert [r.info.status for r in first] == ["RUNNING"]
+    ev.gates = gates
+    for leg in later:
+        live.leg(leg)
+    ev.legs += later
+    ev.decision, ev.status = copy.deepcopy(store["ev"].decision), "complete"
+    assert live.finish(ev) == first[0].info.run_id
+    assert live.finish(ev) is None                  # once
+    parent = runs("campaign")
+    assert [(r.info.run_id, r.info.status) for r in parent] == [(first[0].info.run_id, "FINISHED")]
+    assert parent[0].data.tags["verdict"] == ev.decision.verdict and parent[0].data.tags["status"] == "complete"
+    assert any(k.startswith("ratio/") for k in parent[0].data.metrics)
+    assert len(runs("gate")) == len(ev.gates) and len(runs("leg")) == len(ev.legs)
+    assert {r.data.tags["arm"] for r in runs("arm-summary")} == {a.name for a in ev.arms}
+    assert said == []
+
     (tmp_path / "a-file").write_text("not a directory\n")
     bad = tracking.LiveCampaign(f"sqlite:///{tmp_path / 'a-file' / 'm.db'}", said.append)
     bad.start(ev)
