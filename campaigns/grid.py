@@ -328,27 +328,20 @@ class GpuSampler:
             self._thread.join(timeout=5)
 
 
-def leg_plan(arms: list[Arm], concurrency: list[int], reps: int, alternate: bool) -> list[tuple[int, int, Arm]]:
-    """(concurrency, rep, arm) in run order: every concurrency per rep, the arms' order flipped on odd reps."""
+def leg_plan(arms: list[Arm], concurrency: list[int], reps: int, alternate: bool,
+             by_arm: bool = False) -> list[tuple[int, int, Arm]]:
+    """(concurrency, rep, arm) in run order: every concurrency per rep, the arms' order flipped on odd reps.
+
+    ``by_arm``: the order of one-server-at-a-time residency: per rep, each arm's legs at every concurrency as one
+    block, so a block of one arm that ends a rep and the block of the same arm that starts the next share a server
+    (A | B B | A A | B ...: reps + 1 server starts for two arms, not 2 x reps)."""
     plan = []
     for rep in range(reps):
         order = list(arms) if (not alternate or rep % 2 == 0) else list(reversed(arms))
-        for c in concurrency:
-            plan += [(c, rep, arm) for arm in order]
-    return plan
-
-
-def alternating_plan(arms_order: list[Arm], concurrency: list[int], reps: int,
-                     alternate: bool) -> list[tuple[int, int, Arm]]:
-    """leg_plan's legs in the order of one-server-at-a-time residency: per rep, each arm's legs at every
-    concurrency as one block, the arms in leg_plan's order for that rep (flipped on odd reps), so a block of one
-    arm that ends a rep and the block of the same arm that starts the next share a server (A | B B | A A | B ...:
-    reps + 1 server starts for two arms, not 2 x reps)."""
-    plan = []
-    for rep in range(reps):
-        order = list(arms_order) if (not alternate or rep % 2 == 0) else list(reversed(arms_order))
-        for arm in order:
-            plan += [(c, rep, arm) for c in concurrency]
+        if by_arm:
+            plan += [(c, rep, arm) for arm in order for c in concurrency]
+        else:
+            plan += [(c, rep, arm) for c in concurrency for arm in order]
     return plan
 
 

@@ -380,14 +380,14 @@ def _serve_together(run: _Run, order: list) -> None:
 
 
 def _serve_alternating(run: _Run, order: list) -> None:
-    """One server at a time, each with 90% of the GPU's memory: the arms' legs in blocks (gridmod.alternating_plan:
+    """One server at a time, each with 90% of the GPU's memory: the arms' legs in blocks (gridmod.leg_plan by_arm:
     per rep, every concurrency of one arm), a server started per run of blocks of its arm. An arm's server gates run
     in its first block; once the gates fix the verdict (or a leg is invalid) no more legs run, but every arm still
     runs its server gates and reports. A resume skips the blocks that have nothing left."""
     ev, cfg = run.ev, run.cfg
     g = cfg.grid
-    plan = list(enumerate(gridmod.alternating_plan(ev.arms, list(g.concurrency), int(g.reps),
-                                                   bool(g.alternate_order))))
+    plan = list(enumerate(gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order),
+                                           by_arm=True)))
     runs: list[tuple[Any, list]] = []          # (arm, its legs) per server start: consecutive blocks of one arm
     for i, (c, rep, arm) in plan:
         if runs and runs[-1][0].name == arm.name:

@@ -450,14 +450,8 @@ def test_a_broken_candidate_is_rejected_by_its_gates(tmp_path):
         assert g.self_check is True, (g.gate, g.arm)
 
 
-def test_a_campaign_killed_with_sigkill_leaves_no_server_and_resumes(tmp_path):
-    """SIGKILL gives the runner no chance to stop its servers: they exit with their parent (--exit-with-parent),
-    and the pid files they leave let resume= stop any survivor before it starts its own."""
-    repo = temp_repo(tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
-            "tracking=off", "campaign.gates=[mechanism]"]
-    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _first_leg(proc: subprocess.Popen, repo: Path) -> tuple[Path, list[int]]:
+    """Wait until the campaign ``proc`` runs has recorded its first leg: its evidence file and its servers' pids."""
     out_dir = repo / "records" / "campaigns"
     deadline, evidence, pids = time.time() + 600, None, []
     while time.time() < deadline and proc.poll() is None:
@@ -472,6 +466,18 @@ def test_a_campaign_killed_with_sigkill_leaves_no_server_and_resumes(tmp_path):
                 pass
         time.sleep(0.3)
     assert evidence is not None and len(pids) == 2, "the grid did not start with two servers"
+    return evidence, pids
+
+
+def test_a_campaign_killed_with_sigkill_leaves_no_server_and_resumes(tmp_path):
+    """SIGKILL gives the runner no chance to stop its servers: they exit with their parent (--exit-with-parent),
+    and the pid files they leave let resume= stop any survivor before it starts its own."""
+    repo = temp_repo(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
+            "tracking=off", "campaign.gates=[mechanism]"]
+    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    evidence, pids = _first_leg(proc, repo)
     proc.kill()                                               # SIGKILL: no handler runs in the runner
     proc.wait(timeout=30)
 
@@ -603,20 +609,7 @@ def test_sigterm_stops_a_campaign_as_ctrl_c_does(tmp_path):
     args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
             "tracking=off", "campaign.gates=[mechanism]"]
     proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out_dir = repo / "records" / "campaigns"
-    deadline, evidence, pids = time.time() + 600, None, []
-    while time.time() < deadline and proc.poll() is None:
-        found = list(out_dir.glob("*/evidence.json"))
-        if found:
-            try:
-                if len(json.loads(found[0].read_text())["legs"]) >= 1:
-                    evidence = found[0]
-                    pids = [json.loads(p.read_text())["pid"] for p in evidence.parent.glob("server-*.pid")]
-                    break
-            except (json.JSONDecodeError, KeyError):
-                pass
-        time.sleep(0.3)
-    assert evidence is not None and len(pids) == 2, "the grid did not start with two servers"
+    evidence, pids = _first_leg(proc, repo)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 143, out[-3000:]
