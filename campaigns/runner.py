@@ -278,16 +278,18 @@ def _open(cfg: DictConfig, repo: Path, inject: dict[str, Any], on_start: Callabl
                   f"{[f'{a.name}({a.role})' for a in ev.arms]}  model={cfg.model.name}/{cfg.model.quant}  "
                   f"device={ev.fingerprint.device_name}  evidence={cdir}")
     ctx = _gate_context(cfg, ev, cdir, inject)
+    gates = _gates_to_run(cfg, ev)     # records the inapplicable ones as skipped, before MLflow hears of it
     live = _live(cfg)
     live.start(ev, cdir)
-    return _Run(cfg, repo, out_dir, cdir, ev, ctx, _gates_to_run(cfg, ev), inject, t_start, live)
+    return _Run(cfg, repo, out_dir, cdir, ev, ctx, gates, inject, t_start, live)
 
 
 def _live(cfg: DictConfig, off: bool = False):
     """The campaign's live MLflow runs (tracking.LiveCampaign); inert under tracking=off (or ``off``)."""
     from campaigns import tracking
     on = cfg.tracking.enabled and not off
-    return tracking.LiveCampaign(str(cfg.tracking.uri) if on else None, lambda msg: console.print(f"[yellow]{msg}[/]"))
+    return tracking.LiveCampaign(str(cfg.tracking.uri) if on else None,
+                                 lambda msg: console.print(f"[yellow]{msg}[/]"))
 
 
 def _gate_context(cfg: DictConfig, ev: Evidence, cdir: Path, inject: dict[str, Any]) -> GateContext:
@@ -354,9 +356,10 @@ def _serve(run: _Run) -> None:
         except gridmod.GridError as e:
             if residency == "together" or not gridmod.out_of_memory(str(e)):
                 raise
-            console.print(f"[yellow]the {len(ev.arms)} arms' servers do not fit side by side ({0.9 / len(ev.arms):.0%} "
-                          "of the GPU's memory each; the server's log says so): one at a time from here on, each "
-                          "with 90%, restarted between blocks of legs[/]")
+            share = 0.9 / len(ev.arms)
+            console.print(f"[yellow]the {len(ev.arms)} arms' servers do not fit side by side ({share:.0%} of the "
+                          "GPU's memory each; the server's log says so): one at a time from here on, each with 90%, "
+                          "restarted between blocks of legs[/]")
     ev.residency = "alternate"
     _save(ev, run.cdir)
     _serve_alternating(run, order)
@@ -381,12 +384,13 @@ def _serve_together(run: _Run, order: list) -> None:
 
 def _serve_alternating(run: _Run, order: list) -> None:
     """One server at a time, each with 90% of the GPU's memory: the arms' legs in blocks (gridmod.leg_plan by_arm:
-    per rep, every concurrency of one arm), a server started per run of blocks of its arm. An arm's server gates run
+    per rep, every concurrency of one arm, the arms in the drawn server ``order``, flipped on odd reps, so neither
+    arm is always the one after a restart), a server started per run of blocks of its arm. An arm's server gates run
     in its first block; once the gates fix the verdict (or a leg is invalid) no more legs run, but every arm still
     runs its server gates and reports. A resume skips the blocks that have nothing left."""
     ev, cfg = run.ev, run.cfg
     g = cfg.grid
-    plan = list(enumerate(gridmod.leg_plan(ev.arms, list(g.concurrency), int(g.reps), bool(g.alternate_order),
+    plan = list(enumerate(gridmod.leg_plan(order, list(g.concurrency), int(g.reps), bool(g.alternate_order),
                                            by_arm=True)))
     runs: list[tuple[Any, list]] = []          # (arm, its legs) per server start: consecutive blocks of one arm
     for i, (c, rep, arm) in plan:

@@ -564,8 +564,8 @@ def test_commit_true_on_a_flip_it_cannot_commit_completes_the_campaign_then_fail
 def test_arms_that_do_not_fit_side_by_side_run_one_at_a_time(tmp_path, monkeypatch):
     """grid.residency=auto: the servers start side by side; when a server's log says its memory share could not
     hold the model (here a stand-in command that fails as the engine does), the arms run one at a time: each rep a
-    block of every concurrency per arm, arms alternating, one server start per run of blocks of an arm (off | on on
-    | off: 3 starts for 2 reps), server gates and reports on every arm, the record saying so."""
+    block of every concurrency per arm, arms in the drawn server order and alternating, one server start per run of
+    blocks of an arm (A | B B | A: 3 starts for 2 reps), server gates and reports on every arm, the record saying so."""
     repo = temp_repo(tmp_path)
     real, starts = runner._server_cmd, []
 
@@ -581,13 +581,13 @@ def test_arms_that_do_not_fit_side_by_side_run_one_at_a_time(tmp_path, monkeypat
                    "campaign.gates=[mechanism,async_parity]"], cuda=False)
     ev = run_campaign(cfg, repo=repo)
     assert ev.residency == "alternate" and ev.status == "complete" and ev.decision.verdict == "NON-BINDING"
-    # side by side in the drawn server order, then one at a time: off | on on | off
-    assert sorted(starts[:2]) == [("off", False), ("on", False)]
-    assert starts[2:] == [("off", True), ("on", True), ("off", True)]
+    # side by side in the drawn server order, then one at a time in it: first | second second | first
+    first, second = ev.server_order
+    assert starts == [(first, False), (second, False), (first, True), (second, True), (first, True)]
     legs = sorted(ev.legs, key=lambda leg: leg.order_index)
     assert [(leg.arm, leg.rep, leg.concurrency) for leg in legs] == [
-        ("off", 0, 1), ("off", 0, 2), ("on", 0, 1), ("on", 0, 2), ("on", 1, 1), ("on", 1, 2), ("off", 1, 1),
-        ("off", 1, 2)]
+        (first, 0, 1), (first, 0, 2), (second, 0, 1), (second, 0, 2), (second, 1, 1), (second, 1, 2), (first, 1, 1),
+        (first, 1, 2)]
     assert all(leg.valid for leg in legs)
     by_point: dict = {}
     for leg in legs:                    # the arms still share each (c, rep)'s prompts
