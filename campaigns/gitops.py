@@ -30,10 +30,15 @@ def under(path: str, roots: Iterable[str]) -> bool:
     return any(path == r.rstrip("/") or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-# What no measurement reads: the run outputs and the prose (*.md). Commits that change only these leave the code a
-# campaign measures as it was (code_digest), so its grid may resume across them.
+# What no measurement reads: the run outputs, the prose (*.md) and the record templates (templates/*.j2: they shape
+# how evidence reads, never what a leg measures). Commits that change only these leave the code a campaign measures
+# as it was (code_digest), so its grid may resume across them.
+TEMPLATES = "templates"
+
+
 def is_prose(path: str) -> bool:
-    return path.lower().endswith(".md")
+    lower = path.lower()
+    return lower.endswith(".md") or (under(path, (TEMPLATES,)) and lower.endswith(".j2"))
 
 
 def code_digest(path: Path | str = ".", outputs: Iterable[str] = RUN_OUTPUTS) -> str:

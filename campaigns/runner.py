@@ -595,7 +595,8 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
                      ignore_dirty=_not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
     if now.git_sha != then.git_sha and not _same_code(then, now):
         why = ("its code at that commit was not recorded (before 2026-12-05)" if then.code_digest is None else
-               "the commits between them change code, not only records, results or prose (*.md)")
+               "the commits between them change code, not only records, results, prose (*.md) or record "
+               "templates")
         raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at {then.git_short_sha}, the checkout "
                             f"is now at {now.git_short_sha} and {why}; legs from two codes would not compare "
                             f"(resume on a checkout of {then.git_short_sha}, or start a new campaign)")

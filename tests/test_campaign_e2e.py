@@ -258,9 +258,9 @@ def test_a_resume_refuses_another_tree_device_or_versions(tmp_path):
 
 def test_a_resume_crosses_commits_of_records_and_prose_but_not_of_code(tmp_path):
     """A grid spread over device commands has its first command's results committed before the next one runs:
-    a resume at that later commit goes on (the code digest is the campaign's: only records, results and *.md
-    changed), and the record names the commit it resumed at; one commit that touches code (here a conf file)
-    makes the next resume refuse, saying why, and resume=auto no longer takes the campaign."""
+    a resume at that later commit goes on (the code digest is the campaign's: only records, results, *.md and a
+    record template changed), and the record names the commit it resumed at; one commit that touches code (here a
+    conf file) makes the next resume refuse, saying why, and resume=auto no longer takes the campaign."""
     import dataclasses
 
     import git
@@ -290,7 +290,8 @@ def test_a_resume_crosses_commits_of_records_and_prose_but_not_of_code(tmp_path)
     save_evidence(ev, out / "x")
     assert _check_resumable(ev, cfg, repo, out) is None              # its own commit
     later = commit({"records/campaigns/x/evidence.json": ev.to_json(), "bench/results/r.md": "figures\n",
-                    "README.md": "what the first command measured\n", "notes/n.md": "a note\n"}, "results")
+                    "README.md": "what the first command measured\n", "notes/n.md": "a note\n",
+                    "templates/record.md.j2": "a record's wording\n"}, "results")
     assert _check_resumable(ev, cfg, repo, out) == later
     auto = compose(["campaign=gqa_swap", "tracking=off", "resume=auto"], cuda=False)
     assert _unfinished(auto, repo, out) == "x"
@@ -298,8 +299,9 @@ def test_a_resume_crosses_commits_of_records_and_prose_but_not_of_code(tmp_path)
     assert resumed.resumed_at == [later]
     assert f"(resumed at {later}: the same code)" in records.render_record(resumed)
     commit({"conf/x.yaml": "a: 1\n"}, "code change")
-    with pytest.raises(CampaignError, match=r"the commits between them change code, not only records, results or "
-                                            r"prose \(\*\.md\); legs from two codes would not compare"):
+    with pytest.raises(CampaignError, match=r"the commits between them change code, not only records, results, "
+                                            r"prose \(\*\.md\) or record templates; legs from two codes would "
+                                            r"not compare"):
         _check_resumable(ev, cfg, repo, out)
     assert _unfinished(auto, repo, out) is None
     ev.fingerprint = dataclasses.replace(ev.fingerprint, code_digest=None)      # evidence from before the digest
