@@ -9,6 +9,7 @@
     vtcampaign calibrate               each binding campaign's false FLIP / false REJECT rates and minimum detectable
                                        effect, from the policy run on simulated campaigns of its grid shape
     vtcampaign flip <campaign-id>      commit a binding FLIP's default flip on row/<lever>-flip (refuses a stale one)
+    vtcampaign merge <lever|branch>    merge a flip branch if its FLIP is fresh here, the summaries rendered again
     vtcampaign decide <campaign-id>    decide a complete campaign again with this checkout's policy (after a policy fix;
                                        nothing is measured again, the record keeps the earlier verdict)
     vtcampaign recheck [overrides]     re-run the campaign of every stale binding verdict, resumably
@@ -80,6 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     fl = sub.add_parser("flip", help="commit a binding, fresh FLIP on row/<lever>-flip")
     fl.add_argument("campaign_id")
     _out_dir_arg(fl)
+    mg = sub.add_parser("merge", help="merge a flip branch, rendering the summaries again (no STATUS conflicts)",
+                        description="Merge a flip branch (row/<lever>-flip) with git merge --no-ff after checking "
+                                    "that its FLIP is still fresh on this checkout (another flip merged since may "
+                                    "have staled it), then render STATUS.md and BENCHMARKS.md from the merged "
+                                    "evidence and lever files: two flips made from one base no longer conflict there.")
+    mg.add_argument("branch", help="the flip branch, or a lever name for row/<lever>-flip")
+    _out_dir_arg(mg)
     de = sub.add_parser("decide", help="apply this checkout's policy again to a complete campaign's evidence",
                         description="Decide a complete campaign again from its stored legs, gates and statistics "
                                     "with the policy code of this checkout (after a fix to the policy); the "
@@ -168,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"unexpected argument(s) {extra} for {args.cmd}")
         return {"status": cmd_status, "sources": cmd_sources, "render": cmd_render, "log": cmd_log, "pr": cmd_pr,
                 "ui": cmd_ui,
-                "calibrate": cmd_calibrate, "flip": cmd_flip, "decide": cmd_decide,
+                "calibrate": cmd_calibrate, "flip": cmd_flip, "merge": cmd_merge, "decide": cmd_decide,
                 "conclude": cmd_conclude}[args.cmd](args)
     except (UsageError, *USER_ERRORS) as e:
         print(f"vtcampaign: error: {e}", file=sys.stderr)
@@ -410,9 +418,41 @@ def cmd_flip(args) -> int:
     scope = (f" on {quant} (its own default there: refuted on another quantization, already its own, or some of "
              "its sources run on other quantizations alone)" if quant else "")
     print(f"flip of {ev.lever} to {ev.decision.new_default}{scope} committed on {info['branch']} "
-          f"({info['commit'][:7]}); merge it to change the default (`git merge --no-ff {info['branch']}`)"
+          f"({info['commit'][:7]}); merge it to change the default (`vtcampaign merge {info['branch']}`: git merge "
+          f"--no-ff, with the summaries rendered again)"
           + (f"; {len(cleared)} working copies of its records put back as HEAD has them, so the merge can write "
              "them" if cleared else ""))
+    return 0
+
+
+def cmd_merge(args) -> int:
+    import tempfile
+    from campaigns.gitops import branch_evidence, flip_branch, merge_flip
+    from campaigns.records import render_all
+    from campaigns.runner import CampaignError, check_flippable, status_dir
+    root = project_root()
+    branch = args.branch if args.branch.startswith("row/") else flip_branch(args.branch)
+    out_dir = Path(args.out_dir).resolve()
+    found = branch_evidence(root, branch)
+    if not found:
+        raise UsageError(f"{branch} carries no campaign evidence (records/campaigns/<id>/evidence.json): not a flip "
+                         "branch of `vtcampaign flip`; merge it with git")
+    for _path, data in found:        # a flip merged since this one was made may have staled it
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "evidence.json").write_bytes(data)
+            ev = load_evidence(Path(tmp) / "evidence.json")
+        try:
+            check_flippable(ev, out_dir)
+        except CampaignError as e:
+            raise UsageError(f"{branch} is not merged: {e}") from None
+
+    def render(conflicted: list[str]) -> list[Path]:
+        ids = {Path(p).parent.name for p in conflicted if Path(p).parent.parent.name == "campaigns"}
+        return render_all(out_dir, status_dir(root, out_dir), plots=False, only=ids)
+
+    info = merge_flip(root, branch, render)
+    print(f"merged {branch} ({info['commit'][:7]}): the summaries rendered again from the merged evidence and lever "
+          f"files" + (f"; conflicts settled that way: {', '.join(info['conflicted'])}" if info["conflicted"] else ""))
     return 0
 
 

@@ -144,6 +144,78 @@ def clear_for_merge(repo_path: Path | str, commit: str) -> list[str]:
     return cleared
 
 
+def branch_evidence(repo_path: Path | str, branch: str) -> list[tuple[str, bytes]]:
+    """The evidence files (path, bytes) a flip branch adds or changes since it left HEAD's history: the campaign
+    whose FLIP it carries."""
+    repo = open_repo(repo_path)
+    if branch not in repo.heads:
+        raise GitOpsError(f"no branch {branch!r}; flip branches here: "
+                          f"{sorted(h.name for h in repo.heads if h.name.startswith('row/')) or 'none'}")
+    tip = repo.heads[branch].commit
+    base = repo.git.merge_base("HEAD", tip.hexsha)
+    return [(rel, (tip.tree / rel).data_stream.read())
+            for rel in repo.git.diff("--name-only", "--diff-filter=AM", base, tip.hexsha).splitlines()
+            if under(rel, RUN_OUTPUTS) and Path(rel).name == "evidence.json"]
+
+
+def merge_flip(repo_path: Path | str, branch: str, render: Callable[[list[str]], Iterable[Path | str]]) -> dict:
+    """Merge a flip branch into the checked-out branch (``git merge --no-ff``) with its records' summaries rendered
+    again from the merged evidence and lever files.
+
+    Two flips made from one base both carry records/STATUS.md (and BENCHMARKS.md) as it reads after their own flip,
+    so the second merge conflicts in them; and even a merge git settles line by line can leave rows that no longer
+    hold (a verdict the first flip made stale). So: the working copies of the branch's run outputs are put back as
+    HEAD has them (clear_for_merge), git merges without committing, a conflict in a file rendered from evidence
+    takes HEAD's side for the moment, ``render(conflicted paths)`` writes the records from the merged tree and returns
+    the paths it wrote, the tracked ones among them are staged, and the merge is committed. A conflict anywhere else
+    aborts the merge and raises, naming the files (nothing changed); so does an error in ``render``.
+    Returns {branch, commit, conflicted, rendered}."""
+    repo = open_repo(repo_path)
+    root = Path(repo.working_tree_dir)
+    if branch not in repo.heads:
+        raise GitOpsError(f"no branch {branch!r}; flip branches here: "
+                          f"{sorted(h.name for h in repo.heads if h.name.startswith('row/')) or 'none'}")
+    if (Path(repo.git_dir) / "MERGE_HEAD").exists():
+        raise GitOpsError("a merge is in progress in this checkout; finish it (git commit) or abort it (git merge "
+                          "--abort) first")
+    tip = repo.heads[branch].commit.hexsha
+    if repo.is_ancestor(tip, "HEAD"):
+        raise GitOpsError(f"{branch} ({tip[:7]}) is already merged into {repo.head.commit.hexsha[:7]}")
+    clear_for_merge(root, tip)
+    conflicted: list[str] = []
+    try:
+        repo.git.merge("--no-ff", "--no-commit", branch, env=_identity(repo))
+    except git.GitCommandError as e:
+        conflicted = sorted(set(repo.git.diff("--name-only", "--diff-filter=U").splitlines()))
+        if not conflicted:          # refused before it began (local changes in its way): git says what
+            raise GitOpsError(f"git merge {branch} refused: {(e.stderr or str(e)).strip()}") from None
+        others = [p for p in conflicted if not under(p, RUN_OUTPUTS) or Path(p).name not in RENDERED]
+        if others:
+            repo.git.merge("--abort")
+            raise GitOpsError(f"merging {branch} conflicts in {', '.join(others)}, which no record renders from "
+                              f"evidence; the merge was aborted and nothing changed. Merge by hand (git merge --no-ff "
+                              f"{branch}), settle them, then `vtcampaign render` and commit") from None
+        for rel in conflicted:
+            repo.git.checkout("--ours", "--", rel)
+    try:
+        written = list(render(conflicted))
+        tracked = set(repo.git.ls_files().splitlines())
+        staged = sorted({_rel(_in(Path(p), root), root) for p in written} & tracked | set(conflicted))
+        if staged:
+            repo.git.add("--", *staged)
+        head_msg = (Path(repo.git_dir) / "MERGE_MSG").read_text(encoding="utf-8")
+        subject = next((ln for ln in head_msg.splitlines() if ln.strip() and not ln.startswith("#")),
+                       f"Merge branch '{branch}'")
+        body = ("Summaries rendered again from the merged evidence and lever files (vtcampaign merge)"
+                + (f"; conflicts settled by that rendering: {', '.join(conflicted)}" if conflicted else "") + ".")
+        repo.git.commit("-m", subject, "-m", body, env=_identity(repo))
+    except BaseException:
+        if (Path(repo.git_dir) / "MERGE_HEAD").exists():
+            repo.git.merge("--abort")
+        raise
+    return {"branch": branch, "commit": repo.head.commit.hexsha, "conflicted": conflicted, "rendered": staged}
+
+
 def flip_branch(lever: str, quant: str | None = None) -> str:
     """The branch of a flip: one per lever, and one per quantization for a flip of that quantization's default
     alone, so that two such flips of one lever (bf16 and NVFP4, say) do not re-point one branch."""

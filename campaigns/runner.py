@@ -797,7 +797,7 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path, clear: bool = T
     from campaigns.gitops import clear_for_merge
     cleared = clear_for_merge(repo, info["commit"]) if clear else []
     console.print(f"flip{f' of the {quant} default' if quant else ''} committed on {info['branch']} "
-                  f"({info['commit'][:7]}) with the campaign's records; `git merge --no-ff {info['branch']}` "
+                  f"({info['commit'][:7]}) with the campaign's records; `vtcampaign merge {info['branch']}` "
                   f"brings both in" + (f" ({len(cleared)} working copies of them put back as HEAD has them, so the "
                                        "merge can write them)" if cleared else ""))
 

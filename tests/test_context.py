@@ -221,6 +221,54 @@ def test_a_stale_flip_is_refused(tmp_path, plain_defaults):
     check_flippable(ev)
 
 
+def test_vtcampaign_merge_refuses_a_stale_flip_branch_and_merges_a_fresh_one(tmp_path, monkeypatch, capsys,
+                                                                            plain_defaults):
+    """`vtcampaign merge <lever>` checks the branch's FLIP against the checkout it merges into (a flip merged since
+    may have staled it) and refuses a stale one, naming why, with nothing changed; a fresh one is merged as a merge
+    commit, the lever file takes the new default and STATUS.md is rendered from the merged tree."""
+    from campaigns import cli
+    from campaigns.gitops import flip_commit
+    root = tmp_path / "proj"
+    helpers.copy_plain_levers(root / "conf" / "lever")
+    r = git.Repo.init(root, initial_branch="main")
+    r.git.add(A=True)
+    r.index.commit("project", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    out = root / "records" / "campaigns"
+    ev = make_evidence(TPUT_WIN, lever="mixed_steps")          # baseline off: mixed_steps's default today
+    reg = levers.registry()
+    for arm in ev.arms:
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "mixed_steps": arm.value, "pdl": True}
+        ev.live_levers[arm.name] = ["mixed_steps", "pdl"]
+    ev.lever_digests = lever_context.tree_digests(reg, ROOT)
+    ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
+
+    def branch(ev):
+        path = save_evidence(ev, out / ev.campaign_id)
+        flip_commit(root, "mixed_steps", True, [path], "PR text\n", campaign_id=ev.campaign_id,
+                    rendered=lambda d: {root / "records" / "STATUS.md": "# as the flip rendered it\n"})
+        path.unlink()
+
+    branch(ev)
+    monkeypatch.chdir(root)
+    head = r.head.commit.hexsha
+    assert cli.main(["merge", "mixed_steps", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "row/mixed_steps-flip is not merged" in err and "STALE (pdl's default is now off" in err
+    assert r.head.commit.hexsha == head and not r.is_dirty()
+    for arm in ev.arms:                                       # the same FLIP measured on today's pdl default
+        ev.context[arm.name]["pdl"] = False
+    branch(ev)
+    assert cli.main(["merge", "mixed_steps", "--out-dir", str(out)]) == 0
+    assert "merged row/mixed_steps-flip" in capsys.readouterr().out
+    assert len(r.head.commit.parents) == 2 and not r.is_dirty()
+    assert "default: true" in (root / "conf" / "lever" / "mixed_steps.yaml").read_text().splitlines()
+    status = (root / "records" / "STATUS.md").read_text()     # committed by the flip, rendered by the merge
+    assert status != "# as the flip rendered it\n" and ev.campaign_id in status
+    assert r.head.commit.tree["records/STATUS.md"].data_stream.read().decode() == status
+    assert cli.main(["merge", "row/nope-flip", "--out-dir", str(out)]) == 2
+    assert "no branch 'row/nope-flip'; flip branches here: ['row/mixed_steps-flip']" in capsys.readouterr().err
+
+
 def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_the_default(monkeypatch,
                                                                                           plain_defaults):
     """pdl_prefetch measured with pdl pinned on: pdl's off default does not stale the verdict (it claims what

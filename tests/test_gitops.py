@@ -201,3 +201,90 @@ def _records_again(root: Path) -> list[Path]:
     (cdir / "evidence.json").write_text('{"x": 1}\n')
     (cdir / "record.md").write_text("## row/gqa_swap again\n")
     return [cdir / "evidence.json", cdir / "record.md"]
+
+
+def _flip_records(root: Path, lever: str) -> list[Path]:
+    cdir = root / "records" / "campaigns" / f"2026-12-05-{lever}-abc1234"
+    cdir.mkdir(parents=True)
+    (cdir / "evidence.json").write_text(f'{{"lever": "{lever}"}}\n')
+    (cdir / "record.md").write_text(f"## row/{lever}\n")
+    return [cdir / "evidence.json", cdir / "record.md"]
+
+
+def _status(lever_dir: Path) -> str:
+    """A stand-in for STATUS.md: one row per lever with its default in ``lever_dir``."""
+    from vtengine.levers import registry
+    reg = registry(lever_dir)
+    return "# Lever status\n" + "".join(f"| {n} | {reg[n].default} |\n" for n in ("gqa_swap", "pdl", "fast_math"))
+
+
+def test_merge_flip_renders_the_summaries_two_flips_of_one_base_conflict_on(repo):
+    """Two flips made from one base each carry STATUS.md as it reads after their own flip: plain git merges the
+    first and conflicts on the second. merge_flip merges both, the second's STATUS rendered from the merged lever
+    files (both new defaults), each as a merge commit; a conflict outside the rendered files, or an error in the
+    rendering, aborts the merge and changes nothing."""
+    from campaigns.gitops import GitOpsError, clear_for_merge, merge_flip
+    from vtengine.levers import registry
+    root = Path(repo.working_tree_dir)
+    lever_dir = root / "conf" / "lever"
+    status = root / "records" / "STATUS.md"
+    status.parent.mkdir()
+    status.write_text(_status(lever_dir))
+    repo.index.add(["records/STATUS.md"])
+    repo.index.commit("records")
+    before = {n: registry(lever_dir)[n].default for n in ("gqa_swap", "pdl", "fast_math")}
+    tips = {}
+    for lever in ("gqa_swap", "pdl"):
+        tips[lever] = flip_commit(root, lever, not before[lever], _flip_records(root, lever), PR_TEXT,
+                                  rendered=lambda d: {status: _status(d)})
+    calls = []
+
+    def render(conflicted):
+        calls.append(conflicted)
+        status.write_text(_status(lever_dir))
+        return [status]
+
+    first = merge_flip(root, tips["gqa_swap"]["branch"], render)
+    assert first["conflicted"] == [] and len(repo.head.commit.parents) == 2
+    assert repo.head.commit.parents[1].hexsha == tips["gqa_swap"]["commit"]
+    # plain git: the second flip's STATUS row sits next to the first's, so the merge conflicts there
+    clear_for_merge(root, tips["pdl"]["commit"])
+    with pytest.raises(git.GitCommandError):
+        repo.git.merge("--no-ff", "--no-commit", tips["pdl"]["branch"])
+    assert "records/STATUS.md" in repo.git.diff("--name-only", "--diff-filter=U")
+    repo.git.merge("--abort")
+    second = merge_flip(root, tips["pdl"]["branch"], render)
+    assert second["conflicted"] == ["records/STATUS.md"] and calls[-1] == ["records/STATUS.md"]
+    after = registry(lever_dir)
+    assert after["gqa_swap"].default == (not before["gqa_swap"]) and after["pdl"].default == (not before["pdl"])
+    assert status.read_text() == _status(lever_dir)
+    assert f"| pdl | {not before['pdl']} |" in status.read_text()
+    assert f"| gqa_swap | {not before['gqa_swap']} |" in status.read_text()
+    assert not repo.is_dirty() and not (Path(repo.git_dir) / "MERGE_HEAD").exists()
+    assert "conflicts settled by that rendering: records/STATUS.md" in repo.head.commit.message
+    with pytest.raises(GitOpsError, match="is already merged"):
+        merge_flip(root, tips["pdl"]["branch"], render)
+    with pytest.raises(GitOpsError, match=r"no branch 'row/nope-flip'; flip branches here: \['row/gqa_swap-flip', "):
+        merge_flip(root, "row/nope-flip", render)
+    # a conflict in a file no record renders (the lever file itself, edited on both sides) aborts the merge
+    fm = flip_commit(root, "fast_math", not before["fast_math"], _flip_records(root, "fast_math"), PR_TEXT,
+                     rendered=lambda d: {status: _status(d)})
+    text = (lever_dir / "fast_math.yaml").read_text()
+    (lever_dir / "fast_math.yaml").write_text(text.replace(f"default: {str(before['fast_math']).lower()}",
+                                                           f"default: {str(before['fast_math']).lower()}  # kept"))
+    repo.index.add(["conf/lever/fast_math.yaml"])
+    head = repo.index.commit("pin fast_math").hexsha
+    with pytest.raises(GitOpsError, match=r"conflicts in conf/lever/fast_math.yaml, which no record renders from "
+                                          r"evidence; the merge was aborted and nothing changed"):
+        merge_flip(root, fm["branch"], render)
+    assert repo.head.commit.hexsha == head and not (Path(repo.git_dir) / "MERGE_HEAD").exists()
+    assert not repo.is_dirty()
+    # an error while rendering aborts it too
+    repo.git.reset("--hard", "HEAD~1")
+
+    def broken(conflicted):
+        raise RuntimeError("render failed")
+    head = repo.head.commit.hexsha
+    with pytest.raises(RuntimeError, match="render failed"):
+        merge_flip(root, fm["branch"], broken)
+    assert repo.head.commit.hexsha == head and not (Path(repo.git_dir) / "MERGE_HEAD").exists()
