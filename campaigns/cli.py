@@ -550,8 +550,13 @@ def cmd_recheck(args) -> int:
             raise UsageError(str(e)) from None
     try:
         # on the device (--frozen) a resume concludes without starting servers anyway, on the device it ran on
+        from campaigns.config import cuda_available
+        from campaigns.fingerprint import device_info
+        asked = next((o.split("=", 1)[1] for o in reversed(args.overrides) if o.startswith("device=")), "auto")
+        device = "cuda" if asked == "cuda" or (asked == "auto" and cuda_available()) else "cpu"
         recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart, frozen=args.frozen,
-                    conclude_one=None if args.frozen else lambda cid: _conclude_recorded(cid, args.out_dir))
+                    conclude_one=None if args.frozen else lambda cid: _conclude_recorded(cid, args.out_dir),
+                    gpu=device_info(device)[1])
     except KeyboardInterrupt as e:
         from campaigns.runner import exit_status
         print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)

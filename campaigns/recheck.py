@@ -83,10 +83,14 @@ def measured_on(ev: Evidence, with_workload: bool = True, key: bool = False) -> 
 
 
 def plan_key(ev: Evidence) -> str:
-    """The name of what a campaign measured, one verdict per name: "<lever> on <measured_on>" ("pdl on qwen3-8b
-    (mxfp4)"), or "A/A <model> (<quant>)" for a grid self-check. A lever decided on two models holds two verdicts:
-    a bf16 campaign does not hide (nor recheck) the MXFP4 one."""
-    name = measured_on(ev, key=True)
+    """The name of what a campaign measured, one verdict per name: "<lever> on <measured_on>, <GPU>" ("pdl on
+    qwen3-8b (mxfp4), H200"), or "A/A <model> (<quant>), <GPU>" for a grid self-check. A lever decided on two models
+    holds two verdicts: a bf16 campaign does not hide (nor recheck) the MXFP4 one. Likewise on two GPUs: the lender
+    may give an H100 for an H200 call, and an H100 campaign says nothing of the H200 (the H100 A/A of 2026-12-05
+    had replaced every H200 A/A of bf16 in STATUS); a default holds on every GPU, so a fresh REJECT on one refuses
+    a FLIP on the other."""
+    from campaigns.records import gpu_label
+    name = f"{measured_on(ev, key=True)}, {gpu_label(ev)}"
     return f"A/A {name}" if ev.kind == "aa" else f"{ev.lever} on {name}"
 
 
@@ -278,8 +282,8 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
     current = order(stale_verdicts(out_dir, root), out_dir, root)
     state = {} if restart else load_state(out_dir)
     if state.get("entries") and any(e["status"] != "done" for e in state["entries"]):
-        for e in state["entries"]:          # a plan saved before verdicts were keyed by model: key it by its verdict
-            if "key" not in e and (Path(out_dir) / e["stale"] / "evidence.json").is_file():
+        for e in state["entries"]:          # keyed as plan_key keys now (by model since 2026-12-03, GPU 2026-12-05)
+            if (Path(out_dir) / e["stale"] / "evidence.json").is_file():
                 e["key"] = plan_key(load_evidence(Path(out_dir) / e["stale"]))
         stale_now = {plan_key(ev): (ev, f) for ev, f in current}
         for e in state["entries"]:
@@ -305,19 +309,28 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
 
 def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Callable[[str], None]], Evidence],
         restart: bool = False, echo: Callable[[str], None] = print, root: Path | str | None = None,
-        frozen: bool = False, conclude_one: Callable[[str], Evidence] | None = None) -> dict:
+        frozen: bool = False, conclude_one: Callable[[str], Evidence] | None = None,
+        gpu: str | None = None) -> dict:
     """Work through the plan: ``run_one(overrides, on_start)`` runs one campaign (on_start gets its id as soon as
     its evidence exists, so an interruption can resume it). ``conclude_one(campaign_id)``: concludes a campaign
     stopped with nothing left to measure but its verdict, where it is (runner.conclude_recorded), instead of
-    resuming it on the device it ran on."""
+    resuming it on the device it ran on. ``gpu``: this host's device name; a verdict measured on another GPU is left
+    pending for a host that has it (a campaign here would file a verdict of this GPU beside it, not renew it)."""
+    from campaigns.records import short_gpu
     from campaigns.runner import left_to_measure
     out_dir = Path(out_dir)
     state = plan(out_dir, restart, root, frozen)
     if not state["entries"]:
         echo("recheck: no stale binding verdict")
         return state
+    elsewhere = []
     for entry in state["entries"]:
         if entry["status"] == "done":
+            continue
+        if gpu and entry.get("gpu") and short_gpu(entry["gpu"]) != short_gpu(gpu):
+            elsewhere.append(entry)
+            echo(f"recheck {_key(entry)}: measured on {short_gpu(entry['gpu'])}, this host has {short_gpu(gpu)}: "
+                 "left for a host with that GPU")
             continue
         overrides = list(entry["overrides"]) + list(extra)
         ev = None
@@ -348,6 +361,9 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
                  f"it (vtcampaign flip {ev.campaign_id}), merge, and run recheck again: the rest is re-planned "
                  "on the new default")
             break
+    if elsewhere:
+        echo(f"recheck: {len(elsewhere)} stale verdict(s) of other GPUs left pending "
+             f"({', '.join(sorted({short_gpu(e['gpu']) for e in elsewhere}))}); run recheck on those GPUs")
     return state
 
 

@@ -568,8 +568,8 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
 
 def gpu_label(ev: Evidence) -> str:
     """The device a campaign measured on, short: "H200", "H100 80GB HBM3", "cpu". A verdict holds on its GPU: the
-    lender may run a session on another kind than the last (an H100 for an H200 call), and the latest binding
-    verdict of a lever and model replaces the one before it whatever its GPU, so the table names it."""
+    lender may run a session on another kind than the last (an H100 for an H200 call), so a verdict is filed per
+    GPU (recheck.plan_key) and the tables name it."""
     return "cpu" if ev.fingerprint.device_type == "cpu" else short_gpu(ev.fingerprint.device_name)
 
 

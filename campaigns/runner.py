@@ -857,9 +857,10 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
         here = [r for r in same if lever_context.freshness(r, confdirs.SOURCE_ROOT).fresh]
         if here:
             raise CampaignError(
-                f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, but {here[0].campaign_id} "
-                f"({recheck.measured_on(here[0])}) is a fresh {here[0].decision.verdict} of the same change: a "
-                f"default holds for every model and workload{f' of {quant}' if quant else ''}, and a flip would "
+                f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, {records.gpu_label(ev)}, but "
+                f"{here[0].campaign_id} ({recheck.measured_on(here[0])}, {records.gpu_label(here[0])}) is a fresh "
+                f"{here[0].decision.verdict} of the same change: a "
+                f"default holds for every model, workload and GPU{f' of {quant}' if quant else ''}, and a flip would "
                 f"trade what that measurement refuted. Its reasons: {'; '.join(here[0].decision.reasons[:3])}")
         if len(refuted) > len(same):
             # refuted on another quantization (fresh or stale: a stale REJECT still says the change may cost
@@ -870,7 +871,7 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
 
 def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> list[Evidence]:
     """The latest binding REJECTs, fresh or stale, of ``ev``'s lever and candidate value with the same pins but on
-    another model, quantization or workload (``recheck.measured_on``), one per plan: a default is one value for all
+    another model, quantization, workload or GPU (``recheck.plan_key``), one per plan: a default is one value for all
     of them but the quantizations a lever file gives their own (pdl_stack, H200 2026-12-04: FLIP on bf16, TPOT
     x1.012; REJECT on MXFP4, total tok/s x0.79)."""
     def elsewhere(other: Evidence) -> bool:

@@ -394,9 +394,9 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
     for ev in (flip, long):
         save_evidence(ev, out / ev.campaign_id)
     check_flippable(flip)                                        # alone it is a fresh, binding FLIP
-    with pytest.raises(CampaignError, match=r"mixed_steps FLIPped on qwen3-8b \(bf16\), but 2026-12-03-mixed_steps-"
-                                            r"bbb2222 \(qwen3-8b \(bf16\), 32000 in / 128 out\) is a fresh "
-                                            r"REJECT-PERFORMANCE of the same change"):
+    with pytest.raises(CampaignError, match=r"mixed_steps FLIPped on qwen3-8b \(bf16\), H200, but 2026-12-03-"
+                                            r"mixed_steps-bbb2222 \(qwen3-8b \(bf16\), 32000 in / 128 out, H200\) "
+                                            r"is a fresh REJECT-PERFORMANCE of the same change"):
         check_flippable(flip, out)
     r = subprocess.run([sys.executable, "-m", "campaigns.cli", "flip", flip.campaign_id, "--out-dir", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
@@ -406,6 +406,15 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
     save_evidence(long, out / long.campaign_id)
     assert plan_key(long) == plan_key(flip)
     check_flippable(flip, out)
+    # the same requests measured on another GPU: a verdict of its own (an H100 campaign says nothing of the H200),
+    # and a default holds on both, so its REJECT refuses the flip
+    long.fingerprint.device_name = "NVIDIA H100 80GB HBM3"
+    save_evidence(long, out / long.campaign_id)
+    assert plan_key(long) == "mixed_steps on qwen3-8b (bf16), H100 80GB HBM3" != plan_key(flip)
+    with pytest.raises(CampaignError, match=r"bbb2222 \(qwen3-8b \(bf16\), H100 80GB HBM3\) is a fresh "
+                                            r"REJECT-PERFORMANCE of the same change: a default holds for every "
+                                            r"model, workload and GPU"):
+        check_flippable(flip, out)
 
 
 def test_a_long_prompt_verdict_of_varied_outputs_is_filed_under_its_mean_and_shows_its_range():
@@ -421,7 +430,7 @@ def test_a_long_prompt_verdict_of_varied_outputs_is_filed_under_its_mean_and_sho
         ev.__dict__.pop("_settings", None)
     assert measured_on(fixed) == "qwen3-8b (bf16), 32000 in / 128 out"
     assert measured_on(varied) == "qwen3-8b (bf16), 32000 in / 64-192 out"
-    assert plan_key(fixed) == plan_key(varied) == "mixed_prefill on qwen3-8b (bf16), 32000 in / 128 out"
+    assert plan_key(fixed) == plan_key(varied) == "mixed_prefill on qwen3-8b (bf16), 32000 in / 128 out, H200"
     assert "32000 in / 64-192, mean 128 out)" in records.render_record(varied)
 
 
@@ -459,9 +468,9 @@ def test_a_flip_refuted_on_another_quantization_flips_its_own_quantization_alone
     other.config["model"]["name"] = "llama-3.1-8b"             # bf16, another model: the bf16 default is refuted
     other.__dict__.pop("_settings", None)
     save_evidence(other, out / other.campaign_id)
-    with pytest.raises(CampaignError, match=r"pdl_stack FLIPped on qwen3-8b \(bf16\), but 2026-12-04-pdl_stack-"
-                                            r"ccc3333 \(llama-3.1-8b \(bf16\)\) is a fresh REJECT-PERFORMANCE.*every "
-                                            r"model and workload of bf16"):
+    with pytest.raises(CampaignError, match=r"pdl_stack FLIPped on qwen3-8b \(bf16\), H200, but 2026-12-04-"
+                                            r"pdl_stack-ccc3333 \(llama-3.1-8b \(bf16\), H200\) is a fresh "
+                                            r"REJECT-PERFORMANCE.*every model, workload and GPU of bf16"):
         check_flippable(flip, out)
     _stale(other)
     save_evidence(other, out / other.campaign_id)

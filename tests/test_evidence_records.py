@@ -189,13 +189,14 @@ def test_render_of_one_campaign_leaves_the_others_files_alone(tmp_path):
     assert "fast_math" in (tmp_path / "records" / "STATUS.md").read_text()
 
 
-def _status_row(status: str, lever: str, on: str | None = None) -> list[str]:
-    """The lever's STATUS row (of the model ``on``, when given) without its "measured on" and GPU cells."""
+def _status_row(status: str, lever: str, on: str | None = None, gpu: str | None = None) -> list[str]:
+    """The lever's STATUS row (of the model ``on`` and the GPU ``gpu``, when given) without its "measured on" and
+    GPU cells."""
     table = status.split("## Refuted levers")[0]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in table.splitlines()
             if ln.startswith(f"| {lever} |")]
-    rows = [r for r in rows if on is None or r[1] == on]
-    assert len(rows) == 1, rows                    # keyed: exactly one row per lever and model
+    rows = [r for r in rows if (on is None or r[1] == on) and (gpu is None or r[2] == gpu)]
+    assert len(rows) == 1, rows                    # keyed: exactly one row per lever, model and GPU
     return rows[0][:1] + rows[0][3:]
 
 
@@ -272,14 +273,18 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     assert "2026-11-30-gqa_swap-abc1234" in gqa and "| 8 | candidate (on) | 111.0 | 101.0 | 1.099 WIN |" in gqa
     assert len(find_evidence(out)) == 4
 
-    # A later binding verdict measured on another GPU replaces the row (one verdict per lever and model), and the
-    # row names that GPU: the lender may give an H100 to a session that asked for an H200.
+    # A later binding verdict measured on another GPU holds its own row beside the first GPU's (one verdict per
+    # lever, model and GPU), each row naming its GPU: the lender may give an H100 to a session that asked for an
+    # H200, and an H100 campaign says nothing of the H200.
+    assert _gpu_cell(status, "gqa_swap") == "H200"
     h100 = make_evidence(LOSS, created="2026-12-01T09:30:00Z", campaign_id="2026-12-01-gqa_swap-fed4321")
     h100.fingerprint.device_name = "NVIDIA H100 80GB HBM3"
     _campaigns(tmp_path, h100)
     records.render_all(out, plots=False)
     status = (tmp_path / "records" / "STATUS.md").read_text()
-    assert _gpu_cell(status, "gqa_swap") == "H100 80GB HBM3" and "2026-12-01-gqa_swap-fed4321" in status
+    assert "2026-12-01-gqa_swap-fed4321" in _status_row(status, "gqa_swap", gpu="H100 80GB HBM3")[4]
+    h200 = _status_row(status, "gqa_swap", gpu="H200")
+    assert h200[5] == "FLIP" and "2026-11-30-gqa_swap-abc1234" in h200[4]
     shutil.rmtree(out / h100.campaign_id)
 
     # The same lever decided on another model holds its own row; the bf16 verdict stays beside it.
@@ -291,7 +296,7 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     assert _status_row(status, "gqa_swap", on="qwen3-8b (bf16)")[5] == "FLIP"
     assert _status_row(status, "gqa_swap", on="qwen3-8b (mxfp4)")[5] == "REJECT-PERFORMANCE"
     heads = [ln for ln in (tmp_path / "records" / "BENCHMARKS.md").read_text().splitlines() if ln.startswith("## ")]
-    assert "## gqa_swap on qwen3-8b (bf16)" in heads and "## gqa_swap on qwen3-8b (mxfp4)" in heads
+    assert "## gqa_swap on qwen3-8b (bf16), H200" in heads and "## gqa_swap on qwen3-8b (mxfp4), H200" in heads
     shutil.rmtree(out / other.campaign_id)
 
     # A refutation that a later campaign of the same lever and arm superseded leaves the refuted section.

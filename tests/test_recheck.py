@@ -11,7 +11,7 @@ import pytest
 
 from campaigns import context as lever_context
 from campaigns import policy, recheck
-from campaigns.evidence import save_evidence
+from campaigns.evidence import load_evidence, save_evidence
 from helpers import TPUT_WIN, lever_repo, make_evidence, plain_defaults
 from vtengine import levers
 
@@ -74,7 +74,7 @@ def test_a_lever_decided_on_two_models_holds_two_verdicts(proj):
     old = verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", quant="mxfp4", pdl=True)     # stale (pdl is off now)
     verdict(proj, "gqa_swap", "2026-11-30T11:00:00Z")                                    # later, bf16, fresh
     (entry,) = recheck.plan(proj / "records", root=proj)["entries"]
-    assert (entry["key"], entry["lever"], entry["stale"]) == ("gqa_swap on qwen3-8b (mxfp4)", "gqa_swap", old)
+    assert (entry["key"], entry["lever"], entry["stale"]) == ("gqa_swap on qwen3-8b (mxfp4), H200", "gqa_swap", old)
     assert "model.quant=mxfp4" in entry["overrides"]
 
 
@@ -135,9 +135,9 @@ def test_a_stale_aa_grid_is_rechecked_last_and_a_wide_grid_verdict_keeps_its_gri
     verdict(proj, "nsplits_cap", "2026-11-30T10:00:00Z", pdl=True, grid="online_wide")
     verdict(proj, "fast_math", "2026-11-30T10:30:00Z", pdl=True, grid="online_wide")
     entries = recheck.plan(out, root=proj)["entries"]
-    assert entries[-1]["lever"] == "A/A qwen3-8b (bf16)"
+    assert entries[-1]["lever"] == "A/A qwen3-8b (bf16), H200"
     by_lever = {e["lever"]: e for e in entries}
-    assert sorted(by_lever) == ["A/A qwen3-8b (bf16)", "fast_math", "nsplits_cap"]
+    assert sorted(by_lever) == ["A/A qwen3-8b (bf16), H200", "fast_math", "nsplits_cap"]
     wide, fast, aa = by_lever["nsplits_cap"], by_lever["fast_math"], entries[-1]
     assert aa["overrides"] == ["campaign=gqa_swap", "aa=true", "model=qwen3-8b", "model.quant=bf16"]
     assert aa["why"] == ["pdl's default is now off; the campaign ran with on and pdl's kernels ran there"]
@@ -186,6 +186,36 @@ def test_a_run_works_through_the_plan_and_resumes_the_campaign_it_was_stopped_in
     assert len(calls) == 3
 
 
+def test_a_verdict_of_another_gpu_is_left_pending_for_a_host_with_it(proj):
+    """The lender may give an H100 to a session that asked for an H200: a recheck there would file H100 verdicts
+    beside the stale H200 ones and renew none, so it leaves them pending, says so, and runs the ones of its GPU."""
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    ev = verdict(proj, "fast_math", "2026-11-30T11:00:00Z", pdl=True)
+    h100 = load_evidence(out / ev)
+    h100.fingerprint.device_name = "NVIDIA H100 80GB HBM3"
+    save_evidence(h100, out / ev)
+    calls, said = [], []
+
+    def runs(overrides, started):
+        lever = overrides[0].split("=")[1]
+        calls.append(lever)
+        new = make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-05-{lever}-new")
+        new.fingerprint.device_name = "NVIDIA H100 80GB HBM3"
+        return new
+
+    state = recheck.run(out, [], runs, root=proj, echo=said.append, gpu="NVIDIA H100 80GB HBM3")
+    assert calls == ["fast_math"]
+    by_lever = {e["lever"]: e["status"] for e in state["entries"]}
+    assert by_lever == {"gqa_swap": "pending", "fast_math": "done"}
+    assert "recheck gqa_swap on qwen3-8b (bf16), H200: measured on H200, this host has H100 80GB HBM3: left for a " \
+           "host with that GPU" in said
+    assert said[-1] == "recheck: 1 stale verdict(s) of other GPUs left pending (H200); run recheck on those GPUs"
+    state = recheck.run(out, [], runs, root=proj, echo=said.append, gpu="NVIDIA H200")
+    assert calls == ["fast_math", "gqa_swap"]
+    assert [e["status"] for e in state["entries"] if e["lever"] == "gqa_swap"] == ["done"]
+
+
 def test_a_flip_that_moves_a_default_stops_the_run(proj):
     """pdl (off by default) FLIPs on its recheck: the entries after it would run on the default the flip replaces,
     so the run stops there and says what to do; FLIPs that keep today's defaults (the others') do not stop it."""
@@ -230,16 +260,21 @@ def test_frozen_works_through_the_saved_plan_as_it_is(proj, capsys):
 
 
 def test_a_plan_saved_before_verdicts_were_keyed_by_model_keeps_its_entries(proj):
-    """Entries of a plan saved with the lever as their only name are keyed from their stale campaign, so they stay
-    pending (not marked done as 'FRESH without it') and are not planned twice."""
+    """Entries of a plan saved with the lever as their only name, or keyed without the GPU (before 2026-12-05), are
+    keyed again from their stale campaign, so they stay pending (not marked done as 'FRESH without it') and are not
+    planned twice."""
     stale = verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
     out = proj / "records"
-    state = recheck.plan(out, root=proj)
-    for e in state["entries"]:
-        del e["key"]
-    recheck.save_state(out, state)
-    (entry,) = recheck.plan(out, root=proj)["entries"]
-    assert (entry["key"], entry["stale"], entry["status"]) == ("gqa_swap on qwen3-8b (bf16)", stale, "pending")
+    for old in (None, "gqa_swap on qwen3-8b (bf16)"):
+        state = recheck.plan(out, root=proj, restart=True)
+        for e in state["entries"]:
+            del e["key"]
+            if old:
+                e["key"] = old
+        recheck.save_state(out, state)
+        (entry,) = recheck.plan(out, root=proj)["entries"]
+        assert (entry["key"], entry["stale"], entry["status"]) == ("gqa_swap on qwen3-8b (bf16), H200", stale,
+                                                                   "pending")
 
 
 def test_a_campaign_resumed_in_a_later_command_is_timed_without_the_pause():
