@@ -153,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vtcampaign: error: {e}", file=sys.stderr)
             return 2
     parser = _parser()
+    if "_ARGCOMPLETE" in os.environ:            # the shell asks for completions (argcomplete's protocol); it exits
+        import argcomplete
+
+        from campaigns import completion
+        completion.install(parser, DEFAULT_OUT_DIR)
+        argcomplete.autocomplete(parser)
     args, extra = parser.parse_known_args(argv)
     if getattr(args, "out_dir", "") is None:
         args.out_dir = str(project_root() / DEFAULT_OUT_DIR)
