@@ -197,16 +197,23 @@ def test_schema_1_evidence_is_reconstructed_from_git(repo):
     assert not f.fresh and any("source files at the campaign are not known" in r for r in f.reasons)
 
 
-def test_a_stale_flip_is_refused(tmp_path, plain_defaults):
-    """commit=true and `vtcampaign flip` refuse a stale FLIP, naming why (here: pdl recorded on, but its default
-    is off, and its kernels ran)."""
-    from campaigns.runner import CampaignError, check_flippable
-    ev = make_evidence(TPUT_WIN, lever="mixed_steps")          # baseline off: mixed_steps's default today
+def _flip_measured_with_pdl_on():
+    """A binding mixed_steps FLIP (baseline off: its default today) whose context had pdl on, and pdl's kernels ran:
+    STALE while pdl's default is off."""
+    ev = make_evidence(TPUT_WIN, lever="mixed_steps")
     reg = levers.registry()
     for arm in ev.arms:
         ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "mixed_steps": arm.value, "pdl": True}
         ev.live_levers[arm.name] = ["mixed_steps", "pdl"]
     ev.lever_digests = lever_context.tree_digests(reg, ROOT)
+    return ev
+
+
+def test_a_stale_flip_is_refused(tmp_path, plain_defaults):
+    """commit=true and `vtcampaign flip` refuse a stale FLIP, naming why (here: pdl recorded on, but its default
+    is off, and its kernels ran)."""
+    from campaigns.runner import CampaignError, check_flippable
+    ev = _flip_measured_with_pdl_on()
     with pytest.raises(CampaignError, match=r"STALE \(pdl's default is now off; the campaign ran with on"):
         check_flippable(ev)
     out = tmp_path / "records" / "campaigns"
@@ -234,12 +241,7 @@ def test_vtcampaign_merge_refuses_a_stale_flip_branch_and_merges_a_fresh_one(tmp
     r.git.add(A=True)
     r.index.commit("project", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
     out = root / "records" / "campaigns"
-    ev = make_evidence(TPUT_WIN, lever="mixed_steps")          # baseline off: mixed_steps's default today
-    reg = levers.registry()
-    for arm in ev.arms:
-        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, "mixed_steps": arm.value, "pdl": True}
-        ev.live_levers[arm.name] = ["mixed_steps", "pdl"]
-    ev.lever_digests = lever_context.tree_digests(reg, ROOT)
+    ev = _flip_measured_with_pdl_on()
     ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
 
     def branch(ev):
