@@ -290,12 +290,13 @@ def cmd_status(args) -> int:
 
     from campaigns import context as lever_context
     from campaigns.recheck import latest_aa, latest_binding, measured_on, plan_key
+    from campaigns.records import gpu_label
     from vtengine import confdirs, levers
 
     by = _evidence_by_lever(args.out_dir)
     table = Table(title="levers (default: conf/lever/*.yaml; last campaign: " + args.out_dir + ")")
-    for col in ("lever", "measured on", "default", "env", "resolved", "byte-exact", "last campaign", "verdict",
-                "fresh"):
+    for col in ("lever", "measured on", "GPU", "default", "env", "resolved", "byte-exact", "last campaign",
+                "verdict", "fresh"):
         table.add_column(col)
     resolved_by: dict = {}
 
@@ -321,7 +322,7 @@ def cmd_status(args) -> int:
                 stale.append((last, fresh))
             quant = lever_context.quant_of(last) if last else None
             now = resolved(quant)       # the row's quantization: its own defaults, with the on presets applied
-            table.add_row(name, measured_on(last) if key else "—",
+            table.add_row(name, measured_on(last) if key else "—", gpu_label(last) if key else "—",
                           str(levers.effective_defaults(registry, quant)[name]), lever.env,
                           f"{now.values[name]} ({now.sources[name]})",
                           {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
@@ -332,7 +333,7 @@ def cmd_status(args) -> int:
         if not fresh.fresh:
             stale.append((ev, fresh))
     # Piped output gets a wide console so the table is not folded into unreadable columns.
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
     if stale:
         console.print(f"{len(stale)} stale binding verdict(s) (`vtcampaign recheck` re-runs them):")

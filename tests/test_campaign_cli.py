@@ -325,9 +325,9 @@ def test_status_rows_show_their_own_quantizations_default_and_value(tmp_path, mo
         save_evidence(ev, out / ev.campaign_id)
     assert main(["status", "--out-dir", str(out)]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("│ pdl_prefetch ")]
-    cells = [[c.strip() for c in ln.split("│")[1:6]] for ln in rows]
-    assert cells == [["pdl_prefetch", "qwen3-8b (bf16)", "True", "VT_PDL_PREFETCH", "True (preset pdl_stack)"],
-                     ["pdl_prefetch", "qwen3-8b (mxfp4)", "False", "VT_PDL_PREFETCH", "False (default)"]]
+    cells = [[c.strip() for c in ln.split("│")[1:7]] for ln in rows]
+    assert cells == [["pdl_prefetch", "qwen3-8b (bf16)", "H200", "True", "VT_PDL_PREFETCH", "True (preset pdl_stack)"],
+                     ["pdl_prefetch", "qwen3-8b (mxfp4)", "H200", "False", "VT_PDL_PREFETCH", "False (default)"]]
 
 
 def test_summaries_of_a_run_elsewhere_stay_next_to_its_records(tmp_path):
