@@ -455,7 +455,8 @@ def cmd_merge(args) -> int:
 
     def render(conflicted: list[str]) -> list[Path]:
         ids = {Path(p).parent.name for p in conflicted if Path(p).parent.parent.name == "campaigns"}
-        return render_all(out_dir, status_dir(root, out_dir), plots=False, only=ids)
+        plots = any(Path(p).name == "grid.png" for p in conflicted)     # a conflicted plot is drawn again too
+        return render_all(out_dir, status_dir(root, out_dir), plots=plots, only=ids)
 
     info = merge_flip(root, branch, render)
     print(f"merged {branch} ({info['commit'][:7]}): the summaries rendered again from the merged evidence and lever "

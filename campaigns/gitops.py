@@ -144,14 +144,18 @@ def clear_for_merge(repo_path: Path | str, commit: str) -> list[str]:
     return cleared
 
 
+def _branch_tip(repo: git.Repo, branch: str) -> git.Commit:
+    if branch not in repo.heads:
+        raise GitOpsError(f"no branch {branch!r}; flip branches here: "
+                          f"{sorted(h.name for h in repo.heads if h.name.startswith('row/')) or 'none'}")
+    return repo.heads[branch].commit
+
+
 def branch_evidence(repo_path: Path | str, branch: str) -> list[tuple[str, bytes]]:
     """The evidence files (path, bytes) a flip branch adds or changes since it left HEAD's history: the campaign
     whose FLIP it carries."""
     repo = open_repo(repo_path)
-    if branch not in repo.heads:
-        raise GitOpsError(f"no branch {branch!r}; flip branches here: "
-                          f"{sorted(h.name for h in repo.heads if h.name.startswith('row/')) or 'none'}")
-    tip = repo.heads[branch].commit
+    tip = _branch_tip(repo, branch)
     base = repo.git.merge_base("HEAD", tip.hexsha)
     return [(rel, (tip.tree / rel).data_stream.read())
             for rel in repo.git.diff("--name-only", "--diff-filter=AM", base, tip.hexsha).splitlines()
@@ -172,13 +176,10 @@ def merge_flip(repo_path: Path | str, branch: str, render: Callable[[list[str]],
     Returns {branch, commit, conflicted, rendered}."""
     repo = open_repo(repo_path)
     root = Path(repo.working_tree_dir)
-    if branch not in repo.heads:
-        raise GitOpsError(f"no branch {branch!r}; flip branches here: "
-                          f"{sorted(h.name for h in repo.heads if h.name.startswith('row/')) or 'none'}")
+    tip = _branch_tip(repo, branch).hexsha
     if (Path(repo.git_dir) / "MERGE_HEAD").exists():
         raise GitOpsError("a merge is in progress in this checkout; finish it (git commit) or abort it (git merge "
                           "--abort) first")
-    tip = repo.heads[branch].commit.hexsha
     if repo.is_ancestor(tip, "HEAD"):
         raise GitOpsError(f"{branch} ({tip[:7]}) is already merged into {repo.head.commit.hexsha[:7]}")
     clear_for_merge(root, tip)
