@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 GROUPS = ("campaign", "model", "grid", "gate", "tracking", "battery")     # conf/<group>/ choices of a run
-# values a key takes beyond true/false, where the config schema names them
-CHOICES = {"device": ("auto", "cuda", "cpu")}
+FLAGS = ("aa", "commit", "summaries")       # booleans offered even where the words do not compose yet
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
+    """Values a key takes beyond true/false, where the config schema names them."""
     from campaigns.config import DEVICES, RESIDENCIES
-    return {**CHOICES, "device": tuple(DEVICES), "grid.residency": tuple(RESIDENCIES)}
+    return {"device": tuple(DEVICES), "grid.residency": tuple(RESIDENCIES)}
 
 
 def _composed(words: Iterable[str]):
@@ -72,7 +72,7 @@ def complete_override(prefix: str, words: Iterable[str] = (), out_dir: Path | st
         else:
             cfg = _composed(words)
             node = _node(cfg, key) if cfg is not None else None
-            values = ["false", "true"] if isinstance(node, bool) or key in ("aa", "commit", "summaries") else []
+            values = ["false", "true"] if isinstance(node, bool) or key in FLAGS else []
         return [head + v for v in values if v.startswith(last)]
     if "." in prefix:
         path, _, tail = prefix.rpartition(".")
