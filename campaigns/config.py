@@ -25,6 +25,7 @@ from campaigns.gates import CORRECTNESS_GATES, GATE_NAMES
 from vtengine import confdirs
 
 DEVICES = ("auto", "cuda", "cpu")
+RESIDENCIES = ("auto", "together", "alternate")      # grid.residency: how the arms' servers share the GPU
 
 
 class CampaignConfigError(ValueError):
@@ -546,7 +547,6 @@ def to_plain(cfg: DictConfig) -> dict:
 
 # Keys that change what happens around a campaign, not what it measures: a resume may differ in them (a sweep's job
 # ran with commit=false summaries=false tracking=off; its resume by hand need not repeat them).
-RESIDENCIES = ("auto", "together", "alternate")
 UNMEASURED_KEYS = ("resume", "commit", "summaries", "tracking", "allow_dirty", "out_dir", "overrides")
 
 

@@ -859,9 +859,8 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
             raise CampaignError(
                 f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, {records.gpu_label(ev)}, but "
                 f"{here[0].campaign_id} ({recheck.measured_on(here[0])}, {records.gpu_label(here[0])}) is a fresh "
-                f"{here[0].decision.verdict} of the same change: a "
-                f"default holds for every model, workload and GPU{f' of {quant}' if quant else ''}, and a flip would "
-                f"trade what that measurement refuted. Its reasons: {'; '.join(here[0].decision.reasons[:3])}")
+                f"{here[0].decision.verdict} of the same change: a default holds for every model, workload and "
+                f"GPU{f' of {quant}' if quant else ''}, and a flip would trade what that measurement refuted. Its reasons: {'; '.join(here[0].decision.reasons[:3])}")
         if len(refuted) > len(same):
             # refuted on another quantization (fresh or stale: a stale REJECT still says the change may cost
             # there, and scoping costs nothing): this one's default moves, theirs stays
