@@ -45,11 +45,13 @@ def test_a_prompt_past_the_budget_is_prefilled_in_chunks_and_samples_the_same(le
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
-def _timeline(llm: LLM, long: list[int], warm_steps: int = 3) -> tuple[list[str], dict[str, list[int]]]:
-    """Request "a" (short) decodes; after ``warm_steps`` steps the long request "b" arrives. Returns, per step from
-    b's arrival until b's first token, which requests got a token, and every request's tokens."""
+def _timeline(llm: LLM, long: list[int], warm_steps: int = 3,
+              a_tokens: int = 40) -> tuple[list[str], dict[str, list[int]]]:
+    """Request "a" (short, ``a_tokens`` new tokens) decodes; after ``warm_steps`` steps the long request "b" arrives.
+    Returns, per step from b's arrival until b's first token, which requests got a token, and every request's
+    tokens."""
     eng = llm.engine
-    eng.add_request("a", [11, 12, 13], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    eng.add_request("a", [11, 12, 13], SamplingParams(max_tokens=a_tokens, temperature=0.0, ignore_eos=True))
     done: dict[str, list[int]] = {}
     for _ in range(warm_steps):
         eng.step()
@@ -264,28 +266,28 @@ def test_chunks_preemption_and_recompute_keep_every_token(levers):
     assert st["num_preemptions"] >= 3 and st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
-@pytest.mark.parametrize("splits", ["off", "auto"])
-def test_mixed_steps_through_the_triton_kernels(splits):
+def test_mixed_steps_through_the_triton_kernels():
     """The mixed step's two attention launches on sliced rows (the packed prefill route and split-KV decode) under
     the interpreter: the decoding request and the chunked prompt get the tokens they get alone. With prefill_splits
-    "auto" each chunk's prefix keys are split (the interpreter keeps the H200's SM count) and merged."""
+    "auto" each chunk's prefix keys are split (the interpreter keeps the H200's SM count) and merged; with "off"
+    none is. (Both values in one test: the runs alone, two thirds of its time under the interpreter, are shared.)"""
     long = long_prompt(300, seed=2)
-    p_a = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    alone_a = tokens(LLM(model="tiny", backend="triton", levers=SYNC).generate([[11, 12, 13]], p_a))[0]
-    alone_b = tokens(LLM(model="tiny", backend="triton", levers=SYNC).generate(
-        [long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
-    llm = LLM(model="tiny", backend="triton", max_num_batched_tokens=100,
-              levers={**SYNC, "chunked_prefill": 256, "mixed_steps": True, "prefill_gqa_pack": True,
-                      "prefill_splits": splits})
-    counters.reset()
-    steps, done = _timeline(llm, long)
-    assert steps == ["a", "ab"], steps
-    assert done["a"][:6] == alone_a and done["b"] == alone_b
-    snap = counters.snapshot()
-    assert snap["prefill_attention"]["gqa_pack"]["launches"] > 0
-    split = sum(n for s, n in snap["prefill_attention"]["gqa_pack"]["splits"].items() if int(s) > 1)
-    assert (split > 0) == (splits == "auto")
-    assert snap.get("prefill_attention_merge", {}).get("gqa_pack", {}).get("launches", 0) == split
+    one = LLM(model="tiny", backend="triton", levers=SYNC)
+    alone_a = tokens(one.generate([[11, 12, 13]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))[0]
+    alone_b = tokens(one.generate([long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
+    for splits in ("off", "auto"):
+        llm = LLM(model="tiny", backend="triton", max_num_batched_tokens=100,
+                  levers={**SYNC, "chunked_prefill": 256, "mixed_steps": True, "prefill_gqa_pack": True,
+                          "prefill_splits": splits})
+        counters.reset()
+        steps, done = _timeline(llm, long, a_tokens=12)    # a decodes past b's first token
+        assert steps == ["a", "ab"], (splits, steps)
+        assert done["a"] == alone_a and done["b"] == alone_b, splits
+        snap = counters.snapshot()
+        assert snap["prefill_attention"]["gqa_pack"]["launches"] > 0, splits
+        split = sum(n for s, n in snap["prefill_attention"]["gqa_pack"]["splits"].items() if int(s) > 1)
+        assert (split > 0) == (splits == "auto"), (splits, snap["prefill_attention"])
+        assert snap.get("prefill_attention_merge", {}).get("gqa_pack", {}).get("launches", 0) == split, splits
 
 
 def _staggered(eng, n: int, longest: int, max_tokens: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
