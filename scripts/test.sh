@@ -4,5 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
-# two workers (CI's 2 cores): the suite's 22 min serial take ~13 (2026-12-04); `-n 0` runs it in one process
-exec python -m pytest -q -n 2 "$@"
+# two workers (CI's 2 cores): the suite's 22 min serial take ~13 (2026-12-04); `-n 0` runs it in one process.
+# The 15 slowest tests close every run's log: the suite must stay under CI's 30 minutes (22-26 on 2026-12-05).
+exec python -m pytest -q -n 2 --durations=15 "$@"
