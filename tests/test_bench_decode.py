@@ -545,3 +545,25 @@ def test_profiling_prints_no_kineto_lines():
     loud = subprocess.run([sys.executable, "-c", session], capture_output=True, text=True, timeout=120, env=env)
     if "profiler_start" not in loud.stderr:
         pytest.skip(f"torch {torch.__version__} prints no Kineto lines: nothing to silence here")
+
+
+def test_a_device_stall_in_the_profile_window_is_left_out_and_warned(monkeypatch):
+    """The decode bench's profile takes a device-idle gap longer than STALL_STEPS steps out of its device step and
+    says so (the campaigns' profile gate does the same: tests/test_attribution.py)."""
+    from types import SimpleNamespace
+    steps, period, kernel = 16, 6100.0, 5900.0
+    events = []
+    for i in range(steps):
+        shift = 250_000.0 if i >= 9 else 0.0
+        events.append({"ph": "X", "cat": "user_annotation", "name": kernel_profile.STEP_MARK,
+                       "ts": i * period + shift, "dur": 5600.0})
+        events.append({"ph": "X", "cat": "kernel", "name": "_gemv_kernel", "ts": i * period + shift + 5.0,
+                       "dur": kernel})
+    step_s = [0.0056] * (kernel_profile.PROFILER_WARM_STEPS + steps)
+    monkeypatch.setattr(kernel_profile, "record_decode_trace", lambda *a, **k: (events, step_s))
+    llm = SimpleNamespace(engine=SimpleNamespace(device=SimpleNamespace(type="cuda"),
+                                                 config=SimpleNamespace(model="qwen3-8b", quant="bf16")))
+    p = kernel_profile.profile_engine_decode(llm, batch=8, prompt_len=1024, steps=steps)
+    assert p.device_step_us == pytest.approx(((steps - 1) * period + kernel - (period - kernel)) / steps)
+    assert p.device_idle_us_per_step == pytest.approx((steps - 2) * (period - kernel) / steps)
+    assert "device idle 250.2 ms inside the window (1 stall(s) longer than 4 steps)" in p.warning

@@ -99,6 +99,26 @@ def device_step_us(trace_events: list[dict], steps: int) -> float | None:
     return (max(float(e["ts"]) + float(e["dur"]) for e in acts) - min(float(e["ts"]) for e in acts)) / steps
 
 
+STALL_STEPS = 4          # a device gap longer than this many steps' time is a stall inside the window, not a step
+
+
+def device_stalls_us(trace_events: list[dict], step_scale_us: float) -> list[float]:
+    """The gaps with the device idle (no kernel, copy or memset running) longer than ``STALL_STEPS`` x
+    ``step_scale_us`` (a step's time: the larger of its kernel time and the host's step), in µs, in order.
+
+    A step's own idle time (the host preparing the next step, a few hundred µs) is never one. A stall is something
+    outside the engine's steady state that happened to fall inside the profiler window: on an H100 (2026-12-05) a
+    gap of ~250 ms spread over 16 steps read as a 22 ms step beside a 6.4 ms one."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace_events
+                   if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS)
+    stalls, end = [], None
+    for start, stop in spans:
+        if end is not None and start - end > STALL_STEPS * step_scale_us:
+            stalls.append(start - end)
+        end = stop if end is None else max(end, stop)
+    return stalls
+
+
 def timeline_warnings(kernel_us: float, step_us: float, device_us: float | None,
                       busy_us: float | None = None) -> list[str]:
     """Kernel time summed past the device's step period (or, without one, past the host's step): kernels that
@@ -245,6 +265,12 @@ def profile_engine_decode(llm, batch: int, prompt_len: int, steps: int = 16, war
         raise RuntimeError("no " + ("device kernels" if on_device else "CPU ops") + " in the trace (on a GPU: CUPTI "
                            "reported no kernels, e.g. none inside the CUDA-graph replays)")
     step_us = 1e6 * statistics.fmean(step_s[PROFILER_WARM_STEPS:])
+    if device_us is not None:
+        stalls = device_stalls_us(window, max(sum(r.us_per_step for r in rows), step_us))
+        if stalls:                  # idle time no step caused: out of the device's step and its idle time
+            device_us -= sum(stalls) / len(marks)
+            warnings.append(f"device idle {sum(stalls) / 1e3:,.1f} ms inside the window ({len(stalls)} stall(s) "
+                            f"longer than {STALL_STEPS} steps), left out of the device step")
     # a kernel's share of the device's step where the trace has one (with async scheduling the host's step is
     # shorter than the device's), else of the host's
     for r in rows:
