@@ -131,8 +131,10 @@ def window_from_trace(events: list[dict], step_s: list[float], batch: int, conte
     read, and the host work between two calls overlaps the device. On the H200 (2026-12-04, bf16 c1) the host
     read 4,054 µs a step under the profiler while the device timeline and the timed run read 4,640 and 4,609:
     async_scheduling's profile gate had put the step at 4.28 ms, and the served loop at 4.66 looked slower for no
-    reason. unattributed_us: the step less its kernels' time (negative where PDL overlaps kernels)."""
-    from vtengine.bench.decode.kernel_profile import PROFILER_WARM_STEPS, STEP_MARK, device_step_us
+    reason. unattributed_us: the step less its kernels' time (negative where PDL overlaps kernels). stalls_us (only
+    where there were any): device-idle gaps too long to be a step's (``device_stalls_us``), left out of step_us."""
+    from vtengine.bench.decode.kernel_profile import (PROFILER_WARM_STEPS, STEP_MARK, device_stalls_us,
+                                                      device_step_us)
     marks = [e for e in events if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation"]
     if marks:
         lo, hi = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
@@ -140,12 +142,17 @@ def window_from_trace(events: list[dict], step_s: list[float], batch: int, conte
     kernels = group(events, max(1, len(marks) or steps), on_device)
     host_us = 1e6 * statistics.fmean(step_s[PROFILER_WARM_STEPS:])
     device_us = device_step_us(events, len(marks)) if on_device and marks else None
+    stalls = [] if device_us is None else device_stalls_us(events, max(sum(kernels.values()), host_us))
+    if stalls:                      # idle time no step caused: left out of the period, kept in the window
+        device_us -= sum(stalls) / len(marks)
     step_us = host_us if device_us is None else device_us
     window = {"batch": batch, "context_len": context_len + PROFILER_WARM_STEPS, "steps": len(marks),
               "activity": "cuda" if on_device else "cpu", "step_us": round(step_us, 3),
               "step_source": "host" if device_us is None else "device_timeline", "host_step_us": round(host_us, 3),
               "kernels": {k: round(v, 3) for k, v in kernels.items()},
               "unattributed_us": round(step_us - sum(kernels.values()), 3)}
+    if stalls:
+        window["stalls_us"] = [round(x) for x in stalls]
     if not on_device and marks:
         window["kernels_median"] = step_medians(events, marks)
     return window

@@ -250,7 +250,10 @@ def attribution_view(ev: Evidence) -> list[dict[str, Any]]:
                             + ("—" if measured is None else f"{measured:+,.1f} µs")
                             + f", kernels {summary['kernels_delta_us']:+,.1f} µs"
                             + ("" if summary["unattributed_us"] is None
-                               else f", unattributed (host time, gaps) {summary['unattributed_us']:+,.1f} µs")),
+                               else f", unattributed (host time, gaps) {summary['unattributed_us']:+,.1f} µs")
+                            + "".join(f"; device idle {sum(w['stalls_us']) / 1e3:,.1f} ms inside the {role}'s window "
+                                      "(a stall, left out of its step)"
+                                      for role, w in (("baseline", bw), ("candidate", cw)) if w.get("stalls_us"))),
                 "residual": attribution.residual(cw, rows),
             })
     return out

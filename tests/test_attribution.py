@@ -215,3 +215,40 @@ def test_a_cpu_window_keeps_the_hosts_step():
     w = attribution.window_from_trace(_async_trace(steps, 900.0, 1000.0, 10.0), step_s, batch=1, context_len=18,
                                       steps=steps, on_device=False)
     assert w["step_source"] == "host" and w["step_us"] == w["host_step_us"] == 1000.0
+
+
+def test_a_device_stall_inside_the_window_is_left_out_of_the_step_and_named():
+    """An H100 fuse_norm campaign (2026-12-05) recorded a c8 step of 22,182 µs against its host's 5,644 and its
+    baseline's 6,449: ~250 ms with the device idle fell inside the profiler window and was spread over 16 steps.
+    A device gap longer than STALL_STEPS steps' kernel time is a stall, not a step's work: it leaves the step, and
+    the window and the record say how long it was."""
+    from campaigns import records
+    from vtengine.bench.decode import kernel_profile
+    steps, host_us, device_us, kernel_us, stall_us = 16, 5600.0, 6100.0, 5900.0, 250_000.0
+    step_s = [host_us / 1e6] * (2 + steps)
+    clean = attribution.window_from_trace(_async_trace(steps, host_us, device_us, kernel_us), step_s, batch=8,
+                                          context_len=1026, steps=steps, on_device=True)
+    trace = _async_trace(steps, host_us, device_us, kernel_us)
+    for e in trace[2 * 9:]:                              # from step 9 on, everything comes 250 ms later
+        e["ts"] += stall_us
+    stalled = attribution.window_from_trace(trace, step_s, batch=8, context_len=1026, steps=steps, on_device=True)
+    assert "stalls_us" not in clean
+    assert stalled["stalls_us"] == [round(stall_us + device_us - kernel_us)]
+    assert stalled["step_us"] == pytest.approx(clean["step_us"] - (device_us - kernel_us) / steps, abs=0.01)
+    assert stalled["kernels"] == clean["kernels"]
+    # a step's own gap (host work between steps, here 200 µs) is never a stall, however many steps there are
+    assert kernel_profile.device_stalls_us(_async_trace(steps, host_us, device_us, kernel_us), kernel_us) == []
+    assert kernel_profile.device_stalls_us(trace, kernel_us) == stalled["stalls_us"]
+    # the record names it beside the profiled step
+    ev = _profiled_evidence(clean, stalled)
+    summary = records.attribution_view(ev)[0]["summary"]
+    assert "device idle 250.2 ms inside the candidate's window (a stall, left out of its step)" in summary, summary
+    assert "inside the baseline's window" not in summary
+
+
+def _profiled_evidence(base_window: dict, cand_window: dict):
+    """Evidence whose profile gates hold these c8 windows (baseline "off", candidate "on")."""
+    from helpers import gates, make_evidence
+    windows = {"off": base_window, "on": cand_window}
+    results = gates(**{f"profile@{arm}": {"details": {"windows": {"8": w}}} for arm, w in windows.items()})
+    return make_evidence({}, gate_results=results)
