@@ -376,6 +376,11 @@ MUTATIONS = [
              '    return lower.endswith(".md") or (under(path, (TEMPLATES,)) and lower.endswith(".j2"))\n',
              '    return lower.endswith(".md")\n',
              ["tests/test_campaign_e2e.py::test_a_resume_crosses_commits_of_records_and_prose_but_not_of_code"]),
+    Mutation("stall-in-step", "profile gate: a device stall inside the window is spread over every step again",
+             "campaigns/attribution.py",
+             "        device_us -= sum(stalls) / len(marks)\n",
+             "        pass\n",
+             ["tests/test_attribution.py::test_a_device_stall_inside_the_window_is_left_out_of_the_step_and_named"]),
 ]
 
 GATE_PROBE = r'''
