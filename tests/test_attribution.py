@@ -220,8 +220,8 @@ def test_a_cpu_window_keeps_the_hosts_step():
 def test_a_device_stall_inside_the_window_is_left_out_of_the_step_and_named():
     """An H100 fuse_norm campaign (2026-12-05) recorded a c8 step of 22,182 µs against its host's 5,644 and its
     baseline's 6,449: ~250 ms with the device idle fell inside the profiler window and was spread over 16 steps.
-    A device gap longer than STALL_STEPS steps' kernel time is a stall, not a step's work: it leaves the step, and
-    the window and the record say how long it was."""
+    A device gap longer than STALL_STEPS steps (the larger of kernel time and host step) is a stall, not a step's
+    work: it leaves the step, and the window and the record say how long it was."""
     from campaigns import records
     from vtengine.bench.decode import kernel_profile
     steps, host_us, device_us, kernel_us, stall_us = 16, 5600.0, 6100.0, 5900.0, 250_000.0

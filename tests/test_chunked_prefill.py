@@ -270,7 +270,8 @@ def test_mixed_steps_through_the_triton_kernels():
     """The mixed step's two attention launches on sliced rows (the packed prefill route and split-KV decode) under
     the interpreter: the decoding request and the chunked prompt get the tokens they get alone. With prefill_splits
     "auto" each chunk's prefix keys are split (the interpreter keeps the H200's SM count) and merged; with "off"
-    none is. (Both values in one test: the runs alone, two thirds of its time under the interpreter, are shared.)"""
+    none is. (Both values in one test, so that they share the runs alone: under the interpreter each engine run
+    costs about a minute.)"""
     long = long_prompt(300, seed=2)
     one = LLM(model="tiny", backend="triton", levers=SYNC)
     alone_a = tokens(one.generate([[11, 12, 13]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))[0]
