@@ -109,14 +109,20 @@ def device_stalls_us(trace_events: list[dict], step_scale_us: float) -> list[flo
     A step's own idle time (the host preparing the next step, a few hundred µs) is never one. A stall is something
     outside the engine's steady state that happened to fall inside the profiler window: on an H100 (2026-12-05) a
     gap of ~250 ms spread over 16 steps read as a 22 ms step beside a 6.4 ms one."""
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace_events
-                   if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS)
-    stalls, end = [], None
-    for start, stop in spans:
-        if end is not None and start - end > STALL_STEPS * step_scale_us:
-            stalls.append(start - end)
-        end = stop if end is None else max(end, stop)
-    return stalls
+    busy = _busy_intervals(trace_events)
+    return [b[0] - a[1] for a, b in zip(busy, busy[1:]) if b[0] - a[1] > STALL_STEPS * step_scale_us]
+
+
+def _busy_intervals(trace_events: list[dict]) -> list[tuple[float, float]]:
+    """The device's activities' intervals, overlapping ones merged (kernels under PDL overlap), in time order."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace_events
+                       if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def timeline_warnings(kernel_us: float, step_us: float, device_us: float | None,
@@ -142,17 +148,10 @@ def device_busy_us(trace_events: list[dict], steps: int) -> float | None:
     """The device's busy time per step: the union of its activities' intervals among ``trace_events`` over
     ``steps`` (kernels that overlap, as under PDL, count once). The timeline less it is the idle time. None without
     device activity."""
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace_events
-                   if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS)
-    if not spans or steps < 1:
+    busy = _busy_intervals(trace_events)
+    if not busy or steps < 1:
         return None
-    busy, (lo, hi) = 0.0, spans[0]
-    for a, b in spans[1:]:
-        if a > hi:
-            busy, lo, hi = busy + hi - lo, a, b
-        else:
-            hi = max(hi, b)
-    return (busy + hi - lo) / steps
+    return sum(b - a for a, b in busy) / steps
 
 
 def _decode_step(eng, batch: int) -> float:
