@@ -6,6 +6,8 @@
                                        campaign per job, one GPU per campaign; records and MLflow once at the end
     vtcampaign status                  levers, defaults, resolved values, measured byte-exactness, last verdicts, and
                                        which verdicts are STALE (and why)
+    vtcampaign status --at <rev> [--strict]   which FRESH verdicts a checkout or merge of <rev> would make STALE,
+                                       why, and the GPU time to re-measure them (--strict: exit 3 if any)
     vtcampaign calibrate               each binding campaign's false FLIP / false REJECT rates and minimum detectable
                                        effect, from the policy run on simulated campaigns of its grid shape
     vtcampaign flip <campaign-id>      commit a binding FLIP's default flip on row/<lever>-flip (refuses a stale one)
@@ -74,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config-dir", "-cd", help="a project's conf/ over the packaged one (same as --conf-dir)")
     st = sub.add_parser("status", help="levers, defaults, resolved values and last verdicts")
     _out_dir_arg(st)
+    st.add_argument("--at", metavar="REV", default=None,
+                    help="instead of the table: which verdicts FRESH here a checkout or merge of commit REV (a "
+                         "branch, tag or sha) would make STALE, and why (its lever files and sources, in a "
+                         "temporary git worktree)")
+    st.add_argument("--strict", action="store_true",
+                    help="with --at: exit 3 when some verdict would go STALE (a pre-merge check)")
     cal = sub.add_parser("calibrate", help="the grid rule's error rates for every binding campaign")
     _out_dir_arg(cal)
     cal.add_argument("--sims", type=int, default=1000, help="simulated campaigns per rate (default 1000)")
@@ -287,6 +295,18 @@ def _evidence_by_lever(out_dir: str) -> dict[str, list]:
 def cmd_status(args) -> int:
     from rich.console import Console
     from rich.table import Table
+
+    if args.strict and not args.at:
+        raise UsageError("--strict needs --at REV: the commit whose effect on the verdicts it checks")
+    if args.at:
+        from campaigns import recheck
+        try:
+            short, rows = recheck.freshness_at(args.out_dir, args.at)
+        except recheck.RecheckError as e:
+            raise UsageError(str(e)) from None
+        text, lost = recheck.at_report(args.at, short, rows)
+        print(text, end="")
+        return 3 if args.strict and lost else 0
 
     from campaigns import context as lever_context
     from campaigns.recheck import latest_aa, latest_binding, measured_on, plan_key

@@ -19,6 +19,9 @@ campaigns' commits, the engine epochs): on a copy without it (a GPU host) run th
 A FLIP found here changes no default until it is committed (``vtcampaign flip <id>``) and merged, so a FLIP that
 moves a default stops the run (what is left would run on the default it replaces); after the merge, recheck again:
 the flip stales the verdicts it is live in, and the rest is re-planned.
+
+``vtcampaign status --at <rev>`` (``freshness_at``) asks the question before a merge: which of today's FRESH verdicts
+would the lever files and sources of another commit make STALE, and what would re-measuring them cost.
 """
 from __future__ import annotations
 
@@ -113,6 +116,67 @@ def stale_verdicts(out_dir: Path | str,
         if not f.fresh:
             out.append((ev, f))
     return out
+
+
+def freshness_at(out_dir: Path | str, rev: str, root: Path | str | None = None) -> tuple[str, list[tuple]]:
+    """What checking out (or merging) commit ``rev`` would do to today's verdicts: every latest binding verdict and
+    A/A grid of ``out_dir``, judged against this checkout's working tree and against ``rev``'s lever files, sources
+    and engine epochs (checked out in a temporary git worktree, removed after). Returns (rev's short sha,
+    [(evidence, freshness here, freshness at rev)]), binding verdicts first. The evidence is this checkout's: a
+    branch's own new campaigns are not in it (the merge of a flip branch judges those)."""
+    import shutil
+    import tempfile
+
+    import git
+
+    from campaigns.gitops import open_repo
+    from vtengine import levers
+    root = Path(root) if root is not None else Path(confdirs.SOURCE_ROOT)
+    repo = open_repo(root)
+    try:
+        commit = repo.commit(rev)
+    except (git.BadName, ValueError):
+        raise RecheckError(f"{rev!r} is not a commit in the repository at {root}; accepted: a branch, tag or "
+                           "commit sha (e.g. main, HEAD~1, 3f2a9c1)") from None
+    evs = [load_evidence(p) for p in find_evidence(out_dir)]
+    latest = [*latest_binding(evs).values(), *latest_aa(evs).values()]
+    registry_here = levers.registry() if root == confdirs.SOURCE_ROOT else levers.registry(root / "conf" / "lever")
+    here = {ev.campaign_id: lever_context.freshness(ev, root, registry_here,
+                                                    lever_context.tree_digests(registry_here, root))
+            for ev in latest}
+    tmp = Path(tempfile.mkdtemp(prefix="vtcampaign-at-"))
+    tree = tmp / "tree"
+    repo.git.worktree("add", "--detach", str(tree), commit.hexsha)
+    try:
+        registry_at = levers.registry(tree / "conf" / "lever")
+        digests_at = lever_context.tree_digests(registry_at, tree)
+        rows = [(ev, here[ev.campaign_id], lever_context.freshness(ev, tree, registry_at, digests_at))
+                for ev in latest]
+    finally:
+        repo.git.worktree("remove", "--force", str(tree))
+        shutil.rmtree(tmp, ignore_errors=True)
+        levers.reload()              # the registry cache holds the worktree's lever files: let them go
+    return commit.hexsha[:7], rows
+
+
+def at_report(rev: str, short: str, rows: list[tuple]) -> tuple[str, int]:
+    """``vtcampaign status --at`` as text, and how many verdicts FRESH here would go STALE at ``rev``."""
+    lost = [(ev, b) for ev, a, b in rows if a.fresh and not b.fresh]
+    gained = [(ev, b) for ev, a, b in rows if not a.fresh and b.fresh]
+    both = sum(a.fresh and b.fresh for _, a, b in rows)
+    neither = sum(not a.fresh and not b.fresh for _, a, b in rows)
+    lines = [f"the verdicts at {rev} ({short}) against this checkout (its evidence, {len(rows)} latest binding "
+             "verdicts and A/A grids):"]
+    cost = [took_s(ev) for ev, _ in lost]
+    timed = [c for c in cost if c is not None]
+    lines.append(f"  would go STALE: {len(lost)}" + (
+        f" (re-measuring them: about {sum(timed) / 60:.0f} min of GPU time at their last durations"
+        + (f", {len(cost) - len(timed)} untimed" if len(timed) < len(cost) else "") + ")" if lost else ""))
+    lines += [f"    {plan_key(ev)} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}" for ev, f in lost]
+    lines.append(f"  would turn FRESH: {len(gained)}")
+    lines += [f"    {plan_key(ev)} {ev.campaign_id} {ev.decision.verdict}" for ev, _ in gained]
+    lines.append(f"  FRESH in both: {both}; STALE in both: {neither}")
+    return "\n".join(lines) + "\n", len(lost)
 
 
 def order(stale: list[tuple[Evidence, Any]], out_dir: Path | str, root: Path | str | None = None) -> list:

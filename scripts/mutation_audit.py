@@ -381,6 +381,11 @@ MUTATIONS = [
              "        device_us -= sum(stalls) / len(marks)\n",
              "        pass\n",
              ["tests/test_attribution.py::test_a_device_stall_inside_the_window_is_left_out_of_the_step_and_named"]),
+    Mutation("status-at-here", "status --at: the other commit judged by this checkout's files (nothing can differ)",
+             "campaigns/recheck.py",
+             "        rows = [(ev, here[ev.campaign_id], lever_context.freshness(ev, tree, registry_at, digests_at))\n",
+             "        rows = [(ev, here[ev.campaign_id], here[ev.campaign_id])\n",
+             ["tests/test_context.py::test_status_at_a_commit_names_the_verdicts_it_would_stale"]),
 ]
 
 GATE_PROBE = r'''

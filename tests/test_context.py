@@ -681,3 +681,58 @@ def test_a_full_length_sha_the_repository_lacks_is_unknown(repo):
     assert lever_context._commit_known(r, r.head.commit.hexsha)
     assert not lever_context._commit_known(r, "0" * 40)
     assert lever_context.changed_sources(repo, "0" * 40, ["vtengine/kernels/attention.py"]) is None
+
+
+def test_status_at_a_commit_names_the_verdicts_it_would_stale(repo, capsys, monkeypatch):
+    """`vtcampaign status --at REV` judges today's verdicts against another commit's lever files and sources (in a
+    temporary git worktree, removed after): a branch that changes gqa_swap's kernel stales its FRESH verdict, with
+    the reason; one that flips a live lever's default stales it for that; one that only rewrites a comment leaves it
+    FRESH; the working tree is judged as it is. A commit that is not there is refused, naming it."""
+    from campaigns import cli, recheck
+    out = repo / "records" / "campaigns"
+    ev = recorded(repo)
+    save_evidence(ev, out / ev.campaign_id)
+    base = commit_all(repo, "the verdict")
+    r = git.Repo(repo)
+    src = repo / "vtengine" / "kernels" / "attention.py"
+
+    def branch(name: str, change) -> None:
+        r.git.checkout("-q", "-b", name, base)
+        change()
+        commit_all(repo, name)
+        r.git.checkout("-q", base)
+
+    branch("kernel", lambda: src.write_text("SOURCE = 'a faster kernel'\n"))
+    branch("comment", lambda: src.write_text(src.read_text() + "# a comment\n"))
+    branch("pdl-flip", lambda: set_default(repo, "pdl", True))
+    rows = {rev: recheck.freshness_at(out, rev, repo) for rev in ("kernel", "comment", "pdl-flip")}
+    for rev, (short, got) in rows.items():
+        assert short == r.commit(rev).hexsha[:7] and [e.campaign_id for e, _, _ in got] == [ev.campaign_id]
+        assert got[0][1].fresh, got[0][1].reasons                        # here: FRESH
+    assert not rows["kernel"][1][0][2].fresh and rows["comment"][1][0][2].fresh
+    assert "gqa_swap's source files (vtengine/kernels/attention.py::decode_attention) changed" \
+        in rows["kernel"][1][0][2].reasons[0]
+    assert "pdl's default is now on" in rows["pdl-flip"][1][0][2].reasons[0]
+    text, lost = recheck.at_report("kernel", *rows["kernel"])
+    assert lost == 1 and "would go STALE: 1" in text and ev.campaign_id in text and "FRESH in both: 0" in text
+    assert len(r.git.worktree("list").splitlines()) == 1 and not r.is_dirty()
+    src.write_text("SOURCE = 'edited here'\n")             # the working tree, uncommitted: STALE here, FRESH there
+    _, got = recheck.freshness_at(out, "comment", repo)
+    assert not got[0][1].fresh and got[0][2].fresh
+    assert "would turn FRESH: 1" in recheck.at_report("comment", "abc1234", got)[0]
+    with pytest.raises(recheck.RecheckError, match="'nope' is not a commit in the repository at .*accepted: a "
+                                                   "branch, tag or commit sha"):
+        recheck.freshness_at(out, "nope", repo)
+    # the command: the report, --strict's exit status, and its errors on one line
+    # (the command reads the registry as `vtcampaign status` does: the project's lever files, at their plain
+    # defaults here, as the repository's copies are)
+    helpers.plain_defaults(monkeypatch)
+    monkeypatch.setattr(recheck.confdirs, "SOURCE_ROOT", repo)
+    src.write_text(r.commit(base).tree["vtengine/kernels/attention.py"].data_stream.read().decode())
+    assert cli.main(["status", "--at", "kernel", "--strict", "--out-dir", str(out)]) == 3
+    assert "would go STALE: 1" in capsys.readouterr().out
+    assert cli.main(["status", "--at", "comment", "--strict", "--out-dir", str(out)]) == 0
+    assert cli.main(["status", "--strict", "--out-dir", str(out)]) == 2
+    assert "--strict needs --at REV" in capsys.readouterr().err
+    assert cli.main(["status", "--at", "nope", "--out-dir", str(out)]) == 2
+    assert "'nope' is not a commit" in capsys.readouterr().err
