@@ -12,6 +12,7 @@ were recorded, load with those fields empty) and refuses any other, naming it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -274,6 +275,13 @@ class Evidence:
 # ----------------------------------------------------------------------------------------------- typed decode
 
 
+@functools.lru_cache(maxsize=None)
+def _shape(tp: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A dataclass's resolved field types and its fields, read once per class: typing.get_type_hints evaluates every
+    annotation string anew, and a record's evidence files hold thousands of dataclass objects (legs, stats)."""
+    return typing.get_type_hints(tp), {f.name: f for f in dataclasses.fields(tp)}
+
+
 def _build(tp: Any, data: Any, where: str) -> Any:
     """Rebuild a value of type ``tp`` from JSON data, checking keys and types; errors name the JSON path."""
     origin = typing.get_origin(tp)
@@ -297,8 +305,7 @@ def _build(tp: Any, data: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(data, dict):
             raise EvidenceError(f"{where}: expected an object for {tp.__name__}, got {type(data).__name__}")
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp)}
+        hints, fields = _shape(tp)
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise EvidenceError(f"{where}: unknown keys {unknown} for {tp.__name__}; known: {sorted(fields)}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import copy
 import difflib
+import hashlib
 
 from vtengine.levers import split_entry
 
@@ -241,15 +242,28 @@ def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
     return ast.Module(body=out, type_ignores=[])
 
 
+_TREES: dict[bytes, ast.Module | None] = {}
+_TREES_MAX = 256
+
+
 def _parse(data: bytes | None) -> ast.Module | None:
-    """Python source parsed with its docstrings dropped; None where there is none or it does not parse."""
+    """Python source parsed with its docstrings dropped; None where there is none or it does not parse. Remembered by
+    the bytes' digest: the trees are only read after this (a part of one is built of copies), and the same file at
+    many commits is mostly the same bytes."""
     if data is None:
         return None
+    key = hashlib.sha256(data).digest()
+    if key in _TREES:
+        return _TREES[key]
     try:
         tree = ast.parse(data)
     except (SyntaxError, ValueError):
-        return None
-    _strip_docstrings(tree)
+        tree = None
+    else:
+        _strip_docstrings(tree)
+    if len(_TREES) >= _TREES_MAX:
+        _TREES.clear()
+    _TREES[key] = tree
     return tree
 
 
@@ -349,13 +363,33 @@ def _reach(entries, read) -> tuple[dict[str, bytes | None], dict[str, ast.Module
     return data, parts, {f: seeds.get(f, {ALL}) for f in spec}
 
 
+_COUNTED: dict[tuple, dict[str, bytes | None]] = {}
+_COUNTED_MAX = 1024
+
+
 def counted(entries, read) -> dict[str, bytes | None]:
     """file -> the code of it that counts for these ``paths:`` entries, normalized; ``read(file)`` gives a file's
     bytes (None: absent). A file listed by its definitions also counts every name of it that the counted code of
     the lever's other files imports (``from vtengine.kernels.fused import RopeOut``, ``fused.RopeOut``), to a fixed
     point: a helper another listed file calls is the lever's code too. The whole file counts where a definition is
-    not there, the file does not parse, or another file uses the module object in a way that cannot be told."""
-    data, parts, seeds = _reach(entries, read)
+    not there, the file does not parse, or another file uses the module object in a way that cannot be told.
+
+    Remembered by the entries and the files' bytes (a digest of each): `vtcampaign status` asks it of the same
+    commits and working tree for every verdict, and parsing and walking the sources is most of its time."""
+    entries = tuple(entries)
+    data = {f: read(f) for f in by_file(entries)}
+    key = (entries, tuple((f, None if b is None else hashlib.sha256(b).digest()) for f, b in sorted(data.items())))
+    hit = _COUNTED.get(key)
+    if hit is None:
+        hit = _counted(entries, data)
+        if len(_COUNTED) >= _COUNTED_MAX:
+            _COUNTED.clear()
+        _COUNTED[key] = hit
+    return dict(hit)
+
+
+def _counted(entries, files: dict[str, bytes | None]) -> dict[str, bytes | None]:
+    data, parts, seeds = _reach(entries, files.__getitem__)
     out = {}
     for f, part in parts.items():
         if ALL not in seeds[f]:

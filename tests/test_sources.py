@@ -90,6 +90,20 @@ def test_unchanged_code_is_unchanged():
     assert changed(pkg__backend_py=BACKEND.replace("    def", "    # a comment\n    def")) == []
 
 
+def test_what_counts_is_remembered_by_the_bytes_and_never_served_stale(monkeypatch):
+    """`vtcampaign status` asks the same sources of many verdicts: the parsed trees and the counted code are
+    remembered by the files' bytes, so a second reading of the same bytes parses nothing, and other bytes (a code
+    change) are read afresh."""
+    first = sources.counted(ENTRIES, tree())
+    monkeypatch.setattr(sources.ast, "parse", lambda *a, **k: pytest.fail("parsed the same bytes again"))
+    assert sources.counted(ENTRIES, tree()) == first and sources.changed(ENTRIES, tree(), tree()) == []
+    monkeypatch.undo()
+    moved = sources.counted(ENTRIES, tree(pkg__backend_py=edit(BACKEND, "SMS = 2", "SMS = 4")))
+    assert moved["pkg/backend.py"] != first["pkg/backend.py"] and moved["pkg/kernels/gemv.py"] == first[
+        "pkg/kernels/gemv.py"]
+    assert sources.counted(ENTRIES, tree()) == first
+
+
 @pytest.mark.parametrize("where,old,new", [
     ("backend", "return x + SMS", "return x - SMS"),                         # a module function it calls
     ("backend", "SMS = 2", "SMS = 4"),                                      # a constant that function reads
