@@ -146,6 +146,7 @@ def freshness_at(out_dir: Path | str, rev: str, root: Path | str | None = None) 
             for ev in latest}
     tmp = Path(tempfile.mkdtemp(prefix="vtcampaign-at-"))
     tree = tmp / "tree"
+    repo.git.worktree("prune")       # a run killed before its cleanup left a registration whose folder is gone
     repo.git.worktree("add", "--detach", str(tree), commit.hexsha)
     try:
         registry_at = levers.registry(tree / "conf" / "lever")

@@ -3,6 +3,7 @@ changes its default or its own sources change, FRESH otherwise; evidence from be
 reconstructed from git; a stale FLIP is never committed."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -705,6 +706,8 @@ def test_status_at_a_commit_names_the_verdicts_it_would_stale(repo, capsys, monk
     branch("kernel", lambda: src.write_text("SOURCE = 'a faster kernel'\n"))
     branch("comment", lambda: src.write_text(src.read_text() + "# a comment\n"))
     branch("pdl-flip", lambda: set_default(repo, "pdl", True))
+    r.git.worktree("add", "--detach", str(repo.parent / "killed"), base)       # a run killed before its cleanup
+    shutil.rmtree(repo.parent / "killed")
     rows = {rev: recheck.freshness_at(out, rev, repo) for rev in ("kernel", "comment", "pdl-flip")}
     for rev, (short, got) in rows.items():
         assert short == r.commit(rev).hexsha[:7] and [e.campaign_id for e, _, _ in got] == [ev.campaign_id]
