@@ -140,7 +140,7 @@ def freshness_at(out_dir: Path | str, rev: str, root: Path | str | None = None) 
                            "commit sha (e.g. main, HEAD~1, 3f2a9c1)") from None
     evs = [load_evidence(p) for p in find_evidence(out_dir)]
     latest = [*latest_binding(evs).values(), *latest_aa(evs).values()]
-    registry_here = levers.registry() if root == confdirs.SOURCE_ROOT else levers.registry(root / "conf" / "lever")
+    registry_here = levers.registry()            # this checkout's levers, as `vtcampaign status` reads them
     here = {ev.campaign_id: lever_context.freshness(ev, root, registry_here,
                                                     lever_context.tree_digests(registry_here, root))
             for ev in latest}

@@ -690,6 +690,7 @@ def test_status_at_a_commit_names_the_verdicts_it_would_stale(repo, capsys, monk
     the reason; one that flips a live lever's default stales it for that; one that only rewrites a comment leaves it
     FRESH; the working tree is judged as it is. A commit that is not there is refused, naming it."""
     from campaigns import cli, recheck
+    helpers.plain_defaults(monkeypatch)        # this checkout's registry: the project's levers, as the repo's copies
     out = repo / "records" / "campaigns"
     ev = recorded(repo)
     save_evidence(ev, out / ev.campaign_id)
@@ -727,9 +728,6 @@ def test_status_at_a_commit_names_the_verdicts_it_would_stale(repo, capsys, monk
                                                    "branch, tag or commit sha"):
         recheck.freshness_at(out, "nope", repo)
     # the command: the report, --strict's exit status, and its errors on one line
-    # (the command reads the registry as `vtcampaign status` does: the project's lever files, at their plain
-    # defaults here, as the repository's copies are)
-    helpers.plain_defaults(monkeypatch)
     monkeypatch.setattr(recheck.confdirs, "SOURCE_ROOT", repo)
     src.write_text(r.commit(base).tree["vtengine/kernels/attention.py"].data_stream.read().decode())
     assert cli.main(["status", "--at", "kernel", "--strict", "--out-dir", str(out)]) == 3
