@@ -66,14 +66,14 @@ def test_a_submitit_local_sweep_runs_campaigns_side_by_side_and_merges_once(tmp_
     repo = temp_repo(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = [sys.executable, "-m", "campaigns.cli", "run", "-m", "campaign=gqa_swap,fast_math", *SMALL,
+    args = [sys.executable, "-m", "campaigns.cli", "run", "-m", "campaign=async_scheduling,gqa_swap", *SMALL,
             f"tracking.uri={uri}", "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     t_start = time.time()
     sweep = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out_dir = repo / "records" / "campaigns"
     victim, runners, deadline = None, {}, time.time() + 600
     while time.time() < deadline and sweep.poll() is None and victim is None:
-        for ev_path in out_dir.glob("*fast_math*/evidence.json"):
+        for ev_path in out_dir.glob("*gqa_swap*/evidence.json"):
             pid_file = ev_path.parent / "runner.pid"
             try:
                 legs = len(json.loads(ev_path.read_text())["legs"])
@@ -84,15 +84,15 @@ def test_a_submitit_local_sweep_runs_campaigns_side_by_side_and_merges_once(tmp_
         for p in out_dir.glob("*/runner.pid"):
             runners[p.parent.name] = p
         time.sleep(0.2)
-    assert victim is not None, f"the fast_math job never reached its grid: {sweep.communicate(timeout=60)[0][-3000:]}"
+    assert victim is not None, f"the gqa_swap job never reached its grid: {sweep.communicate(timeout=60)[0][-3000:]}"
     # both campaigns were running at once, as separate processes
     assert len(runners) == 2 and len({p.read_text() for p in runners.values() if p.is_file()} | {"x"}) >= 2
     os.kill(victim[1], signal.SIGKILL)                       # kill one job's campaign mid-grid
     out = sweep.communicate(timeout=900)[0]
     assert sweep.returncode == 1, out[-3000:]                 # the sweep reports the failed job ...
     evs = {p.parent.name: load_evidence(p) for p in out_dir.glob("*/evidence.json")}
-    survivor = next(e for e in evs.values() if e.lever == "gqa_swap")
-    killed = next(e for e in evs.values() if e.lever == "fast_math")
+    survivor = next(e for e in evs.values() if e.lever == "async_scheduling")
+    killed = next(e for e in evs.values() if e.lever == "gqa_swap")
     assert survivor.status == "complete" and len(survivor.legs) == 8 and all(leg.valid for leg in survivor.legs)
     assert killed.status == "in-progress" and 1 <= len(killed.legs) < 8
     # ... and still renders once, after every job ended, and ingests both into the local store
@@ -101,12 +101,12 @@ def test_a_submitit_local_sweep_runs_campaigns_side_by_side_and_merges_once(tmp_
     assert survivor.campaign_id in status.read_text() and status.stat().st_mtime > t_start
     client = mlflow.MlflowClient(tracking_uri=uri)
     from campaigns.tracking import CAMPAIGN_TAG
-    logged = {r.data.tags.get(CAMPAIGN_TAG) for exp_name in ("vtcampaign/gqa_swap", "vtcampaign/fast_math")
+    logged = {r.data.tags.get(CAMPAIGN_TAG) for exp_name in ("vtcampaign/async_scheduling", "vtcampaign/gqa_swap")
               for r in client.search_runs([client.get_experiment_by_name(exp_name).experiment_id])}
     assert {survivor.campaign_id, killed.campaign_id} <= logged
     # the killed campaign resumes by hand, keeping its finished legs
     kept = {leg.key for leg in killed.legs}
-    done = subprocess.run([sys.executable, "-m", "campaigns.cli", "run", "campaign=fast_math", *SMALL, "tracking=off",
+    done = subprocess.run([sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", *SMALL, "tracking=off",
                            f"resume={killed.campaign_id}"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
