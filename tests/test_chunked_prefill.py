@@ -270,14 +270,15 @@ def test_mixed_steps_through_the_triton_kernels():
     """The mixed step's two attention launches on sliced rows (the packed prefill route and split-KV decode) under
     the interpreter: the decoding request and the chunked prompt get the tokens they get alone. With prefill_splits
     "auto" each chunk's prefix keys are split (the interpreter keeps the H200's SM count) and merged; with "off"
-    none is. (Both values in one test, so that they share the runs alone: under the interpreter each engine run
-    costs about a minute.)"""
+    none is. The attention kernels run under the interpreter, the GEMMs and norms on the torch references. (Both
+    values in one test, so that they share the runs alone: under the interpreter each engine run costs ~35 s.)"""
     long = long_prompt(300, seed=2)
-    one = LLM(model="tiny", backend="triton", levers=SYNC)
+    attention = ["prefill_attention", "decode_attention"]     # the GEMMs and norms on the torch references
+    one = LLM(model="tiny", backend="triton", triton_kernels=attention, levers=SYNC)
     alone_a = tokens(one.generate([[11, 12, 13]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))[0]
     alone_b = tokens(one.generate([long], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))[0]
     for splits in ("off", "auto"):
-        llm = LLM(model="tiny", backend="triton", max_num_batched_tokens=100,
+        llm = LLM(model="tiny", backend="triton", triton_kernels=attention, max_num_batched_tokens=100,
                   levers={**SYNC, "chunked_prefill": 256, "mixed_steps": True, "prefill_gqa_pack": True,
                           "prefill_splits": splits})
         counters.reset()
