@@ -579,7 +579,8 @@ def test_arms_that_do_not_fit_side_by_side_run_one_at_a_time(tmp_path, monkeypat
                                           "raise SystemExit(1)"]
         return real(cfg, ev, arm, inject, alone=True)
     monkeypatch.setattr(runner, "_server_cmd", server_cmd)
-    cfg = compose(["campaign=gqa_swap", "campaign.arms.baseline=false", "tracking=off",
+    # async_scheduling: an engine-loop lever, so its rehearsal runs the torch references (no interpreter)
+    cfg = compose(["campaign=async_scheduling", "campaign.arms.baseline=false", "tracking=off",
                    "campaign.gates=[mechanism,async_parity]"], cuda=False)
     ev = run_campaign(cfg, repo=repo)
     assert ev.residency == "alternate" and ev.status == "complete" and ev.decision.verdict == "NON-BINDING"
@@ -597,7 +598,7 @@ def test_arms_that_do_not_fit_side_by_side_run_one_at_a_time(tmp_path, monkeypat
     assert all(len(s) == 1 for s in by_point.values())
     assert {g.arm for g in ev.gates if g.gate == "async_parity" and g.passed} == {"off", "on"}
     assert set(ev.peak_memory_gib) == set(ev.context) == set(ev.live_levers) == {"off", "on"}
-    assert "gqa_swap" in ev.live_levers["on"]
+    assert "async_scheduling" in ev.live_levers["on"]
     record = (repo / "records" / "campaigns" / ev.campaign_id / "record.md").read_text()
     assert "The arms' servers ran one at a time, each with 90% of the GPU's memory (grid.residency auto" in record
 
