@@ -375,10 +375,11 @@ def test_inert_lever_makes_the_campaign_invalid(tmp_path):
 
 def test_aa_rehearsal_reports_its_separations_against_the_calibration(tmp_path):
     repo = temp_repo(tmp_path)
-    cfg = compose(["campaign=gqa_swap", "aa=true", "tracking=off"], cuda=False)
+    # an engine-loop lever: its rehearsal runs the torch references, and an A/A grid's lever is only its label
+    cfg = compose(["campaign=async_scheduling", "aa=true", "tracking=off"], cuda=False)
     assert list(cfg.campaign.gates) == [] and cfg.campaign.arms.candidates == [cfg.campaign.arms.baseline]
     ev = run_campaign(cfg, repo=repo)
-    assert ev.kind == "aa" and ev.campaign_id.startswith(f"{ev.date}-gqa_swap-aa-")
+    assert ev.kind == "aa" and ev.campaign_id.startswith(f"{ev.date}-async_scheduling-aa-")
     assert [(a.name, a.role, a.value) for a in ev.arms] == [("a", "baseline", True), ("b", "candidate", True)]
     assert not ev.gates and len(ev.legs) == 8 and all(leg.valid for leg in ev.legs)
     cal = ev.calibration
@@ -392,10 +393,10 @@ def test_aa_rehearsal_reports_its_separations_against_the_calibration(tmp_path):
     assert d.reasons[0].startswith(f"{seen} separated point(s)")
     assert f"at most {cal.separations_q95} in 95% of {cal.sims} simulated campaigns" in d.reasons[0]
     assert any(r.startswith("server-instance bias b/a: total tok/s ×") for r in d.reasons)
-    assert ev.context["a"] == ev.context["b"] and ev.context["a"]["gqa_swap"] is True
+    assert ev.context["a"] == ev.context["b"] and ev.context["a"]["async_scheduling"] is True
     status = (repo / "records" / "STATUS.md").read_text()
     aa_part = status.split("## Grid self-checks (A/A)")[1]
-    assert ev.campaign_id in aa_part and "gqa_swap=true" in aa_part
+    assert ev.campaign_id in aa_part and "async_scheduling=true" in aa_part
     assert ev.campaign_id not in status.split("## Refuted levers")[0]      # an A/A run is no lever verdict
 
 
