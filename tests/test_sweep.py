@@ -95,6 +95,9 @@ def test_a_submitit_local_sweep_runs_campaigns_side_by_side_and_merges_once(tmp_
     killed = next(e for e in evs.values() if e.lever == "gqa_swap")
     assert survivor.status == "complete" and len(survivor.legs) == 8 and all(leg.valid for leg in survivor.legs)
     assert killed.status == "in-progress" and 1 <= len(killed.legs) < 8
+    # side by side: each began before the other's last leg ended (run one after the other, the second would not)
+    assert killed.created < max(leg.ended for leg in survivor.legs), (killed.created, survivor.legs[-1].ended)
+    assert survivor.created < max(leg.ended for leg in killed.legs), (survivor.created, killed.legs[-1].ended)
     # ... and still renders once, after every job ended, and ingests both into the local store
     status = repo / "records" / "STATUS.md"
     assert status.stat().st_mtime >= max(p.stat().st_mtime for p in out_dir.glob("*/evidence.json"))
