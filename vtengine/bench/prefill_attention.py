@@ -23,6 +23,10 @@ Definitions:
 ``python -m vtengine.bench.prefill_attention OUT_DIR splits``: the split sweep instead (the lever ``prefill_splits``):
 chunks of 128-512 new tokens after a 32k prefix (a mixed step's prefill late in a long prompt) and two short-prefix
 controls, the packed route's default tiles at forced split counts and "auto", against splits "off" in the same run.
+``python -m vtengine.bench.prefill_attention OUT_DIR stages``: the packed route's candidate tiles at both fast-math
+settings (the lever ``fast_math``; the tile table above was swept with it off, the engine runs it on), short and long
+steps with and without a long prefix; each arm's output is also compared bitwise with the default tiles' at the same
+fast-math setting (a change of stages alone must not change a bit).
 """
 from __future__ import annotations
 
@@ -54,6 +58,10 @@ PACKED_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for 
     # deeper pipelines for the long steps (2026-12-05): the default 128 x 128 / 8 warps at 3 stages (K and V tiles
     # of 32 KB each per stage: 192 KB, inside Hopper's 227 KB), 64 x 128 at 3, 128 x 64 at 4
     (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 4))]
+STAGE_SHAPES = [(64, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (8192, 0), (128, 32000), (512, 32000),
+                (1024, 16000), (2048, 30000), (8192, 24000)]
+STAGE_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
+    (64, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3))]
 
 
 def causal_flops(q_len: int, prefix: int) -> float:
@@ -106,8 +114,8 @@ def matmul_tflops() -> float:
 
 
 def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
-    if what not in ("tiles", "splits"):
-        raise SystemExit(f"prefill attention bench: {what!r} is not a sweep; accepted: tiles, splits")
+    if what not in ("tiles", "splits", "stages"):
+        raise SystemExit(f"prefill attention bench: {what!r} is not a sweep; accepted: tiles, splits, stages")
     if not torch.cuda.is_available():
         print("prefill attention bench: needs a CUDA GPU; nothing measured")
         return {"skipped": "needs a CUDA GPU"}
@@ -124,11 +132,11 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    kind = "prefill-attention-splits" if what == "splits" else "prefill-attention"
+    kind = {"splits": "prefill-attention-splits", "stages": "prefill-attention-stages"}.get(what, "prefill-attention")
     stem = out / f"{kind}-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}"
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
-    for q_len, prefix in (SPLIT_SHAPES if what == "splits" else SHAPES):
+    for q_len, prefix in {"splits": SPLIT_SHAPES, "stages": STAGE_SHAPES}.get(what, SHAPES):
         q, k, v, kc, vc, bt, cu, cl = make_case(q_len, prefix, gen)
         flops = causal_flops(q_len, prefix)
         row = {"q_len": q_len, "prefix": prefix, "gflop": round(flops / 1e9, 1), "arms": {}}
@@ -142,15 +150,22 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
             row["arms"]["sdpa"] = {"error": common.error_text(e)}
         arms = [("per_q_head", False, attn.PREFILL_TILES, "off")] + [
             (f"gqa_pack/m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}", True, t, "off") for t in PACKED_SWEEP]
+        fast = {}
         if what == "splits":
             arms = [(f"gqa_pack/splits={sp}", True, None, sp) for sp in SPLIT_ARMS]
+        if what == "stages":        # name/fast: at fast math; the default tiles' output per setting, for bitwise
+            arms = [(f"m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}{'/fast' if fm else ''}", True, t, "off")
+                    for fm in (False, True) for t in STAGE_SWEEP]
+            fast = {n: n.endswith("/fast") for n, *_ in arms}
+            default = {fm: attn.prefill_attention(q, kc, vc, cu, cl, bt, scale, fast_math=fm, gqa_pack=True)
+                       for fm in (False, True)}
         for name, pack, tiles, sp in arms:
             try:
                 buf = torch.full_like(q, float("nan"))
 
-                def fn(pack=pack, tiles=tiles, buf=buf, sp=sp):
-                    return attn.prefill_attention(q, kc, vc, cu, cl, bt, scale, tiles=tiles, out=buf, gqa_pack=pack,
-                                                  splits=sp)
+                def fn(pack=pack, tiles=tiles, buf=buf, sp=sp, fm=fast.get(name, False)):
+                    return attn.prefill_attention(q, kc, vc, cu, cl, bt, scale, fast_math=fm, tiles=tiles, out=buf,
+                                                  gqa_pack=pack, splits=sp)
                 ms = time_ms(fn)
                 entry = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
                          "fraction_of_matmul": round(flops / ms / 1e9 / peak, 3)}
@@ -160,6 +175,8 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
                     entry["splits"] = list(counters.snapshot()["prefill_attention"]["gqa_pack"]["splits"])
                 if ref is not None:
                     entry["rel_l2_vs_sdpa"] = float(f"{rel_l2(fn(), ref):.3e}")
+                if what == "stages":
+                    entry["bitwise_vs_default"] = bool(torch.equal(fn(), default[fast[name]]))
                 row["arms"][name] = entry
             except Exception as e:
                 row["arms"][name] = {"error": common.error_text(e)}
@@ -167,6 +184,11 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
         if what == "splits" and "ms" in row["arms"].get("gqa_pack/splits=off", {}):
             off = row["arms"]["gqa_pack/splits=off"]["ms"]
             row["speedup_vs_off"] = {n: round(off / a["ms"], 3) for n, a in packed.items()}
+        elif what == "stages":
+            for fm in (False, True):
+                timed = {n: a["ms"] for n, a in row["arms"].items() if "ms" in a and fast.get(n) == fm}
+                if timed:
+                    row[f"best{'_fast' if fm else ''}"] = min(timed, key=timed.get)
         elif packed and "ms" in row["arms"]["per_q_head"]:
             best = min(packed, key=lambda n: packed[n]["ms"])
             row["best_packed"] = best
