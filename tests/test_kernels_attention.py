@@ -841,3 +841,16 @@ def test_gpu_fused_merge_counters_allocated_during_capture():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, two_launch), f"replay {i} differs from the two-launch result"
+
+
+def test_packed_tiles_follow_fast_math_then_step_length(monkeypatch):
+    """At fast math every packed prefill step takes the 3-stage tiles (the stages sweep of 2026-12-06); without it a
+    step of at most PACKED_SHORT_TOKENS new tokens takes the short tiles, a longer one the long tiles."""
+    fast, short, long_ = (attn.Tiles(block_m=m, block_n=m, num_warps=w, num_stages=s)
+                          for m, w, s in ((128, 8, 3), (64, 4, 3), (128, 8, 2)))
+    monkeypatch.setattr(attn, "PREFILL_PACKED_TILES_FAST", fast)
+    monkeypatch.setattr(attn, "PREFILL_PACKED_TILES_SHORT", short)
+    monkeypatch.setattr(attn, "PREFILL_PACKED_TILES", long_)
+    n = attn.PACKED_SHORT_TOKENS
+    assert [attn.packed_tiles(t, True) for t in (1, n, n + 1)] == [fast] * 3
+    assert [attn.packed_tiles(t, False) for t in (1, n, n + 1)] == [short, short, long_]
