@@ -844,8 +844,8 @@ def test_gpu_fused_merge_counters_allocated_during_capture():
 
 
 def test_packed_tiles_follow_fast_math_then_step_length(monkeypatch):
-    """At fast math every packed prefill step takes the 3-stage tiles (the stages sweep of 2026-12-06); without it a
-    step of at most PACKED_SHORT_TOKENS new tokens takes the short tiles, a longer one the long tiles."""
+    """At fast math every packed prefill step takes the 3-stage tiles (the H100 variants run of 2026-12-06); without
+    it a step of at most PACKED_SHORT_TOKENS new tokens takes the short tiles, a longer one the long tiles."""
     fast, short, long_ = (attn.Tiles(block_m=m, block_n=m, num_warps=w, num_stages=s)
                           for m, w, s in ((128, 8, 3), (64, 4, 3), (128, 8, 2)))
     monkeypatch.setattr(attn, "PREFILL_PACKED_TILES_FAST", fast)
