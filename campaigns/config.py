@@ -66,6 +66,9 @@ class PolicyConfig:
     # engine can differ by a steady fraction of a percent, which five quiet reps separate (policy.py)
     min_effect: float = 0.01
     primary_axes: List[str] = field(default_factory=lambda: ["total_token_throughput", "tpot"])
+    # grid name -> the primary axes on that grid alone, in place of primary_axes when the campaign runs on it (the
+    # evidence keeps the list that applied): the long-prompt grid reads a stall axis the short-prompt grid cannot see
+    primary_axes_by_grid: Dict[str, List[str]] = field(default_factory=dict)
     # FLIP needs WINs (REJECT-PERFORMANCE LOSSes) at this many concurrencies; 0: one per 4 points of the grid,
     # rounded up (1 on the 4-point grid, 2 on the 8-point wide one), so more points do not mean more false FLIPs
     min_win_points: int = 0
@@ -426,15 +429,24 @@ def _resolve_and_validate(cfg: DictConfig, conf_dir: Path) -> None:
         if wrong:
             raise CampaignConfigError(f"campaign {camp.name!r}: policy.fix_gates {wrong} must be correctness gates "
                                       f"the campaign runs; its gates: {', '.join(camp.gates)}")
-    bad_axes = [a for a in camp.policy.primary_axes if a not in _axis_names()]
-    if bad_axes:
-        raise CampaignConfigError(f"unknown axis {bad_axes} in campaign.policy.primary_axes; "
-                                  f"accepted: {', '.join(_axis_names())}")
+    primary_by_grid = {g: list(axes) for g, axes in camp.policy.primary_axes_by_grid.items()}
     by_grid = {g: dict(axes) for g, axes in camp.policy.traded_axes_by_grid.items()}
-    unknown_grids = sorted(set(by_grid) - set(options("grid", conf_dir)))
-    if unknown_grids:
-        raise CampaignConfigError(f"campaign.policy.traded_axes_by_grid names unknown grid(s) {unknown_grids}; "
-                                  f"accepted: {', '.join(options('grid', conf_dir))}")
+    for key, grids in (("primary_axes_by_grid", primary_by_grid), ("traded_axes_by_grid", by_grid)):
+        unknown_grids = sorted(set(grids) - set(options("grid", conf_dir)))
+        if unknown_grids:
+            raise CampaignConfigError(f"campaign.policy.{key} names unknown grid(s) {unknown_grids}; "
+                                      f"accepted: {', '.join(options('grid', conf_dir))}")
+    for where, axes in [("primary_axes", camp.policy.primary_axes)] + [
+            (f"primary_axes_by_grid.{g}", a) for g, a in primary_by_grid.items()]:
+        bad_axes = [a for a in axes if a not in _axis_names()]
+        if bad_axes:
+            raise CampaignConfigError(f"unknown axis {bad_axes} in campaign.policy.{where}; "
+                                      f"accepted: {', '.join(_axis_names())}")
+        if not axes:
+            raise CampaignConfigError(f"campaign.policy.{where} is empty: name the axes that decide the verdict; "
+                                      f"accepted: {', '.join(_axis_names())}")
+    if cfg.grid.name in primary_by_grid:
+        camp.policy.primary_axes = primary_by_grid[cfg.grid.name]
     if cfg.grid.name in by_grid:
         camp.policy.traded_axes = {**camp.policy.traded_axes, **by_grid[cfg.grid.name]}
     traded = dict(camp.policy.traded_axes)

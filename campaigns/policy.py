@@ -100,7 +100,8 @@ def conclude(ev: Evidence, override: dict[str, Any] | None = None, noise=None) -
     """Compute the statistics, effect sizes and (given a noise model, campaigns/calibrate.py) the grid's error
     rates from the legs, decide, and mark the evidence complete (in place; returned)."""
     p = policy_params(ev, override)
-    ev.stats = compute_stats(ev.legs, ev.baseline.name, [a.name for a in ev.candidates], p.primary_axes)
+    ev.stats = compute_stats(ev.legs, ev.baseline.name, [a.name for a in ev.candidates], p.primary_axes,
+                             also=p.traded_axes)
     ev.pooled = pooled_effects(ev.stats)
     if noise is not None and ev.stats:
         from campaigns.calibrate import calibrate

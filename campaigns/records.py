@@ -422,11 +422,12 @@ ITL_TAIL = (("median_itl_ms", "median ITL"), ("p99_itl_ms", "P99 ITL"), ("max_it
 
 
 def itl_tail_rows(ev: Evidence) -> list[dict]:
-    """Where the policy reads P99 ITL: per concurrency and arm, the medians over its valid legs of the ITL's median,
-    P99, max and standard deviation and of the TPOT (ms). A stall in fewer than 1% of the gaps (one a request at
-    c2 of the 32k grid) is past the P99 and shows in the max, the std and the TPOT alone. Legs recorded before the
-    max was (2026-12-05) show "—" there."""
-    if "p99_itl" not in policy_params(ev).primary_axes:
+    """Where the policy reads the ITL's tail (P99 or max ITL, primary or traded): per concurrency and arm, the
+    medians over its valid legs of the ITL's median, P99, max and standard deviation and of the TPOT (ms). A stall
+    in fewer than 1% of the gaps (one a request at c2 of the 32k grid) is past the P99 and shows in the max, the std
+    and the TPOT alone. Legs recorded before the max was (2026-12-05) show "—" there."""
+    p = policy_params(ev)
+    if not {"p99_itl", "max_itl"} & (set(p.primary_axes) | set(p.traded_axes)):
         return []
     rows = []
     for c in sorted({leg.concurrency for leg in ev.legs}):

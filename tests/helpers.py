@@ -43,6 +43,7 @@ def legs(values: dict[str, dict[str, list[float]]], concurrency=(1, 2, 4, 8), re
     """``values[axis_metric][arm]`` = per-rep values (same at every concurrency); unspecified metrics = SAME."""
     metrics = ("total_token_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms", "median_e2el_ms",
                "output_throughput", "request_throughput")
+    metrics += tuple(k for k in ("p99_itl_ms", "max_itl_ms") if k in values)    # the tail axes, where given
     out, order = [], 0
     for c in concurrency:
         for r in range(reps):

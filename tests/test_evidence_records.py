@@ -402,6 +402,10 @@ def test_where_the_policy_reads_p99_itl_the_record_shows_the_itl_tail_with_its_m
     for leg in ev.legs:
         del leg.metrics["max_itl_ms"]
     assert all(r["cells"][2] == "—" for r in records.itl_tail_rows(ev))
+    # the max ITL primary and the P99 traded (mixed_prefill on the long-prompt grid): the same table
+    for policy_cfg in ({"primary_axes": ["tpot", "max_itl"]},
+                       {"primary_axes": ["tpot"], "traded_axes": {"p99_itl": "chunk steps sit inside the P99"}}):
+        assert len(records.itl_tail_rows(make_evidence(TPUT_WIN, concurrency=(2,), policy_cfg=policy_cfg))) == 2
 
 
 def test_the_mechanism_line_shows_routes_and_grids_not_their_counts():

@@ -549,3 +549,24 @@ def test_a_concurrency_that_separated_both_ways_names_its_axes():
     note = keep_note_with_a_tpot_win_at_c8(
         {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}})
     assert note.endswith("mixed: LOSSes at c1, c2, c4, c8 (total tok/s) and a WIN at c8 (TPOT)"), note
+
+
+STALL = {**TPUT_WIN, "p99_itl_ms": {"off": [20.0, 21.0, 22.0], "on": [43.0, 44.0, 45.0]},
+         "max_itl_ms": {"off": [1860.0, 1865.0, 1870.0], "on": [44.0, 45.0, 46.0]}}
+
+
+def test_the_max_itl_reads_the_stall_a_p99_cannot_see():
+    """One multi-second stall a request sits past the P99 of its gaps; chunk steps of 44 ms sit inside it. With the
+    P99 primary the chunked schedule's LOSS there keeps the default; with the max ITL primary and the P99 traded it
+    flips, the P99's LOSS reported; a campaign that names neither tail axis computes neither."""
+    ev = make_evidence(STALL, policy_cfg={"primary_axes": ["total_token_throughput", "tpot", "p99_itl"]})
+    assert verdict(ev) == "KEEP" and any(r.startswith("LOSS on P99 ITL") for r in ev.decision.reasons)
+    ev = make_evidence(STALL, policy_cfg={"primary_axes": ["total_token_throughput", "tpot", "max_itl"],
+                                          "traded_axes": {"p99_itl": "chunk steps sit inside the P99"}})
+    assert verdict(ev) == "FLIP", ev.decision.reasons
+    assert any(r.startswith("WIN on max ITL at c1: ratio 41.") for r in ev.decision.reasons), ev.decision.reasons
+    assert any(r.startswith("traded LOSS on P99 ITL") for r in ev.decision.reasons), ev.decision.reasons
+    assert {s.axis for s in ev.stats} >= {"max_itl", "p99_itl"}
+    assert not [s for s in ev.stats if s.axis == "p99_itl" and s.primary]
+    plain = make_evidence(STALL)
+    assert not {s.axis for s in plain.stats} & {"max_itl", "p99_itl"}
