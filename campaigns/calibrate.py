@@ -25,6 +25,12 @@ The null noise model (never a shuffle of legs across arms, which would count a r
   offsets those lift the default grid's false-FLIP rate from ~1% to ~17%; less one standard error they shrink
   to what the grid could resolve, while a steady 0.6% offset with 0.1% spreads stays ~0.5%.
 
+- The tail axes (P99 and max ITL) only where the policy reads them. Every leg measures them, but their noise
+  depends on the grid's prompts (on the 32k grid a prefill that stalls the other requests moves them by seconds),
+  so a campaign that reads one draws whole legs that measured it from its own grid's legs (the pool's, when its
+  grid has none), and its rates count that axis among the comparisons; an axis no pooled leg measured is not
+  simulated, and the calibration's noise line says so.
+
 A simulated campaign draws, for each (concurrency, rep, arm), one residual vector at that concurrency, and (when
 the pool has A/A grids) one offset profile, with either sign (which server is the slower one is chance), that
 multiplies every candidate leg at its concurrency (the nearest one in the profile). Under the
@@ -44,7 +50,7 @@ from typing import Iterable
 
 from campaigns.config import settings
 from campaigns.evidence import Calibration, Evidence, GateResult, LegResult
-from campaigns.stats import AXES, AXIS_BY_NAME
+from campaigns.stats import AXES, AXIS_BY_NAME, OPTIONAL_AXES, Axis
 
 DEFAULT_SIMS = 1000
 DEFAULT_SEED = 0
@@ -52,26 +58,25 @@ POWER_GAINS = (0.02, 0.05, 0.10)
 UNMOVED_AXES = ("ttft",)                # the axes a decode-side gain leaves alone in the power simulation
 MDE_SEARCH = (0.0025, 0.40)             # the minimum detectable effect is searched in this range of gains
 METRICS = tuple(a.metric for a in AXES)
+OPTIONAL_METRICS = tuple(a.metric for a in OPTIONAL_AXES)
 
 
 @dataclass
 class NoiseModel:
-    """Residual vectors (metric -> multiplicative residual) per concurrency, the between-server offset profiles
-    (concurrency -> metric -> factor) of A/A grids, and where they came from."""
+    """Residual vectors (metric -> multiplicative residual) per concurrency, the same per grid (``by_grid``), the
+    between-server offset profiles (concurrency -> metric -> factor) of A/A grids, and where they came from."""
     residuals: dict[int, list[dict[str, float]]]
     campaigns: list[str]
     offsets: list[dict[int, dict[str, float]]] = field(default_factory=list)
     offset_campaigns: list[str] = field(default_factory=list)
+    by_grid: dict[str, dict[int, list[dict[str, float]]]] = field(default_factory=dict)
 
     def legs(self) -> dict[str, int]:
         return {str(c): len(v) for c, v in sorted(self.residuals.items())}
 
     def at(self, c: int) -> tuple[int, list[dict[str, float]]]:
         """The residuals of concurrency ``c``, or of the nearest pooled concurrency (and which one)."""
-        if c in self.residuals:
-            return c, self.residuals[c]
-        near = min(self.residuals, key=lambda k: (abs(math.log2(k) - math.log2(c)), k))
-        return near, self.residuals[near]
+        return _nearest(self.residuals, c)
 
     def describe(self) -> str:
         n = sum(len(v) for v in self.residuals.values())
@@ -79,6 +84,59 @@ class NoiseModel:
                    else "; no A/A grid, so no between-server term")
         return (f"within-arm residuals of {n} legs (whole legs, per concurrency) from {len(self.campaigns)} "
                 f"campaign(s){between}")
+
+
+def _nearest(pool: dict[int, list[dict[str, float]]], c: int) -> tuple[int, list[dict[str, float]]]:
+    if c in pool:
+        return c, pool[c]
+    near = min(pool, key=lambda k: (abs(math.log2(k) - math.log2(c)), k))
+    return near, pool[near]
+
+
+def _carrying(pool: dict[int, list[dict[str, float]]], metrics: Iterable[str]) -> dict[int, list[dict[str, float]]]:
+    need = set(metrics)
+    out = {c: [v for v in vecs if need <= v.keys()] for c, vecs in pool.items()}
+    return {c: vecs for c, vecs in out.items() if vecs}
+
+
+@dataclass(frozen=True)
+class Draws:
+    """What a simulated campaign of one shape draws from: the residual pool, the axes it simulates (AXES plus the
+    optional axes its policy reads, where pooled legs measured them) and, in words, where the tail came from."""
+    pool: dict[int, list[dict[str, float]]]
+    axes: tuple[Axis, ...]
+    note: str = ""
+
+
+def draws_for(t: Evidence, noise: NoiseModel) -> Draws:
+    """The residuals a campaign of ``t``'s shape draws. A campaign that reads only the standard axes draws from the
+    whole pool. One that also reads an optional axis (P99 or max ITL: a tail over a leg's gaps, whose noise depends
+    on the prompts: a 32k prefill that stalls other requests moves it by seconds) draws whole legs that measured it,
+    from its own grid's legs when there are any, else from the pool's; an optional axis no pooled leg measured is
+    not simulated, and the note says so (the rates then leave that axis out)."""
+    from campaigns import policy
+    primary = policy.policy_params(t).primary_axes
+    wanted = [a for a in OPTIONAL_AXES if a.name in primary]
+    if not wanted:
+        return Draws(noise.residuals, AXES)
+    grid = str(settings(t).grid.name)
+    axes, pool, source, missing = list(AXES), noise.residuals, "", []
+    for a in wanted:
+        metrics = METRICS + tuple(x.metric for x in axes[len(AXES):]) + (a.metric,)
+        own = _carrying(noise.by_grid.get(grid, {}), metrics)
+        found = own or _carrying(noise.residuals, metrics)
+        if found:
+            axes.append(a)
+            pool, source = found, (f"the {grid} grid's" if own else "all grids'")
+        else:
+            missing.append(a.label)
+    note = ""
+    if len(axes) > len(AXES):
+        n = sum(len(v) for v in pool.values())
+        note = f"; {', '.join(a.label for a in axes[len(AXES):])} from {source} {n} legs that measured it"
+    if missing:
+        note += f"; {', '.join(missing)} not simulated: no pooled leg measured it"
+    return Draws(pool, tuple(axes), note)
 
 
 def residuals_of(ev: Evidence) -> dict[int, list[dict[str, float]]]:
@@ -100,8 +158,13 @@ def residuals_of(ev: Evidence) -> dict[int, list[dict[str, float]]]:
                 means[m] = statistics.fmean(vals)
         if set(means) != set(METRICS):
             continue
+        for m in OPTIONAL_METRICS:     # measured by this cell's every leg: the tail axes some campaigns read
+            vals = [leg.metrics.get(m) for leg in legs]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in vals):
+                means[m] = statistics.fmean(vals)
         for leg in legs:
-            out.setdefault(c, []).append({m: 1.0 + (leg.metrics[m] / means[m] - 1.0) * inflate for m in METRICS})
+            out.setdefault(c, []).append({m: 1.0 + (leg.metrics[m] / mean - 1.0) * inflate
+                                          for m, mean in means.items()})
     return out
 
 
@@ -142,19 +205,22 @@ def noise_model(evidences: Iterable[Evidence], exclude_offsets: Iterable[str] = 
     """The pooled residuals of ``evidences`` and the offset profiles of their A/A grids (except the campaign ids in
     ``exclude_offsets``: an A/A grid is not its own null)."""
     pool: dict[int, list[dict[str, float]]] = {}
+    by_grid: dict[str, dict[int, list[dict[str, float]]]] = {}
     used, offsets, offset_ids = [], [], []
     skip = set(exclude_offsets)
     for ev in evidences:
         res = residuals_of(ev)
         if res:
             used.append(ev.campaign_id)
+        grid = str((ev.config.get("grid") or {}).get("name", ""))
         for c, vecs in res.items():
             pool.setdefault(c, []).extend(vecs)
+            by_grid.setdefault(grid, {}).setdefault(c, []).extend(vecs)
         prof = offsets_of(ev) if ev.campaign_id not in skip else {}
         if prof:
             offsets.append(prof)
             offset_ids.append(ev.campaign_id)
-    return NoiseModel(pool, used, offsets, offset_ids)
+    return NoiseModel(pool, used, offsets, offset_ids, by_grid)
 
 
 def pool_for(ev: Evidence, others: Iterable[Evidence]) -> NoiseModel:
@@ -210,20 +276,23 @@ def _gain(axis_name: str, metric_value: float, gain: float) -> float:
     return metric_value * (1 + gain) if axis.higher_is_better else metric_value / (1 + gain)
 
 
-def simulate(t: Evidence, noise: NoiseModel, rng: random.Random, gain: float = 0.0) -> Evidence:
-    """One simulated campaign of ``t``'s shape: legs drawn from the noise model, the candidates ``gain`` better."""
+def simulate(t: Evidence, noise: NoiseModel, rng: random.Random, gain: float = 0.0,
+             draws: Draws | None = None) -> Evidence:
+    """One simulated campaign of ``t``'s shape: legs drawn from the noise model (``draws``: draws_for(t, noise)
+    unless given), the candidates ``gain`` better."""
+    draws = draws or draws_for(t, noise)
     grid = settings(t).grid
     reps = int(grid.reps)
     legs, order = [], 0
     profile, sign = (rng.choice(noise.offsets), rng.choice((1, -1))) if noise.offsets else ({}, 1)
     for c in grid.concurrency:
-        _, pool = noise.at(int(c))
+        _, pool = _nearest(draws.pool, int(c))
         shift = profile[min(profile, key=lambda k: (abs(math.log2(k) - math.log2(int(c))), k))] if profile else {}
         for r in range(reps):
             for arm in t.arms:
                 res = rng.choice(pool)
                 metrics = {}
-                for axis in AXES:
+                for axis in draws.axes:
                     v = res[axis.metric]
                     if arm.role == "candidate":
                         v = _gain(axis.name, v * shift.get(axis.metric, 1.0) ** sign, gain)
@@ -243,9 +312,10 @@ def verdicts(t: Evidence, noise: NoiseModel, sims: int, seed: int, gain: float =
     p = policy.policy_params(t)
     # the same draws for every gain (common random numbers): the power curve rises smoothly with the gain
     rng = random.Random(seed)
+    draws = draws_for(t, noise)
     out, seps = [], []
     for _ in range(sims):
-        sim = simulate(t, noise, rng, gain)
+        sim = simulate(t, noise, rng, gain, draws)
         sim.stats = compute_stats(sim.legs, sim.baseline.name, [a.name for a in sim.candidates], p.primary_axes,
                                   with_effects=False)
         out.append(policy.decide(sim).verdict)
@@ -297,7 +367,8 @@ def calibrate(ev: Evidence, noise: NoiseModel, sims: int = DEFAULT_SIMS, seed: i
     seps_sorted = sorted(seps)
     rates = {g: flip_rate(t, noise, sims, seed, g) for g in POWER_GAINS}
     power = {f"{g:.2f}": r for g, r in rates.items()}
-    stats_shape = len(t.candidates) * len(AXES) * len(settings(t).grid.concurrency)
+    draws = draws_for(t, noise)
+    stats_shape = len(t.candidates) * len(draws.axes) * len(settings(t).grid.concurrency)
     return Calibration(
         false_flip=null.count("FLIP") / sims, false_reject=null.count("REJECT-PERFORMANCE") / sims,
         power=power, mde_80=minimum_detectable(t, noise, sims, seed, known=rates),
@@ -305,14 +376,14 @@ def calibrate(ev: Evidence, noise: NoiseModel, sims: int = DEFAULT_SIMS, seed: i
         separations_q95=seps_sorted[min(len(seps_sorted) - 1, math.ceil(0.95 * len(seps_sorted)) - 1)],
         comparisons=stats_shape, sims=sims, seed=seed,
         token_safe_as="byte-exact" if byte_exact else "near-tie ratified",
-        noise=noise.describe() + _borrowed(t, noise), noise_campaigns=list(noise.campaigns),
+        noise=noise.describe() + _borrowed(t, draws) + draws.note, noise_campaigns=list(noise.campaigns),
         noise_legs=noise.legs())
 
 
-def _borrowed(t: Evidence, noise: NoiseModel) -> str:
+def _borrowed(t: Evidence, draws: Draws) -> str:
     notes = []
     for c in settings(t).grid.concurrency:
-        near, _ = noise.at(int(c))
+        near, _ = _nearest(draws.pool, int(c))
         if near != int(c):
             notes.append(f"c{c} from c{near}")
     return f"; no residuals at {', '.join(notes)} (nearest concurrency used)" if notes else ""

@@ -207,3 +207,52 @@ def test_server_offsets_raise_the_false_verdict_rates(h200):
     assert calibrate.pool_for(binding[0], [aa]).offsets == []
     aa.decision.binding = True
     assert calibrate.pool_for(binding[0], [aa]).offset_campaigns == [aa.campaign_id]
+
+
+def _long_prompt_pool():
+    """The committed H100 binding evidence (it holds legs with the max ITL on both grids: the long-prompt
+    mixed_prefill campaign and the online A/A grids), its noise model, and that long-prompt campaign."""
+    evs = [load_evidence(p) for p in find_evidence(ROOT / "records" / "campaigns")]
+    h100 = [e for e in evs if e.decision and e.decision.binding and e.legs
+            and e.fingerprint.device_name == "NVIDIA H100 80GB HBM3"]
+    long = next(e for e in h100 if e.campaign_id == "2026-12-05-mixed_prefill-409dedf")
+    return h100, calibrate.noise_model(h100), long
+
+
+def _reading(ev, primary, traded=None, grid="long_prompt"):
+    t = copy.deepcopy(ev)
+    t.config["grid"]["name"] = grid
+    t.config["campaign"]["policy"]["primary_axes"] = list(primary)
+    t.config["campaign"]["policy"]["traded_axes"] = dict(traded or {})
+    t.__dict__.pop("_settings", None)
+    return t
+
+
+def test_a_campaign_reading_a_tail_axis_is_calibrated_for_it_from_its_own_grid():
+    """A long-prompt campaign whose policy reads the max ITL simulates that axis too (8 axes x 3 concurrencies), from
+    whole legs of its own grid that measured it: a 32k prefill's stall makes a tail of seconds there, which the
+    short prompts' legs never show. An online campaign reading it draws the online legs; an axis no pooled leg
+    measured is left out of the simulation, and the calibration says so."""
+    h100, noise, long = _long_prompt_pool()
+    own = sum(len(v) for v in calibrate.residuals_of(long).values())
+    assert own == 30 and all("max_itl_ms" in v for vs in calibrate.residuals_of(long).values() for v in vs)
+    assert any("max_itl_ms" in v for c, vs in noise.by_grid["online"].items() for v in vs)
+    t = calibrate.template(_reading(long, ["total_token_throughput", "tpot", "max_itl"], {"p99_itl": "why"}), False)
+    d = calibrate.draws_for(t, noise)
+    assert [a.name for a in d.axes][-1] == "max_itl" and len(d.axes) == len(calibrate.AXES) + 1
+    assert sum(len(v) for v in d.pool.values()) == own, "the long-prompt grid's own legs, not the online ones"
+    null, _ = calibrate.verdicts(t, noise, 300, seed=0)
+    assert null.count("FLIP") / 300 <= 0.05 and null.count("REJECT-PERFORMANCE") / 300 <= 0.05, null
+    cal = calibrate.calibrate(t, noise, sims=40, seed=0, byte_exact=False)
+    assert cal.comparisons == 24 and "max ITL from the long_prompt grid's 30 legs" in cal.noise, cal.noise
+    online = calibrate.draws_for(calibrate.template(_reading(long, ["tpot", "max_itl"], grid="online"), True), noise)
+    online_max = sum(1 for vs in noise.by_grid["online"].values() for v in vs if "max_itl_ms" in v)
+    assert sum(len(v) for v in online.pool.values()) == online_max > 0
+    # no leg measured it: the axis is not simulated, and the record says so
+    bare = calibrate.NoiseModel({c: [{k: x for k, x in v.items() if k != "max_itl_ms"} for v in vs]
+                                 for c, vs in noise.residuals.items()}, noise.campaigns)
+    cal = calibrate.calibrate(t, bare, sims=40, seed=0, byte_exact=False)
+    assert cal.comparisons == 21 and "max ITL not simulated: no pooled leg measured it" in cal.noise
+    # a campaign that reads no tail axis draws from the whole pool, as before
+    plain = calibrate.draws_for(calibrate.template(_reading(long, ["tpot"]), True), noise)
+    assert plain.pool is noise.residuals and plain.axes == calibrate.AXES
