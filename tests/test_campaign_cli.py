@@ -100,7 +100,7 @@ def test_axes_traded_on_one_grid_join_the_policy_there_alone():
     """mixed_prefill trades the median TTFT on the long-prompt grid only; the evidence's policy holds the merged map,
     so its record quotes both reasons; a grid name that is no grid is an error naming the accepted ones."""
     long = compose(["campaign=mixed_prefill", "grid=long_prompt"], cuda=True)
-    assert sorted(long.campaign.policy.traded_axes) == ["itl", "ttft"]
+    assert sorted(long.campaign.policy.traded_axes) == ["itl", "p99_itl", "ttft"]
     assert "median E2EL" in long.campaign.policy.traded_axes["ttft"]
     short = compose(["campaign=mixed_prefill"], cuda=True)
     assert sorted(short.campaign.policy.traded_axes) == ["itl"]
@@ -110,6 +110,28 @@ def test_axes_traded_on_one_grid_join_the_policy_there_alone():
     with pytest.raises(CampaignConfigError, match=r"traded_axes \['tpot'\] are primary axes"):
         compose(["campaign=mixed_prefill", "grid=long_prompt",
                  "+campaign.policy.traded_axes_by_grid.long_prompt.tpot=why"], cuda=True)
+
+
+def test_primary_axes_by_grid_replace_the_primary_axes_on_that_grid_alone():
+    """mixed_prefill reads the max ITL (the stall itself) in place of the P99 on the long-prompt grid, and trades the
+    P99 there; on the standard grid its primary axes stay as declared. A grid or axis that is not known, or an empty
+    list, is an error naming what is accepted."""
+    long = compose(["campaign=mixed_prefill", "grid=long_prompt"], cuda=True)
+    assert list(long.campaign.policy.primary_axes) == ["total_token_throughput", "tpot", "max_itl"]
+    assert "under 1% of its ~128 gaps" in long.campaign.policy.traded_axes["p99_itl"]
+    short = compose(["campaign=mixed_prefill"], cuda=True)
+    assert list(short.campaign.policy.primary_axes) == ["total_token_throughput", "tpot", "p99_itl"]
+    with pytest.raises(CampaignConfigError, match=r"primary_axes_by_grid names unknown grid\(s\) \['longer'\]; "
+                                                  r"accepted: "):
+        compose(["campaign=mixed_prefill", "+campaign.policy.primary_axes_by_grid.longer=[tpot]"], cuda=True)
+    with pytest.raises(CampaignConfigError, match=r"unknown axis \['p999_itl'\] in campaign.policy.primary_axes_by_grid"
+                                                  r".online; accepted: .*max_itl"):
+        compose(["campaign=mixed_prefill", "+campaign.policy.primary_axes_by_grid.online=[tpot,p999_itl]"], cuda=True)
+    with pytest.raises(CampaignConfigError, match=r"primary_axes_by_grid.online is empty"):
+        compose(["campaign=mixed_prefill", "+campaign.policy.primary_axes_by_grid.online=[]"], cuda=True)
+    with pytest.raises(CampaignConfigError, match=r"traded_axes \['p99_itl'\] are primary axes"):
+        compose(["campaign=mixed_prefill", "grid=long_prompt",
+                 "campaign.policy.primary_axes_by_grid.long_prompt=[tpot,p99_itl]"], cuda=True)
 
 
 def test_arms_resolve_from_the_lever_file_default():
