@@ -151,15 +151,28 @@ def _branch_tip(repo: git.Repo, branch: str) -> git.Commit:
     return repo.heads[branch].commit
 
 
+CAMPAIGN_TRAILER = "Campaign-Id"     # the flip commit's trailer naming the campaign whose FLIP it carries
+
+
 def branch_evidence(repo_path: Path | str, branch: str) -> list[tuple[str, bytes]]:
-    """The evidence files (path, bytes) a flip branch adds or changes since it left HEAD's history: the campaign
-    whose FLIP it carries."""
+    """The evidence files (path, bytes) of the campaign whose FLIP a flip branch carries: those it adds or changes
+    since it left HEAD's history, or, when its evidence was committed before the flip (a device run's results taken
+    in first), the evidence its tip commit names in its ``Campaign-Id:`` trailer, as the tip's tree holds it."""
     repo = open_repo(repo_path)
     tip = _branch_tip(repo, branch)
     base = repo.git.merge_base("HEAD", tip.hexsha)
-    return [(rel, (tip.tree / rel).data_stream.read())
-            for rel in repo.git.diff("--name-only", "--diff-filter=AM", base, tip.hexsha).splitlines()
-            if under(rel, RUN_OUTPUTS) and Path(rel).name == "evidence.json"]
+    found = [(rel, (tip.tree / rel).data_stream.read())
+             for rel in repo.git.diff("--name-only", "--diff-filter=AM", base, tip.hexsha).splitlines()
+             if under(rel, RUN_OUTPUTS) and Path(rel).name == "evidence.json"]
+    if found:
+        return found
+    ids = [line.split(":", 1)[1].strip() for line in tip.message.splitlines()
+           if line.startswith(f"{CAMPAIGN_TRAILER}:")]
+    if not ids:
+        return []
+    names = repo.git.ls_tree("-r", "--name-only", tip.hexsha, "--", *RUN_OUTPUTS).splitlines()
+    return [(rel, (tip.tree / rel).data_stream.read()) for rel in names
+            if Path(rel).name == "evidence.json" and Path(rel).parent.name in ids]
 
 
 def merge_flip(repo_path: Path | str, branch: str, render: Callable[[list[str]], Iterable[Path | str]]) -> dict:
@@ -247,8 +260,9 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
     text) to commit instead of their working-tree copies: the summaries as they read once the branch is merged.
 
     ``lever_dir`` is the lever directory inside the repository (relative to its root, or absolute). The commit's
-    parent is the current HEAD; its subject is ``flip_subject`` (at most 72 characters, as git tools expect) and
-    its body the PR text. Returns {branch, commit, base, previous} (previous: the branch's old tip, '' if it is
+    parent is the current HEAD; its subject is ``flip_subject`` (at most 72 characters, as git tools expect), its
+    body the PR text, and with ``campaign_id`` a ``Campaign-Id:`` trailer (what ``branch_evidence`` reads when the
+    evidence was committed before the flip). Returns {branch, commit, base, previous} (previous: the branch's old tip, '' if it is
     new). The working tree, index and current branch are left untouched.
     """
     from vtengine.levers import set_default_in_file
@@ -302,7 +316,8 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
         tree = repo.git.write_tree(env=env)
         with tempfile.NamedTemporaryFile("w", delete=False, encoding="utf-8") as mf:
             body = message if message.endswith("\n") else message + "\n"
-            mf.write(f"{flip_subject(lever, new_default, campaign_id, quant)}\n\n{body}")
+            trailer = f"\n{CAMPAIGN_TRAILER}: {campaign_id}\n" if campaign_id else ""
+            mf.write(f"{flip_subject(lever, new_default, campaign_id, quant)}\n\n{body}{trailer}")
         try:
             commit = repo.git.commit_tree(tree, "-p", base, "-F", mf.name, env=env)
         finally:

@@ -272,6 +272,45 @@ def test_vtcampaign_merge_refuses_a_stale_flip_branch_and_merges_a_fresh_one(tmp
     assert "no branch 'row/nope-flip'; flip branches here: ['row/mixed_steps-flip']" in capsys.readouterr().err
 
 
+def test_vtcampaign_merge_finds_evidence_committed_before_the_flip(tmp_path, monkeypatch, capsys, plain_defaults):
+    """The usual path from a device run: its evidence is committed on main as the call returns, then flipped. The
+    flip branch then changes no evidence; its commit's Campaign-Id trailer names the campaign, whose evidence the
+    merge checks (a stale one is refused, as above) before merging. A flip commit without the trailer, whose
+    evidence is already on main, is no flip branch of vtcampaign's."""
+    from campaigns import cli
+    from campaigns.gitops import CAMPAIGN_TRAILER, flip_commit
+    root = tmp_path / "proj"
+    helpers.copy_plain_levers(root / "conf" / "lever")
+    r = git.Repo.init(root, initial_branch="main")
+    out = root / "records" / "campaigns"
+    ev = _flip_measured_with_pdl_on()
+    ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
+    path = save_evidence(ev, out / ev.campaign_id)
+    r.git.add(A=True)
+    r.index.commit("project and the device run's evidence", author=git.Actor("t", "t@t"),
+                   committer=git.Actor("t", "t@t"))
+    monkeypatch.chdir(root)
+    for campaign_id in ("", ev.campaign_id):
+        flip_commit(root, "mixed_steps", True, [path], "PR text\n", campaign_id=campaign_id)
+        assert r.git.diff("--name-only", "main", "row/mixed_steps-flip") == "conf/lever/mixed_steps.yaml"
+        trailer = f"{CAMPAIGN_TRAILER}: {ev.campaign_id}" in r.heads["row/mixed_steps-flip"].commit.message
+        assert trailer == bool(campaign_id)
+        assert cli.main(["merge", "mixed_steps", "--out-dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        if not campaign_id:
+            assert "carries no campaign evidence" in err
+    assert "row/mixed_steps-flip is not merged" in err and "STALE (pdl's default is now off" in err
+    for arm in ev.arms:                                       # measured on today's pdl default: fresh, merged
+        ev.context[arm.name]["pdl"] = False
+    save_evidence(ev, out / ev.campaign_id)
+    r.git.add(A=True)
+    r.index.commit("the evidence, fresh", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    flip_commit(root, "mixed_steps", True, [path], "PR text\n", campaign_id=ev.campaign_id)
+    assert cli.main(["merge", "mixed_steps", "--out-dir", str(out)]) == 0, capsys.readouterr().err
+    assert len(r.head.commit.parents) == 2
+    assert "default: true" in (root / "conf" / "lever" / "mixed_steps.yaml").read_text().splitlines()
+
+
 def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_the_default(monkeypatch,
                                                                                           plain_defaults):
     """pdl_prefetch measured with pdl pinned on: pdl's off default does not stale the verdict (it claims what
