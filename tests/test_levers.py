@@ -29,7 +29,7 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
     assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
                         "chunk_graphs": False, "chunked_prefill": "off", "decode_wave_grid": True,
                         "fast_math": True, "fuse_norm": True, "fuse_rope": True, "fuse_silu": True,
-                        "gqa_swap": True, "marlin_dense": True, "mixed_prefill": False, "mixed_steps": False,
+                        "gqa_swap": True, "marlin_dense": True, "mixed_prefill": True, "mixed_steps": False,
                         "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False, "pdl_stack": False,
                         "prefill_gqa_pack": False, "prefill_splits": "off", "split_rule": "off", "triton_gemv": True,
