@@ -110,14 +110,21 @@ def temp_repo(tmp_path: Path, name: str = "repo") -> Path:
     return repo
 
 
+# presets flipped on since the staleness tests were written: their premises (every step-shape lever off in every
+# context) hold with these off, as they do with the per-quantization defaults dropped
+PLAIN_OFF = ("mixed_prefill",)      # flipped on 2026-12-06
+
+
 def copy_plain_levers(dest: Path) -> Path:
     """The project's lever files copied to ``dest`` with one default per lever: the per-quantization defaults its
-    flips wrote (``default_by_quant``, pdl_stack on for bf16 since 2026-12-04) are dropped, so a test that writes or
-    reads them starts from a known file whatever the project has flipped since."""
+    flips wrote (``default_by_quant``, pdl_stack on for bf16 since 2026-12-04) are dropped and the presets of
+    PLAIN_OFF are off, so a test that writes or reads them starts from a known file whatever the project has
+    flipped since."""
     import shutil
     shutil.copytree(Path(__file__).resolve().parents[1] / "conf" / "lever", dest)
     for f in dest.glob("*.yaml"):
-        f.write_text("".join(line for line in f.read_text().splitlines(keepends=True)
+        f.write_text("".join(("default: false\n" if f.stem in PLAIN_OFF and line.startswith("default:") else line)
+                             for line in f.read_text().splitlines(keepends=True)
                              if not line.startswith("default_by_quant:")))
     return dest
 
@@ -144,13 +151,14 @@ def lever_repo(tmp_path: Path) -> Path:
 
 def plain_defaults(monkeypatch) -> None:
     """The project's levers at their plain file defaults for the rest of the test: the per-quantization defaults its
-    flips wrote (pdl_stack on for bf16, 2026-12-04) are set aside, as lever_repo drops them, so tests built on
-    today's registry keep their premises."""
+    flips wrote (pdl_stack on for bf16, 2026-12-04) are set aside and the presets of PLAIN_OFF off, as lever_repo
+    has them, so tests built on today's registry keep their premises."""
     import dataclasses
     from vtengine import levers
     real = levers.registry
     monkeypatch.setattr(levers, "registry", lambda lever_dir=None: {
-        name: dataclasses.replace(lv, default_by_quant={}) for name, lv in real(lever_dir).items()})
+        name: dataclasses.replace(lv, default_by_quant={}, **({"default": False} if name in PLAIN_OFF else {}))
+        for name, lv in real(lever_dir).items()})
 
 
 def static_sass(module: str, tmp_path: Path) -> dict:

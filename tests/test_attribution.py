@@ -152,7 +152,7 @@ def test_a_profile_window_waits_out_a_chunked_mixed_prefill():
     from vtengine.bench.decode.kernel_profile import record_decode_trace
     from vtengine.engine.llm import LLM
     llm = LLM(model="tiny", quant="bf16", device="cpu", max_num_seqs=8, max_model_len=1024,
-              levers={"chunked_prefill": 256, "mixed_steps": True})
+              levers={"chunked_prefill": 256, "mixed_steps": True, "mixed_prefill": False})
     from vtengine import counters
     events, step_s = record_decode_trace(llm, 4, 600, steps=3, warm_steps=3)
     assert len(step_s) == 5 and events            # 2 profiler warm-up steps + 3 recorded, each a decode of all 4

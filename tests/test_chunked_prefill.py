@@ -12,8 +12,9 @@ from vtengine.engine.llm import LLM
 from vtengine.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
-SYNC = {"async_scheduling": False}
-ASYNC = {"async_scheduling": True, "async_device_mirror": True}
+# each step-shape lever alone: the preset that sets them all (mixed_prefill, on since 2026-12-06) stays off here
+SYNC = {"async_scheduling": False, "mixed_prefill": False}
+ASYNC = {"async_scheduling": True, "async_device_mirror": True, "mixed_prefill": False}
 
 
 def long_prompt(n: int, seed: int = 0) -> list[int]:

@@ -4,7 +4,6 @@ reconstructed from git; a stale FLIP is never committed."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -210,7 +209,7 @@ def _flip_measured_with_pdl_on():
     return ev
 
 
-def test_a_stale_flip_is_refused(tmp_path, plain_defaults):
+def test_a_stale_flip_is_refused(tmp_path, plain_defaults, capsys):
     """commit=true and `vtcampaign flip` refuse a stale FLIP, naming why (here: pdl recorded on, but its default
     is off, and its kernels ran)."""
     from campaigns.runner import CampaignError, check_flippable
@@ -219,9 +218,10 @@ def test_a_stale_flip_is_refused(tmp_path, plain_defaults):
         check_flippable(ev)
     out = tmp_path / "records" / "campaigns"
     save_evidence(ev, out / ev.campaign_id)
-    r = subprocess.run([sys.executable, "-m", "campaigns.cli", "flip", ev.campaign_id, "--out-dir", str(out)],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and "is STALE" in r.stderr and "vtcampaign recheck" in r.stderr
+    from campaigns import cli         # in this process: the plain defaults hold there too
+    assert cli.main(["flip", ev.campaign_id, "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is STALE" in err and "vtcampaign recheck" in err
     # the same FLIP in today's context, at today's commit (after every engine epoch), is fresh and flippable
     for arm in ev.arms:
         ev.context[arm.name]["pdl"] = False
@@ -417,7 +417,7 @@ def _fresh_today(ev):
     return ev
 
 
-def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
+def test_a_flip_refuted_on_another_workload_is_refused(tmp_path, plain_defaults, capsys):
     """mixed_steps FLIPs on the standard grid but a fresh long-prompt campaign refuted it: two workloads, two verdicts
     (the workload is part of what a verdict is on), and the flip would trade one for the other, so it is refused.
     A REJECT on the same workload (online_span: the same requests) is another verdict's business, not this one's."""
@@ -440,9 +440,9 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path):
                                             r"mixed_steps-bbb2222 \(qwen3-8b \(bf16\), 32000 in / 128 out, H200\) "
                                             r"is a fresh REJECT-PERFORMANCE of the same change"):
         check_flippable(flip, out)
-    r = subprocess.run([sys.executable, "-m", "campaigns.cli", "flip", flip.campaign_id, "--out-dir", str(out)],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and "would trade what that measurement refuted" in r.stderr
+    from campaigns import cli
+    assert cli.main(["flip", flip.campaign_id, "--out-dir", str(out)]) == 2
+    assert "would trade what that measurement refuted" in capsys.readouterr().err
     long.config["grid"].update(name="online_span", input_len=1024, output_len=128)    # the same requests
     long.__dict__.pop("_settings", None)
     save_evidence(long, out / long.campaign_id)
@@ -596,7 +596,7 @@ def _preset_verdict():
     return ev
 
 
-def test_a_presets_own_levers_are_the_lever_not_its_context():
+def test_a_presets_own_levers_are_the_lever_not_its_context(plain_defaults):
     """mixed_prefill's ON arm runs chunk_graphs, chunked_prefill=512... because the preset under test sets them: its
     first H200 verdict was marked STALE at once ("chunk_graphs's default is now off; the campaign ran with on").
     They are context only where the preset is off, and there a drift from the default still stales the verdict."""
@@ -608,7 +608,7 @@ def test_a_presets_own_levers_are_the_lever_not_its_context():
     assert not f.fresh and f.reasons[0].startswith("chunk_graphs's default is now off; the campaign ran with on")
 
 
-def test_a_presets_own_flip_does_not_stale_its_verdict():
+def test_a_presets_own_flip_does_not_stale_its_verdict(plain_defaults):
     """pdl_stack FLIPped on bf16 (H200, 2026-12-04) and its flip marked its own verdict STALE at once ("pdl's default
     is now on; the campaign ran with off"): the OFF arm ran pdl off because the preset was off there, which is what
     the engine with the preset off still does. A set lever the OFF arm ran at another value stays context."""

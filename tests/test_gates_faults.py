@@ -462,6 +462,7 @@ def test_mixed_steps_mechanism_gate_sees_decode_rows_ride_in_prefill_steps():
     """The probe's staggered workload (one prompt decodes while the others prefill): only the ON arm's steps carry
     decode rows beside a prefill chunk; the inert candidate and the stuck baseline are caught."""
     ctx = context(lever="mixed_steps")
+    ctx.with_levers = {"mixed_prefill": False}     # the lever alone, as before the preset that sets it flipped on
     off, on = mechanism_counts(ctx, "mixed_steps")
     assert on > 0 and off == 0
     ctx.release_engines()
@@ -471,6 +472,7 @@ def test_chunked_prefill_mechanism_gate_self_check_reaches_the_scheduler():
     """The scheduler holds chunked_prefill (not the backend): the gate's inert and stuck faults must reach it, or a
     baseline would pass its self-check with the lever never moved."""
     ctx = context(lever="chunked_prefill", values=("off", 256))
+    ctx.with_levers = {"mixed_prefill": False}
     for arm in ctx.arms:
         res = run_gate("mechanism", ctx, arm)
         assert res.passed and res.self_check is True, res.details
@@ -517,7 +519,7 @@ def test_chunk_graphs_mechanism_gate_sees_full_chunks_replayed():
     another decodes: only the ON arm's full chunks run from the captured steps (the CPU's static buffers); the
     inert candidate and the stuck baseline (captured on demand) are caught."""
     ctx = context(lever="chunk_graphs")
-    ctx.with_levers = {"chunked_prefill": 256, "mixed_steps": True}
+    ctx.with_levers = {"chunked_prefill": 256, "mixed_steps": True, "mixed_prefill": False}
     # 2N + 9 tokens then N + 9: two full chunks, then the 9 and the next prompt's N - 9 share a step (eager)
     assert mechanism_counts(ctx, "chunk_steps") == (0, 2)
     assert ctx.cache["mechanism:off#True"][0]["chunk_steps"] == 2       # the stuck baseline really replays

@@ -16,8 +16,8 @@ from vtengine.levers import LeverError
 
 def test_the_defaults_are_the_files_and_the_flips_that_landed():
     # gqa_swap, marlin_dense, w4a16_rot, triton_gemv, fast_math, decode_wave_grid, fuse_silu, fuse_norm,
-    # w4a16_mid_m and the two async levers were flipped on by their FLIP
-    # campaigns (merges of row/<lever>-flip); the rest are off
+    # w4a16_mid_m, the two async levers and mixed_prefill were flipped on by their FLIP
+    # campaigns (merges of row/<lever>-flip); the rest are off in their files
     reg = levers.registry()
     assert sorted(reg) == ["async_device_mirror", "async_scheduling", "chunk_above", "chunk_graphs", "chunked_prefill",
                            "decode_wave_grid", "fast_math", "fuse_norm", "fuse_rope", "fuse_silu",
@@ -26,21 +26,26 @@ def test_the_defaults_are_the_files_and_the_flips_that_landed():
                            "pdl_stack", "prefill_gqa_pack", "prefill_splits", "split_rule",
                            "triton_gemv", "w4a16_mid_m", "w4a16_rot", "whole_first"]
     r = levers.resolve(environ={})
-    assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": "off",
-                        "chunk_graphs": False, "chunked_prefill": "off", "decode_wave_grid": True,
+    # mixed_prefill (flipped on 2026-12-06) is a preset: it sets the step-shape levers it names, their files stay off
+    preset = {"chunk_above": 1536, "chunk_graphs": True, "chunked_prefill": 512, "mixed_steps": True,
+              "prefill_gqa_pack": True, "whole_first": True}
+    assert r.values == {"async_device_mirror": True, "async_scheduling": True, "chunk_above": 1536,
+                        "chunk_graphs": True, "chunked_prefill": 512, "decode_wave_grid": True,
                         "fast_math": True, "fuse_norm": True, "fuse_rope": True, "fuse_silu": True,
-                        "gqa_swap": True, "marlin_dense": True, "mixed_prefill": True, "mixed_steps": False,
+                        "gqa_swap": True, "marlin_dense": True, "mixed_prefill": True, "mixed_steps": True,
                         "nsplits_cap": "off", "pdl": False,
                         "pdl_prefetch": False, "pdl_stack": False,
-                        "prefill_gqa_pack": False, "prefill_splits": "off", "split_rule": "off", "triton_gemv": True,
+                        "prefill_gqa_pack": True, "prefill_splits": "off", "split_rule": "off", "triton_gemv": True,
                         "w4a16_mid_m": True,
-                        "w4a16_rot": True, "whole_first": False}
-    assert r.values == {n: lv.default for n, lv in reg.items()}
-    assert set(r.sources.values()) == {"default"}
-    assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "decode_wave_grid",
+                        "w4a16_rot": True, "whole_first": True}
+    assert r.values == {n: preset.get(n, lv.default) for n, lv in reg.items()}
+    assert {n: s for n, s in r.sources.items() if s != "default"} == {n: "preset mixed_prefill" for n in preset}
+    assert all(reg[n].default in ("off", False) for n in preset)
+    assert sorted(n for n in reg if r.on(n)) == ["async_device_mirror", "async_scheduling", "chunk_above",
+                                                  "chunk_graphs", "chunked_prefill", "decode_wave_grid",
                                                   "fast_math", "fuse_norm", "fuse_rope", "fuse_silu", "gqa_swap",
-                                                  "marlin_dense", "triton_gemv",
-                                                  "w4a16_mid_m", "w4a16_rot"]
+                                                  "marlin_dense", "mixed_prefill", "mixed_steps", "prefill_gqa_pack",
+                                                  "triton_gemv", "w4a16_mid_m", "w4a16_rot", "whole_first"]
 
 
 def test_resolution_order_config_over_env_over_default():
