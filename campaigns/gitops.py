@@ -262,8 +262,8 @@ def flip_commit(repo_path: Path | str, lever: str, new_default: Any, files: Iter
     ``lever_dir`` is the lever directory inside the repository (relative to its root, or absolute). The commit's
     parent is the current HEAD; its subject is ``flip_subject`` (at most 72 characters, as git tools expect), its
     body the PR text, and with ``campaign_id`` a ``Campaign-Id:`` trailer (what ``branch_evidence`` reads when the
-    evidence was committed before the flip). Returns {branch, commit, base, previous} (previous: the branch's old tip, '' if it is
-    new). The working tree, index and current branch are left untouched.
+    evidence was committed before the flip). Returns {branch, commit, base, previous} (previous: the branch's old
+    tip, '' if it is new). The working tree, index and current branch are left untouched.
     """
     from vtengine.levers import set_default_in_file
 
