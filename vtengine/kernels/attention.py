@@ -405,8 +405,12 @@ PREFILL_PROGRAMS_PER_SM = 2
 # step length measured (bench/results/prefill-attention-variants-2026-12-06-hbm3.md, H100, the engine's kernel at
 # explicit tiles): exp2 and the approximate reciprocal leave the registers a third stage of K and V tiles needs. At
 # fast math every packed step takes these: 512 new tokens after a 32k prefix 0.716 ms against 0.804 at the short
-# tiles (SDPA 0.915), 2048 after 30k 2.650 against 3.151 at 2 stages, 8192 new 1.393 against 1.626. (A block of its
-# own: the decode tiles' block above is part of the decode levers' sources, which this must not stale.)
+# tiles (SDPA 0.915), 2048 after 30k 2.650 against 3.151 at 2 stages, 8192 new 1.393 against 1.626. The stages
+# sweep (prefill-attention-stages-2026-12-06-hbm3.md, 11 shapes) agrees but at 128 new tokens after 32k, where 64 x
+# 128 / 4 warps takes 0.567 ms against 0.721 (a prompt's last partial chunk: splits over the prefix fix that shape).
+# Their ~165 KB of shared memory fit once per SM, not the PREFILL_PROGRAMS_PER_SM twice "auto" splits size a wave by.
+# (A block of its own: the decode tiles' block above is part of the decode levers' sources, which this must not
+# stale.)
 PREFILL_PACKED_TILES_FAST = PREFILL_PACKED_TILES if INTERPRET else Tiles(block_m=128, block_n=128, num_warps=8,
                                                                           num_stages=3)
 
