@@ -13,7 +13,9 @@
 # A campaign step cut off after its last leg (before its verdict): `vtcampaign conclude <id>` here, no device needed.
 # `vtcampaign recheck --dry-run` here prints the stale verdicts' campaign steps, timed and packed into calls.
 # Absorb each call's tarball before the next call: a call carries the checkout as it is, and a resume=auto step
-# whose copy lacks the last call's legs starts its campaign anew (absorb keeps the further-along evidence).
+# whose copy lacks the last call's legs starts its campaign anew (absorb keeps the further-along evidence). While
+# the machine stays warm (about 30 s idle) the next call needs no absorb first: scripts/device_state.sh keeps each
+# call's campaigns on the machine and puts back those the checkout lacks; absorb both tarballs afterwards, in order.
 set -uo pipefail
 for step in "$@"; do          # a bad step is refused before the machine spends minutes on the ones before it
   case $step in *@*) case ${step%%@*} in ''|*[!0-9]*)
@@ -30,6 +32,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The copy arrives without .git: commit it as a fresh repository (dirtiness is measured against the copy) and name
 # the source commit for the fingerprint: CAMPAIGN_SOURCE_SHA=<sha> [CAMPAIGN_SOURCE_BRANCH=<branch>] in the env.
 # Commit every time: a warm machine keeps the last call's repository under the new copy.
+bash scripts/device_state.sh restore      # a warm machine's last call: its campaigns this checkout lacks
 git init -q && git config user.name "vt dev" && git config user.email "dev@vtengine.local"
 git add -A && git commit -q --allow-empty -m "device copy of ${CAMPAIGN_SOURCE_SHA:-unknown}"
 git config core.fileMode false
@@ -63,5 +66,6 @@ sys.exit(1)" || { echo "server did not start"; tail -20 $LOGS/serve-server.log; 
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - t0 )) s"
+  bash scripts/device_state.sh save      # kept on the machine for its next call while it stays warm
   tar czf "${OUT:-/tmp/out}/results.tgz" records bench/results campaigns/gates/op_bounds.yaml -C /tmp vt-logs 2>/dev/null
 done

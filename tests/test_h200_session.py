@@ -18,3 +18,44 @@ def test_a_bad_step_is_refused_before_anything_runs(tmp_path, step, message):
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stdout and f"step '{step}'" in r.stdout
     assert list(tmp_path.iterdir()) == []               # no repository made, no results written
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_device_state_keeps_a_calls_campaigns_for_the_next_call_on_a_warm_machine(tmp_path):
+    """A 32k grid outlasts one command; copying its evidence back between calls took longer than the machine stays
+    warm (2026-12-06: the next start was refused, 211 s lost). device_state.sh saves what a call's steps added or
+    changed under records/campaigns into the ignored .device-state/, and the next call restores what its copy lacks."""
+    script = ROOT / "scripts" / "device_state.sh"
+    camp = tmp_path / "records" / "campaigns"
+    (camp / "old").mkdir(parents=True)
+    (camp / "old" / "evidence.json").write_text("committed")
+    (tmp_path / ".gitignore").write_text("/.device-state/\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "device copy")
+    (camp / "new").mkdir()
+    (camp / "new" / "evidence.json").write_text("22 legs")
+    (camp / "new" / "server-a.log").write_text("log")
+    run = lambda *a: subprocess.run(["bash", str(script), *a], cwd=tmp_path, capture_output=True, text=True,  # noqa
+                                    timeout=60)
+    assert run("save").returncode == 0
+    state = tmp_path / ".device-state" / "campaigns"
+    assert sorted(p.name for p in state.iterdir()) == ["new"]          # the committed campaign is not copied
+    assert (state / "new" / "evidence.json").read_text() == "22 legs"
+    (camp / "old" / "evidence.json").write_text("resumed")              # a changed campaign is saved too
+    assert run("save").returncode == 0 and (state / "old" / "evidence.json").read_text() == "resumed"
+
+    # the next call's copy: the campaigns the checkout holds, without the last call's new one
+    import shutil
+    shutil.rmtree(camp / "new")
+    (camp / "old" / "evidence.json").write_text("absorbed here")
+    r = run("restore")
+    assert r.returncode == 0 and "restored new" in r.stdout
+    assert (camp / "new" / "evidence.json").read_text() == "22 legs"
+    assert (camp / "old" / "evidence.json").read_text() == "absorbed here"   # the checkout's own copy wins
+    assert "restored old" not in r.stdout
+    bad = run("keep")
+    assert bad.returncode == 2 and "save|restore" in bad.stdout and "'keep'" in bad.stdout
