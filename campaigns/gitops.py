@@ -154,10 +154,18 @@ def _branch_tip(repo: git.Repo, branch: str) -> git.Commit:
 CAMPAIGN_TRAILER = "Campaign-Id"     # the flip commit's trailer naming the campaign whose FLIP it carries
 
 
+def trailer_ids(message: str) -> list[str]:
+    """The campaign ids a commit message's trailers name (``Campaign-Id: <id>`` lines of its last paragraph)."""
+    last = message.strip().split("\n\n")[-1]
+    return [line.split(":", 1)[1].strip() for line in last.splitlines() if line.startswith(f"{CAMPAIGN_TRAILER}:")]
+
+
 def branch_evidence(repo_path: Path | str, branch: str) -> list[tuple[str, bytes]]:
     """The evidence files (path, bytes) of the campaign whose FLIP a flip branch carries: those it adds or changes
     since it left HEAD's history, or, when its evidence was committed before the flip (a device run's results taken
-    in first), the evidence its tip commit names in its ``Campaign-Id:`` trailer, as the tip's tree holds it."""
+    in first), the evidence the newest of its commits with a ``Campaign-Id:`` trailer names, as HEAD holds it: the
+    branch leaves that file alone, so HEAD's copy is the one in force after the merge (re-decided since the flip,
+    say), and the tip's where HEAD has none."""
     repo = open_repo(repo_path)
     tip = _branch_tip(repo, branch)
     base = repo.git.merge_base("HEAD", tip.hexsha)
@@ -166,13 +174,20 @@ def branch_evidence(repo_path: Path | str, branch: str) -> list[tuple[str, bytes
              if under(rel, RUN_OUTPUTS) and Path(rel).name == "evidence.json"]
     if found:
         return found
-    ids = [line.split(":", 1)[1].strip() for line in tip.message.splitlines()
-           if line.startswith(f"{CAMPAIGN_TRAILER}:")]
+    ids = next((trailer_ids(c.message) for c in repo.iter_commits(f"{base}..{tip.hexsha}") if trailer_ids(c.message)),
+               [])
     if not ids:
         return []
+    head = repo.head.commit
     names = repo.git.ls_tree("-r", "--name-only", tip.hexsha, "--", *RUN_OUTPUTS).splitlines()
-    return [(rel, (tip.tree / rel).data_stream.read()) for rel in names
-            if Path(rel).name == "evidence.json" and Path(rel).parent.name in ids]
+    found = []
+    for rel in names:
+        if Path(rel).name == "evidence.json" and Path(rel).parent.name in ids:
+            try:
+                found.append((rel, (head.tree / rel).data_stream.read()))
+            except KeyError:
+                found.append((rel, (tip.tree / rel).data_stream.read()))
+    return found
 
 
 def merge_flip(repo_path: Path | str, branch: str, render: Callable[[list[str]], Iterable[Path | str]]) -> dict:

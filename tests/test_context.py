@@ -311,6 +311,49 @@ def test_vtcampaign_merge_finds_evidence_committed_before_the_flip(tmp_path, mon
     assert "default: true" in (root / "conf" / "lever" / "mixed_steps.yaml").read_text().splitlines()
 
 
+def test_vtcampaign_merge_reads_the_evidence_main_holds_and_a_trailer_under_a_fixup(tmp_path, monkeypatch, capsys,
+                                                                                     plain_defaults):
+    """A flip branch that adds no evidence leaves main's copy in force: the merge checks that copy, not the one the
+    flip was made from. Re-decided on main since the flip (here: KEEP), it is refused; and a fixup commit on top of
+    the flip commit does not hide the flip's Campaign-Id trailer."""
+    from dataclasses import replace
+    from campaigns import cli
+    from campaigns.gitops import flip_commit
+    root = tmp_path / "proj"
+    helpers.copy_plain_levers(root / "conf" / "lever")
+    r = git.Repo.init(root, initial_branch="main")
+    out = root / "records" / "campaigns"
+    ev = _flip_measured_with_pdl_on()
+    for arm in ev.arms:                                       # fresh: measured on today's pdl default
+        ev.context[arm.name]["pdl"] = False
+    ev.fingerprint.git_sha = git.Repo(ROOT).head.commit.hexsha
+    path = save_evidence(ev, out / ev.campaign_id)
+    who = {"author": git.Actor("t", "t@t"), "committer": git.Actor("t", "t@t")}
+    r.git.add(A=True)
+    r.index.commit("project and the device run's evidence", **who)
+    monkeypatch.chdir(root)
+    flip_commit(root, "mixed_steps", True, [path], "PR text\n", campaign_id=ev.campaign_id)
+    ev.decision = replace(ev.decision, verdict="KEEP")       # decided again on main after the flip
+    save_evidence(ev, out / ev.campaign_id)
+    r.git.add(A=True)
+    r.index.commit("re-decided: KEEP", **who)
+    assert cli.main(["merge", "mixed_steps", "--out-dir", str(out)]) == 2
+    assert "its verdict is KEEP, not FLIP" in capsys.readouterr().err
+    assert "default: false" in (root / "conf" / "lever" / "mixed_steps.yaml").read_text().splitlines()
+
+    ev.decision = replace(ev.decision, verdict="FLIP")       # FLIP again on main; the branch gets a fixup on top
+    save_evidence(ev, out / ev.campaign_id)
+    r.git.add(A=True)
+    r.index.commit("re-decided: FLIP", **who)
+    r.git.checkout("row/mixed_steps-flip")
+    (root / "NOTES.md").write_text("why\n")
+    r.git.add("NOTES.md")
+    r.index.commit("fixup: a note (Campaign-Id: not a trailer here)", **who)
+    r.git.checkout("main")
+    assert cli.main(["merge", "mixed_steps", "--out-dir", str(out)]) == 0, capsys.readouterr().err
+    assert "default: true" in (root / "conf" / "lever" / "mixed_steps.yaml").read_text().splitlines()
+
+
 def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_the_default(monkeypatch,
                                                                                           plain_defaults):
     """pdl_prefetch measured with pdl pinned on: pdl's off default does not stale the verdict (it claims what
