@@ -25,7 +25,10 @@ The null noise model (never a shuffle of legs across arms, which would count a r
   offsets those lift the default grid's false-FLIP rate from ~1% to ~17%; less one standard error they shrink
   to what the grid could resolve, while a steady 0.6% offset with 0.1% spreads stays ~0.5%.
 
-- The tail axes (P99 and max ITL) only where the policy reads them. Every leg measures them, but their noise
+- The tail axes (P99 and max ITL) only where the policy reads them (primary, or traded: a traded axis decides
+  nothing alone but a WIN there blocks a REJECT and an A/A counts its separations). Every leg measures them, their
+  residuals taken in logs (``r = exp((log v - mean log v) * sqrt(n / (n - 1)))``: a stall of seconds in one leg
+  would drive an additive residual of the others below zero), but their noise
   depends on the grid's prompts (on the 32k grid a prefill that stalls the other requests moves them by seconds),
   so a campaign that reads one draws whole legs that measured it from its own grid's legs (the pool's, when its
   grid has none), and its rates count that axis among the comparisons; an axis no pooled leg measured is not
@@ -115,8 +118,9 @@ def draws_for(t: Evidence, noise: NoiseModel) -> Draws:
     from its own grid's legs when there are any, else from the pool's; an optional axis no pooled leg measured is
     not simulated, and the note says so (the rates then leave that axis out)."""
     from campaigns import policy
-    primary = policy.policy_params(t).primary_axes
-    wanted = [a for a in OPTIONAL_AXES if a.name in primary]
+    p = policy.policy_params(t)
+    read = set(p.primary_axes) | set(p.traded_axes)        # traded axes count too: a WIN there blocks a REJECT
+    wanted = [a for a in OPTIONAL_AXES if a.name in read]
     if not wanted:
         return Draws(noise.residuals, AXES)
     grid = str(settings(t).grid.name)
@@ -158,13 +162,17 @@ def residuals_of(ev: Evidence) -> dict[int, list[dict[str, float]]]:
                 means[m] = statistics.fmean(vals)
         if set(means) != set(METRICS):
             continue
+        log_means = {}
         for m in OPTIONAL_METRICS:     # measured by this cell's every leg: the tail axes some campaigns read
             vals = [leg.metrics.get(m) for leg in legs]
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in vals):
-                means[m] = statistics.fmean(vals)
+                log_means[m] = statistics.fmean(math.log(v) for v in vals)
         for leg in legs:
-            out.setdefault(c, []).append({m: 1.0 + (leg.metrics[m] / mean - 1.0) * inflate
-                                          for m, mean in means.items()})
+            vec = {m: 1.0 + (leg.metrics[m] / mean - 1.0) * inflate for m, mean in means.items()}
+            # a tail is heavy (one stall of seconds among gaps of ms): an additive residual about the mean would go
+            # negative for the other legs, so the tail axes' residuals are taken in logs
+            vec.update({m: math.exp((math.log(leg.metrics[m]) - lm) * inflate) for m, lm in log_means.items()})
+            out.setdefault(c, []).append(vec)
     return out
 
 
@@ -317,7 +325,7 @@ def verdicts(t: Evidence, noise: NoiseModel, sims: int, seed: int, gain: float =
     for _ in range(sims):
         sim = simulate(t, noise, rng, gain, draws)
         sim.stats = compute_stats(sim.legs, sim.baseline.name, [a.name for a in sim.candidates], p.primary_axes,
-                                  with_effects=False)
+                                  with_effects=False, also=p.traded_axes)
         out.append(policy.decide(sim).verdict)
         seps.append(sum(policy.counts(s, p) for s in sim.stats))
     return out, seps

@@ -228,9 +228,30 @@ def _reading(ev, primary, traded=None, grid="long_prompt"):
     return t
 
 
+def test_a_tail_axis_residual_stays_positive_under_one_stall():
+    """One leg's max ITL a stall of seconds among legs of ~20 ms: an additive residual about the mean would put the
+    other legs below zero (negative simulated gaps, read as LOSSes); the tail axes' residuals are taken in logs,
+    positive and ordered as the legs are, while the standard axes keep the additive form."""
+    long = next(ev for ev in _long_prompt_pool()[0] if ev.campaign_id == "2026-12-06-mixed_prefill-fe944b9")
+    ev = copy.deepcopy(long)
+    cell = [leg for leg in ev.legs if leg.valid and leg.concurrency == 2 and leg.arm == ev.baseline.name]
+    for leg, gap in zip(cell, (20.0, 21.0, 22.0, 20.0, 1800.0)):
+        leg.metrics["max_itl_ms"] = gap
+    res = calibrate.residuals_of(ev)[2]
+    tails = sorted(v["max_itl_ms"] for v in res)
+    assert all(x > 0 for x in tails), tails
+    # the stall's leg ~54x the geometric mean, the four others ~0.35x (an additive residual: about -0.06)
+    assert max(tails) > 10 and sum(1 for x in tails if 0.2 < x < 0.5) == 4, tails
+    n = len(cell)
+    tput = [leg.metrics["total_token_throughput"] for leg in cell]
+    want = 1 + (tput[0] / (sum(tput) / n) - 1) * (n / (n - 1)) ** 0.5
+    assert any(abs(v["total_token_throughput"] - want) < 1e-12 for v in res)
+
+
 def test_a_campaign_reading_a_tail_axis_is_calibrated_for_it_from_its_own_grid():
-    """A long-prompt campaign whose policy reads the max ITL simulates that axis too (8 axes x 3 concurrencies), from
-    whole legs of its own grid that measured it: a 32k prefill's stall makes a tail of seconds there, which the
+    """A long-prompt campaign whose policy reads the max ITL (primary) and the P99 ITL (traded: it decides nothing
+    alone, but a WIN there blocks a REJECT, as in the real decision) simulates both (9 axes x 3 concurrencies), from
+    whole legs of its own grid that measured them: a 32k prefill's stall makes a tail of seconds there, which the
     short prompts' legs never show. An online campaign reading it draws the online legs; an axis no pooled leg
     measured is left out of the simulation, and the calibration says so."""
     h100, noise, long = _long_prompt_pool()
@@ -241,12 +262,13 @@ def test_a_campaign_reading_a_tail_axis_is_calibrated_for_it_from_its_own_grid()
     assert any("max_itl_ms" in v for c, vs in noise.by_grid["online"].items() for v in vs)
     t = calibrate.template(_reading(long, ["total_token_throughput", "tpot", "max_itl"], {"p99_itl": "why"}), False)
     d = calibrate.draws_for(t, noise)
-    assert [a.name for a in d.axes][-1] == "max_itl" and len(d.axes) == len(calibrate.AXES) + 1
+    assert [a.name for a in d.axes][len(calibrate.AXES):] == ["p99_itl", "max_itl"]
     assert sum(len(v) for v in d.pool.values()) == own, "the long-prompt grid's own legs, not the online ones"
     null, _ = calibrate.verdicts(t, noise, 300, seed=0)
     assert null.count("FLIP") / 300 <= 0.05 and null.count("REJECT-PERFORMANCE") / 300 <= 0.05, null
     cal = calibrate.calibrate(t, noise, sims=40, seed=0, byte_exact=False)
-    assert cal.comparisons == 24 and f"max ITL from the long_prompt grid's {own} legs" in cal.noise, cal.noise
+    assert cal.comparisons == 27 and f"P99 ITL, max ITL from the long_prompt grid's {own} legs" in cal.noise, \
+        cal.noise
     online = calibrate.draws_for(calibrate.template(_reading(long, ["tpot", "max_itl"], grid="online"), True), noise)
     online_max = sum(1 for vs in noise.by_grid["online"].values() for v in vs if "max_itl_ms" in v)
     assert sum(len(v) for v in online.pool.values()) == online_max > 0
@@ -254,7 +276,7 @@ def test_a_campaign_reading_a_tail_axis_is_calibrated_for_it_from_its_own_grid()
     bare = calibrate.NoiseModel({c: [{k: x for k, x in v.items() if k != "max_itl_ms"} for v in vs]
                                  for c, vs in noise.residuals.items()}, noise.campaigns)
     cal = calibrate.calibrate(t, bare, sims=40, seed=0, byte_exact=False)
-    assert cal.comparisons == 21 and "max ITL not simulated: no pooled leg measured it" in cal.noise
+    assert cal.comparisons == 24 and "max ITL not simulated: no pooled leg measured it" in cal.noise
     # a campaign that reads no tail axis draws from the whole pool, as before
     plain = calibrate.draws_for(calibrate.template(_reading(long, ["tpot"]), True), noise)
     assert plain.pool is noise.residuals and plain.axes == calibrate.AXES
