@@ -10,6 +10,7 @@ forms of one computation and must agree bitwise, which is asserted (on the GPU t
 """
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -267,25 +268,26 @@ def test_prefill_splits_match_reference_and_off(fast_math):
             bitwise_report(f"prefill splits={want} vs off", out, off)
 
 
-def test_prefill_splits_auto_sizes_its_wave_by_the_tiles_programs_per_sm():
-    """"auto" splits a grid under one wave, and a wave is SMs x the programs the tiles fit per SM: the fast-math tiles
-    (~165 KB of shared memory) fit one, where a fixed two per SM had 512-token chunks at a 32k prefix (136 programs on
-    132 SMs) split four ways. Same launch, same SM count: tiles fitting two per SM split, tiles fitting one do not."""
+def test_prefill_splits_auto_sizes_its_wave_by_the_programs_a_tile_set_fits_per_sm(monkeypatch):
+    """"auto" splits a grid under one wave, and a wave is SMs x the programs a tile set fits per SM: the fast-math
+    tiles (~165 KB of shared memory) fit one, where a fixed two per SM had 512-token chunks at a 32k prefix (136
+    programs on 132 SMs) split four ways. Same launch, same SM count: tiles fitting two split, tiles fitting one not."""
     gen, _ = fresh_generator()
     hq, hkv, d, page = 4, 2, 16, 8
     q_lens, ctx_lens = [9, 5], [40, 21]
     q, kc, vc, cu, ctx, bt, scale, _ = prefill_case(q_lens, ctx_lens, hq, hkv, d, page, gen)
-    base = attn.PREFILL_PACKED_TILES
-    programs = (-(-sum(q_lens) // (base.block_m // 2)) + len(q_lens)) * hkv        # group 2: 2 rows a token
+    two = attn.PREFILL_PACKED_TILES
+    one = dataclasses.replace(two, num_stages=two.num_stages + 1)
+    monkeypatch.setattr(attn, "PACKED_PROGRAMS_PER_SM", {one: 1})
+    assert (attn.packed_programs_per_sm(one), attn.packed_programs_per_sm(two)) == (1, attn.PREFILL_PROGRAMS_PER_SM)
+    programs = (-(-sum(q_lens) // (two.block_m // 2)) + len(q_lens)) * hkv          # group 2: 2 rows a token
     sms = programs - 1                      # one wave at one program per SM, half a wave at two
     got = {}
-    for per_sm in (1, 2):
+    for tiles in (one, two):
         counters.reset()
-        tiles = attn.Tiles(block_m=base.block_m, block_n=base.block_n, num_warps=base.num_warps,
-                           num_stages=base.num_stages, programs_per_sm=per_sm)
         attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, out=poisoned(q), gqa_pack=True, splits="auto",
                                tiles=tiles, num_sms=sms)
-        got[per_sm] = counters.snapshot()["prefill_attention"]["gqa_pack"]["splits"]
+        got[attn.packed_programs_per_sm(tiles)] = counters.snapshot()["prefill_attention"]["gqa_pack"]["splits"]
     want2 = attn.prefill_split_count("auto", programs, 2 * sms)
     assert want2 > 1 and got == {1: {"1": 1}, 2: {str(want2): 1}}, got
 
@@ -769,9 +771,10 @@ def _compiled_kernels(fn) -> dict:
 @gpu
 @needs_cuda
 def test_gpu_packed_prefill_tiles_fit_the_programs_per_sm_they_claim():
-    """prefill_splits "auto" sizes its wave by each packed tile set's programs_per_sm. Each set is compiled here at
-    the real shapes (the fast-math set with fast math, as the engine runs it) and its occupancy worked out from the
-    binary's shared memory and registers against this GPU's per-SM limits: the claim must equal it."""
+    """prefill_splits "auto" sizes its wave by the programs each packed tile set fits per SM. Each set is compiled
+    here at the real shapes (the fast-math set with fast math, as the engine runs it) and its occupancy worked out
+    from the binary's shared memory and registers against this GPU's per-SM limits: the claim
+    (packed_programs_per_sm) must equal it."""
     gen, _ = fresh_generator()
     q_lens, ctx_lens = [300], [2100]
     kc, vc, bt, ctx = make_paged(ctx_lens, REAL["hkv"], REAL["d"], REAL["page"], torch.bfloat16, gen)
@@ -785,24 +788,22 @@ def test_gpu_packed_prefill_tiles_fit_the_programs_per_sm_they_claim():
     for name, fast in (("PREFILL_PACKED_TILES", False), ("PREFILL_PACKED_TILES_SHORT", False),
                        ("PREFILL_PACKED_TILES_FAST", True)):
         tiles = getattr(attn, name)
-        before = _compiled_kernels(attn._prefill_packed_kernel)
+        attn._prefill_packed_kernel.device_caches.clear()          # only this launch's binary in it (disk-cached)
         attn.prefill_attention(q, kc, vc, cu, ctx, bt, REAL["d"] ** -0.5, fast_math=fast, out=poisoned(q),
                                gqa_pack=True, tiles=tiles)
         torch.cuda.synchronize()
-        new = [k for i, k in _compiled_kernels(attn._prefill_packed_kernel).items() if i not in before]
-        if not new:     # compiled by an earlier test: the binary with these warps and stages
-            new = [k for k in _compiled_kernels(attn._prefill_packed_kernel).values()
-                   if k.metadata.num_warps == tiles.num_warps and k.metadata.num_stages == tiles.num_stages]
-        kern = new[-1]
+        (kern,) = _compiled_kernels(attn._prefill_packed_kernel).values()
+        assert (kern.metadata.num_warps, kern.metadata.num_stages) == (tiles.num_warps, tiles.num_stages), name
         kern.run        # loads the binary: its register count
         by_smem = smem_sm // (kern.metadata.shared + 1024)          # 1 KB a block reserved by the driver
         regs_warp = -(-kern.n_regs * 32 // 256) * 256               # registers go out 256 a warp
         by_regs = (regs_sm // regs_warp) // tiles.num_warps
         by_threads = threads_sm // (tiles.num_warps * 32)
         fits = min(by_smem, by_regs, by_threads)
-        report.append((fits == tiles.programs_per_sm,
+        claim = attn.packed_programs_per_sm(tiles)
+        report.append((fits == claim,
                        f"{name}: {kern.metadata.shared} B shared, {kern.n_regs} registers -> {fits} a SM (shared "
-                       f"memory {by_smem}, registers {by_regs}, threads {by_threads}); claims {tiles.programs_per_sm}"))
+                       f"memory {by_smem}, registers {by_regs}, threads {by_threads}); claims {claim}"))
     assert all(ok for ok, _ in report), "\n".join(line for _, line in report)
 
 

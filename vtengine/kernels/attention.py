@@ -365,10 +365,9 @@ def _prefill_packed_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, cont
 class Tiles:
     """Launch meta-parameters of one kernel: BLOCK_M rows (prefill), BLOCK_N KV tokens per step, warps, stages.
 
-    programs_per_sm: decode, how many programs of this configuration one SM must hold to keep enough K/V bytes in
-    flight; the split heuristic's wave is SMs x programs_per_sm (FlashAttention-2 passes 2 x SMs for its 128-thread
-    split-KV blocks for the same reason). Packed prefill, how many programs the tiles' shared memory lets one SM
-    hold: prefill_splits "auto" sizes its wave by it (a GPU test checks it against the compiled kernels)."""
+    programs_per_sm (decode): how many programs of this configuration one SM must hold to keep enough K/V bytes
+    in flight; the split heuristic's wave is SMs x programs_per_sm (FlashAttention-2 passes 2 x SMs for its
+    128-thread split-KV blocks for the same reason)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -378,8 +377,7 @@ class Tiles:
 
 if INTERPRET:   # the interpreter runs every program in numpy: few, large-ish tiles keep it fast
     PREFILL_TILES = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    PREFILL_PACKED_TILES = PREFILL_PACKED_TILES_SHORT = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1,
-                                                               programs_per_sm=2)
+    PREFILL_PACKED_TILES = PREFILL_PACKED_TILES_SHORT = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
     DECODE_TILES = {"per_q_head": Tiles(block_n=16, num_warps=1, num_stages=1),
                     "gqa_swap": Tiles(block_n=16, num_warps=1, num_stages=1)}
 else:
@@ -390,8 +388,8 @@ else:
     # prefix: 3.32 ms, 314 TFLOP/s, against 4.84 ms for the per-q-head kernel and 2.94 ms for SDPA), but 2.3x slower
     # than 64 x 64 / 4 warps / 3 stages on a short step (512 tokens, no prefix: 0.064 against 0.028 ms), which is
     # within 4-10% of the best elsewhere: steps of at most PACKED_SHORT_TOKENS new tokens take the short tiles.
-    PREFILL_PACKED_TILES = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=2, programs_per_sm=2)
-    PREFILL_PACKED_TILES_SHORT = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
+    PREFILL_PACKED_TILES = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=2)
+    PREFILL_PACKED_TILES_SHORT = Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3)
     # Decode, measured on an H200 (bench/results/attention-explore-2026-11-30-h200.json: 6 tile configs x 7 forced
     # split counts x 6 shapes per route): BLOCK_N 64 / 4 warps / 2 stages is within a few % of the best config at
     # every shape for both routes, and the fastest split counts put ~512 programs in flight (about 4 per SM:
@@ -400,6 +398,9 @@ else:
                     "gqa_swap": Tiles(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)}
 
 PACKED_SHORT_TOKENS = 1024      # gqa_pack: steps of at most this many new tokens take PREFILL_PACKED_TILES_SHORT
+# prefill_splits "auto": a wave is SMs x this many packed programs (the short tiles' ~112 KB of shared memory fit
+# twice in the H200's 228 KB per SM)
+PREFILL_PROGRAMS_PER_SM = 2
 # The sweep above ran with fast math off. With it on (the lever fast_math, on by default) one more stage pays at every
 # step length measured (bench/results/prefill-attention-variants-2026-12-06-hbm3.md, H100, the engine's kernel at
 # explicit tiles): exp2 and the approximate reciprocal leave the registers a third stage of K and V tiles needs. At
@@ -407,12 +408,19 @@ PACKED_SHORT_TOKENS = 1024      # gqa_pack: steps of at most this many new token
 # tiles (SDPA 0.915), 2048 after 30k 2.650 against 3.151 at 2 stages, 8192 new 1.393 against 1.626. The stages
 # sweep (prefill-attention-stages-2026-12-06-hbm3.md, 11 shapes) agrees but at 128 new tokens after 32k, where 64 x
 # 128 / 4 warps takes 0.567 ms against 0.721 (a prompt's last partial chunk: splits over the prefix fix that shape).
-# Their ~165 KB of shared memory fit once per SM (the short tiles' ~112 KB twice): prefill_splits "auto" sizes its
-# wave by each tile set's programs_per_sm.
+# Their ~165 KB of shared memory fit once per SM, where PREFILL_PROGRAMS_PER_SM counts two (PACKED_PROGRAMS_PER_SM).
 # (A block of its own: the decode tiles' block above is part of the decode levers' sources, which this must not
 # stale.)
 PREFILL_PACKED_TILES_FAST = PREFILL_PACKED_TILES if INTERPRET else Tiles(block_m=128, block_n=128, num_warps=8,
-                                                                          num_stages=3, programs_per_sm=1)
+                                                                          num_stages=3)
+# prefill_splits "auto" sizes its wave by the packed programs of a tile set one SM holds: PREFILL_PROGRAMS_PER_SM
+# unless listed here (a GPU test checks each claim against the compiled kernels' shared memory and registers)
+PACKED_PROGRAMS_PER_SM = {} if INTERPRET else {PREFILL_PACKED_TILES_FAST: 1}
+
+
+def packed_programs_per_sm(tiles: Tiles) -> int:
+    """How many packed prefill programs of ``tiles`` one SM holds at once."""
+    return PACKED_PROGRAMS_PER_SM.get(tiles, PREFILL_PROGRAMS_PER_SM)
 
 
 def parse_prefill_splits(value) -> str | int:
@@ -508,7 +516,8 @@ def _prefill_packed(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_table
     rows = max(meta.block_m, group_p2, 16)          # tl.dot needs 16 rows at least
     block_t = rows // group_p2
     programs = triton.cdiv(t, block_t) + b
-    n_split = prefill_split_count(splits, programs * hkv, (num_sms or sm_count(q.device)) * meta.programs_per_sm)
+    wave = (num_sms or sm_count(q.device)) * packed_programs_per_sm(meta)
+    n_split = prefill_split_count(splits, programs * hkv, wave)
     split = n_split > 1
     grid = (programs, hkv, n_split) if split else (programs, hkv)
     if split:
