@@ -21,7 +21,8 @@ case ${1:-} in
       [ -d "$d" ] || continue
       id=$(basename "$d")
       if [ ! -e "records/campaigns/$id" ]; then
-        mkdir -p records/campaigns && cp -r "$d" "records/campaigns/$id" && echo "restored $id from this machine's last call"
+        mkdir -p records/campaigns && cp -r "$d" "records/campaigns/$id" &&
+          echo "restored $id from this machine's last call"
       fi
     done ;;
   *) echo "usage: device_state.sh save|restore (got '${1:-}')"; exit 2 ;;
