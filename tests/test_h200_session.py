@@ -51,6 +51,8 @@ def test_device_state_keeps_a_calls_campaigns_for_the_next_call_on_a_warm_machin
     # the next call's copy: the campaigns the checkout holds, without the last call's new one
     import shutil
     shutil.rmtree(camp / "new")
+    (camp / "new").mkdir()                  # the lender keeps a warm machine's ignored files: a runner.pid, no evidence
+    (camp / "new" / "runner.pid").write_text("4242")
     (camp / "old" / "evidence.json").write_text("absorbed here")
     r = run("restore")
     assert r.returncode == 0 and "restored new" in r.stdout
