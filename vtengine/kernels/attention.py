@@ -398,8 +398,8 @@ else:
                     "gqa_swap": Tiles(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)}
 
 PACKED_SHORT_TOKENS = 1024      # gqa_pack: steps of at most this many new tokens take PREFILL_PACKED_TILES_SHORT
-# prefill_splits "auto": a wave is SMs x this many packed programs (the short tiles' ~112 KB of shared memory fit
-# twice in the H200's 228 KB per SM)
+# prefill_splits "auto": a wave is SMs x this many packed programs (the short tiles' 82,944 B of shared memory fit
+# twice in the 228 KB of an SM: H100 2026-12-06, test_gpu_packed_prefill_tiles_fit_the_programs_per_sm_they_claim)
 PREFILL_PROGRAMS_PER_SM = 2
 # The sweep above ran with fast math off. With it on (the lever fast_math, on by default) one more stage pays at every
 # step length measured (bench/results/prefill-attention-variants-2026-12-06-hbm3.md, H100, the engine's kernel at
@@ -414,8 +414,9 @@ PREFILL_PROGRAMS_PER_SM = 2
 PREFILL_PACKED_TILES_FAST = PREFILL_PACKED_TILES if INTERPRET else Tiles(block_m=128, block_n=128, num_warps=8,
                                                                           num_stages=3)
 # prefill_splits "auto" sizes its wave by the packed programs of a tile set one SM holds: PREFILL_PROGRAMS_PER_SM
-# unless listed here (a GPU test checks each claim against the compiled kernels' shared memory and registers)
-PACKED_PROGRAMS_PER_SM = {} if INTERPRET else {PREFILL_PACKED_TILES_FAST: 1}
+# unless listed here (a GPU test checks each claim against the compiled kernels' shared memory and registers; on the
+# H100 2026-12-06 the long tiles took 163,840 B and the fast-math ones 164,864 B, 255 registers a thread: one a SM)
+PACKED_PROGRAMS_PER_SM = {} if INTERPRET else {PREFILL_PACKED_TILES: 1, PREFILL_PACKED_TILES_FAST: 1}
 
 
 def packed_programs_per_sm(tiles: Tiles) -> int:
