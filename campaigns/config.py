@@ -248,6 +248,13 @@ def compose(overrides: list[str] | tuple[str, ...] = (), conf_dir: Path | str | 
         extra.append(f"model.quant={choice.quant}")
     cfg = _compose(extra + overrides, conf_dir) if extra else first
     cfg.device = device
+    by_grid = cfg.campaign.policy.get("primary_axes_by_grid") or {}
+    mine = f"campaign.policy.primary_axes_by_grid.{cfg.grid.name}"
+    if "campaign.policy.primary_axes" in user_keys and cfg.grid.name in by_grid and mine not in user_keys:
+        raise CampaignConfigError(
+            f"campaign.policy.primary_axes={list(cfg.campaign.policy.primary_axes)} would not decide this run: "
+            f"campaign {cfg.campaign.name!r} declares {mine}={list(by_grid[cfg.grid.name])}, which replaces the "
+            f"primary axes on grid {cfg.grid.name!r}; override {mine} instead")
     _resolve_and_validate(cfg, conf_dir)
     return cfg
 

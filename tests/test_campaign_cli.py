@@ -115,7 +115,7 @@ def test_axes_traded_on_one_grid_join_the_policy_there_alone():
 def test_primary_axes_by_grid_replace_the_primary_axes_on_that_grid_alone():
     """mixed_prefill reads the max ITL (the stall itself) in place of the P99 on the long-prompt grid, and trades the
     P99 there; on the standard grid its primary axes stay as declared. A grid or axis that is not known, or an empty
-    list, is an error naming what is accepted."""
+    list, is an error naming what is accepted; so is the flat primary_axes on a grid whose entry would replace it."""
     long = compose(["campaign=mixed_prefill", "grid=long_prompt"], cuda=True)
     assert list(long.campaign.policy.primary_axes) == ["total_token_throughput", "tpot", "max_itl"]
     assert "under 1% of its ~128 gaps" in long.campaign.policy.traded_axes["p99_itl"]
@@ -132,6 +132,16 @@ def test_primary_axes_by_grid_replace_the_primary_axes_on_that_grid_alone():
     with pytest.raises(CampaignConfigError, match=r"traded_axes \['p99_itl'\] are primary axes"):
         compose(["campaign=mixed_prefill", "grid=long_prompt",
                  "campaign.policy.primary_axes_by_grid.long_prompt=[tpot,p99_itl]"], cuda=True)
+    # the flat key on a grid that has its own entry would be replaced without a word: refused, naming the key to use
+    with pytest.raises(CampaignConfigError, match=r"campaign.policy.primary_axes=\['tpot'\] would not decide this run: "
+                                                  r".*primary_axes_by_grid.long_prompt=\['total_token_throughput', "
+                                                  r"'tpot', 'max_itl'\].*override campaign.policy.primary_axes_by_"):
+        compose(["campaign=mixed_prefill", "grid=long_prompt", "campaign.policy.primary_axes=[tpot]"], cuda=True)
+    assert list(compose(["campaign=mixed_prefill", "campaign.policy.primary_axes=[tpot]"], cuda=True)
+                .campaign.policy.primary_axes) == ["tpot"]                  # no entry for the online grid: it decides
+    both = compose(["campaign=mixed_prefill", "grid=long_prompt", "campaign.policy.primary_axes=[tpot]",
+                    "campaign.policy.primary_axes_by_grid.long_prompt=[tpot,max_itl]"], cuda=True)
+    assert list(both.campaign.policy.primary_axes) == ["tpot", "max_itl"]
 
 
 def test_arms_resolve_from_the_lever_file_default():
