@@ -80,7 +80,7 @@ def measured_on(ev: Evidence, with_workload: bool = True, key: bool = False) -> 
     cfg = settings(ev)
     model = f"{cfg.model.get('name', '?')} ({cfg.model.get('quant', '?')})"
     pins = dict(cfg.campaign.with_levers or {}) if ev.kind != "aa" else {}
-    text = model + (" with " + ", ".join(f"{k}={_text(v)}" for k, v in sorted(pins.items())) if pins else "")
+    text = model + (" with " + ", ".join(f"{k}={render_value(v)}" for k, v in sorted(pins.items())) if pins else "")
     shape = workload(ev, key=key) if with_workload else ""
     return text + (f", {shape}" if shape else "")
 
@@ -232,15 +232,17 @@ def overrides_for(ev: Evidence, registry: dict) -> list[str]:
     default = levers.effective_defaults(registry, lever_context.quant_of(ev))[ev.lever]
     cands = [a.value for a in ev.candidates if a.value != default] if ev.kind != "aa" else []
     if cands:
-        out.append("campaign.arms.candidates=[" + ",".join(_text(v) for v in cands) + "]")
+        out.append("campaign.arms.candidates=[" + ",".join(render_value(v) for v in cands) + "]")
     pins = dict(camp.with_levers)
     if pins:
         # one shell word (no spaces): the device script's steps split their overrides on spaces
-        out.append("+campaign.with_levers={" + ",".join(f"{k}:{_text(v)}" for k, v in sorted(pins.items())) + "}")
+        out.append("+campaign.with_levers={" + ",".join(f"{k}:{render_value(v)}" for k, v in sorted(pins.items()))
+                   + "}")
     return out
 
 
-def _text(v: Any) -> str:
+def render_value(v: Any) -> str:
+    """A lever value as a Hydra override writes it (true/false for booleans)."""
     return {True: "true", False: "false"}.get(v, str(v)) if isinstance(v, bool) else str(v)
 
 
@@ -422,7 +424,7 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
         save_state(out_dir, state)
         if _moves_a_default(ev) and any(e["status"] != "done" for e in state["entries"]):
             # what is left would run on the default this FLIP replaces, and its verdicts go stale at the merge
-            echo(f"recheck stops: {ev.campaign_id} FLIPs {ev.lever} to {_text(ev.decision.new_default)}. Commit "
+            echo(f"recheck stops: {ev.campaign_id} FLIPs {ev.lever} to {render_value(ev.decision.new_default)}. Commit "
                  f"it (vtcampaign flip {ev.campaign_id}), merge, and run recheck again: the rest is re-planned "
                  "on the new default")
             break

@@ -802,6 +802,16 @@ def _flip(ev: Evidence, cdir: Path, repo: Path, summaries: Path, clear: bool = T
                                        "merge can write them)" if cleared else ""))
 
 
+def _unpinned_run(ev: Evidence, off_default: dict, defaults: dict) -> str:
+    """The command that re-runs ``ev``'s campaign as it ran (model, grid, candidates, the other pins) with each pin in
+    ``off_default`` at today's default: a FLIP there is one about the engine users run."""
+    registry = levers.registry()
+    pins = {**settings(ev).campaign.with_levers, **{n: defaults[n] for n in off_default}}
+    ovs = [o for o in recheck.overrides_for(ev, registry) if not o.startswith("+campaign.with_levers=")]
+    return "vtcampaign run " + " ".join(ovs + ["+campaign.with_levers={" + ",".join(
+        f"{k}:{recheck.render_value(v)}" for k, v in sorted(pins.items())) + "}"])
+
+
 def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None:
     """Raise CampaignError, saying why, unless ``ev`` is a complete, binding, fresh FLIP of a lever campaign, and
     (with ``records_dir``) no fresh binding verdict of the same lever on another model or workload of its
@@ -842,7 +852,8 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
             both = f", or decide them together with the preset that sets them{run}"
         raise CampaignError(f"{ev.campaign_id}: its FLIP was measured with {pins} pinned: it says what {ev.lever} "
                             "does where those levers are set so, not in the engine users run by default. Flip the "
-                            f"pinned lever first (its own campaign), or measure without the pin{both}")
+                            f"pinned lever first (its own campaign), or measure without the pin: "
+                            f"`{_unpinned_run(ev, off_default, defaults)}`{both}")
     fresh = lever_context.freshness(ev, confdirs.SOURCE_ROOT)
     if not fresh.fresh:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "

@@ -3,6 +3,7 @@ changes its default or its own sources change, FRESH otherwise; evidence from be
 reconstructed from git; a stale FLIP is never committed."""
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import git
 import pytest
 
 from campaigns import context as lever_context
+from campaigns.config import compose
 from campaigns.evidence import save_evidence
 import helpers
 from helpers import TPUT_WIN, lever_repo, make_evidence
@@ -373,8 +375,12 @@ def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_t
     assert lever_context.freshness(ev, ROOT).fresh
     with pytest.raises(CampaignError, match=r"measured with pdl=true \(its default: false\) pinned: .*Flip the "
                                             r"pinned lever first.*together with the preset that sets them: "
-                                            r"`vtcampaign run campaign=pdl_stack`"):
+                                            r"`vtcampaign run campaign=pdl_stack`") as refused:
         check_flippable(ev)
+    # the command that measures without the pin: the same campaign with pdl at its default, and it composes
+    unpinned = re.search(r"measure without the pin: `vtcampaign run ([^`]+)`", str(refused.value)).group(1).split()
+    assert "+campaign.with_levers={pdl:false}" in unpinned and "campaign=pdl_prefetch" in unpinned, unpinned
+    assert compose(unpinned).campaign.with_levers == {"pdl": False}
     # the same pin at pdl's default is no obstacle (async_device_mirror with async_scheduling=true)
     real = levers.effective_defaults
     with monkeypatch.context() as m:
