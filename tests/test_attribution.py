@@ -252,3 +252,42 @@ def _profiled_evidence(base_window: dict, cand_window: dict):
     windows = {"off": base_window, "on": cand_window}
     results = gates(**{f"profile@{arm}": {"details": {"windows": {"8": w}}} for arm, w in windows.items()})
     return make_evidence({}, gate_results=results)
+
+
+def test_a_profiled_step_the_kernels_and_the_grid_do_not_show_is_named_a_window_disturbance():
+    """The H100 prefill_splits campaign (2026-12-06): a decode window the lever does not touch read 6,026 -> 7,082
+    µs with kernels -10.8 µs and the grid's TPOT -4.2 µs; the record must not leave +1,056 µs to be read as the
+    lever's. A step delta the grid shows too, or one in the kernels, is no disturbance."""
+    from campaigns import records
+    base = {"batch": 1, "step_us": 6026.0, "kernels": {"dense_linear": 5888.0, "decode_attention": 459.0}}
+    idle = {**base, "step_us": 7082.0, "kernels": {"dense_linear": 5873.0, "decode_attention": 462.0}}
+    _, summary = attribution.table(base, idle, tpot_base_ms=7.892, tpot_cand_ms=7.888)
+    assert attribution.window_disturbance(summary, base["step_us"]) == pytest.approx(1068.0)
+    _, seen = attribution.table(base, idle, tpot_base_ms=7.0, tpot_cand_ms=8.05)      # the grid shows it too
+    assert attribution.window_disturbance(seen, base["step_us"]) is None
+    slow = {**base, "step_us": 7082.0, "kernels": {"dense_linear": 6944.0, "decode_attention": 459.0}}
+    _, kern = attribution.table(base, slow, tpot_base_ms=7.892, tpot_cand_ms=7.888)  # a kernel slower: not idle
+    assert attribution.window_disturbance(kern, base["step_us"]) is None
+    # the kernels moved and the grid with them; the window read less: its idle fell, which the grid does not show
+    _, under = attribution.table(base, {**slow, "step_us": 6600.0}, tpot_base_ms=7.0, tpot_cand_ms=8.05)
+    assert attribution.window_disturbance(under, base["step_us"]) == pytest.approx(-482.0)
+    # the grid saw idle beyond the kernels too (triton_gemv off on the H100, 2026-12-06: kernels +106 µs, TPOT +376,
+    # window +580): the lever's, whatever the window's share
+    gemv = {**base, "step_us": 6606.0, "kernels": {"dense_linear": 5994.0, "decode_attention": 459.0}}
+    _, host = attribution.table(base, gemv, tpot_base_ms=6.010, tpot_cand_ms=6.386)
+    assert attribution.window_disturbance(host, base["step_us"]) is None
+    _, small = attribution.table(base, {**idle, "step_us": 6200.0}, tpot_base_ms=7.892, tpot_cand_ms=7.888)
+    assert attribution.window_disturbance(small, base["step_us"]) is None              # within 5% of the step
+    _, none = attribution.table(base, idle, tpot_base_ms=None, tpot_cand_ms=None)
+    assert attribution.window_disturbance(none, base["step_us"]) is None
+    windows = {"off": {**base, "activity": "cuda"}, "on": {**idle, "activity": "cuda"}}
+    from helpers import gates, make_evidence
+    tpot = {"median_tpot_ms": {"off": [7.891, 7.892, 7.893], "on": [7.887, 7.888, 7.889]}}
+    ev = make_evidence(tpot, gate_results=gates(**{f"profile@{a}": {"details": {"windows": {"1": w}}}
+                                                   for a, w in windows.items()}))
+    text = records.attribution_view(ev)[0]["summary"]
+    assert "grid TPOT delta -4.0 µs" in text, text
+    assert ("; the windows' device idle time moved +1,068 µs a step, which the grid does not show (its TPOT delta "
+            "is about the kernels'): a disturbance of a profiler window") in text, text
+    seen = make_evidence({"median_tpot_ms": {"off": [7.0] * 3, "on": [8.05] * 3}}, gate_results=ev.gates)
+    assert "device idle time" not in records.attribution_view(seen)[0]["summary"]
