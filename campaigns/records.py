@@ -527,7 +527,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
         for _key, last in binding or [("", mine[-1] if mine else None)]:
             quant = lever_context.quant_of(last) if last is not None else None
             default = effective_defaults(levers, quant).get(name) if quant else defaults.get(name)
-            rows.append(_status_row(name, lever, default, last, fresh, campaign_dirs, records_dir))
+            rows.append(_status_row(name, lever, default, last, fresh, campaign_dirs, records_dir, levers))
     # the latest refutation of each lever, arm and model (with its pins): a re-run that refuted it again replaces
     # the row (gqa_swap off was listed three times), one that reached another verdict removes it
     latest_refuted: dict[tuple[str, str], Evidence] = {}
@@ -555,7 +555,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
 
 
 def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, campaign_dirs: dict[str, Path],
-                records_dir: Path) -> dict[str, Any]:
+                records_dir: Path, registry: dict) -> dict[str, Any]:
     from campaigns.recheck import measured_on
     return {
         "lever": name,
@@ -565,7 +565,7 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
         "env": lever.env if lever else "—",
         "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
         "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",
-        "verdict": last.decision.verdict if last else "—",
+        "verdict": (last.decision.verdict + _unapplied_flip(last, lever, default, registry)) if last else "—",
         "fresh": _fresh_cell(fresh(last)) if last else "—",
         "stale_why": [] if not last or fresh(last).fresh else [r.replace("|", "/") for r in fresh(last).reasons],
         "headline": (f"{arm_label(last, last.decision.candidate)}: {last.decision.headline}"
@@ -573,6 +573,21 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
                      if last else "—").replace("|", "/"),
         "calibration": (calibrate.sentence(last.calibration) if last and last.calibration else "—"),
     }
+
+
+def _unapplied_flip(ev: Evidence, lever, default: Any, registry: dict) -> str:
+    """' (not flippable: ...)' for a FLIP whose new default the lever file does not hold, with pinned levers off
+    their defaults (it is about the engine with them so: `vtcampaign flip` refuses it); ' (not flipped yet: ...)'
+    for one that is not."""
+    if ev.decision.verdict != "FLIP" or lever is None or lever.parse(ev.decision.new_default) == default:
+        return ""
+    from vtengine.levers import effective_defaults
+    now = effective_defaults(registry, lever_context.quant_of(ev))
+    pins = {n: v for n, v in lever_context.pinned_levers(ev, registry).items() if n in now and v != now[n]}
+    if pins:
+        return " (not flippable: " + ", ".join(f"{n}={fmt_lever_value(v)} pinned, its default "
+                                                f"{fmt_lever_value(now[n])}" for n, v in sorted(pins.items())) + ")"
+    return f" (not flipped yet: `vtcampaign flip {ev.campaign_id}`)"
 
 
 def gpu_label(ev: Evidence) -> str:

@@ -456,3 +456,32 @@ def test_a_keep_titles_a_mixed_candidate_mixed_not_by_its_pooled_direction():
     assert records.what_changed(ev) == "keep default off (on measured slower)"
     ev = load_evidence(root / "2026-12-02-fuse_norm-b482c55")
     assert records.what_changed(ev) == "keep default off (on measured neutral)"
+
+
+def test_status_says_why_a_flip_is_not_the_default(tmp_path):
+    """A FLIP the lever file does not hold: with a pinned lever off its default (prefill_splits with 256-token chunks
+    on the H100, 2026-12-06) STATUS says it cannot be flipped and which pin; with none, that it is not flipped yet;
+    once the default is the FLIP's, nothing."""
+    import shutil
+    from vtengine import levers
+    lever_dir = tmp_path / "lever"
+    shutil.copytree(levers.LEVER_DIR, lever_dir)
+    levers.set_default_in_file("gqa_swap", False, lever_dir=lever_dir)
+    flip = make_evidence(TPUT_WIN, created="2026-11-30T09:00:00Z")                 # gqa_swap off -> on
+    out = _campaigns(tmp_path, flip)
+    records.render_all(out, lever_dir=lever_dir, plots=False)
+    row = _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")
+    assert row[1] == "false" and row[5] == "FLIP (not flipped yet: `vtcampaign flip 2026-11-30-gqa_swap-abc1234`)"
+    flip.config["campaign"]["with_levers"] = {"nsplits_cap": 8}
+    flip.__dict__.pop("_settings", None)
+    _campaigns(tmp_path, flip)
+    records.render_all(out, lever_dir=lever_dir, plots=False)
+    status = (tmp_path / "records" / "STATUS.md").read_text()
+    assert _status_row(status, "gqa_swap")[5] == "FLIP (not flippable: nsplits_cap=8 pinned, its default off)"
+    levers.set_default_in_file("nsplits_cap", 8, lever_dir=lever_dir)             # the pin at its default: flippable
+    records.render_all(out, lever_dir=lever_dir, plots=False)
+    status = (tmp_path / "records" / "STATUS.md").read_text()
+    assert _status_row(status, "gqa_swap")[5].startswith("FLIP (not flipped yet")
+    levers.set_default_in_file("gqa_swap", True, lever_dir=lever_dir)
+    records.render_all(out, lever_dir=lever_dir, plots=False)
+    assert _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")[5] == "FLIP"
