@@ -558,14 +558,22 @@ def cmd_recheck(args) -> int:
                   f"({'; '.join(e['why'])})")
         todo = [e for e in state["entries"] if e["status"] != "done"]
         if todo:
-            steps = [recheck.device_step(e) for e in todo]
-            known = [s for s in steps if s]
-            calls = recheck.device_calls(known)
-            print(f"{len(calls)} device calls (each step: its last run's gates and legs + {recheck.STEP_OVERHEAD_S:.0f}"
-                  f" s to start and conclude; a call: at most {recheck.DEVICE_CALL_S} s of steps; a step in two "
-                  "calls resumes in the second):")
-            for i, call in enumerate(calls, 1):
-                print(f"  {i}: bash scripts/h200_session.sh " + " ".join(f'"{step}"' for step in call))
+            # a verdict is renewed only on the GPU it was measured on (recheck.run leaves the others pending): one
+            # list of calls per GPU, in the plan's order, so a session takes the list of the GPU it was lent
+            by_gpu: dict[str, list[tuple[str, int]]] = {}
+            for e in todo:
+                step = recheck.device_step(e)
+                steps = by_gpu.setdefault(short_gpu(e["gpu"]) if e.get("gpu") else "a GPU not recorded", [])
+                steps += [step] if step else []
+            known = [s for steps in by_gpu.values() for s in steps]
+            print(f"device calls by the GPU each verdict was measured on (each step: its last run's gates and legs + "
+                  f"{recheck.STEP_OVERHEAD_S:.0f} s to start and conclude; a call: at most {recheck.DEVICE_CALL_S} s "
+                  "of steps; a step in two calls resumes in the second):")
+            for gpu, steps in by_gpu.items():
+                calls = recheck.device_calls(steps)
+                print(f"on {gpu}: {len(calls)} call(s), ~{sum(need for _, need in steps) / 60:.0f} min")
+                for i, call in enumerate(calls, 1):
+                    print(f"  {i}: bash scripts/h200_session.sh " + " ".join(f'"{step}"' for step in call))
             print(f"{len(todo)} to run: ~{sum(need for _, need in known) / 60:.0f} min of device steps at their last "
                   "durations" + (f" ({len(todo) - len(known)} unknown)" if len(known) < len(todo) else ""))
         return 0

@@ -386,6 +386,21 @@ def test_a_plan_entry_gives_the_device_step_that_reruns_it_and_the_seconds_it_ne
     assert "1 to run: ~1 min of device steps" in printed
     # each entry names the GPU its last run measured on (its time is that GPU's; the re-run may get another)
     assert re.search(r"^pending .*gqa_swap.* \(~0\.1 min on H200 last time\)", printed, re.M), printed
+    # a verdict of another GPU: its own list of calls (a recheck renews a verdict on its own GPU only)
+    h100 = verdict(proj, "fast_math", "2026-11-30T11:00:00Z", pdl=True)
+    ev = load_evidence(out / h100)
+    ev.fingerprint.device_name = "NVIDIA H100 80GB HBM3"
+    save_evidence(ev, out / h100)
+    recheck.plan(out, root=proj)
+    assert main(["recheck", "--dry-run", "--frozen", "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    lists = re.findall(r"^on (.+): (\d+) call\(s\)[^\n]*\n((?:  \d+: [^\n]*\n)+)", printed, re.M)
+    calls = {gpu: (n, text) for gpu, n, text in lists}           # in the plan's order (fast_math's first here)
+    assert sorted(calls) == ["H100 80GB HBM3", "H200"] and {n for n, _ in calls.values()} == {"1"}, printed
+    assert "campaign:gqa_swap:" in calls["H200"][1] and "campaign:fast_math:" not in calls["H200"][1]
+    h100_calls = calls["H100 80GB HBM3"][1]
+    assert "campaign:fast_math:" in h100_calls and "campaign:gqa_swap:" not in h100_calls
+    assert "2 to run: ~2 min of device steps" in printed
 
 
 def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_call():
