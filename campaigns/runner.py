@@ -11,6 +11,7 @@ of it (``vtcampaign render`` rebuilds the records from evidence alone).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import threading
 import time
@@ -808,8 +809,9 @@ def _unpinned_run(ev: Evidence, off_default: dict, defaults: dict) -> str:
     registry = levers.registry()
     pins = {**settings(ev).campaign.with_levers, **{n: defaults[n] for n in off_default}}
     ovs = [o for o in recheck.overrides_for(ev, registry) if not o.startswith("+campaign.with_levers=")]
-    return "vtcampaign run " + " ".join(ovs + ["+campaign.with_levers={" + ",".join(
-        f"{k}:{recheck.render_value(v)}" for k, v in sorted(pins.items())) + "}"])
+    ovs.append("+campaign.with_levers={" + ",".join(f"{k}:{recheck.render_value(v)}" for k, v in sorted(pins.items()))
+               + "}")
+    return "vtcampaign run " + " ".join(shlex.quote(o) for o in ovs)      # a shell word each: {a:1,b:2} expands
 
 
 def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None:
@@ -852,7 +854,7 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
             both = f", or decide them together with the preset that sets them{run}"
         raise CampaignError(f"{ev.campaign_id}: its FLIP was measured with {pins} pinned: it says what {ev.lever} "
                             "does where those levers are set so, not in the engine users run by default. Flip the "
-                            f"pinned lever first (its own campaign), or measure without the pin: "
+                            f"pinned lever first (its own campaign), or measure with the pins at today's defaults: "
                             f"`{_unpinned_run(ev, off_default, defaults)}`{both}")
     fresh = lever_context.freshness(ev, confdirs.SOURCE_ROOT)
     if not fresh.fresh:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -375,12 +376,21 @@ def test_a_pinned_lever_is_part_of_the_verdict_and_blocks_its_flip_until_it_is_t
     assert lever_context.freshness(ev, ROOT).fresh
     with pytest.raises(CampaignError, match=r"measured with pdl=true \(its default: false\) pinned: .*Flip the "
                                             r"pinned lever first.*together with the preset that sets them: "
-                                            r"`vtcampaign run campaign=pdl_stack`") as refused:
+                                            r"`vtcampaign run campaign=pdl_stack`"):
         check_flippable(ev)
-    # the command that measures without the pin: the same campaign with pdl at its default, and it composes
-    unpinned = re.search(r"measure without the pin: `vtcampaign run ([^`]+)`", str(refused.value)).group(1).split()
-    assert "+campaign.with_levers={pdl:false}" in unpinned and "campaign=pdl_prefetch" in unpinned, unpinned
-    assert compose(unpinned).campaign.with_levers == {"pdl": False}
+    # the command that measures with the pin at its default: the same campaign (its other pins kept), shell words
+    # that compose: a brace of two pins unquoted would be split by bash's brace expansion
+    ev.config["campaign"]["with_levers"] = {"pdl": True, "fast_math": True}
+    ev.__dict__.pop("_settings", None)
+    with pytest.raises(CampaignError) as refused:
+        check_flippable(ev)
+    command = re.search(r"with the pins at today's defaults: `vtcampaign run ([^`]+)`", str(refused.value)).group(1)
+    words = subprocess.run(["bash", "-c", f"printf '%s\\n' {command}"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()                  # the words bash passes, braces and all
+    assert "+campaign.with_levers={fast_math:true,pdl:false}" in words and "campaign=pdl_prefetch" in words, words
+    assert compose(words).campaign.with_levers == {"pdl": False, "fast_math": True}
+    ev.config["campaign"]["with_levers"] = {"pdl": True}
+    ev.__dict__.pop("_settings", None)
     # the same pin at pdl's default is no obstacle (async_device_mirror with async_scheduling=true)
     real = levers.effective_defaults
     with monkeypatch.context() as m:
