@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -553,25 +554,28 @@ def cmd_recheck(args) -> int:
             if e.get("gpu"):        # the last run's device: its time, and the GPU the verdict moves from
                 took += f" on {short_gpu(e['gpu'])}"
             key = e.get("key", e["lever"])
-            print(f"{e['status']:<8} {key:<13} {e['stale']} ({took} last time)  ->  vtcampaign run "
-                  f"{' '.join(e['overrides'])}{' ' + ' '.join(args.overrides) if args.overrides else ''}  "
+            words = " ".join(shlex.quote(o) for o in [*e["overrides"], *args.overrides])   # pasted into a shell
+            print(f"{e['status']:<8} {key:<13} {e['stale']} ({took} last time)  ->  vtcampaign run {words}  "
                   f"({'; '.join(e['why'])})")
         todo = [e for e in state["entries"] if e["status"] != "done"]
         if todo:
             # a verdict is renewed only on the GPU it was measured on (recheck.run leaves the others pending): one
             # list of calls per GPU, in the plan's order, so a session takes the list of the GPU it was lent
-            by_gpu: dict[str, list[tuple[str, int]]] = {}
+            by_gpu: dict[str, list[tuple[str, int] | None]] = {}
             for e in todo:
-                step = recheck.device_step(e)
-                steps = by_gpu.setdefault(short_gpu(e["gpu"]) if e.get("gpu") else "a GPU not recorded", [])
-                steps += [step] if step else []
-            known = [s for steps in by_gpu.values() for s in steps]
+                gpu = short_gpu(e["gpu"]) if e.get("gpu") else "a GPU not recorded"
+                by_gpu.setdefault(gpu, []).append(recheck.device_step(e))
+            known = [s for steps in by_gpu.values() for s in steps if s]
             print(f"device calls by the GPU each verdict was measured on (each step: its last run's gates and legs + "
                   f"{recheck.STEP_OVERHEAD_S:.0f} s to start and conclude; a call: at most {recheck.DEVICE_CALL_S} s "
                   "of steps; a step in two calls resumes in the second):")
-            for gpu, steps in by_gpu.items():
+            for gpu, all_steps in by_gpu.items():
+                steps = [s for s in all_steps if s]
                 calls = recheck.device_calls(steps)
-                print(f"on {gpu}: {len(calls)} call(s), ~{sum(need for _, need in steps) / 60:.0f} min")
+                untimed = len(all_steps) - len(steps)
+                print(f"on {gpu}: {len(calls)} call(s), ~{sum(need for _, need in steps) / 60:.0f} min"
+                      + (f"; {untimed} without a timing (no timed legs last time: run by its command above)"
+                         if untimed else ""))
                 for i, call in enumerate(calls, 1):
                     print(f"  {i}: bash scripts/h200_session.sh " + " ".join(f'"{step}"' for step in call))
             print(f"{len(todo)} to run: ~{sum(need for _, need in known) / 60:.0f} min of device steps at their last "

@@ -4,6 +4,7 @@ it is loaded (a lever measured FRESH outside the plan is done, one gone STALE si
 the plan, resuming a campaign it was interrupted in."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import git
@@ -390,6 +391,7 @@ def test_a_plan_entry_gives_the_device_step_that_reruns_it_and_the_seconds_it_ne
     h100 = verdict(proj, "fast_math", "2026-11-30T11:00:00Z", pdl=True)
     ev = load_evidence(out / h100)
     ev.fingerprint.device_name = "NVIDIA H100 80GB HBM3"
+    ev.config["campaign"]["with_levers"] = {"fast_math": True, "nsplits_cap": 8}  # two pins: a brace bash expands
     save_evidence(ev, out / h100)
     recheck.plan(out, root=proj)
     assert main(["recheck", "--dry-run", "--frozen", "--out-dir", str(out)]) == 0
@@ -401,6 +403,20 @@ def test_a_plan_entry_gives_the_device_step_that_reruns_it_and_the_seconds_it_ne
     h100_calls = calls["H100 80GB HBM3"][1]
     assert "campaign:fast_math:" in h100_calls and "campaign:gqa_swap:" not in h100_calls
     assert "2 to run: ~2 min of device steps" in printed
+    # the entry's command, pasted into bash, passes the pins as one word
+    command = re.search(r"^pending .*fast_math.*->  vtcampaign run (.+?)  \(", printed, re.M).group(1)
+    words = subprocess.run(["bash", "-c", f"printf '%s\\n' {command}"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    assert "+campaign.with_levers={fast_math:true,nsplits_cap:8}" in words, words
+    # a verdict without timed legs: no step to pack, and its GPU's list says so
+    state = recheck.load_state(out)
+    next(e for e in state["entries"] if e["lever"] == "fast_math")["took_s"] = None
+    recheck.save_state(out, state)
+    assert main(["recheck", "--dry-run", "--frozen", "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"^on H100 80GB HBM3: 0 call\(s\), ~0 min; 1 without a timing", printed, re.M), printed
+    assert "1 to run" not in printed and "2 to run: ~1 min of device steps at their last durations (1 unknown)" in \
+        printed, printed
 
 
 def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_call():
