@@ -230,28 +230,31 @@ def table(base: dict, cand: dict, tpot_base_ms: float | None, tpot_cand_ms: floa
     return rows, summary
 
 
-# A change in the profiled windows' device idle time is read as a disturbance of a window, not the lever's, when the
-# grid's TPOT delta is about the kernels' (it saw no idle change) and the window's step differs from the grid's by
-# more than the larger of these. On the H100 (2026-12-06, prefill_splits, a decode window the lever does not touch)
-# one arm's c1 window read 7,082 µs against 6,026 with kernels -10.8 µs and the grid's TPOT -4.2 µs: idle time in
-# the window, shorter than a stall (STALL_STEPS). Where the grid's TPOT moved beyond the kernels too (host time:
-# async_scheduling off; triton_gemv off's cuBLAS), the idle is the lever's.
+# A change in the profiled windows' device idle time is read as a disturbance of a window, not the lever's, when it
+# is larger than the larger of these, the grid's TPOT delta is about the kernels' (within as much, and under a third
+# of the window's idle change: the grid saw no such change) and the window's step differs from the grid's by as much.
+# On the H100 (2026-12-06, prefill_splits, a decode window the lever does not touch) one arm's c1 window read 7,082
+# µs against 6,026 with kernels -10.8 µs and the grid's TPOT -4.2 µs: idle time in the window, shorter than a stall
+# (STALL_STEPS). Where the grid's TPOT moved beyond the kernels too (host time: async_scheduling off; PDL's gaps;
+# triton_gemv off's cuBLAS: kernels +106 µs, TPOT +376, window +580), the idle is the lever's. Only device
+# timelines count: a host step (a CPU window, or evidence from before device periods) is not device idle time.
 DISTURBED_US, DISTURBED_FRACTION = 200.0, 0.05
 
 
-def window_disturbance(summary: dict, base_step_us: float) -> float | None:
+def window_disturbance(summary: dict, base: dict, cand: dict) -> float | None:
     """The profiled step's change in device idle time (µs/step: its delta less the kernels') where it disturbs a
-    profiler window rather than measures the lever: the profiled step's delta differs from the grid's measured TPOT
-    delta by more than DISTURBED_US and DISTURBED_FRACTION of the baseline's step, and the grid's own delta beyond
-    the kernels is under a third of the window's (the grid saw no such idle change). None otherwise, or where the
-    grid has no TPOT delta to compare with."""
+    profiler window rather than measures the lever (the rule above), from ``table``'s summary and the two windows;
+    None otherwise, where either window's step is not a device timeline's, or where the grid has no TPOT delta."""
     measured, kernels = summary.get("measured_delta_us"), summary["kernels_delta_us"]
-    if measured is None:
+    if measured is None or any(w.get("activity") != "cuda" or w.get("step_source") != "device_timeline"
+                               for w in (base, cand)):
         return None
     step = summary["profiled_step_delta_us"]
-    idle = step - kernels
-    tol = max(DISTURBED_US, DISTURBED_FRACTION * base_step_us)
-    return round(idle, 3) if abs(step - measured) > tol and 3 * abs(measured - kernels) < abs(idle) else None
+    idle, grid = step - kernels, measured - kernels
+    tol = max(DISTURBED_US, DISTURBED_FRACTION * base["step_us"])
+    if abs(idle) > tol and abs(step - measured) > tol and abs(grid) <= tol and 3 * abs(grid) < abs(idle):
+        return round(idle, 3)
+    return None
 
 
 def residual(cand: dict, rows: list[Row], top: int = 3) -> str:

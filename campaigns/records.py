@@ -240,7 +240,7 @@ def attribution_view(ev: Evidence) -> list[dict[str, Any]]:
             floors = (cand.details.get("floor_bytes") or {}).get(c)
             rows, summary = attribution.table(bw, cw, tb, tc, floors, cand.details.get("copy_gbs"))
             measured = summary["measured_delta_us"]
-            idle = attribution.window_disturbance(summary, bw["step_us"])
+            idle = attribution.window_disturbance(summary, bw, cw)
             out.append({
                 "arm": arm.name, "candidate": arm_label(ev, arm.name), "c": c, "activity": cw["activity"],
                 "rows": [{"kernel": r.kernel, "base": f"{r.base_us:,.1f}", "cand": f"{r.cand_us:,.1f}",
@@ -254,8 +254,8 @@ def attribution_view(ev: Evidence) -> list[dict[str, Any]]:
                                else f", unattributed (host time, gaps) {summary['unattributed_us']:+,.1f} µs")
                             + ("" if idle is None else
                                f"; the windows' device idle time moved {idle:+,.0f} µs a step, which the grid does "
-                               "not show (its TPOT delta is about the kernels'): a disturbance of a profiler window, "
-                               "not the lever")
+                               "not show (its TPOT delta is about the kernels'): most likely a disturbance of a "
+                               "profiler window, not the lever")
                             + "".join(f"; device idle {sum(w['stalls_us']) / 1e3:,.1f} ms inside the {role}'s window "
                                       "(a stall, left out of its step)"
                                       for role, w in (("baseline", bw), ("candidate", cw)) if w.get("stalls_us"))),
