@@ -565,7 +565,8 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
         "env": lever.env if lever else "—",
         "byte_exact": {True: "yes", False: "no", None: "—"}[last.decision.byte_exact] if last else "—",
         "last": f"[{last.campaign_id}]({_link(last, campaign_dirs, records_dir)})" if last else "—",
-        "verdict": (last.decision.verdict + _unapplied_flip(last, lever, default, registry)) if last else "—",
+        "verdict": (last.decision.verdict + _unapplied_flip(last, lever, default, registry, fresh(last).fresh)
+                    if last else "—"),
         "fresh": _fresh_cell(fresh(last)) if last else "—",
         "stale_why": [] if not last or fresh(last).fresh else [r.replace("|", "/") for r in fresh(last).reasons],
         "headline": (f"{arm_label(last, last.decision.candidate)}: {last.decision.headline}"
@@ -575,11 +576,18 @@ def _status_row(name: str, lever, default: Any, last: Evidence | None, fresh, ca
     }
 
 
-def _unapplied_flip(ev: Evidence, lever, default: Any, registry: dict) -> str:
-    """' (not flippable: ...)' for a FLIP whose new default the lever file does not hold, with pinned levers off
-    their defaults (it is about the engine with them so: `vtcampaign flip` refuses it); ' (not flipped yet: ...)'
-    for one that is not."""
-    if ev.decision.verdict != "FLIP" or lever is None or lever.parse(ev.decision.new_default) == default:
+def _unapplied_flip(ev: Evidence, lever, default: Any, registry: dict, fresh: bool) -> str:
+    """Why a FLIP's new default is not the lever's default, for its STATUS verdict cell: pinned levers off their
+    defaults (it is about the engine with them so: `vtcampaign flip` refuses it), a default that has left its
+    baseline since, or, for a FRESH one, not flipped yet. "" where the default is the FLIP's, for a STALE one (its
+    freshness cell says why; recheck re-runs it), or where its values no longer parse (a value dropped since)."""
+    if ev.decision.verdict != "FLIP" or lever is None:
+        return ""
+    try:
+        new, base = lever.parse(ev.decision.new_default), lever.parse(ev.baseline.value)
+    except ValueError:
+        return ""
+    if new == default:
         return ""
     from vtengine.levers import effective_defaults
     now = effective_defaults(registry, lever_context.quant_of(ev))
@@ -587,6 +595,10 @@ def _unapplied_flip(ev: Evidence, lever, default: Any, registry: dict) -> str:
     if pins:
         return " (not flippable: " + ", ".join(f"{n}={fmt_lever_value(v)} pinned, its default "
                                                 f"{fmt_lever_value(now[n])}" for n, v in sorted(pins.items())) + ")"
+    if not fresh:
+        return ""
+    if base != default:
+        return f" (measured against {fmt_lever_value(base)}; the default is {fmt_lever_value(default)} now)"
     return f" (not flipped yet: `vtcampaign flip {ev.campaign_id}`)"
 
 

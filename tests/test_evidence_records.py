@@ -460,8 +460,8 @@ def test_a_keep_titles_a_mixed_candidate_mixed_not_by_its_pooled_direction():
 
 def test_status_says_why_a_flip_is_not_the_default(tmp_path):
     """A FLIP the lever file does not hold: with a pinned lever off its default (prefill_splits with 256-token chunks
-    on the H100, 2026-12-06) STATUS says it cannot be flipped and which pin; with none, that it is not flipped yet;
-    once the default is the FLIP's, nothing."""
+    on the H100, 2026-12-06) STATUS says it cannot be flipped and which pin, STALE or not; with none, a FRESH one
+    says it is not flipped yet; once the default is the FLIP's, nothing."""
     import shutil
     from vtengine import levers
     lever_dir = tmp_path / "lever"
@@ -471,7 +471,8 @@ def test_status_says_why_a_flip_is_not_the_default(tmp_path):
     out = _campaigns(tmp_path, flip)
     records.render_all(out, lever_dir=lever_dir, plots=False)
     row = _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")
-    assert row[1] == "false" and row[5] == "FLIP (not flipped yet: `vtcampaign flip 2026-11-30-gqa_swap-abc1234`)"
+    # its commit is not in this repository, so STALE: the freshness cell says why, the verdict cell adds nothing
+    assert row[1] == "false" and row[5] == "FLIP" and row[6].startswith("STALE"), row
     flip.config["campaign"]["with_levers"] = {"nsplits_cap": 8}
     flip.__dict__.pop("_settings", None)
     _campaigns(tmp_path, flip)
@@ -481,7 +482,20 @@ def test_status_says_why_a_flip_is_not_the_default(tmp_path):
     levers.set_default_in_file("nsplits_cap", 8, lever_dir=lever_dir)             # the pin at its default: flippable
     records.render_all(out, lever_dir=lever_dir, plots=False)
     status = (tmp_path / "records" / "STATUS.md").read_text()
-    assert _status_row(status, "gqa_swap")[5].startswith("FLIP (not flipped yet")
+    assert _status_row(status, "gqa_swap")[5] == "FLIP"                          # flippable, but STALE
     levers.set_default_in_file("gqa_swap", True, lever_dir=lever_dir)
     records.render_all(out, lever_dir=lever_dir, plots=False)
     assert _status_row((tmp_path / "records" / "STATUS.md").read_text(), "gqa_swap")[5] == "FLIP"
+    # a STALE FLIP: its freshness cell says why, nothing here; a default that left the baseline since (measured 8
+    # against 4, the default off: `flip` refuses it too); a value no longer accepted: nothing, and no error
+    reg = levers.registry(lever_dir)
+    flip.config["campaign"]["with_levers"] = {}
+    flip.__dict__.pop("_settings", None)
+    assert records._unapplied_flip(flip, reg["gqa_swap"], False, reg, fresh=True).startswith(" (not flipped yet")
+    assert records._unapplied_flip(flip, reg["gqa_swap"], False, reg, fresh=False) == ""
+    cap = make_evidence(TPUT_WIN, lever="nsplits_cap", candidates=(8,))
+    cap.arms[0].value, cap.decision.new_default, cap.decision.verdict = 4, 8, "FLIP"
+    assert records._unapplied_flip(cap, reg["nsplits_cap"], "off", reg, fresh=True) == \
+        " (measured against 4; the default is off now)"
+    cap.decision.new_default = "sixteen"
+    assert records._unapplied_flip(cap, reg["nsplits_cap"], "off", reg, fresh=True) == ""
