@@ -23,3 +23,20 @@ def test_the_check_sees_a_wrong_variant(monkeypatch):
         return real(q, k_cache, v_cache, cu, cl, bt, 1.0, tiles, flags, out)
     monkeypatch.setattr(variants, "variant_attention", unscaled)
     assert min(variants.check().values()) > 1e-3
+
+
+def test_the_split_sweeps_wave_model_counts_rounds_of_whole_programs():
+    """The model the split sweep prints beside each arm: P = cdiv(q_len, 32 tokens a 128-row tile of 4 q heads) x 8
+    kv heads programs, S slices each, ceil(P x S / SMs) rounds of 1/S of the walk against ceil(P / SMs) rounds of
+    it. On 132 SMs: 128 new tokens (32 programs) gain x2 at S=2 and x4 at S=4 or 8 (one round either way); 384 (96)
+    gain nothing at S=2 (two rounds of halves) and x4/3 at S=4 (three rounds of quarters); 512 (128) gain nothing at
+    2 or 4; 640 (160, two rounds unsplit) gains x4/3 at 2 and x1.6 at 4."""
+    from vtengine.bench.prefill_attention import wave_model_speedup
+    from vtengine.kernels import attention as attn
+    fast = attn.Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)      # the GPU's fast-math tiles
+    model = {(q, s): wave_model_speedup(q, s, 132, tiles=fast) for q in (128, 384, 512, 640) for s in (1, 2, 4, 8)}
+    assert {k: v for k, v in model.items() if k[1] == 1} == {(q, 1): 1.0 for q in (128, 384, 512, 640)}
+    assert (model[128, 2], model[128, 4], model[128, 8]) == (2.0, 4.0, 4.0)
+    assert model[384, 2] == 1.0 and model[384, 4] == pytest.approx(4 / 3)
+    assert model[512, 2] == 1.0 and model[512, 4] == 1.0 and model[512, 8] == 1.0
+    assert model[640, 2] == pytest.approx(4 / 3) and model[640, 4] == pytest.approx(1.6)

@@ -21,8 +21,10 @@ Definitions:
 
 ``python -m vtengine.bench.prefill_attention [OUT_DIR]`` or ``vtengine bench prefill-attention``.
 ``python -m vtengine.bench.prefill_attention OUT_DIR splits``: the split sweep instead (the lever ``prefill_splits``):
-chunks of 128-512 new tokens after a 32k prefix (a mixed step's prefill late in a long prompt) and two short-prefix
-controls, the packed route's default tiles at forced split counts and "auto", against splits "off" in the same run.
+chunks of 128-640 new tokens in steps of 64 after a 32k prefix (a mixed step's prefill late in a long prompt, and a
+prompt's last partial chunk) and two short-prefix controls, the packed route's tiles at the engine's fast math (on,
+its default) at forced split counts and "auto", against splits "off" in the same run; beside each arm the speed-up
+the wave model predicts (``wave_model_speedup``), so one run says whether "auto" picks the counts the model would.
 ``python -m vtengine.bench.prefill_attention OUT_DIR stages``: the packed route's candidate tiles at both fast-math
 settings (the lever ``fast_math``; the tile table above was swept with it off, the engine runs it on), short and long
 steps with and without a long prefix; each arm's output is also compared bitwise with the default tiles' at the same
@@ -50,8 +52,9 @@ import triton.testing  # noqa: E402
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DEVICE = "cuda"
 SHAPES = [(512, 0), (2048, 0), (8192, 0), (512, 30000), (2048, 30000), (8192, 24000)]    # (q_len, prefix)
-SPLIT_SHAPES = [(128, 32000), (256, 32000), (384, 32000), (512, 32000), (128, 2000), (512, 0)]
-SPLIT_ARMS = ["off", 2, 4, 8, 16, "auto"]
+SPLIT_SHAPES = [(q, 32000) for q in range(128, 641, 64)] + [(128, 2000), (512, 0)]
+SPLIT_ARMS = ["off", 2, 3, 4, 6, 8, 16, "auto"]
+SPLIT_FAST_MATH = True          # the engine's default (the lever fast_math): the tiles "auto" sizes its wave by
 PACKED_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (128, 64, 8, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2),
     (64, 64, 4, 3), (256, 64, 8, 2),
@@ -62,6 +65,23 @@ STAGE_SHAPES = [(64, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (8192, 0), (1
                 (1024, 16000), (2048, 30000), (8192, 24000)]
 STAGE_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (64, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3))]
+
+
+def wave_model_speedup(q_len: int, splits: int, sms: int, fast_math: bool = SPLIT_FAST_MATH,
+                       tiles: attn.Tiles | None = None) -> float:
+    """The speed-up over splits "off" that ``splits`` slices of the prefix buy one sequence of ``q_len`` new tokens
+    over a long prefix, if the step is its slowest SM's work: the packed grid has P = cdiv(q_len, tokens a tile) x kv
+    heads programs of equal length (the launch's bound adds one empty tile a sequence), an SM runs one at a time at
+    full speed however many it holds (the 2026-12-05 H100 sweep: at 128 new tokens 2, 4, 8 and 16 slices all took
+    0.27-0.30 ms), so S slices take ceil(P x S / SMs) rounds of 1/S of the walk: off / split = ceil(P / SMs) /
+    (ceil(P x S / SMs) / S). It leaves out the merge and the partials' bytes (the 12-05 sweep: ~0.1 of the off time)
+    and any speed an SM gains from a second program; the sweep measures both beside it. ``tiles``: the packed
+    route's (``packed_tiles`` of the step) unless given."""
+    tiles = tiles or attn.packed_tiles(q_len, fast_math)
+    group_p2 = triton.next_power_of_2(HQ // HKV)
+    block_t = max(tiles.block_m, group_p2, 16) // group_p2
+    programs = triton.cdiv(q_len, block_t) * HKV
+    return triton.cdiv(programs, sms) / (triton.cdiv(programs * splits, sms) / splits)
 
 
 def causal_flops(q_len: int, prefix: int) -> float:
@@ -153,6 +173,7 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
         fast = {}
         if what == "splits":
             arms = [(f"gqa_pack/splits={sp}", True, None, sp) for sp in SPLIT_ARMS]
+            fast = {name: SPLIT_FAST_MATH for name, *_ in arms}
         if what == "stages":        # name/fast: at fast math; the default tiles' output per setting, for bitwise
             arms = [(f"m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}{'/fast' if fm else ''}", True, t, "off")
                     for fm in (False, True) for t in STAGE_SWEEP]
@@ -173,6 +194,9 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
                     counters.reset()
                     fn()
                     entry["splits"] = list(counters.snapshot()["prefill_attention"]["gqa_pack"]["splits"])
+                    if prefix:              # the model is about a long prefix's walk
+                        entry["wave_model_speedup"] = round(wave_model_speedup(q_len, int(entry["splits"][0]),
+                                                                               result["sm_count"]), 3)
                 if ref is not None:
                     entry["rel_l2_vs_sdpa"] = float(f"{rel_l2(fn(), ref):.3e}")
                 if what == "stages":
@@ -208,10 +232,24 @@ def markdown(result: dict) -> str:
              f"torch {result['torch']}, triton {result['triton']}; bf16 matmul rate {result['matmul_tflops']} TFLOP/s "
              "(measured in this run). Cells: ms / TFLOP/s.", "",
              "| q_len | prefix | GFLOP | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
+    if any("speedup_vs_off" in r for r in result["rows"]):
+        lines[1] += (" Split arms: (measured speed-up over off; the wave model's, `wave_model_speedup`), at the "
+                     "split count the launch used.")
     for r in result["rows"]:
-        cells = [f"{a['ms']} / {a['tflops']}" if "ms" in a else "error" for a in r["arms"].values()]
+        cells = [f"{a['ms']} / {a['tflops']}" + _split_note(r, name, a) if "ms" in a else "error"
+                 for name, a in r["arms"].items()]
         lines.append(f"| {r['q_len']} | {r['prefix']} | {r['gflop']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _split_note(row: dict, name: str, arm: dict) -> str:
+    """' (x1.18; model x1.33, S=4)' for a split sweep's arm: measured and modelled speed-up over off."""
+    measured = row.get("speedup_vs_off", {}).get(name)
+    if measured is None or name.endswith("=off"):
+        return ""
+    model = f"; model x{arm['wave_model_speedup']:.2f}" if "wave_model_speedup" in arm else ""
+    used = f", S={','.join(map(str, arm['splits']))}" if arm.get("splits") else ""
+    return f" (x{measured:.2f}{model}{used})"
 
 
 if __name__ == "__main__":
