@@ -120,6 +120,9 @@ def profile_window(llm, batch: int, prompt_len: int, steps: int, warm_steps: int
     return window_from_trace(events, step_s, batch, prompt_len + warm_steps, steps, on_device)
 
 
+LONGEST_GAPS = 3       # a window keeps its longest device-idle gaps: what a disturbance of it looked like
+
+
 def window_from_trace(events: list[dict], step_s: list[float], batch: int, context_len: int, steps: int,
                       on_device: bool) -> dict[str, Any]:
     """{batch, context_len, step_us, host_step_us, kernels: {engine kernel: µs/step}, unattributed_us} from a
@@ -132,9 +135,11 @@ def window_from_trace(events: list[dict], step_s: list[float], batch: int, conte
     read 4,054 µs a step under the profiler while the device timeline and the timed run read 4,640 and 4,609:
     async_scheduling's profile gate had put the step at 4.28 ms, and the served loop at 4.66 looked slower for no
     reason. unattributed_us: the step less its kernels' time (negative where PDL overlaps kernels). stalls_us (only
-    where there were any): device-idle gaps too long to be a step's (``device_stalls_us``), left out of step_us."""
-    from vtengine.bench.decode.kernel_profile import (PROFILER_WARM_STEPS, STEP_MARK, device_stalls_us,
-                                                      device_step_us)
+    where there were any): device-idle gaps too long to be a step's (``device_stalls_us``), left out of step_us.
+    longest_gaps_us (CUDA): the window's LONGEST_GAPS longest device-idle gaps, stalls or not: whether idle time a
+    window gained was one gap (something outside the steps) or spread over its steps."""
+    from vtengine.bench.decode.kernel_profile import (PROFILER_WARM_STEPS, STEP_MARK, device_gaps_us,
+                                                      device_stalls_us, device_step_us)
     marks = [e for e in events if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation"]
     if marks:
         lo, hi = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
@@ -153,6 +158,8 @@ def window_from_trace(events: list[dict], step_s: list[float], batch: int, conte
               "unattributed_us": round(step_us - sum(kernels.values()), 3)}
     if stalls:
         window["stalls_us"] = [round(x) for x in stalls]
+    if device_us is not None:       # the window's longest device-idle gaps: one long gap, or a step's own gaps?
+        window["longest_gaps_us"] = [round(g) for g in sorted(device_gaps_us(events), reverse=True)[:LONGEST_GAPS]]
     if not on_device and marks:
         window["kernels_median"] = step_medians(events, marks)
     return window

@@ -236,6 +236,9 @@ def test_a_device_stall_inside_the_window_is_left_out_of_the_step_and_named():
     assert stalled["stalls_us"] == [round(stall_us + device_us - kernel_us)]
     assert stalled["step_us"] == pytest.approx(clean["step_us"] - (device_us - kernel_us) / steps, abs=0.01)
     assert stalled["kernels"] == clean["kernels"]
+    # the window keeps its longest device-idle gaps: the stall, then steps' own gaps (device_us - kernel_us)
+    assert stalled["longest_gaps_us"] == [round(stall_us + device_us - kernel_us)] + [round(device_us - kernel_us)] * 2
+    assert clean["longest_gaps_us"] == [round(device_us - kernel_us)] * attribution.LONGEST_GAPS
     # a step's own gap (host work between steps, here 200 µs) is never a stall, however many steps there are
     assert kernel_profile.device_stalls_us(_async_trace(steps, host_us, device_us, kernel_us), kernel_us) == []
     assert kernel_profile.device_stalls_us(trace, kernel_us) == stalled["stalls_us"]
@@ -299,7 +302,12 @@ def test_a_profiled_step_the_kernels_and_the_grid_do_not_show_is_named_a_window_
     ev = make_evidence(tpot, gate_results=gates(**{f"profile@{a}": {"details": {"windows": {"1": w}}}
                                                    for a, w in windows.items()}))
     text = records.attribution_view(ev)[0]["summary"]
-    assert "grid TPOT delta -4.0 µs" in text, text
+    assert "grid TPOT delta -4.0 µs" in text and "longest device-idle gap" not in text, text    # none recorded
+    windows = {"off": {**base, "longest_gaps_us": [310, 300, 290]}, "on": {**idle, "longest_gaps_us": [17100, 320]}}
+    gapped = make_evidence(tpot, gate_results=gates(**{f"profile@{a}": {"details": {"windows": {"1": w}}}
+                                                       for a, w in windows.items()}))
+    assert "not the lever (longest device-idle gap: baseline 0.3 ms, candidate 17.1 ms)" in \
+        records.attribution_view(gapped)[0]["summary"]
     assert ("; the windows' device idle time moved +1,068 µs a step, which the grid does not show (its TPOT delta "
             "is about the kernels'): most likely a disturbance of a profiler window") in text, text
     seen = make_evidence({"median_tpot_ms": {"off": [7.0] * 3, "on": [8.05] * 3}}, gate_results=ev.gates)

@@ -109,8 +109,13 @@ def device_stalls_us(trace_events: list[dict], step_scale_us: float) -> list[flo
     A step's own idle time (the host preparing the next step, a few hundred µs) is never one. A stall is something
     outside the engine's steady state that happened to fall inside the profiler window: on an H100 (2026-12-05) a
     gap of ~250 ms spread over 16 steps read as a 22 ms step beside a 6.4 ms one."""
+    return [g for g in device_gaps_us(trace_events) if g > STALL_STEPS * step_scale_us]
+
+
+def device_gaps_us(trace_events: list[dict]) -> list[float]:
+    """Every gap with the device idle between two of its activities (overlapping ones merged), in µs, in order."""
     busy = _busy_intervals(trace_events)
-    return [b[0] - a[1] for a, b in zip(busy, busy[1:]) if b[0] - a[1] > STALL_STEPS * step_scale_us]
+    return [b[0] - a[1] for a, b in zip(busy, busy[1:])]
 
 
 def _busy_intervals(trace_events: list[dict]) -> list[tuple[float, float]]:
