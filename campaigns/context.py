@@ -424,6 +424,15 @@ def pinned_levers(ev: Evidence, levers_now: dict | None = None) -> dict[str, Any
     return {name: levers_now[name].parse(v) for name, v in pins.items() if name in levers_now}
 
 
+def off_default_pins(ev: Evidence, levers_now: dict | None = None) -> dict[str, Any]:
+    """The pinned levers (``pinned_levers``) whose values differ from today's defaults on the campaign's
+    quantization: while any is, its FLIP is about an engine users do not run by default."""
+    from vtengine import levers as lever_registry
+    levers_now = lever_registry.registry() if levers_now is None else levers_now
+    now = lever_registry.effective_defaults(levers_now, quant_of(ev))
+    return {n: v for n, v in pinned_levers(ev, levers_now).items() if n in now and v != now[n]}
+
+
 def quant_of(ev: Evidence) -> str | None:
     """The quantization the campaign's model ran (bf16, mxfp4, nvfp4): the defaults its verdict is compared with are
     that quantization's (a lever file's ``default_by_quant``). None where the evidence does not say."""

@@ -597,10 +597,10 @@ def _unapplied_flip(ev: Evidence, lever, default: Any, registry: dict, fresh: bo
         return ""
     if new == default:
         return ""
-    from vtengine.levers import effective_defaults
-    now = effective_defaults(registry, lever_context.quant_of(ev))
-    pins = {n: v for n, v in lever_context.pinned_levers(ev, registry).items() if n in now and v != now[n]}
+    pins = lever_context.off_default_pins(ev, registry)
     if pins:
+        from vtengine.levers import effective_defaults
+        now = effective_defaults(registry, lever_context.quant_of(ev))
         return " (not flippable: " + ", ".join(f"{n}={fmt_lever_value(v)} pinned, its default "
                                                 f"{fmt_lever_value(now[n])}" for n, v in sorted(pins.items())) + ")"
     if not fresh:

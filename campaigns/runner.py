@@ -839,7 +839,7 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
         raise CampaignError(f"{ev.campaign_id}: its FLIP measured {new} against the baseline {base}, but "
                             f"{ev.lever}'s default is now {now}: it says nothing about the engine users run. Re-run "
                             f"it against today's default: `vtcampaign run campaign={settings(ev).campaign.name}`")
-    off_default = {name: v for name, v in lever_context.pinned_levers(ev).items() if v != defaults[name]}
+    off_default = lever_context.off_default_pins(ev)
     if off_default:
         pins = ", ".join(f"{n}={records.fmt_lever_value(v)} (its default: {records.fmt_lever_value(defaults[n])})"
                          for n, v in sorted(off_default.items()))
