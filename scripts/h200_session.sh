@@ -17,6 +17,10 @@
 # the machine stays warm (about 30 s idle) the next call needs no absorb first: scripts/device_state.sh keeps each
 # call's campaigns on the machine and puts back those the checkout lacks; absorb both tarballs afterwards, in order.
 set -uo pipefail
+# The lender stops a command at 600 s (CALL_S): a step still running then would lose its tarball, and with it every
+# leg it finished. Each step's SECONDS is cut to what is left of the call, less RESERVE_S for a stopped step to end
+# (SIGINT, then KILL after KILL_S) and for the tarball; a step with under a minute left is not started.
+CALL_S=${CALL_S:-600}; KILL_S=15; RESERVE_S=$(( KILL_S + 10 )); T_START=$(date +%s)
 for step in "$@"; do          # a bad step is refused before the machine spends minutes on the ones before it
   case $step in *@*) case ${step%%@*} in ''|*[!0-9]*)
     echo "step '$step': '${step%%@*}' before @ is not a number of seconds (e.g. 400@campaign:gqa_swap)"; exit 2 ;;
@@ -39,19 +43,24 @@ git config core.fileMode false
 echo "== $(git log -1 --oneline)  dirty: $(git status --porcelain | grep -v '^??' | wc -l) tracked files"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+echo "== setup took $(( $(date +%s) - T_START )) s"
 LOGS=/tmp/vt-logs; mkdir -p "${OUT:-/tmp/out}" $LOGS   # outside the tree: a log there would make it dirty
 for step in "$@"; do
   limit=400; case $step in *@*) limit=${step%%@*}; step=${step#*@} ;; esac
+  left=$(( T_START + CALL_S - RESERVE_S - $(date +%s) ))
+  if [ $left -lt 60 ]; then echo "== step $step not started: ${left} s left of the ${CALL_S} s call"; continue; fi
+  if [ $limit -gt $left ]; then echo "== step $step cut to ${left} s (asked ${limit}): what is left of the call"
+                                limit=$left; fi
   kind=${step%%:*}; rest=${step#*:}; [ "$rest" = "$step" ] && rest=""
   t0=$(date +%s)
   case $kind in
     campaign) name=${rest%%:*}; ov=${rest#*:}; [ "$ov" = "$rest" ] && ov=""
               case " $ov" in *" resume="*) ;; *) ov="$ov resume=auto" ;; esac
-              timeout -s INT -k 30 $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee -a $LOGS/campaign-$name.log ;;
-    decode)   timeout -s INT -k 30 $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
-    gputests) timeout -s INT -k 30 $limit python3 -m pytest -q -m gpu -p no:cacheprovider ${rest:-tests} 2>&1 | tail -40 | tee -a $LOGS/gputests.log ;;
-    py)       timeout -s INT -k 30 $limit python3 -m $rest 2>&1 | tee -a $LOGS/py-${rest%% *}.log ;;
-    recheck)  timeout -s INT -k 30 $limit python3 -m campaigns.cli recheck --frozen tracking=off $rest 2>&1 | tee -a $LOGS/recheck.log ;;
+              timeout -s INT -k $KILL_S $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee -a $LOGS/campaign-$name.log ;;
+    decode)   timeout -s INT -k $KILL_S $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
+    gputests) timeout -s INT -k $KILL_S $limit python3 -m pytest -q -m gpu -p no:cacheprovider ${rest:-tests} 2>&1 | tail -40 | tee -a $LOGS/gputests.log ;;
+    py)       timeout -s INT -k $KILL_S $limit python3 -m $rest 2>&1 | tee -a $LOGS/py-${rest%% *}.log ;;
+    recheck)  timeout -s INT -k $KILL_S $limit python3 -m campaigns.cli recheck --frozen tracking=off $rest 2>&1 | tee -a $LOGS/recheck.log ;;
     serve)    IFS='|' read -r -a parts <<< "$rest"; port=8123; url=http://127.0.0.1:$port
               python3 -m vtengine.cli serve ${parts[0]} --port $port >> $LOGS/serve-server.log 2>&1 & spid=$!
               python3 -c "import sys, time, urllib.request as u
@@ -59,8 +68,10 @@ for _ in range($limit):
     try: u.urlopen('$url/health', timeout=2); sys.exit(0)
     except Exception: time.sleep(1)
 sys.exit(1)" || { echo "server did not start"; tail -20 $LOGS/serve-server.log; }
-              for leg in "${parts[@]:1}"; do
-                timeout -s INT -k 30 $limit python3 -m vtengine.cli bench serve --base-url $url $leg 2>&1 | tee -a $LOGS/serve.log
+              for leg in "${parts[@]:1}"; do      # each leg its SECONDS, within what is left of the call
+                leg_s=$(( T_START + CALL_S - RESERVE_S - 10 - $(date +%s) )); [ $leg_s -gt $limit ] && leg_s=$limit
+                [ $leg_s -lt 30 ] && { echo "== leg not started: ${leg_s} s left: $leg"; continue; }
+                timeout -s INT -k $KILL_S $leg_s python3 -m vtengine.cli bench serve --base-url $url $leg 2>&1 | tee -a $LOGS/serve.log
               done
               kill -INT $spid; wait $spid ;;
     *) echo "unknown step $step" ;;

@@ -61,3 +61,48 @@ def test_device_state_keeps_a_calls_campaigns_for_the_next_call_on_a_warm_machin
     assert "restored old" not in r.stdout
     bad = run("keep")
     assert bad.returncode == 2 and "save|restore" in bad.stdout and "'keep'" in bad.stdout
+
+
+def _fake_device_checkout(tmp_path):
+    """A checkout the script can run in on a CPU host: its device_state.sh, an empty wheelhouse and a python3 on
+    PATH that installs nothing and runs `-m sleeper N` as `sleep N`."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "device_state.sh").write_text((ROOT / "scripts" / "device_state.sh").read_text())
+    (tmp_path / ".whl").mkdir()
+    for d in ("records", "bench/results", "campaigns/gates"):              # what the tarball takes
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "campaigns" / "gates" / "op_bounds.yaml").write_text("{}\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text('#!/usr/bin/env bash\n[ "$1 $2" = "-m sleeper" ] && exec sleep "$3"\nexit 0\n')
+    fake.chmod(0o755)
+    import os
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+
+
+def _session(tmp_path, env, *steps):
+    return subprocess.run(["bash", str(ROOT / "scripts" / "h200_session.sh"), *steps], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_step_is_cut_to_what_is_left_of_the_call(tmp_path):
+    """The lender stops a command at 600 s; a 580 s step after ~30 s of wheel install outlived it, and a step still
+    running then loses its tarball with every leg it finished. Each step's SECONDS is cut to what is left of the
+    call less a reserve for stopping and the tarball (25 s); a step that asks less keeps its own."""
+    env = {**_fake_device_checkout(tmp_path), "CALL_S": "200"}
+    r = _session(tmp_path, env, "5@py:sleeper 1", "400@py:sleeper 0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step py:sleeper 1 cut" not in r.stdout and "== step py:sleeper 1 took" in r.stdout
+    cut = [line for line in r.stdout.splitlines() if line.startswith("== step py:sleeper 0 cut to ")]
+    assert len(cut) == 1 and cut[0].endswith("s (asked 400): what is left of the call"), r.stdout
+    seconds = int(cut[0].split("cut to ")[1].split()[0])
+    assert 165 <= seconds <= 175                       # 200 - 25 reserve, less the setup and the first step
+    assert (tmp_path / "out" / "results.tgz").exists()
+
+
+def test_a_step_with_under_a_minute_left_is_not_started(tmp_path):
+    env = {**_fake_device_checkout(tmp_path), "CALL_S": "80"}     # 80 - 25 reserve: under a minute from the start
+    r = _session(tmp_path, env, "400@py:sleeper 30")
+    assert r.returncode == 0 and "== step py:sleeper 30 not started: " in r.stdout, r.stdout + r.stderr
+    assert "took" not in r.stdout.split("== setup took")[1]
