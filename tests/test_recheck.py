@@ -437,7 +437,7 @@ def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_ca
                                      if step.endswith(f"@campaign:{name}")]
         assert s1 == f"{cap}@campaign:{name}" and calls[first] == [s1] and second > first, calls
         assert int(s2.split("@")[0]) == -(-(need - left) // 5) * 5
-    # 200 a + 300 b | 580 long | 380 long + 120 d | 580 long2 | 180 long2: a first (the plan's first verdict), b
+    # 200 a + 300 b | 540 long | 420 long + 120 d | 540 long2 | 220 long2: a first (the plan's first verdict), b
     # fills the room a left; d fits neither the first call (620 s) nor the second (full), so the third
     assert calls == [["200@campaign:a", "300@campaign:b"], [f"{cap}@campaign:long"],
                      [f"{int(-(-(900 - left) // 5) * 5)}@campaign:long", "120@campaign:d"], [f"{cap}@campaign:long2"],
