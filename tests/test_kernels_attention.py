@@ -241,16 +241,19 @@ def test_prefill_ragged_with_cached_prefix(fast_math, gqa_pack, hq):
 def test_prefill_splits_match_reference_and_off(fast_math):
     """prefill_splits: the gqa_pack route with the keys every row sees cut into S slices (own programs, partials
     merged by log-sum-exp) against the fp64 reference, at counts that leave slices empty (a 1-token prompt, a fresh
-    prompt shorter than one key tile) and that do not divide the prefix; S = 1 is "off" bit for bit; "auto" splits
-    only a grid smaller than the wave (SMs x 2), and the counters show the count and the merge launch."""
+    prompt shorter than one key tile) and that do not divide the prefix; S = 1 is "off" bit for bit; "auto" takes the
+    wave model's count (here 20 programs with tokens, 2 a SM: none on 1 SM, where they fill 10 rounds; 4 on 8 SMs,
+    where a second round of 4 becomes 5 rounds of quarters; 8 on 1,000), and the counters show the count and the
+    merge launch."""
     gen, seed = fresh_generator()
     hq, hkv, d, page = 6, 2, 16, 8
     q_lens, ctx_lens = [1, 13, 5, 9], [1, 13, 69, 89]
     q, kc, vc, cu, ctx, bt, scale, ref = prefill_case(q_lens, ctx_lens, hq, hkv, d, page, gen)
     off = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q), gqa_pack=True)
     tiles = -(-sum(q_lens) // (attn.PREFILL_PACKED_TILES.block_m // 4)) + len(q_lens)     # group 3 pads to 4
+    assert (tiles - 1) * hkv == 20                          # the launch's bound has one empty tile
     for splits, sms, want in (("off", None, 1), (1, None, 1), (2, None, 2), (5, None, 5), ("auto", 1, 1),
-                              ("auto", tiles * hkv // 2 + 1, 3), ("auto", 1000, attn.PREFILL_MAX_SPLITS)):
+                              ("auto", 8, 4), ("auto", 1000, attn.PREFILL_AUTO_MAX_SPLITS)):
         counters.reset()
         out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q),
                                      gqa_pack=True, splits=splits, num_sms=sms)
@@ -269,9 +272,9 @@ def test_prefill_splits_match_reference_and_off(fast_math):
 
 
 def test_prefill_splits_auto_sizes_its_wave_by_the_programs_a_tile_set_fits_per_sm(monkeypatch):
-    """"auto" splits a grid under one wave, and a wave is SMs x the programs a tile set fits per SM: the fast-math
-    tiles (~165 KB of shared memory) fit one, where a fixed two per SM had 512-token chunks at a 32k prefix (136
-    programs on 132 SMs) split four ways. Same launch, same SM count: tiles fitting two split, tiles fitting one not."""
+    """"auto" counts rounds of a wave of SMs x the programs a tile set fits per SM: the fast-math tiles (~165 KB of
+    shared memory) fit one, where a fixed two per SM had 512-token chunks at a 32k prefix split four ways. Same
+    launch, same SM count: tiles fitting two split (under half a wave), tiles fitting one (one full wave) not."""
     gen, _ = fresh_generator()
     hq, hkv, d, page = 4, 2, 16, 8
     q_lens, ctx_lens = [9, 5], [40, 21]
@@ -280,8 +283,8 @@ def test_prefill_splits_auto_sizes_its_wave_by_the_programs_a_tile_set_fits_per_
     one = dataclasses.replace(two, num_stages=two.num_stages + 1)
     monkeypatch.setattr(attn, "PACKED_PROGRAMS_PER_SM", {one: 1})
     assert (attn.packed_programs_per_sm(one), attn.packed_programs_per_sm(two)) == (1, attn.PREFILL_PROGRAMS_PER_SM)
-    programs = (-(-sum(q_lens) // (two.block_m // 2)) + len(q_lens)) * hkv          # group 2: 2 rows a token
-    sms = programs - 1                      # one wave at one program per SM, half a wave at two
+    programs = (-(-sum(q_lens) // (two.block_m // 2)) + len(q_lens) - 1) * hkv     # with tokens; group 2: 2 rows
+    sms = programs + 1                      # one wave at one program per SM, under half a wave at two
     got = {}
     for tiles in (one, two):
         counters.reset()
@@ -293,8 +296,15 @@ def test_prefill_splits_auto_sizes_its_wave_by_the_programs_a_tile_set_fits_per_
 
 
 def test_prefill_split_count_and_bad_values():
-    assert [attn.prefill_split_count("auto", p, 264) for p in (72, 136, 263, 264, 1000)] == [8, 4, 3, 1, 1]
-    assert attn.prefill_split_count("auto", 1, 264) == attn.PREFILL_MAX_SPLITS
+    """"auto" is the wave model's pick: of S <= 8 the smallest within 5% of the best speed-up, if that best is x1.3 or
+    more. In a wave of 264: 72 programs take one round at S = 1-3, two rounds of 1/7 at S = 7 (x3.5, the best); 136
+    at S = 7 four rounds of 1/7 (x1.75), at S = 5 three of 1/5 (x1.67, within 5%: fewer partials to merge); 200 at
+    best x1.25 (S = 5): not enough to pay for the merge; 263 and 264 fill their round; 300 (two rounds, the second
+    near-empty) like 136; 1 program, 8 slices in one round."""
+    assert [attn.prefill_split_count("auto", p, 264) for p in (72, 136, 200, 263, 264, 300, 1000)] == \
+        [7, 5, 1, 1, 1, 5, 1]
+    assert attn.prefill_split_count("auto", 1, 264) == attn.PREFILL_AUTO_MAX_SPLITS == 8
+    assert attn.wave_speedup(136, 7, 264) == 1.75 and attn.wave_speedup(200, 5, 264) == 1.25
     assert [attn.prefill_split_count(v, 72, 264) for v in ("off", "OFF", 1, "4", 32)] == [1, 1, 1, 4, 32]
     for bad in (0, -2, "two", True, 1.5, None):
         with pytest.raises(ValueError, match=r"prefill_splits .* is not accepted; accepted: 'off', 'auto' or a "):

@@ -78,10 +78,8 @@ def wave_model_speedup(q_len: int, splits: int, sms: int, fast_math: bool = SPLI
     and any speed an SM gains from a second program; the sweep measures both beside it. ``tiles``: the packed
     route's (``packed_tiles`` of the step) unless given."""
     tiles = tiles or attn.packed_tiles(q_len, fast_math)
-    group_p2 = triton.next_power_of_2(HQ // HKV)
-    block_t = max(tiles.block_m, group_p2, 16) // group_p2
-    programs = triton.cdiv(q_len, block_t) * HKV
-    return triton.cdiv(programs, sms) / (triton.cdiv(programs * splits, sms) / splits)
+    programs = triton.cdiv(q_len, attn.packed_tokens_per_tile(tiles, HQ // HKV)) * HKV
+    return attn.wave_speedup(programs, splits, sms)
 
 
 def causal_flops(q_len: int, prefix: int) -> float:

@@ -436,20 +436,50 @@ def parse_prefill_splits(value) -> str | int:
 
 
 PREFILL_MAX_SPLITS = 16
+# prefill_splits "auto" picks S by the wave model (wave_speedup). The H100 sweep of 2026-12-06 (bench/results/
+# prefill-attention-splits-2026-12-06-hbm3.md, 128-640 new tokens after a 32k prefix, S = 2-16, fast-math tiles)
+# measured x0.79-0.88 of the model's speed-up at S <= 6 and x0.73-0.79 at 8 and 16 (the merge, the partials' bytes):
+# a split pays only where the model promises x1.25 or more, counts past 8 add nothing 8 does not, and of counts
+# within 5% of the model's best the smallest merges least.
+PREFILL_AUTO_MAX_SPLITS = 8
+PREFILL_AUTO_MIN_GAIN = 1.3
+PREFILL_AUTO_NEAR_BEST = 0.95
+
+
+def wave_speedup(programs: int, splits: int, wave: int) -> float:
+    """The wave model of splitting the keys: ``programs`` programs of equal length, each cut into ``splits`` slices,
+    run in rounds of ``wave`` at once, so off takes ceil(P / W) rounds of whole walks and S slices ceil(P x S / W)
+    rounds of 1/S of one: the speed-up is their ratio (the merge and the partials' bytes left out)."""
+    programs, wave = max(1, programs), max(1, wave)
+    return -(-programs // wave) / (-(-programs * splits // wave) / splits)
+
+
+def packed_tokens_per_tile(tiles: Tiles, group: int) -> int:
+    """New tokens one packed prefill program takes: its ``block_m`` rows (16 at least, for tl.dot) hold every q head
+    of a token, a group padded to a power of two."""
+    group_p2 = triton.next_power_of_2(group)
+    return max(tiles.block_m, group_p2, 16) // group_p2
 
 
 def prefill_split_count(splits, programs: int, wave: int) -> int:
-    """Slices of the cached-prefix keys per (token tile, kv head) program. "auto": none while the grid's
-    ``programs`` fill a ``wave`` (SMs x the programs the tiles fit per SM: what the GPU holds at once), else enough
-    for about two waves, at most PREFILL_MAX_SPLITS. A short chunk over a long prefix is the case: at 32k keys a
-    128-token chunk of Qwen3-8B is 72 programs on 132 SMs, each walking every key (H200 2026-12-05: its mixed step
-    ~27 ms whatever the chunk size up to 256). A count depends on the launch shape alone (T, B, heads), never on the
-    contexts, so a CUDA-graphed chunk replays the split it was captured with."""
+    """Slices of the cached-prefix keys per (token tile, kv head) program. "auto": the wave model's pick for
+    ``programs`` (the tiles that can hold tokens, x kv heads) in a ``wave`` (SMs x the programs the tiles fit per
+    SM): the smallest S <= PREFILL_AUTO_MAX_SPLITS within PREFILL_AUTO_NEAR_BEST of the model's best speed-up, if
+    that best is PREFILL_AUTO_MIN_GAIN or more, else 1. A short chunk over a long prefix (128 tokens at 32k: 32
+    programs on 132 SMs, S=4, x3.28 on the H100) and a chunk just past one wave (576 tokens: 144, S=6, x1.46) split;
+    one that fills its waves (512: 128) does not. The rule until 2026-12-06 ("about two waves" while under one)
+    split 384 and 448 into 3 (x0.91, x0.90: slower than off) and never split past a wave. A count depends on the
+    launch shape alone (T, B, heads), never on the contexts, so a CUDA-graphed chunk replays the split it was
+    captured with."""
     splits = parse_prefill_splits(splits)
     if splits == "off":
         return 1
     if splits == "auto":
-        return 1 if programs >= wave else min(PREFILL_MAX_SPLITS, -(-2 * wave // max(1, programs)))
+        gains = {s: wave_speedup(programs, s, wave) for s in range(1, PREFILL_AUTO_MAX_SPLITS + 1)}
+        best = max(gains.values())
+        if best < PREFILL_AUTO_MIN_GAIN:
+            return 1
+        return min(s for s, gain in gains.items() if gain >= PREFILL_AUTO_NEAR_BEST * best)
     return splits
 
 
@@ -514,11 +544,10 @@ def _prefill_packed(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_table
     b = cu_seqlens_q.shape[0] - 1
     group = hq // hkv
     group_p2 = triton.next_power_of_2(group)
-    rows = max(meta.block_m, group_p2, 16)          # tl.dot needs 16 rows at least
-    block_t = rows // group_p2
-    programs = triton.cdiv(t, block_t) + b
+    block_t = packed_tokens_per_tile(meta, group)
+    programs = triton.cdiv(t, block_t) + b          # the launch's bound: a partial tile a sequence, one empty
     wave = (num_sms or sm_count(q.device)) * packed_programs_per_sm(meta)
-    n_split = prefill_split_count(splits, programs * hkv, wave)
+    n_split = prefill_split_count(splits, (programs - 1) * hkv, wave)      # tiles with tokens: at most this many
     split = n_split > 1
     grid = (programs, hkv, n_split) if split else (programs, hkv)
     if split:
