@@ -242,9 +242,9 @@ def test_prefill_splits_match_reference_and_off(fast_math):
     """prefill_splits: the gqa_pack route with the keys every row sees cut into S slices (own programs, partials
     merged by log-sum-exp) against the fp64 reference, at counts that leave slices empty (a 1-token prompt, a fresh
     prompt shorter than one key tile) and that do not divide the prefix; S = 1 is "off" bit for bit; "auto" takes the
-    wave model's count (here 20 programs with tokens, 2 a SM: none on 1 SM, where they fill 10 rounds; 4 on 8 SMs,
-    where a second round of 4 becomes 5 rounds of quarters; 8 on 1,000), and the counters show the count and the
-    merge launch."""
+    wave model's count for a grid of at most one wave (here 20 programs with tokens, 2 a SM: none on 1 or 8 SMs,
+    past one wave; 8 on 16 SMs, 5 rounds of eighths against 1 whole; 2 on 20, where 2 to 8 slices all take half the
+    time and the fewest merge least; 8 on 1,000), and the counters show the count and the merge launch."""
     gen, seed = fresh_generator()
     hq, hkv, d, page = 6, 2, 16, 8
     q_lens, ctx_lens = [1, 13, 5, 9], [1, 13, 69, 89]
@@ -253,7 +253,8 @@ def test_prefill_splits_match_reference_and_off(fast_math):
     tiles = -(-sum(q_lens) // (attn.PREFILL_PACKED_TILES.block_m // 4)) + len(q_lens)     # group 3 pads to 4
     assert (tiles - 1) * hkv == 20                          # the launch's bound has one empty tile
     for splits, sms, want in (("off", None, 1), (1, None, 1), (2, None, 2), (5, None, 5), ("auto", 1, 1),
-                              ("auto", 8, 4), ("auto", 1000, attn.PREFILL_AUTO_MAX_SPLITS)):
+                              ("auto", 8, 1), ("auto", 16, 8), ("auto", 20, 2),
+                              ("auto", 1000, attn.PREFILL_AUTO_MAX_SPLITS)):
         counters.reset()
         out = attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, fast_math=fast_math, out=poisoned(q),
                                      gqa_pack=True, splits=splits, num_sms=sms)
@@ -296,13 +297,14 @@ def test_prefill_splits_auto_sizes_its_wave_by_the_programs_a_tile_set_fits_per_
 
 
 def test_prefill_split_count_and_bad_values():
-    """"auto" is the wave model's pick: of S <= 8 the smallest within 5% of the best speed-up, if that best is x1.3 or
-    more. In a wave of 264: 72 programs take one round at S = 1-3, two rounds of 1/7 at S = 7 (x3.5, the best); 136
-    at S = 7 four rounds of 1/7 (x1.75), at S = 5 three of 1/5 (x1.67, within 5%: fewer partials to merge); 200 at
-    best x1.25 (S = 5): not enough to pay for the merge; 263 and 264 fill their round; 300 (two rounds, the second
-    near-empty) like 136; 1 program, 8 slices in one round."""
-    assert [attn.prefill_split_count("auto", p, 264) for p in (72, 136, 200, 263, 264, 300, 1000)] == \
-        [7, 5, 1, 1, 1, 5, 1]
+    """"auto" is the wave model's pick for a grid of at most one wave: of S <= 8 the smallest within 5% of the best
+    speed-up, if that best is x1.3 or more. In a wave of 264: 72 programs take one round at S = 1-3, two rounds of
+    1/7 at S = 7 (x3.5, the best); 136 at S = 7 four rounds of 1/7 (x1.75), at S = 5 three of 1/5 (x1.67, within 5%:
+    fewer partials to merge); 200 at best x1.25 (S = 5): not enough to pay for the merge; 263 and 264 fill their
+    round; 265, 300 and 1,000 are past one wave: never split (the count cannot tell a chunk from a fresh prompt or
+    from light programs beside it); 1 program, 8 slices in one round."""
+    assert [attn.prefill_split_count("auto", p, 264) for p in (72, 136, 200, 263, 264, 265, 300, 1000)] == \
+        [7, 5, 1, 1, 1, 1, 1, 1]
     assert attn.prefill_split_count("auto", 1, 264) == attn.PREFILL_AUTO_MAX_SPLITS == 8
     assert attn.wave_speedup(136, 7, 264) == 1.75 and attn.wave_speedup(200, 5, 264) == 1.25
     assert [attn.prefill_split_count(v, 72, 264) for v in ("off", "OFF", 1, "4", 32)] == [1, 1, 1, 4, 32]

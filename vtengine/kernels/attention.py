@@ -438,8 +438,8 @@ def parse_prefill_splits(value) -> str | int:
 PREFILL_MAX_SPLITS = 16
 # prefill_splits "auto" picks S by the wave model (wave_speedup). The H100 sweep of 2026-12-06 (bench/results/
 # prefill-attention-splits-2026-12-06-hbm3.md, 128-640 new tokens after a 32k prefix, S = 2-16, fast-math tiles)
-# measured x0.79-0.88 of the model's speed-up at S <= 6 and x0.73-0.79 at 8 and 16 (the merge, the partials' bytes):
-# a split pays only where the model promises x1.25 or more, counts past 8 add nothing 8 does not, and of counts
+# measured x0.82-0.91 of the model's speed-up at S <= 6 and x0.73-0.85 at 8 and 16 (the merge, the partials' bytes):
+# a split pays only where the model promises x1.3 or more, counts past 8 add nothing 8 does not, and of counts
 # within 5% of the model's best the smallest merges least.
 PREFILL_AUTO_MAX_SPLITS = 8
 PREFILL_AUTO_MIN_GAIN = 1.3
@@ -462,19 +462,24 @@ def packed_tokens_per_tile(tiles: Tiles, group: int) -> int:
 
 
 def prefill_split_count(splits, programs: int, wave: int) -> int:
-    """Slices of the cached-prefix keys per (token tile, kv head) program. "auto": the wave model's pick for
-    ``programs`` (the tiles that can hold tokens, x kv heads) in a ``wave`` (SMs x the programs the tiles fit per
-    SM): the smallest S <= PREFILL_AUTO_MAX_SPLITS within PREFILL_AUTO_NEAR_BEST of the model's best speed-up, if
-    that best is PREFILL_AUTO_MIN_GAIN or more, else 1. A short chunk over a long prefix (128 tokens at 32k: 32
-    programs on 132 SMs, S=4, x3.28 on the H100) and a chunk just past one wave (576 tokens: 144, S=6, x1.46) split;
-    one that fills its waves (512: 128) does not. The rule until 2026-12-06 ("about two waves" while under one)
-    split 384 and 448 into 3 (x0.91, x0.90: slower than off) and never split past a wave. A count depends on the
-    launch shape alone (T, B, heads), never on the contexts, so a CUDA-graphed chunk replays the split it was
-    captured with."""
+    """Slices of the cached-prefix keys per (token tile, kv head) program. "auto", for a grid of at most one
+    ``wave`` (SMs x the programs the tiles fit per SM) of ``programs`` (the tiles that can hold tokens, x kv heads):
+    the wave model's pick, the smallest S <= PREFILL_AUTO_MAX_SPLITS within PREFILL_AUTO_NEAR_BEST of its best
+    speed-up, if that best is PREFILL_AUTO_MIN_GAIN or more, else 1. A short chunk over a long prefix is the case:
+    128 tokens at 32k are 32 programs on 132 SMs (S=4, x3.28 on the H100), 384 are 96 (S=4, x1.17). A grid past one
+    wave is not split, though the model would gain there for a lone chunk (576 tokens after 32k: S=6, x1.46): the
+    count cannot see the prefix, and past a wave at the default 512-token chunks is a whole, fresh prompt with
+    nothing to split (512 new tokens, no prefix: S=2 x0.78 of off) or a chunk whose second round is the light
+    programs of the prompts beside it (512 + 73 tokens: the chunk's 128 fill one round; 512 after 32k split 4 ways:
+    x0.84). The rule until 2026-12-06 ("about two waves" under one) split 384 and 448 into 3 (x0.91, x0.90: slower
+    than off). A count depends on the launch shape alone (T, B, heads), never on the contexts, so a CUDA-graphed
+    chunk replays the split it was captured with."""
     splits = parse_prefill_splits(splits)
     if splits == "off":
         return 1
     if splits == "auto":
+        if programs > wave:
+            return 1
         gains = {s: wave_speedup(programs, s, wave) for s in range(1, PREFILL_AUTO_MAX_SPLITS + 1)}
         best = max(gains.values())
         if best < PREFILL_AUTO_MIN_GAIN:
