@@ -22,7 +22,7 @@ set -uo pipefail
 # (SIGINT, then KILL after KILL_S) and for the tarball; a step with under a minute left is not started.
 CALL_S=${CALL_S:-600}; KILL_S=15; RESERVE_S=$(( KILL_S + 10 )); T_START=$(date +%s)
 for step in "$@"; do          # a bad step is refused before the machine spends minutes on the ones before it
-  case $step in *@*) case ${step%%@*} in ''|*[!0-9]*)
+  case $step in *@*) case ${step%%@*} in ''|*[!0-9]*|0*)      # 0 would be no limit to timeout(1)
     echo "step '$step': '${step%%@*}' before @ is not a number of seconds (e.g. 400@campaign:gqa_swap)"; exit 2 ;;
   esac ;; esac
   case ${step#*@} in campaign:*|decode|decode:*|gputests|gputests:*|py:*|recheck|recheck:*|serve:*) ;;
@@ -64,7 +64,8 @@ for step in "$@"; do
     serve)    IFS='|' read -r -a parts <<< "$rest"; port=8123; url=http://127.0.0.1:$port
               python3 -m vtengine.cli serve ${parts[0]} --port $port >> $LOGS/serve-server.log 2>&1 & spid=$!
               python3 -c "import sys, time, urllib.request as u
-for _ in range($limit):
+end = time.time() + $limit
+while time.time() < end:
     try: u.urlopen('$url/health', timeout=2); sys.exit(0)
     except Exception: time.sleep(1)
 sys.exit(1)" || { echo "server did not start"; tail -20 $LOGS/serve-server.log; }
@@ -73,7 +74,9 @@ sys.exit(1)" || { echo "server did not start"; tail -20 $LOGS/serve-server.log; 
                 [ $leg_s -lt 30 ] && { echo "== leg not started: ${leg_s} s left: $leg"; continue; }
                 timeout -s INT -k $KILL_S $leg_s python3 -m vtengine.cli bench serve --base-url $url $leg 2>&1 | tee -a $LOGS/serve.log
               done
-              kill -INT $spid; wait $spid ;;
+              # a background job starts with SIGINT ignored: a server still loading would never stop on it
+              kill -INT $spid; for _ in $(seq $KILL_S); do kill -0 $spid 2>/dev/null || break; sleep 1; done
+              kill -0 $spid 2>/dev/null && { kill -TERM $spid; sleep 2; kill -KILL $spid 2>/dev/null; }; wait $spid ;;
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - t0 )) s"

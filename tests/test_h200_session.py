@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("step, message", [
     ("SEC@campaign:pdl_stack:model.quant=bf16", "'SEC' before @ is not a number of seconds"),
     ("400@campain:gqa_swap", "unknown kind; accepted: campaign:"),
+    ("0@decode", "'0' before @ is not a number of seconds"),            # timeout(1) reads 0 as no limit
 ])
 def test_a_bad_step_is_refused_before_anything_runs(tmp_path, step, message):
     """A literal 'SEC@' once cost a device call (both steps 'took 0 s' after the install): the script checks every
@@ -77,8 +78,17 @@ def _fake_device_checkout(tmp_path):
     fake = bin_dir / "python3"
     fake.write_text('#!/usr/bin/env bash\n[ "$1 $2" = "-m sleeper" ] && exec sleep "$3"\nexit 0\n')
     fake.chmod(0o755)
+    import shutil
+    logged = bin_dir / "timeout"                       # the real timeout(1), its arguments logged
+    log, real = tmp_path / "timeouts.log", shutil.which("timeout")
+    logged.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\nexec {real} "$@"\n')
+    logged.chmod(0o755)
     import os
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+
+
+def _timeouts(tmp_path) -> list[str]:
+    return (tmp_path / "timeouts.log").read_text().splitlines()
 
 
 def _session(tmp_path, env, *steps):
@@ -98,7 +108,21 @@ def test_a_step_is_cut_to_what_is_left_of_the_call(tmp_path):
     assert len(cut) == 1 and cut[0].endswith("s (asked 400): what is left of the call"), r.stdout
     seconds = int(cut[0].split("cut to ")[1].split()[0])
     assert 165 <= seconds <= 175                       # 200 - 25 reserve, less the setup and the first step
+    assert _timeouts(tmp_path) == ["-s INT -k 15 5 python3 -m sleeper 1",
+                                   f"-s INT -k 15 {seconds} python3 -m sleeper 0"]
     assert (tmp_path / "out" / "results.tgz").exists()
+
+
+def test_each_serve_leg_is_cut_to_what_is_left_of_the_call(tmp_path):
+    """A serve step's SECONDS bound each closed-loop leg; every leg is cut to what is left of the call less the
+    reserve and 10 s for the server's stop, so two legs of 400 s in a 200 s call both fit."""
+    env = {**_fake_device_checkout(tmp_path), "CALL_S": "200"}
+    r = _session(tmp_path, env, "400@serve:--model tiny|--input-len 8|--input-len 16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    legs = [line.split() for line in _timeouts(tmp_path)]
+    assert [leg[-1] for leg in legs] == ["8", "16"], legs
+    seconds = [int(leg[4]) for leg in legs]
+    assert all(155 <= s <= 165 for s in seconds), seconds       # 200 - 25 - 10, less the setup
 
 
 def test_a_step_with_under_a_minute_left_is_not_started(tmp_path):
