@@ -278,8 +278,9 @@ def took_s(ev: Evidence) -> float | None:
 # the servers' stop, the verdict, the records and their plot. On the H200 (2026-12-04) campaigns of 229 and 267 s of
 # took_s stopped before their verdict in steps of 250-260 and 285 s; one of 240 s concluded in ~285 s.
 STEP_OVERHEAD_S = 60.0
-# The most one call's steps may take: the lender's 600 s, less ~35 s of wheel install and setup, less the 25 s
-# scripts/h200_session.sh keeps back for a stopped step to end and for the tarball (it cuts any step past that).
+# The most one call's steps may take: the lender's 600 s, less setup (the wheel install, the copy's commit, the
+# imports: 9 s and 7 s on the H100, 2026-12-06; ~35 s allowed), less the 25 s scripts/h200_session.sh keeps back
+# for a stopped step to end and for the tarball (it cuts any step past that).
 DEVICE_CALL_S = 540
 
 
