@@ -21,11 +21,14 @@ commit is not in this repository), the answer is STALE: the safe one.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import git
 import yaml
 
 from campaigns import sources
@@ -165,6 +168,39 @@ def _commit_known(repo, sha: str) -> bool:
         return False
 
 
+SAME_CODE_SEARCH = 60          # landed commits, nearest in time to the campaign's start, searched for its code
+
+
+def campaign_commit(ev: Evidence, repo_root: Path | str) -> str:
+    """The commit to read the campaign's code at: its own, where this repository has it; else a commit here with
+    the same code (``gitops.code_digest`` equal to the one the fingerprint recorded), the nearest in time to the
+    campaign's start among the SAME_CODE_SEARCH nearest. A campaign's commit goes missing when a commit it ran on
+    was rewritten before it landed (a reworded subject): the code it measured landed under another sha. Otherwise
+    (no digest recorded, nothing matches, no repository) its own sha, which the callers report as unknown."""
+    fp = ev.fingerprint
+    return _same_code_commit(str(Path(repo_root).resolve()), fp.git_sha, fp.code_digest, ev.created)
+
+
+@functools.lru_cache(maxsize=None)
+def _same_code_commit(root: str, sha: str, digest_then: str | None, created: str) -> str:
+    from campaigns.gitops import GitOpsError, code_digest, open_repo
+    try:
+        repo = open_repo(root)
+    except GitOpsError:
+        return sha
+    if _commit_known(repo, sha) or not digest_then:
+        return sha
+    try:
+        when = datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+        commits = list(repo.iter_commits("HEAD"))
+    except (ValueError, git.GitCommandError):
+        return sha
+    for c in sorted(commits, key=lambda c: abs(c.committed_date - when))[:SAME_CODE_SEARCH]:
+        if code_digest(root, commit=c.hexsha) == digest_then:
+            return c.hexsha
+    return sha
+
+
 def kernels_ran(snapshot_or_counts: dict[str, Any]) -> set[str]:
     """Kernel names with at least one launch, from a counters snapshot {kernel: {route: {launches...}}} or a flat
     {kernel: launches} map."""
@@ -199,7 +235,7 @@ def context_of(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Context
 
 def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Context:
     from campaigns.gitops import GitOpsError, open_repo
-    sha = ev.fingerprint.git_sha
+    sha = campaign_commit(ev, repo_root)
     notes = []
     try:
         repo = open_repo(repo_root)
@@ -289,7 +325,7 @@ def _epoch_reasons(ev: Evidence, repo_root: Path) -> list[str]:
         repo = open_repo(repo_root)
     except GitOpsError:
         return [f"{len(epochs)} engine epoch(s) declared, but {repo_root} is not a git repository to check them"]
-    sha = ev.fingerprint.git_sha
+    sha = campaign_commit(ev, repo_root)
     if not _commit_known(repo, sha):
         return [f"its commit {sha} is not in this repository: whether it predates the engine epochs is unknown"]
     reasons = []
@@ -367,14 +403,16 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
             reasons.append(f"{ev.lever}'s source files at the campaign are not known")
             causes.append("own sources unknown")
         elif then != now:
-            moved = changed_sources(root, ev.fingerprint.git_sha, live_paths(own, quant_of(ev)))
+            at = campaign_commit(ev, root)
+            moved = changed_sources(root, at, live_paths(own, quant_of(ev)))
             if moved is None:
                 reasons.append(f"{ev.lever}'s source files cannot be compared: commit {ev.fingerprint.git_short_sha} "
                                "is not in this repository")
                 causes.append("own sources")
             elif moved:
+                landed = "" if at == ev.fingerprint.git_sha else f" (its code landed as {at[:7]})"
                 reasons.append(f"{ev.lever}'s source files ({', '.join(moved)}) changed since "
-                               f"{ev.fingerprint.git_short_sha}")
+                               f"{ev.fingerprint.git_short_sha}{landed}")
                 causes.append("own sources")
     if ctx.source == "unknown" and not reasons:
         reasons.append("its context cannot be reconstructed")

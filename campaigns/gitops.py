@@ -41,15 +41,15 @@ def is_prose(path: str) -> bool:
     return lower.endswith(".md") or (under(path, (TEMPLATES,)) and lower.endswith(".j2"))
 
 
-def code_digest(path: Path | str = ".", outputs: Iterable[str] = RUN_OUTPUTS) -> str:
-    """A digest of the code at HEAD: sha256 over the (path, blob id) of every file in HEAD's tree but the run
-    outputs and the prose. Equal digests at two commits mean the same bytes in every file a campaign runs
+def code_digest(path: Path | str = ".", outputs: Iterable[str] = RUN_OUTPUTS, commit: str = "HEAD") -> str:
+    """A digest of the code at ``commit`` (HEAD): sha256 over the (path, blob id) of every file in its tree but the
+    run outputs and the prose. Equal digests at two commits mean the same bytes in every file a campaign runs
     (engine, campaigns, conf, scripts, tests), whatever records, results or notes were committed between them.
     Working-tree changes are not in it (the fingerprint's dirty_files are)."""
     repo = open_repo(path)
     try:
-        tree = repo.head.commit.tree
-    except ValueError:
+        tree = repo.commit(commit).tree
+    except (ValueError, git.BadName):
         raise GitOpsError(f"repository {repo.working_tree_dir} has no commit yet") from None
     outputs = tuple(outputs)
     h = hashlib.sha256()

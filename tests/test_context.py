@@ -835,3 +835,29 @@ def test_status_at_a_commit_names_the_verdicts_it_would_stale(repo, capsys, monk
     assert "--strict needs --at REV" in capsys.readouterr().err
     assert cli.main(["status", "--at", "nope", "--out-dir", str(out)]) == 2
     assert "'nope' is not a commit" in capsys.readouterr().err
+
+
+def test_a_campaign_whose_commit_was_rewritten_is_read_at_a_landed_commit_of_its_code(repo):
+    """A commit a campaign ran on can be rewritten before it lands (its subject reworded): its sha is then in no
+    repository, but the code it measured landed under another sha with the same code digest. Staleness reads its
+    sources there (FRESH until they change) instead of calling them unknown; a digest that matches no commit here
+    leaves the campaign's own sha, which freshness reports as not in this repository."""
+    from campaigns.gitops import code_digest
+    ev = recorded(repo)
+    measured = ev.fingerprint.git_sha
+    ev.fingerprint.code_digest = code_digest(repo)
+    (repo / "NOTES.md").write_text("prose: the same code\n")
+    prose = commit_all(repo, "notes")
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = "f" * 40, "f" * 7      # the rewritten commit: gone
+    landed = lever_context.campaign_commit(ev, repo)
+    assert landed in (measured, prose)
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh
+    (repo / "vtengine" / "kernels" / "attention.py").write_text("SPLITS = 8\n")
+    commit_all(repo, "gqa_swap's source moves")
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert f.reasons == ["gqa_swap's source files (vtengine/kernels/attention.py::decode_attention) changed since "
+                         f"fffffff (its code landed as {landed[:7]})"], f.reasons
+    ev.fingerprint.code_digest = "0" * 64                        # no commit here has this code
+    lever_context._same_code_commit.cache_clear()
+    assert lever_context.campaign_commit(ev, repo) == "f" * 40
+    assert "is not in this repository" in " ".join(lever_context.freshness(ev, repo, *now(repo)).reasons)
