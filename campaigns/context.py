@@ -201,6 +201,25 @@ def _same_code_commit(root: str, sha: str, digest_then: str | None, created: str
     return sha
 
 
+def summary_at(repo_root: Path | str, sha: str, lever: str) -> str | None:
+    """The ``summary:`` of ``conf/lever/<lever>.yaml`` at commit ``sha``, whitespace folded; None where the commit is
+    not in this repository or the file (or its summary) did not exist there."""
+    from campaigns.gitops import GitOpsError, open_repo
+    try:
+        repo = open_repo(repo_root)
+    except GitOpsError:
+        return None
+    if not _commit_known(repo, sha):
+        return None
+    raw = _git_file(repo, sha, f"conf/lever/{lever}.yaml")
+    try:
+        data = yaml.safe_load(raw) if raw is not None else None
+    except yaml.YAMLError:
+        return None
+    text = data.get("summary") if isinstance(data, dict) else None
+    return " ".join(text.split()) if isinstance(text, str) and text.strip() else None
+
+
 def kernels_ran(snapshot_or_counts: dict[str, Any]) -> set[str]:
     """Kernel names with at least one launch, from a counters snapshot {kernel: {route: {launches...}}} or a flat
     {kernel: launches} map."""

@@ -231,6 +231,9 @@ class Evidence:
     residency: str = "together"
     # later commits (short sha) the campaign was resumed at, each with the code of its own commit (runner._same_code)
     resumed_at: list[str] = field(default_factory=list)
+    # the lever file's summary when the campaign started: what the lever did then (its values may mean something
+    # else later, e.g. a rule behind "auto" rewritten); empty: written before 2026-12-06, read from git at its commit
+    lever_summary: str = ""
     schema_version: int = SCHEMA_VERSION
 
     # --- queries the runner and the views share

@@ -272,6 +272,22 @@ def _longest_gaps(base: dict, cand: dict) -> str:
     return f" (longest device-idle gap: {', '.join(gaps)})" if gaps else ""
 
 
+def lever_summary(ev: Evidence, lever=None) -> str:
+    """What the lever did when the campaign ran: the summary recorded in its evidence, else the lever file's at the
+    campaign's commit (git), else today's, said so. A PR text must not describe a value's meaning of a later day (the
+    rule behind prefill_splits' "auto" was rewritten twice after campaigns that measured it)."""
+    if ev.lever_summary:
+        return ev.lever_summary
+    then = lever_context.summary_at(confdirs.SOURCE_ROOT, lever_context.campaign_commit(ev, confdirs.SOURCE_ROOT),
+                                   ev.lever)
+    if then is not None:
+        return then
+    if lever is None:
+        return "(no lever file: the campaign's commit is not in this repository)"
+    return (" ".join(lever.summary.split())
+            + f" (today's lever file: commit {ev.fingerprint.git_short_sha} is not in this repository)")
+
+
 def campaign_view(ev: Evidence) -> dict[str, Any]:
     """Every value record.md.j2 and pr.md.j2 print, already formatted."""
     from vtengine import levers as lever_registry
@@ -375,7 +391,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         "branch": fp.branch, "base_sha": fp.git_short_sha + ("" if measured_dirt(fp) is None else "-dirty")
         + (f" (resumed at {', '.join(ev.resumed_at)}: the same code)" if ev.resumed_at else ""),
         "device": fp.device_name, "lever": ev.lever, "env": env_name,
-        "summary": lever.summary if lever else "",
+        "summary": lever_summary(ev, lever),
         "baseline": ev.baseline.name, "baseline_value": fmt_lever_value(ev.baseline.value),
         "candidates": ", ".join(f"{a.name} ({fmt_lever_value(a.value)})" for a in ev.candidates),
         "candidate_label": ", ".join(cand_labels.values()),

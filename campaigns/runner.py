@@ -66,6 +66,7 @@ def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
     ev = new_evidence(OmegaConf.to_container(cfg, resolve=True), fpr, arms, cid, kind=kind)
     # the lever sources measured: a later change to them makes the verdict STALE (campaigns/context.py)
     ev.lever_digests = lever_context.tree_digests(levers.registry(), confdirs.SOURCE_ROOT)
+    ev.lever_summary = " ".join((lever.summary or "").split())
     return ev
 
 

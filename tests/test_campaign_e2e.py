@@ -18,6 +18,7 @@ from campaigns.config import compose
 from campaigns.evidence import load_evidence
 from campaigns.runner import run_campaign
 from helpers import TPUT_WIN, temp_repo
+from vtengine import levers
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(1200)
@@ -74,6 +75,8 @@ def test_rehearsal_end_to_end(tmp_path):
              repo / "records" / "BENCHMARKS.md"]
     before = {f: f.read_bytes() for f in files}
     assert "NON-BINDING" in before[cdir / "record.md"].decode() and "row/gqa_swap" in before[cdir / "pr.md"].decode()
+    summary = " ".join(levers.get("gqa_swap").summary.split())     # what the lever did as the campaign ran
+    assert ev.lever_summary == summary and f"Lever `gqa_swap` — {summary}\n" in before[cdir / "pr.md"].decode()
     record, pr = before[cdir / "record.md"].decode(), before[cdir / "pr.md"].decode()
     assert "### Attribution" in record and "| decode_attention |" in record.split("### Attribution")[1]
     assert "## Attribution" in pr and "From the attribution: at batch 2 the step" in pr

@@ -499,3 +499,32 @@ def test_status_says_why_a_flip_is_not_the_default(tmp_path):
         " (measured against 4; the default is off now)"
     cap.decision.new_default = "sixteen"
     assert records._unapplied_flip(cap, reg["nsplits_cap"], "off", reg, fresh=True) == ""
+
+
+def test_pr_text_describes_the_lever_as_it_was_when_the_campaign_ran(tmp_path, monkeypatch):
+    """A lever's summary says what its values do, and that can change after a campaign measured them (the rule
+    behind prefill_splits' "auto" was rewritten twice). The PR text takes the summary the evidence recorded, else
+    the lever file's at the campaign's commit (git), else today's, saying so."""
+    import git
+    from helpers import lever_repo
+    from vtengine import confdirs, levers
+    root = lever_repo(tmp_path)
+    lever_file = root / "conf" / "lever" / "gqa_swap.yaml"
+    then = git.Repo(root).head.commit.hexsha
+    text = lever_file.read_text()
+    old = " ".join(levers._load_file(lever_file).summary.split())
+    lever_file.write_text(text.replace("summary:", "summary: rewritten later,", 1))
+    r = git.Repo(root)
+    r.git.add(A=True)
+    r.index.commit("a new rule", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    today = levers._load_file(lever_file)
+    assert today.summary.startswith("rewritten later,")
+    monkeypatch.setattr(confdirs, "SOURCE_ROOT", root)
+    ev = make_evidence(TPUT_WIN)
+    ev.fingerprint.git_sha = then
+    assert records.lever_summary(ev, today) == old
+    ev.lever_summary = "as recorded"
+    assert records.lever_summary(ev, today) == "as recorded"
+    ev.lever_summary, ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = "", "e" * 40, "e" * 7
+    assert records.lever_summary(ev, today) == (" ".join(today.summary.split())
+                                                + " (today's lever file: commit eeeeeee is not in this repository)")
