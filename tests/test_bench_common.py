@@ -113,3 +113,31 @@ def test_one_copy_bandwidth_and_one_rel_l2():
         assert not own, f"{path} defines {own}: use vtengine/bench/common.py and vtengine/testing.py"
     assert attention.rel_l2 is testing.rel_l2 and w4a16.rel_l2 is testing.rel_l2
     assert "copy_bandwidth_gbs" in _functions_defined(Path(common.__file__))
+
+
+def _names_used(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)})
+
+
+def test_every_benchmark_that_writes_results_names_them_by_unique_stem():
+    """A second run the same day (a re-check, another machine) must not overwrite the first's files, which notes
+    and tests cite (the prefill split test reads a committed sweep): every bench that writes files takes its name
+    from common.unique_stem (until 2026-12-06 three of eleven did). decode/report.py writes the stem its cli chose."""
+    writers = [p for p in BENCH_DIR.rglob("*.py")
+               if {"write_text", "write_result"} & _names_used(p) and p.name != "common.py"]
+    assert len(writers) >= 10, writers
+    missing = [str(p.relative_to(BENCH_DIR)) for p in writers
+               if "unique_stem" not in _names_used(p) and p != BENCH_DIR / "decode" / "report.py"]
+    assert missing == []
+    assert "unique_stem" in _names_used(BENCH_DIR / "decode" / "cli.py")
+
+
+def test_unique_stem_skips_a_name_either_file_of_an_earlier_run_holds(tmp_path):
+    assert common.unique_stem(tmp_path, "w4a16-bound-NVIDIA_H200-2026-12-04") == "w4a16-bound-NVIDIA_H200-2026-12-04"
+    (tmp_path / "w4a16-bound-NVIDIA_H200-2026-12-04.json").write_text("{}")
+    assert common.unique_stem(tmp_path, "w4a16-bound-NVIDIA_H200-2026-12-04") == "w4a16-bound-NVIDIA_H200-2026-12-04-2"
+    (tmp_path / "w4a16-bound-NVIDIA_H200-2026-12-04-2.md").write_text("# cut short\n")
+    assert common.unique_stem(tmp_path, "w4a16-bound-NVIDIA_H200-2026-12-04") == "w4a16-bound-NVIDIA_H200-2026-12-04-3"
+    assert common.unique_stem(tmp_path / "absent", "x") == "x"

@@ -350,7 +350,7 @@ def write(result: dict, out_dir: str) -> list[str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(ch for ch in result["device"].lower().replace("nvidia", "") if ch.isalnum()) or "gpu"
-    stem = f"attention-{result['date_utc'][:10]}-{slug}"
+    stem = common.unique_stem(out, f"attention-{result['date_utc'][:10]}-{slug}")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{stem}.md").write_text(summary_table(result))
     return [str(out / f"{stem}.json"), str(out / f"{stem}.md")]

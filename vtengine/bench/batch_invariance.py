@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from vtengine.bench import common
 from vtengine.engine.llm import LLM
 from vtengine.engine.sampling_params import SamplingParams
 
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         tag = "-".join(f"{k}_{v}" for k, v in sorted(res["levers"].items())) or "defaults"
-        (args.out / f"batch-invariance-{args.model}-{args.quant}-{tag}.json").write_text(text + "\n")
+        stem = common.unique_stem(args.out, f"batch-invariance-{args.model}-{args.quant}-{tag}")
+        (args.out / f"{stem}.json").write_text(text + "\n")
     return 0
 
 

@@ -110,6 +110,19 @@ def cuda_env() -> dict:
                 python=platform.python_version(), date=now.strftime("%Y-%m-%d"), time_utc=now.isoformat())
 
 
+def unique_stem(out_dir, base: str) -> str:
+    """``base``, or ``base-2``, ``base-3``...: the first whose .json and .md are both absent from ``out_dir``. Every
+    bench names its dated files through it, once at its start: a second run the same day (another machine, a
+    re-check) never overwrites the figures of the first, which notes and tests cite."""
+    from pathlib import Path
+    out = Path(out_dir)
+    stem, n = base, 1
+    while (out / f"{stem}.json").exists() or (out / f"{stem}.md").exists():
+        n += 1
+        stem = f"{base}-{n}"
+    return stem
+
+
 def write_result(out_dir, stem: str, result: dict, markdown: str) -> None:
     """A benchmark's JSON and its Markdown report, written side by side (after each shape, so a run cut short
     keeps what it measured)."""

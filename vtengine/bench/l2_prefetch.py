@@ -103,7 +103,7 @@ def main(out_dir: str) -> dict:
                   weight_mb=n * k * 2 / 1e6, rows=rows, wall_s=time.time() - t0)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    common.write_result(out, f"l2-prefetch-{env['date']}", result, markdown(result))
+    common.write_result(out, common.unique_stem(out, f"l2-prefetch-{env['date']}"), result, markdown(result))
     return result
 
 

@@ -151,9 +151,7 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kind = {"splits": "prefill-attention-splits", "stages": "prefill-attention-stages"}.get(what, "prefill-attention")
-    stem = base = out / f"{kind}-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}"
-    while stem.with_suffix(".json").exists():         # a second run that day keeps the first's figures
-        stem = base.with_name(f"{base.name}-{int(stem.name.rsplit('-', 1)[1]) + 1 if stem != base else 2}")
+    stem = out / common.unique_stem(out, f"{kind}-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
     for q_len, prefix in {"splits": SPLIT_SHAPES, "stages": STAGE_SHAPES}.get(what, SHAPES):

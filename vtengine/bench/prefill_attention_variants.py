@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from vtengine.bench import common
 from vtengine.kernels import attention as attn
 from vtengine.kernels.attention import LOG2E, _softmax_exp, _varlen_tile
 
@@ -202,8 +203,9 @@ def main(out_dir: str = "bench/results") -> dict:
     result = {"bench": "prefill_attention_variants", "device": props.name, "torch": torch.__version__,
               "triton": triton.__version__, "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
               "matmul_tflops": round(matmul_tflops(), 1), "rows": []}
-    stem = Path(out_dir) / f"prefill-attention-variants-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    stem = Path(out_dir) / common.unique_stem(
+        out_dir, f"prefill-attention-variants-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = 128 ** -0.5
     for q_len, prefix in SHAPES:

@@ -657,7 +657,7 @@ def main(out_dir: str, sweep: bool = False, shapes=SHAPES, precompile_workers: i
                   protocol=__doc__.split("\n\n")[2].strip(),
                   shapes=[], compile_errors=compile_errors)
     kind = "gemv-bf16" if bf16_only else "w4a16-mid" if mid else "w4a16"
-    stem = f"{kind}-{props.name.replace(' ', '_')}-{env['date']}"
+    stem = common.unique_stem(out, f"{kind}-{props.name.replace(' ', '_')}-{env['date']}")
     report = mid_markdown if mid else markdown
     for k, n in shapes:
         if mid:

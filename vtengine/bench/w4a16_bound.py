@@ -263,7 +263,7 @@ def main(out_dir: str, shapes=SHAPES) -> dict:
     copy_gbs = common.copy_bandwidth_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
     result = dict(env=env, copy_gbs=copy_gbs, copy_bw_method=common.COPY_BANDWIDTH_DEFINITION, shapes=[])
-    stem = f"w4a16-bound-{props.name.replace(' ', '_')}-{env['date']}"
+    stem = common.unique_stem(out, f"w4a16-bound-{props.name.replace(' ', '_')}-{env['date']}")
     for k, n in shapes:
         result["shapes"].append(bench_shape(k, n, copy_gbs, props.L2_cache_size, props.multi_processor_count, gen))
         print(json.dumps(summary(result["shapes"][-1])), file=sys.stderr, flush=True)

@@ -237,7 +237,8 @@ def main(out_dir: str = "bench/results") -> dict:
         print(json.dumps({k: row[k] for k in ("form", "instructions", "per_weight")}), flush=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"w4a16-sass-{now.strftime('%Y-%m-%d')}"
+    from vtengine.bench.common import unique_stem      # here: importing vtengine picks Triton's interpreter on CPU
+    stem = out / unique_stem(out, f"w4a16-sass-{now.strftime('%Y-%m-%d')}")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# W4A16 dense GEMV K loop, static SASS counts — sm_90, triton {result['triton']}, "
              f"{result['date_utc']}",

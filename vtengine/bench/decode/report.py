@@ -7,19 +7,10 @@ import os
 import statistics
 from pathlib import Path
 
-from vtengine.bench.common import error_text
+from vtengine.bench.common import error_text, unique_stem  # noqa: F401  (decode and prefill name files by it)
 from vtengine.bench.decode.results import DecodeResult
 
 MD_TOP_KERNELS = 15                         # kernel rows per profile table; the rest are summed in one row
-
-
-def unique_stem(out_dir: Path, base: str) -> str:
-    """``base``, or ``base-2``, ``base-3``... : the first whose .json and .md are both absent from ``out_dir``."""
-    stem, n = base, 1
-    while (out_dir / f"{stem}.json").exists() or (out_dir / f"{stem}.md").exists():
-        n += 1
-        stem = f"{base}-{n}"
-    return stem
 
 
 def _f(x, fmt: str = ".3f") -> str:
