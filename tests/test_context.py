@@ -861,3 +861,21 @@ def test_a_campaign_whose_commit_was_rewritten_is_read_at_a_landed_commit_of_its
     lever_context._same_code_commit.cache_clear()
     assert lever_context.campaign_commit(ev, repo) == "f" * 40
     assert "is not in this repository" in " ".join(lever_context.freshness(ev, repo, *now(repo)).reasons)
+
+
+def test_every_committed_campaign_reads_its_code_at_a_commit_of_this_repository():
+    """A committed campaign whose commit this repository lacks (rewritten before it landed, with no landed commit of
+    the same code) can never be FRESH or have its context read: the history rewrite that caused it must be caught
+    where it happens, not sessions later on a fresh clone (2026-12-06-gqa_swap-aa-3df4786 rendered FRESH only
+    where the dangling commit survived)."""
+    from campaigns.evidence import find_evidence, load_evidence
+    repo = git.Repo(ROOT)
+    if repo.git.rev_parse("--is-shallow-repository") == "true":
+        pytest.skip("a shallow clone lacks the campaigns' commits")
+    lost = []
+    for path in find_evidence(ROOT / "records" / "campaigns"):
+        ev = load_evidence(path)
+        if not lever_context._commit_known(repo, lever_context.campaign_commit(ev, ROOT)):
+            lost.append(f"{ev.campaign_id} ({ev.fingerprint.git_short_sha})")
+    assert len(find_evidence(ROOT / "records" / "campaigns")) >= 100
+    assert lost == [], "campaigns whose code is in no commit here: " + ", ".join(lost)
