@@ -132,6 +132,24 @@ def test_every_benchmark_that_writes_results_names_them_by_unique_stem():
                if "unique_stem" not in _names_used(p) and p != BENCH_DIR / "decode" / "report.py"]
     assert missing == []
     assert "unique_stem" in _names_used(BENCH_DIR / "decode" / "cli.py")
+    # once a run: the benches rewrite their files after every shape, and a name drawn in the loop (or in a helper
+    # the loop calls) would leave one run's figures spread over -2, -3, ... (attention.write did, for a day)
+    drawn_in_loop = {str(p.relative_to(BENCH_DIR)): _draws_in_loop(p) for p in writers}
+    assert {k: v for k, v in drawn_in_loop.items() if v} == {}
+
+
+def _calls(node: ast.AST) -> set[str]:
+    return {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for c in ast.walk(node)
+            if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
+
+
+def _draws_in_loop(path: Path) -> list[str]:
+    """Loops (``line``) that call unique_stem, or a function of the module that calls it."""
+    tree = ast.parse(path.read_text())
+    drawers = {"unique_stem"} | {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                                  and "unique_stem" in _calls(f)}
+    return [f"line {n.lineno}: {sorted(_calls(n) & drawers)}" for n in ast.walk(tree)
+            if isinstance(n, (ast.For, ast.While)) and _calls(n) & drawers]
 
 
 def test_unique_stem_skips_a_name_either_file_of_an_earlier_run_holds(tmp_path):

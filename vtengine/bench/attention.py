@@ -110,6 +110,7 @@ def main(out_dir: str = "bench/results", sweeps: bool = True, max_seconds: float
         "timing": "triton.testing.do_bench median (L2 flushed before each rep); eager and CUDA-graph replay",
         "cases": [], "split_sweep": [], "tile_sweep": [],
     }
+    stem = common.unique_stem(out_dir, f"attention-{result['date_utc'][:10]}-{_slug(props.name)}")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
     t0 = time.monotonic()
@@ -186,7 +187,7 @@ def main(out_dir: str = "bench/results", sweeps: bool = True, max_seconds: float
             del q, k, v, k_cache, v_cache, bt, ctx, ref
             torch.cuda.empty_cache()
             result["targets"] = evaluate_targets(result)
-            paths = write(result, out_dir)
+            paths = write(result, out_dir, stem)
             print(f"attention bench: batch {batch} context {context} done at {time.monotonic() - t0:.0f} s",
                   flush=True)
 
@@ -225,6 +226,7 @@ def explore(out_dir: str, max_seconds: float | None = None) -> dict:
     t0 = time.monotonic()
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
+    stem = common.unique_stem(out_path, f"attention-explore-{res['date_utc'][:10]}-{_slug(res['device'])}")
     for batch in BATCHES:
         for context in CONTEXTS:
             if max_seconds is not None and time.monotonic() - t0 > max_seconds:
@@ -263,7 +265,7 @@ def explore(out_dir: str, max_seconds: float | None = None) -> dict:
                 res["host_us"][f"b{batch}_ctx{context}_{'gqa_swap' if gqa_swap else 'per_q_head'}"] = round(host, 1)
             del q, k, v, k_cache, v_cache, bt, ctx, ref
             torch.cuda.empty_cache()
-            (out_path / "attention-explore.json").write_text(json.dumps(res, indent=0) + "\n")
+            (out_path / f"{stem}.json").write_text(json.dumps(res, indent=0) + "\n")
             print(f"explore: batch {batch} context {context} done at {time.monotonic() - t0:.0f} s", flush=True)
     return res
 
@@ -346,11 +348,14 @@ def summary_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(result: dict, out_dir: str) -> list[str]:
+def _slug(device: str) -> str:
+    return "".join(ch for ch in device.lower().replace("nvidia", "") if ch.isalnum()) or "gpu"
+
+
+def write(result: dict, out_dir: str, stem: str) -> list[str]:
+    """The run's JSON and Markdown under ``stem`` (chosen once per run: main rewrites them after every shape)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    slug = "".join(ch for ch in result["device"].lower().replace("nvidia", "") if ch.isalnum()) or "gpu"
-    stem = common.unique_stem(out, f"attention-{result['date_utc'][:10]}-{slug}")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{stem}.md").write_text(summary_table(result))
     return [str(out / f"{stem}.json"), str(out / f"{stem}.md")]
