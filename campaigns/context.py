@@ -21,7 +21,6 @@ commit is not in this repository), the answer is STALE: the safe one.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -168,7 +167,8 @@ def _commit_known(repo, sha: str) -> bool:
         return False
 
 
-SAME_CODE_SEARCH = 60          # landed commits, nearest in time to the campaign's start, searched for its code
+SAME_CODE_SEARCH = 150         # landed commits, nearest in time to the campaign's start, searched for its code
+                               # (about +-12 h at this project's pace; ~17 ms a commit, once a process)
 
 
 def campaign_commit(ev: Evidence, repo_root: Path | str) -> str:
@@ -176,29 +176,41 @@ def campaign_commit(ev: Evidence, repo_root: Path | str) -> str:
     the same code (``gitops.code_digest`` equal to the one the fingerprint recorded), the nearest in time to the
     campaign's start among the SAME_CODE_SEARCH nearest. A campaign's commit goes missing when a commit it ran on
     was rewritten before it landed (a reworded subject): the code it measured landed under another sha. Otherwise
-    (no digest recorded, nothing matches, no repository) its own sha, which the callers report as unknown."""
+    (no digest recorded, nothing matches, no repository) its own sha, which the callers report as unknown. A found
+    commit is remembered for the process (any commit of that digest has the same code); a miss is not (a fetch or
+    merge may bring the commit)."""
     fp = ev.fingerprint
-    return _same_code_commit(str(Path(repo_root).resolve()), fp.git_sha, fp.code_digest, ev.created)
+    key = (str(Path(repo_root).resolve()), fp.git_sha, fp.code_digest, ev.created)
+    if key not in _SAME_CODE:
+        found = _same_code_commit(*key)
+        if found is None:
+            return fp.git_sha
+        _SAME_CODE[key] = found
+    return _SAME_CODE[key]
 
 
-@functools.lru_cache(maxsize=None)
-def _same_code_commit(root: str, sha: str, digest_then: str | None, created: str) -> str:
+_SAME_CODE: dict[tuple, str] = {}
+
+
+def _same_code_commit(root: str, sha: str, digest_then: str | None, created: str) -> str | None:
     from campaigns.gitops import GitOpsError, code_digest, open_repo
     try:
         repo = open_repo(root)
     except GitOpsError:
+        return None
+    if _commit_known(repo, sha):
         return sha
-    if _commit_known(repo, sha) or not digest_then:
-        return sha
+    if not digest_then:
+        return None
     try:
         when = datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
         commits = list(repo.iter_commits("HEAD"))
     except (ValueError, git.GitCommandError):
-        return sha
+        return None
     for c in sorted(commits, key=lambda c: abs(c.committed_date - when))[:SAME_CODE_SEARCH]:
         if code_digest(root, commit=c.hexsha) == digest_then:
             return c.hexsha
-    return sha
+    return None
 
 
 def summary_at(repo_root: Path | str, sha: str, lever: str) -> str | None:

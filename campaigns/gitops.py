@@ -50,7 +50,8 @@ def code_digest(path: Path | str = ".", outputs: Iterable[str] = RUN_OUTPUTS, co
     try:
         tree = repo.commit(commit).tree
     except (ValueError, git.BadName):
-        raise GitOpsError(f"repository {repo.working_tree_dir} has no commit yet") from None
+        what = "has no commit yet" if commit == "HEAD" else f"has no commit {commit!r}"
+        raise GitOpsError(f"repository {repo.working_tree_dir} {what}") from None
     outputs = tuple(outputs)
     h = hashlib.sha256()
     for item in sorted((b for b in tree.traverse() if b.type == "blob"), key=lambda b: b.path):

@@ -282,10 +282,10 @@ def lever_summary(ev: Evidence, lever=None) -> str:
                                    ev.lever)
     if then is not None:
         return then
+    where = f"no lever file {ev.lever} at commit {ev.fingerprint.git_short_sha} in this repository"
     if lever is None:
-        return "(no lever file: the campaign's commit is not in this repository)"
-    return (" ".join(lever.summary.split())
-            + f" (today's lever file: commit {ev.fingerprint.git_short_sha} is not in this repository)")
+        return f"({where})"
+    return " ".join(lever.summary.split()) + f" (today's lever file: {where})"
 
 
 def campaign_view(ev: Evidence) -> dict[str, Any]:
