@@ -526,6 +526,5 @@ def test_pr_text_describes_the_lever_as_it_was_when_the_campaign_ran(tmp_path, m
     ev.lever_summary = "as recorded"
     assert records.lever_summary(ev, today) == "as recorded"
     ev.lever_summary, ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = "", "e" * 40, "e" * 7
-    assert records.lever_summary(ev, today) == (" ".join(today.summary.split())
-                                                + " (today's lever file: no lever file gqa_swap at commit eeeeeee in this "
-                                                "repository)")
+    missing = " (today's lever file: no lever file gqa_swap at commit eeeeeee in this repository)"
+    assert records.lever_summary(ev, today) == " ".join(today.summary.split()) + missing
