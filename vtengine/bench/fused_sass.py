@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 
+from vtengine.bench import common
 from vtengine.bench.w4a16_sass import _INSTR, before_wait, disassemble, entry, run_offline
 
 # gemv_config's tiles on the H200 for o / qkv (32 W rows x 256 K, 3 stages, 4 warps); SS_BLOCK: a 4,096-wide
@@ -101,8 +102,7 @@ def main(out_dir: str = "bench/results") -> dict:
     print(json.dumps(result["pdl"]), flush=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from vtengine.bench.common import unique_stem      # here: importing vtengine picks Triton's interpreter on CPU
-    stem = out / unique_stem(out, f"fused-sass-{now.strftime('%Y-%m-%d')}")
+    stem = out / common.unique_stem(out, f"fused-sass-{now.strftime('%Y-%m-%d')}")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# bf16 GEMV around its K loop, static SASS counts — sm_90, triton {result['triton']}, "
              f"{result['date_utc']}", "", f"Config {CONFIG}; with PDL.", "",

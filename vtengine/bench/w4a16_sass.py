@@ -32,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vtengine.bench import common
+
 CONFIG = dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=3)   # dense_config at M <= 8
 _INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -237,8 +239,7 @@ def main(out_dir: str = "bench/results") -> dict:
         print(json.dumps({k: row[k] for k in ("form", "instructions", "per_weight")}), flush=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from vtengine.bench.common import unique_stem      # here: importing vtengine picks Triton's interpreter on CPU
-    stem = out / unique_stem(out, f"w4a16-sass-{now.strftime('%Y-%m-%d')}")
+    stem = out / common.unique_stem(out, f"w4a16-sass-{now.strftime('%Y-%m-%d')}")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# W4A16 dense GEMV K loop, static SASS counts — sm_90, triton {result['triton']}, "
              f"{result['date_utc']}",
