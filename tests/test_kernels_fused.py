@@ -7,6 +7,7 @@ fresh random draws (seed printed), outputs are poisoned with NaN before each run
 """
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -219,6 +220,50 @@ def test_argmax_random_rows_and_fault():
     assert not torch.equal(bad, REF.greedy(lg)) or REF.greedy(lg).unique().numel() == 1
 
 
+@pytest.mark.parametrize("num_sms", [132, 7])
+def test_argmax_split_rows_equal_one_program_per_row(num_sms):
+    """A row cut across programs (slices of whole 2,048-logit loads, the last program reducing) gives the token one
+    program per row gives, at every cut: ties across a slice boundary go to the lower index, all -inf gives 0, NaN
+    wins at its lowest index, and the arrival counters are reset for the next launch (the same call twice)."""
+    gen, seed = fresh_generator()
+    v = 3 * fused.ARGMAX_SPLIT_BLOCK + 100             # 4 slices at most, the last partial
+    b = 7
+    splits = fused.argmax_splits(b, v, num_sms)
+    assert splits == (4 if num_sms == 132 else 1), splits
+    lg = rnd(b, v, gen=gen, dtype=torch.bfloat16)
+    edge = fused.ARGMAX_SPLIT_BLOCK
+    lg[0, 5] = lg[0, v - 1] = 50.0                     # tie between the first and the last slice: the first wins
+    lg[1, edge - 1] = lg[1, edge] = 50.0               # tie across a slice boundary
+    lg[2] = float("-inf")                              # all -inf: index 0, like torch
+    lg[3, 2 * edge + 3] = float("nan")                 # NaN wins, in a middle slice
+    lg[3, 3 * edge + 1] = float("nan")
+    lg[4, v - 1] = 50.0                                # the maximum in the tail of the last slice
+    lg[5, 2 * edge + 9] = lg[5, 2 * edge + 4] = 50.0   # tie inside a slice
+    ref = REF.greedy(lg)
+    assert ref[:6].tolist() == [5, edge - 1, 0, 2 * edge + 3, v - 1, 2 * edge + 4]
+    counters.reset()
+    for _ in range(2):
+        out = fused.argmax(lg, out=torch.full((b,), -1, dtype=torch.int64, device=DEV), num_sms=num_sms)
+        assert torch.equal(out, ref), f"seed {seed}: {out.tolist()} != {ref.tolist()}"
+    assert counters.snapshot()["argmax"]["default"]["grids"] == {f"{b}x{splits}": 2}
+    if splits > 1:
+        assert not fused._argmax_state(lg.device)[0].any(), "an arrival counter was left set"
+
+
+def test_argmax_splits_fill_one_wave_of_whole_loads():
+    """The split count: about one wave (B x S <= SMs), whole 2,048-logit loads per slice, no empty slice; one
+    program per row once the batch fills the SMs or passes the counters."""
+    v = 151936                                         # Qwen3's vocabulary
+    for b in (1, 2, 3, 8, 33, 131, 132, 5000):
+        s = fused.argmax_splits(b, v, 132)
+        assert 1 <= s <= fused.ARGMAX_MAX_SPLITS and (s == 1 or b * s <= 132), (b, s)
+        if s > 1:
+            chunk = math.ceil(math.ceil(v / s) / fused.ARGMAX_SPLIT_BLOCK) * fused.ARGMAX_SPLIT_BLOCK
+            assert (s - 1) * chunk < v <= s * chunk, (b, s, chunk)      # every slice holds logits
+    assert fused.argmax_splits(1, v, 132) == 75 and fused.argmax_splits(8, v, 132) == 15
+    assert fused.argmax_splits(132, v, 132) == 1 and fused.argmax_splits(2, 100, 132) == 1
+
+
 # -- faults in the norms and SiLU ------------------------------------------------------------------------------
 def test_norm_and_silu_faults_fail_the_comparison():
     gen, seed = fresh_generator()
@@ -258,6 +303,29 @@ def test_gpu_norms_bf16_real_shapes(fast_math):
     qw = rnd(128, gen=gen, dtype=bf)
     qn = fused.rms_norm(q, qw, 1e-6, fast_math=fast_math, out=poisoned(q.shape, bf))
     assert rel_l2(qn, REF.rms_norm(q.double(), qw.double(), 1e-6)) < BOUND[bf], f"seed {seed}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("b", [1, 8, 200])
+def test_gpu_argmax_split_rows_over_graph_replays(b):
+    """Qwen3's 151,936-wide rows, split across programs at B = 1 and 8 (one per row at 200): the token equals
+    torch's eagerly and over 20 CUDA-graph replays with fresh logits each time, ties planted across a slice boundary
+    (a counter left set, or a reducer reading a partial before it lands, gives a wrong or stale token)."""
+    gen, seed = fresh_generator()
+    v, edge = 151936, fused.ARGMAX_SPLIT_BLOCK
+    lg = rnd(b, v, gen=gen, dtype=torch.bfloat16, scale=5)
+    assert torch.equal(fused.argmax(lg), REF.greedy(lg)), f"seed {seed}"
+    out = torch.empty(b, dtype=torch.int64, device=DEV)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused.argmax(lg, out=out)
+    for r in range(20):
+        lg.copy_(rnd(b, v, gen=gen, dtype=torch.bfloat16, scale=5))
+        lg[0, (r + 1) * edge - 1] = lg[0, (r + 1) * edge] = 100.0
+        out.fill_(-1)
+        graph.replay()
+        assert torch.equal(out, REF.greedy(lg)), f"seed {seed}, replay {r}"
 
 
 @gpu

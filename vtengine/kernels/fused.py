@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from vtengine import counters
+from vtengine.kernels import sm_count
 from vtengine.kernels.epilogue import _head_sums
 from vtengine.kernels.pdl import launch_options, pdl_launch_dependents, pdl_wait, use_pdl
 
@@ -508,40 +509,109 @@ def _qkv_head(ws_ptr, head, SPLIT_K, offs_m, row_mask, pos_ptr, cs_ptr, stride_c
 # --------------------------------------------------------------------------------------------------------------
 
 
+# One program walking a 151,936-wide row took 19 us a step at c1 on the H200 (decode-2026-12-02-wave-profile.md:
+# 304 KB at 16 GB/s, one SM's worth of loads in flight): rows are split across programs until about one wave
+# of the device's SMs is busy, each program keeps its slice's (max, lowest index) and the last to arrive of a
+# row's programs reduces them. Exact whatever the split: the maximum and the lowest index reaching it do not
+# depend on how the row is cut, so the token is the same at every batch size (and so batch-invariant).
+ARGMAX_SPLIT_BLOCK = 2048        # logits per load of a split program (4 warps)
+ARGMAX_MAX_SPLITS = 128          # the reducer's one load: a power of two
+ARGMAX_MAX_PARTIALS = 4096       # B x S of a split launch: its rows' counters and partials live in a fixed buffer
+_ARGMAX_STATE: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
 @triton.jit
-def _argmax_kernel(logits_ptr, out_ptr, V, stride_b, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (B,). One program scans one row of V logits in BLOCK_V chunks, keeping the running max and the lowest
-    index reaching it (a later chunk replaces it only when strictly greater), as torch.argmax does. NaN counts as
-    the largest value, again as torch.argmax. Bound by HBM bytes (V x 2 or 4 B per row)."""
+def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, lock_ptr, V, stride_b, CHUNK,
+                   BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid (B, S). Program (b, s) scans logits [s x CHUNK, min(V, (s + 1) x CHUNK)) of row b in BLOCK_V chunks,
+    keeping the running max and the lowest index reaching it (a later chunk replaces it only when strictly
+    greater), as torch.argmax does; NaN counts as the largest value, again as torch.argmax. S = 1 (not SPLIT):
+    that is the row's token. SPLIT: the slice's (max, index) goes to the partials [B, S] and the last of the
+    row's S programs to arrive reduces them (lowest slice first on ties, so the lowest index) and resets the
+    row's arrival counter for the next launch and every CUDA-graph replay. Bound by HBM bytes (V x 2 or 4 B per
+    row) once S x B programs keep the SMs' loads in flight."""
     b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    lo = s * CHUNK
+    hi = tl.minimum(V, lo + CHUNK)
     offs = tl.arange(0, BLOCK_V)
     best_val = -float("inf")
-    best_idx = 0
+    best_idx = lo
     pdl_wait(USE_PDL)
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         idx = start + offs
-        v = tl.load(logits_ptr + b * stride_b + idx, mask=idx < V, other=-float("inf")).to(tl.float32)
+        v = tl.load(logits_ptr + b * stride_b + idx, mask=idx < hi, other=-float("inf")).to(tl.float32)
         v = tl.where(v != v, float("inf"), v)          # NaN -> +inf so it wins, lowest NaN index first
         m = tl.max(v, axis=0)
         i = tl.min(tl.where(v == m, idx, V), axis=0)   # lowest index reaching the chunk max
-        take = (m > best_val) | ((start == 0) & (m == best_val))
+        take = (m > best_val) | ((start == lo) & (m == best_val))
         best_idx = tl.where(take, i, best_idx)
         best_val = tl.where(take, m, best_val)
     pdl_launch_dependents(USE_PDL)
-    tl.store(out_ptr + b, best_idx.to(tl.int64))
+    if not SPLIT:
+        tl.store(out_ptr + b, best_idx.to(tl.int64))
+    else:
+        S = tl.num_programs(1)
+        tl.store(part_val_ptr + b * S + s, best_val)
+        tl.store(part_idx_ptr + b * S + s, best_idx)
+        tl.debug_barrier()                             # the partial before the release (acq_rel below)
+        if tl.atomic_add(lock_ptr + b, 1, sem="acq_rel", scope="gpu") == S - 1:
+            js = tl.arange(0, BLOCK_S)
+            vals = tl.load(part_val_ptr + b * S + js, mask=js < S, other=-float("inf"), cache_modifier=".cg")
+            idxs = tl.load(part_idx_ptr + b * S + js, mask=js < S, other=V, cache_modifier=".cg")
+            m = tl.max(vals, axis=0)
+            tl.store(out_ptr + b, tl.min(tl.where(vals == m, idxs, V), axis=0).to(tl.int64))
+            tl.atomic_xchg(lock_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """Greedy token ids: argmax over the last dim of logits [B, V], lowest index on ties; int64 [B]."""
+def argmax_splits(b: int, v: int, num_sms: int) -> int:
+    """Programs per row: enough that the B x S programs fill about one wave of ``num_sms`` SMs, each with at least
+    one ARGMAX_SPLIT_BLOCK of the row and none empty, at most ARGMAX_MAX_SPLITS; 1 (a row per program) once the
+    batch alone fills the SMs. Depends on (B, V, SMs) alone, so a CUDA graph replays the split it captured."""
+    s = min(num_sms // max(b, 1), triton.cdiv(v, ARGMAX_SPLIT_BLOCK), ARGMAX_MAX_SPLITS,
+            ARGMAX_MAX_PARTIALS // max(b, 1))
+    return triton.cdiv(v, _argmax_chunk(v, s)) if s > 1 else 1
+
+
+def _argmax_chunk(v: int, splits: int) -> int:
+    """Logits per split program: whole ARGMAX_SPLIT_BLOCK loads covering the row in ``splits`` slices."""
+    return triton.cdiv(triton.cdiv(v, splits), ARGMAX_SPLIT_BLOCK) * ARGMAX_SPLIT_BLOCK
+
+
+def _argmax_state(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A device's split-argmax buffers: the rows' arrival counters (zeroed once, reset by each row's reducer, so
+    every later launch and CUDA-graph replay finds them zero) and the B x S partials (max, index). Allocated at
+    first use, outside graph capture (the engine samples eagerly), and reused: no allocation per step."""
+    key = str(device)
+    state = _ARGMAX_STATE.get(key)
+    if state is None:
+        state = _ARGMAX_STATE[key] = (torch.zeros(ARGMAX_MAX_PARTIALS, dtype=torch.int32, device=device),
+                                      torch.empty(ARGMAX_MAX_PARTIALS, dtype=torch.float32, device=device),
+                                      torch.empty(ARGMAX_MAX_PARTIALS, dtype=torch.int32, device=device))
+    return state
+
+
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False,
+           num_sms: int | None = None) -> torch.Tensor:
+    """Greedy token ids: argmax over the last dim of logits [B, V], lowest index on ties; int64 [B]. A row is split
+    across argmax_splits programs (``num_sms`` stands in for the device's SM count)."""
     if logits.dim() != 2:
         raise ValueError(f"argmax expects logits [B, V], got shape {tuple(logits.shape)}")
     lg = logits if logits.stride(1) == 1 else logits.contiguous()
     b, v = lg.shape
     out = _out(out, (b,), torch.int64, lg.device, "argmax")
-    block = min(8192, triton.next_power_of_2(max(v, 16)))
-    grid = (b,)
+    splits = argmax_splits(b, v, sm_count(lg.device) if num_sms is None else num_sms) if b and v else 1
+    if splits > 1:
+        block, chunk, warps = ARGMAX_SPLIT_BLOCK, _argmax_chunk(v, splits), 4
+        locks, part_val, part_idx = _argmax_state(lg.device)
+    else:
+        block = min(8192, triton.next_power_of_2(max(v, 16)))
+        chunk, part_val, part_idx, locks, warps = v, out, out, out, 8
+    grid = (b, splits)
     if b and v:
         on = use_pdl(pdl, "argmax", lg.device)
-        _argmax_kernel[grid](lg, out, v, lg.stride(0), BLOCK_V=block, USE_PDL=on, num_warps=8, **launch_options(on))
-    counters.record("argmax", "default", grid=grid, variant=("argmax", block))
+        _argmax_kernel[grid](lg, out, part_val, part_idx, locks, v, lg.stride(0), chunk, BLOCK_V=block,
+                             SPLIT=splits > 1, BLOCK_S=max(16, triton.next_power_of_2(splits)), USE_PDL=on,
+                             num_warps=warps, **launch_options(on))
+    counters.record("argmax", "default", grid=grid, variant=("argmax", block, splits))
     return out
