@@ -554,14 +554,18 @@ def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, lock_ptr, V,
         S = tl.num_programs(1)
         tl.store(part_val_ptr + b * S + s, best_val)
         tl.store(part_idx_ptr + b * S + s, best_idx)
-        tl.debug_barrier()                             # the partial before the release (acq_rel below)
-        if tl.atomic_add(lock_ptr + b, 1, sem="acq_rel", scope="gpu") == S - 1:
+        # the memory order of the decode attention's fused merge (attention.py, _decode_kernel): every thread's
+        # partial before one thread's release add; the last arrival's acquire swap (back to 0 for the next launch)
+        # and a barrier before its threads load the partials, through L2 (.cg)
+        tl.debug_barrier()
+        if tl.atomic_add(lock_ptr + b, 1, sem="release", scope="gpu") == S - 1:
+            tl.atomic_xchg(lock_ptr + b, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
             js = tl.arange(0, BLOCK_S)
             vals = tl.load(part_val_ptr + b * S + js, mask=js < S, other=-float("inf"), cache_modifier=".cg")
             idxs = tl.load(part_idx_ptr + b * S + js, mask=js < S, other=V, cache_modifier=".cg")
             m = tl.max(vals, axis=0)
             tl.store(out_ptr + b, tl.min(tl.where(vals == m, idxs, V), axis=0).to(tl.int64))
-            tl.atomic_xchg(lock_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
 def argmax_splits(b: int, v: int, num_sms: int) -> int:
