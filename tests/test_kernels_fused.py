@@ -200,14 +200,14 @@ def test_qkv_epilogue_bad_inputs_are_clear_errors():
 # -- argmax ----------------------------------------------------------------------------------------------------
 def test_argmax_lowest_index_on_ties_across_chunks():
     gen, seed = fresh_generator()
-    v = 20000                                          # three 8192-wide chunks, the last partial
+    v = 20000                                          # one program a row (1 SM): three 8192-wide loads
     lg = rnd(5, v, gen=gen)
     lg[0, 100] = lg[0, 9000] = 50.0                    # tie across chunks: the first wins
     lg[1, 19999] = 50.0                                # the maximum in the tail
     lg[2, 8191] = lg[2, 8192] = 50.0                   # tie across a chunk boundary
     lg[3] = float("-inf")                              # all -inf: index 0, like torch
     lg[4, 7] = lg[4, 3] = 50.0                         # tie inside a chunk
-    out = fused.argmax(lg, out=torch.full((5,), -1, dtype=torch.int64, device=DEV))
+    out = fused.argmax(lg, out=torch.full((5,), -1, dtype=torch.int64, device=DEV), num_sms=1)
     assert out.tolist() == REF.greedy(lg).tolist() == [100, 19999, 8191, 0, 3], f"seed {seed}"
 
 
@@ -248,6 +248,34 @@ def test_argmax_split_rows_equal_one_program_per_row(num_sms):
     assert counters.snapshot()["argmax"]["default"]["grids"] == {f"{b}x{splits}": 2}
     if splits > 1:
         assert not fused._argmax_state(lg.device)[0].any(), "an arrival counter was left set"
+
+
+@pytest.mark.parametrize("num_sms", [1, 4, 132])
+def test_argmax_slices_of_several_loads_and_nan_over_inf(num_sms):
+    """Slices of three 2,048-logit loads each (4 SMs, 2 rows: 2 slices a row), one load each (132) and one program
+    a row (1): ties across a load and across a slice boundary go to the lower index; a NaN beats a +inf before it
+    (torch counts NaN as the largest), the first NaN wins, and a NaN row's later chunks cannot displace it."""
+    gen, seed = fresh_generator()
+    edge = fused.ARGMAX_SPLIT_BLOCK
+    v = 5 * edge + 100
+    lg = rnd(4, v, gen=gen)
+    lg[0, edge - 1] = lg[0, edge] = 50.0               # tie across a load inside the first slice
+    lg[0, 3 * edge - 1] = lg[0, 3 * edge] = 60.0       # tie across the slice boundary (4 SMs: 6,144-logit slices)
+    lg[1, 3] = float("inf")
+    lg[1, 4000] = lg[1, 4 * edge + 7] = float("nan")   # NaN beats the +inf before it; the first NaN wins
+    lg[1, 5 * edge + 1] = float("inf")
+    lg[2, 3 * edge + 5] = float("inf")                 # +inf alone, in the second slice
+    lg[2, 5 * edge + 50] = float("inf")
+    lg[3, 2 * edge + 1] = float("nan")                 # a NaN in a later load than a large finite value
+    lg[3, 0] = 1e30
+    ref = REF.greedy(lg)
+    assert ref.tolist() == [3 * edge - 1, 4000, 3 * edge + 5, 2 * edge + 1], ref.tolist()
+    out = fused.argmax(lg, out=torch.full((4,), -1, dtype=torch.int64, device=DEV), num_sms=num_sms)
+    assert torch.equal(out, ref), f"seed {seed}, {num_sms} SMs: {out.tolist()} != {ref.tolist()}"
+    if num_sms == 4:
+        assert fused.argmax_splits(4, v, num_sms) == 1 and fused.argmax_splits(2, v, num_sms) == 2
+        two = fused.argmax(lg[:2].contiguous(), num_sms=num_sms)
+        assert torch.equal(two, ref[:2]), f"seed {seed}: {two.tolist()}"
 
 
 def test_argmax_splits_fill_one_wave_of_whole_loads():

@@ -521,15 +521,28 @@ _ARGMAX_STATE: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 @triton.jit
+def _lowest_max(v, idx, V):
+    """The (value, index) torch.argmax picks among ``v`` at indices ``idx``: a NaN if there is one (value NaN, its
+    lowest index), else the max and the lowest index reaching it. ``V`` stands for "no index" (masked lanes hold
+    -inf at index V or beyond)."""
+    nan = v != v
+    m = tl.max(tl.where(nan, -float("inf"), v), axis=0)
+    i = tl.min(tl.where(v == m, idx, V), axis=0)
+    i_nan = tl.min(tl.where(nan, idx, V), axis=0)
+    return tl.where(i_nan < V, float("nan"), m), tl.where(i_nan < V, i_nan, i)
+
+
+@triton.jit
 def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, lock_ptr, V, stride_b, CHUNK,
                    BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (B, S). Program (b, s) scans logits [s x CHUNK, min(V, (s + 1) x CHUNK)) of row b in BLOCK_V chunks,
     keeping the running max and the lowest index reaching it (a later chunk replaces it only when strictly
-    greater), as torch.argmax does; NaN counts as the largest value, again as torch.argmax. S = 1 (not SPLIT):
-    that is the row's token. SPLIT: the slice's (max, index) goes to the partials [B, S] and the last of the
-    row's S programs to arrive reduces them (lowest slice first on ties, so the lowest index) and resets the
-    row's arrival counter for the next launch and every CUDA-graph replay. Bound by HBM bytes (V x 2 or 4 B per
-    row) once S x B programs keep the SMs' loads in flight."""
+    greater), as torch.argmax does; a NaN counts as larger than everything, +inf included, again as torch.argmax
+    (the first NaN is kept). S = 1 (not SPLIT): that is the row's token. SPLIT: the slice's (max, index) goes to
+    the partials [B, S] and the last of the row's S programs to arrive reduces them the same way (slices in
+    order, so the lowest index on ties) and resets the row's arrival counter for the next launch and every
+    CUDA-graph replay. Bound by HBM bytes (V x 2 or 4 B per row) once S x B programs keep the SMs' loads in
+    flight."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     lo = s * CHUNK
@@ -541,10 +554,9 @@ def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, lock_ptr, V,
     for start in range(lo, hi, BLOCK_V):
         idx = start + offs
         v = tl.load(logits_ptr + b * stride_b + idx, mask=idx < hi, other=-float("inf")).to(tl.float32)
-        v = tl.where(v != v, float("inf"), v)          # NaN -> +inf so it wins, lowest NaN index first
-        m = tl.max(v, axis=0)
-        i = tl.min(tl.where(v == m, idx, V), axis=0)   # lowest index reaching the chunk max
-        take = (m > best_val) | ((start == lo) & (m == best_val))
+        m, i = _lowest_max(v, idx, V)
+        # a NaN kept stays; a chunk's NaN, or a strictly larger max, replaces; the first chunk always does
+        take = (best_val == best_val) & ((m != m) | (m > best_val) | (start == lo))
         best_idx = tl.where(take, i, best_idx)
         best_val = tl.where(take, m, best_val)
     pdl_launch_dependents(USE_PDL)
@@ -564,8 +576,7 @@ def _argmax_kernel(logits_ptr, out_ptr, part_val_ptr, part_idx_ptr, lock_ptr, V,
             js = tl.arange(0, BLOCK_S)
             vals = tl.load(part_val_ptr + b * S + js, mask=js < S, other=-float("inf"), cache_modifier=".cg")
             idxs = tl.load(part_idx_ptr + b * S + js, mask=js < S, other=V, cache_modifier=".cg")
-            m = tl.max(vals, axis=0)
-            tl.store(out_ptr + b, tl.min(tl.where(vals == m, idxs, V), axis=0).to(tl.int64))
+            tl.store(out_ptr + b, _lowest_max(vals, idxs, V)[1].to(tl.int64))
 
 
 def argmax_splits(b: int, v: int, num_sms: int) -> int:
@@ -585,10 +596,14 @@ def _argmax_chunk(v: int, splits: int) -> int:
 def _argmax_state(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A device's split-argmax buffers: the rows' arrival counters (zeroed once, reset by each row's reducer, so
     every later launch and CUDA-graph replay finds them zero) and the B x S partials (max, index). Allocated at
-    first use, outside graph capture (the engine samples eagerly), and reused: no allocation per step."""
+    first use, outside graph capture (the engine samples eagerly), and reused: no allocation per step. One stream
+    at a time per device: two argmax launches running at once on two streams would share them."""
     key = str(device)
     state = _ARGMAX_STATE.get(key)
     if state is None:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("argmax: first call on this device inside a CUDA-graph capture; call it once "
+                               "eagerly first (its counters must be zeroed outside the graph)")
         state = _ARGMAX_STATE[key] = (torch.zeros(ARGMAX_MAX_PARTIALS, dtype=torch.int32, device=device),
                                       torch.empty(ARGMAX_MAX_PARTIALS, dtype=torch.float32, device=device),
                                       torch.empty(ARGMAX_MAX_PARTIALS, dtype=torch.int32, device=device))
