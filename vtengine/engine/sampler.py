@@ -34,11 +34,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], generators: dict[int, torch.Generator]
                ) -> torch.Tensor:
         """The next token of every sequence, as an int64 tensor on the logits' device (no host sync)."""
-        out = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         if len(greedy_rows) == len(seqs):
-            out.copy_(self.backend.greedy(logits))
-        elif greedy_rows:
+            return self.backend.greedy(logits)          # a fresh int64 [B]: no buffer and no copy into one
+        out = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        if greedy_rows:
             idx = to_device(greedy_rows, torch.int64, logits.device)
             out[idx] = self.backend.greedy(logits[idx]).to(torch.int64)
         for i, seq in enumerate(seqs):
