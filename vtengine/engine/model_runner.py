@@ -191,9 +191,10 @@ class ModelRunner:
 
     def _decode_ids(self, seqs: list[Sequence]) -> torch.Tensor:
         """Each sequence's newest token, on the device. A token the step in flight sampled (PENDING on the host)
-        comes from that step's ids on the device (the device token mirror), gathered there without a host sync;
-        with the mirror off it comes from the host, which holds only the token before it: the stale read of a
-        plain async port, kept so a gate can show the race."""
+        comes from that step's ids on the device (the device token mirror), gathered there without a host sync, or
+        taken as they are when the batch is that step's in its order (steady decode); with the mirror off it comes
+        from the host, which holds only the token before it: the stale read of a plain async port, kept so a gate
+        can show the race."""
         dev = self.device
         stale = self.fault is not None and self.fault.kind == "stale_input"
         # the stale_input fault on a sequence whose newest token is in flight: the host's copy (the one before it)
@@ -210,13 +211,19 @@ class ModelRunner:
                 src.append(-1)
                 # a deliberate fault (stale_input): the token before the newest, as a racy async step would read it
                 host.append(s.token_ids[-2] if stale and s.num_completion_tokens > 1 else s.last_token)
-        ids = to_device(host, torch.int64, dev)
-        if pending:
-            counters.record("async_inputs", "device_mirror" if device_mirror else "host_copy",
-                            grid=(len(seqs),))
-        if any(r >= 0 for r in src):
-            rows = to_device(src, torch.int64, dev)
-            ids = torch.where(rows >= 0, self.mirror.ids[rows.clamp(min=0)], ids)
+        if src and self.mirror is not None and src == list(range(self.mirror.ids.shape[0])):
+            # steady decode: every row's newest token is the step in flight's, in its order: its ids are these ids
+            # (the gather below would give the same tensor through two copies to the device and four kernels)
+            ids = self.mirror.ids
+        else:
+            ids = to_device(host, torch.int64, dev)
+            if any(r >= 0 for r in src):
+                rows = to_device(src, torch.int64, dev)
+                ids = torch.where(rows >= 0, self.mirror.ids[rows.clamp(min=0)], ids)
+        if pending:     # the form named from the tensor the step reads
+            as_is = self.mirror is not None and ids is self.mirror.ids
+            counters.record("async_inputs", "device_mirror" if device_mirror else "host_copy", grid=(len(seqs),),
+                            variant="in_order" if as_is else "gathered")
         return ids
 
     # -- CUDA graphs -------------------------------------------------------------------------------------------
