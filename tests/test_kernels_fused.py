@@ -280,7 +280,7 @@ def test_argmax_slices_of_several_loads_and_nan_over_inf(num_sms):
 
 def test_argmax_splits_fill_one_wave_of_whole_loads():
     """The split count: about one wave (B x S <= SMs), whole 2,048-logit loads per slice, no empty slice; one
-    program per row once the batch fills the SMs or passes the counters."""
+    program per row once the batch fills the SMs."""
     v = 151936                                         # Qwen3's vocabulary
     for b in (1, 2, 3, 8, 33, 131, 132, 5000):
         s = fused.argmax_splits(b, v, 132)
