@@ -11,7 +11,6 @@ over the copy bandwidth measured in the run (an L2-warm read can beat it at smal
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,15 +40,7 @@ def _us_per_call(fn, lg: torch.Tensor) -> float:
     with torch.cuda.graph(g):
         for _ in range(CALLS):
             fn(lg)
-    times = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / CALLS)
-    return statistics.median(times)
+    return common.graph_us(g, CALLS, REPS)
 
 
 def main(out_dir: str, batches=BATCHES) -> dict:

@@ -70,6 +70,21 @@ def copy_bandwidth_gbs(nbytes: int | None = None, *, device: str | torch.device 
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def graph_us(graph, per_replay: int, reps: int) -> float:
+    """Median over ``reps`` replays of a captured CUDA graph, in us per item of the ``per_replay`` it holds (a
+    kernel launched that many times, or that many iterations), timed with CUDA events around each replay."""
+    import statistics
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / per_replay)
+    return statistics.median(times)
+
+
 # -- chores of a long run --------------------------------------------------------------------------------------
 def quiet_profiler() -> None:
     """Silence Kineto's own log lines before a torch.profiler session starts. Since torch 2.13 every session prints

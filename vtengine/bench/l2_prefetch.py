@@ -16,7 +16,6 @@ replays timed with CUDA events, median of REPS replays, per iteration.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,15 +44,7 @@ def _graph(fn):
 
 
 def _time_us(g, iters: int) -> float:
-    times = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / iters)
-    return statistics.median(times)
+    return common.graph_us(g, iters, REPS)
 
 
 def spin_cycles_for(us: float, probe_cycles: int = 200_000) -> int:
