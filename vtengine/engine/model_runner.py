@@ -86,7 +86,7 @@ class ModelRunner:
                           for _ in range(cfg.num_hidden_layers)]
         self.sampler = Sampler(model.backend)
         self.generators: dict[int, torch.Generator] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict = {}              # batch size -> torch.cuda.CUDAGraph (a callable on the CPU)
         self.graph_pool = None              # the memory pool every captured graph shares
         # the logits every captured graph writes (rows of one buffer: a step's sampler reads them before the next
         # replay, in stream order); a buffer outgrown by a later capture lives on in the views its graphs return
@@ -109,17 +109,20 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
 
     # -- inputs -----------------------------------------------------------------------------------------------
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _block_tables(self, seqs: list[Sequence], out: torch.Tensor | None = None) -> torch.Tensor:
         """[B, W] int32, -1 padded, W the longest table rounded up to BLOCK_TABLE_ALIGN columns: the kernels read a
         row only up to its own context, so the columns past every sequence's blocks are never needed. Built in
         numpy: at the model's full length (2,560 columns for 40,960 tokens) a full-width torch build took 2.6 ms per
-        step at 128 sequences on a CPU core, this 0.25 ms, and the copy to the device is W columns, not 2,560."""
+        step at 128 sequences on a CPU core, this 0.25 ms, and the copy to the device is W columns, not 2,560.
+        ``out``: a wider table (the decode graphs' static one) whose first B rows and W columns take it; its columns
+        past W keep what they held, which no kernel reads for the same reason."""
         width = max(1, max(len(s.block_table) for s in seqs))
         width = min(self.max_blocks_per_seq, -(-width // BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN)
         rows = np.full((len(seqs), width), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             rows[i, :len(s.block_table)] = s.block_table
-        return to_device(torch.from_numpy(rows), torch.int32, self.device)
+        return to_device(torch.from_numpy(rows), torch.int32, self.device,
+                         out=None if out is None else out[:len(seqs), :width])
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -172,18 +175,27 @@ class ModelRunner:
             counters.record("mixed_step", "decode_rows", grid=(len(decoding), cu[-1]))
         return ids, to_device(pos, torch.int64, dev), ctx
 
-    def prepare_decode(self, seqs: list[Sequence], positions: bool = True):
+    def prepare_decode(self, seqs: list[Sequence], positions: bool = True, static: bool = False):
         """A decode step's inputs (``positions=False``: the decoding part of a mixed step, whose positions and
-        slots the prefill context carries)."""
-        dev = self.device
+        slots the prefill context carries). ``static``: written straight into the first B rows of the decode
+        graphs' static buffers (one host-to-device copy each, no device tensor in between), which ``_replay``
+        then replays."""
+        dev, b = self.device, len(seqs)
+        if static and not positions:
+            raise ValueError("prepare_decode: static inputs are a whole decode step's, positions included")
+        g = self.g_ctx if static else None
         ids = self._decode_ids(seqs)
-        pos = to_device([len(s) - 1 for s in seqs], torch.int64, dev) if positions else None
+        if static:
+            ids = self.g_ids[:b].copy_(ids)
+        pos = (to_device([len(s) - 1 for s in seqs], torch.int64, dev, out=self.g_pos[:b] if static else None)
+               if positions else None)
         ctx = AttnContext(
             is_prefill=False,
-            slot_mapping=(to_device([self._slot(s, len(s) - 1) for s in seqs], torch.int64, dev) if positions
-                          else None),
-            context_lens=to_device([len(s) for s in seqs], torch.int32, dev),
-            block_tables=self._block_tables(seqs),
+            slot_mapping=(to_device([self._slot(s, len(s) - 1) for s in seqs], torch.int64, dev,
+                                    out=g.slot_mapping[:b] if static else None) if positions else None),
+            context_lens=to_device([len(s) for s in seqs], torch.int32, dev,
+                                   out=g.context_lens[:b] if static else None),
+            block_tables=self._block_tables(seqs, out=g.block_tables if static else None),
             # split count from max_model_len in eager and graphed decode alike, so the two are bitwise equal
             max_context_len=self.max_model_len,
         )
@@ -239,6 +251,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int) -> None:
+        """One decode graph per batch size up to ``max_num_seqs`` over static input buffers. On the CPU, where no
+        graphs exist, each "graph" is the same step run eagerly over those buffers: a test that captures them there
+        and switches ``use_graphs`` on drives the replay's input handling (static rows, padding) without a GPU."""
         sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs] or [1]
         if sizes[-1] < max_num_seqs and max_num_seqs <= GRAPH_BATCH_SIZES[-1]:
             sizes.append(max_num_seqs)
@@ -257,18 +272,25 @@ class ModelRunner:
         pool = None
         for bs in sorted(sizes, reverse=True):
             ctx = self.g_ctx.sliced(bs)
+
+            def step(bs=bs, ctx=ctx):
+                self.g_out[bs] = self.model.logits(
+                    self.model.forward(self.g_ids[:bs], self.g_pos[:bs], ctx, self.kv_caches),
+                    out=self._graph_logits(bs))
+            if dev.type != "cuda":       # no graphs: the same step run eagerly over the static buffers
+                self.graphs[bs] = step
+                continue
             for _ in range(2):                       # warm-up: compile kernels, allocate workspaces
                 self.model.logits(self.model.forward(self.g_ids[:bs], self.g_pos[:bs], ctx, self.kv_caches))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.g_out[bs] = self.model.logits(
-                    self.model.forward(self.g_ids[:bs], self.g_pos[:bs], ctx, self.kv_caches),
-                    out=self._graph_logits(bs))
+                step()
             pool = graph.pool()
             self.graphs[bs] = graph
         self.graph_pool = pool
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     def set_chunk_graphs(self, chunk: int | None) -> None:
         """The lever chunk_graphs at chunk size ``chunk`` (None: off). Captures the graphs when none exist for this
@@ -379,20 +401,24 @@ class ModelRunner:
             return None
         return cg.out[bs][(0 if ends else 1):1 + n_dec]
 
-    def _replay(self, ids, pos, ctx: AttnContext) -> torch.Tensor:
-        b = ids.shape[0]
+    def _replay(self, b: int) -> torch.Tensor:
+        """Replay the smallest captured batch size >= b over the static buffers whose first b rows
+        ``prepare_decode(static=True)`` filled; the graph's rows past b are padded first (slot -1: nothing written;
+        context 1 over block 0: read and discarded), as they may hold an earlier, larger step's rows. At b equal to
+        a captured size nothing else runs before the replay."""
         bs = min(s for s in self.graphs if s >= b)
-        g = self.g_ctx
-        self.g_ids[:b].copy_(ids)
-        self.g_pos[:b].copy_(pos)
-        g.slot_mapping.fill_(-1)
-        g.slot_mapping[:b].copy_(ctx.slot_mapping)
-        g.context_lens.fill_(1)
-        g.context_lens[:b].copy_(ctx.context_lens)
-        g.block_tables.zero_()
-        g.block_tables[:b, :ctx.block_tables.shape[1]].copy_(ctx.block_tables.clamp(min=0))
-        self.graphs[bs].replay()
-        counters.record("decode_step", "cuda_graph", grid=(bs,))
+        if b < bs:
+            g = self.g_ctx
+            g.slot_mapping[b:bs].fill_(-1)
+            g.context_lens[b:bs].fill_(1)
+            g.block_tables[b:bs].zero_()
+        graph = self.graphs[bs]
+        if isinstance(graph, torch.cuda.CUDAGraph):
+            graph.replay()
+            counters.record("decode_step", "cuda_graph", grid=(bs,))
+        else:
+            graph()
+            counters.record("decode_step", "static_eager", grid=(bs,))
         return self.g_out[bs][:b]
 
     # -- one step ----------------------------------------------------------------------------------------------
@@ -415,10 +441,11 @@ class ModelRunner:
                     s.in_prefill = s.num_cached_tokens < len(s)
             return logits
         else:
-            ids, pos, ctx = self.prepare_decode(seqs)
             if self.use_graphs and len(seqs) <= max(self.graphs):
-                logits = self._replay(ids, pos, ctx)
+                self.prepare_decode(seqs, static=True)
+                logits = self._replay(len(seqs))
             else:
+                ids, pos, ctx = self.prepare_decode(seqs)
                 logits = self.model.logits(self.model.forward(ids, pos, ctx, self.kv_caches))
                 counters.record("decode_step", "eager", grid=(len(seqs),))
         for s in seqs:

@@ -9,9 +9,16 @@ from __future__ import annotations
 import torch
 
 
-def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list or CPU tensor on ``device``; on CUDA without a host sync."""
+def to_device(data, dtype: torch.dtype, device: torch.device | str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A host list or CPU tensor on ``device``; on CUDA without a host sync. With ``out`` (a tensor on ``device`` of
+    the data's shape, e.g. rows of a CUDA graph's static input buffer) the data lands there, in one copy, and
+    ``out`` is returned."""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-    if torch.device(device).type != "cuda":
+    cuda = torch.device(device).type == "cuda"
+    if out is not None:
+        if out.shape != t.shape:
+            raise ValueError(f"to_device: data of shape {tuple(t.shape)} cannot fill out of shape {tuple(out.shape)}")
+        return out.copy_(t.pin_memory() if cuda else t, non_blocking=cuda)
+    if not cuda:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
