@@ -103,7 +103,8 @@ def test_gpu_chunk_graphs_equal_eager_chunks_without_a_host_sync():
     from vtengine import counters
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(16, 30000, (n,), generator=g).tolist() for n in (700, 5, 1100, 300, 17, 513, 256, 40)]
-    levers = {"chunked_prefill": 256, "mixed_steps": True}
+    # chunk_above off: mixed_prefill (on by default) would otherwise prefill every prompt of at most 1,536 tokens whole
+    levers = {"chunked_prefill": 256, "mixed_steps": True, "chunk_above": "off"}
     eager = LLM(levers=levers, **ENGINE)
     want = tokens(eager.generate(ps, GREEDY))
     graphed = LLM(levers={**levers, "chunk_graphs": True}, **ENGINE)
