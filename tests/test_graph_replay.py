@@ -62,6 +62,14 @@ def test_replay_pads_the_rows_past_the_batch(llm):
     prompts, _ = staggered(4)
     for i, p in enumerate(prompts):
         eng.add_request(f"pad{i}", p, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    try:
+        _check_padding(runner, eng)
+    finally:
+        for i in range(len(prompts)):
+            eng.abort_request(f"pad{i}")
+
+
+def _check_padding(runner, eng):
     while eng.scheduler.waiting or any(not s.num_completion_tokens for s in eng.scheduler.running):
         eng.step()
     seqs = list(eng.scheduler.running)[:3]
@@ -79,6 +87,7 @@ def test_replay_pads_the_rows_past_the_batch(llm):
     assert g.slot_mapping[3].item() == -1 and g.context_lens[3].item() == 1
     assert not g.block_tables[3].any()
     assert g.slot_mapping[4].item() != -1        # past the replayed size (4): untouched, no graph of 4 reads it
+    width = runner._block_tables(seqs).shape[1]          # the step's table width (whole 64-column groups)
     for i, s in enumerate(seqs):
         assert g.slot_mapping[i].item() == runner._slot(s, len(s) - 1)
         assert g.context_lens[i].item() == len(s)
@@ -86,17 +95,18 @@ def test_replay_pads_the_rows_past_the_batch(llm):
         assert runner.g_pos[i].item() == len(s) - 1 and runner.g_ids[i].item() == newest >= 0
         n = len(s.block_table)
         assert g.block_tables[i, :n].tolist() == s.block_table
+        assert set(g.block_tables[i, n:width].tolist()) <= {-1}       # -1 past the table, up to the step's width
     # only this step's three slots were written: the padded row wrote nothing into seqs[0]'s earlier slot
     written = {runner._slot(s, len(s) - 1) for s in seqs}
     for (k, _), k0 in zip(runner.kv_caches, before):
         changed = (k.flatten(0, 1) != k0.flatten(0, 1)).flatten(1).any(-1)       # per flat slot
         assert set(changed.nonzero().flatten().tolist()) <= written
-    for i in range(len(prompts)):
-        eng.abort_request(f"pad{i}")
 
 
 def test_to_device_into_a_buffer_checks_the_shape():
     buf = torch.full((4,), -7, dtype=torch.int64)
     assert to_device([1, 2], torch.int64, "cpu", out=buf[:2]) is not None and buf.tolist() == [1, 2, -7, -7]
-    with pytest.raises(ValueError, match=r"data of shape \(3,\) cannot fill out of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"data of shape \(3,\) and dtype torch.int64 cannot fill out of shape \(2,\)"):
         to_device([1, 2, 3], torch.int64, "cpu", out=buf[:2])
+    with pytest.raises(ValueError, match=r"cannot fill out of shape \(2,\) and dtype torch.int64"):
+        to_device([1, 2], torch.int32, "cpu", out=buf[:2])

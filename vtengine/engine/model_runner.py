@@ -273,10 +273,11 @@ class ModelRunner:
         for bs in sorted(sizes, reverse=True):
             ctx = self.g_ctx.sliced(bs)
 
-            def step(bs=bs, ctx=ctx):
-                self.g_out[bs] = self.model.logits(
-                    self.model.forward(self.g_ids[:bs], self.g_pos[:bs], ctx, self.kv_caches),
-                    out=self._graph_logits(bs))
+            # every input bound now, as a graph binds its addresses at capture (a later swap of the buffers,
+            # as a gate's recapture does, must not mix these inputs with new ones)
+            def step(bs=bs, ctx=ctx, ids=self.g_ids[:bs], pos=self.g_pos[:bs]):
+                self.g_out[bs] = self.model.logits(self.model.forward(ids, pos, ctx, self.kv_caches),
+                                                   out=self._graph_logits(bs))
             if dev.type != "cuda":       # no graphs: the same step run eagerly over the static buffers
                 self.graphs[bs] = step
                 continue

@@ -16,8 +16,10 @@ def to_device(data, dtype: torch.dtype, device: torch.device | str, out: torch.T
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     cuda = torch.device(device).type == "cuda"
     if out is not None:
-        if out.shape != t.shape:
-            raise ValueError(f"to_device: data of shape {tuple(t.shape)} cannot fill out of shape {tuple(out.shape)}")
+        if out.shape != t.shape or out.dtype != t.dtype:
+            # a dtype mismatch would convert on the host into pageable memory: a copy that waits for the device
+            raise ValueError(f"to_device: data of shape {tuple(t.shape)} and dtype {t.dtype} cannot fill out of "
+                             f"shape {tuple(out.shape)} and dtype {out.dtype}")
         return out.copy_(t.pin_memory() if cuda else t, non_blocking=cuda)
     if not cuda:
         return t.to(device)
