@@ -282,7 +282,7 @@ class ModelRunner:
                 self.graphs[bs] = step
                 continue
             for _ in range(2):                       # warm-up: compile kernels, allocate workspaces
-                self.model.logits(self.model.forward(self.g_ids[:bs], self.g_pos[:bs], ctx, self.kv_caches))
+                step()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
