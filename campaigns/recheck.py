@@ -10,7 +10,8 @@ grid on today's defaults; its candidates are the stale campaign's candidate valu
 left: the campaign file's own, i.e. the flip of today's default).
 
 The plan and progress live in ``<out_dir>/.recheck.json``: a recheck interrupted (Ctrl-C, or a GPU command's time
-limit) continues where it stopped, resuming the campaign in flight with ``resume=<id>``; ``--restart`` plans anew. A
+limit) continues where it stopped, resuming the campaign in flight with ``resume=<id>`` (an entry with none runs with
+``resume=auto``, so a campaign begun where the plan's progress was lost is resumed too); ``--restart`` plans anew. A
 saved plan is checked against the verdicts each time it is loaded: a pending entry whose lever is FRESH again (a
 campaign run outside the plan measured it) is done, one still STALE takes its latest verdict's reasons and arms, and
 a lever gone STALE since (a flip merged meanwhile, a changed source file) joins the plan in the place a new plan
@@ -414,6 +415,11 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
                 echo(f"recheck {_key(entry)}: {entry['new']} has every gate and leg; concluding it here")
                 ev = conclude_one(entry["new"])
             overrides.append(f"resume={entry['new']}")
+        else:
+            # the plan may not know a campaign begun for it: progress saved on a GPU host whose plan file did not
+            # come back (2026-12-07: the next call started the same campaign afresh, 14 legs measured twice).
+            # resume=auto takes the newest unfinished campaign of this config and code, else starts one
+            overrides.append("resume=auto")
         if ev is None:
             echo(f"recheck {_key(entry)}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
                  f"running {' '.join(overrides)}")

@@ -187,6 +187,31 @@ def test_a_run_works_through_the_plan_and_resumes_the_campaign_it_was_stopped_in
     assert len(calls) == 3
 
 
+def test_a_campaign_begun_where_the_plans_progress_was_lost_is_resumed_by_config(proj):
+    """A GPU host saves the plan's progress in its own copy of the plan file; when that copy does not come back, the
+    plan here names no campaign for the entry, and the next call must not start the same campaign afresh (on
+    2026-12-07 it did: 14 legs measured twice). Every entry without a campaign of its own runs with resume=auto."""
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    recheck.plan(out, root=proj)
+    planned = (out / recheck.STATE_FILE).read_text()
+    calls = []
+
+    def interrupted(overrides, started):
+        started("2026-12-01-gqa_swap-new")
+        calls.append(overrides)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        recheck.run(out, ["tracking=off"], interrupted, root=proj, echo=lambda s: None)
+    assert calls[0][-1] == "resume=auto"
+    (out / recheck.STATE_FILE).write_text(planned)          # the host's progress lost
+    recheck.run(out, ["tracking=off"], lambda o, s: calls.append(o) or make_evidence(TPUT_WIN, lever="gqa_swap"),
+                root=proj, echo=lambda s: None)
+    assert calls[1][-2:] == ["tracking=off", "resume=auto"]
+    assert sum(o.startswith("resume=") for o in calls[1]) == 1
+
+
 def test_a_verdict_of_another_gpu_is_left_pending_for_a_host_with_it(proj):
     """The lender may give an H100 to a session that asked for an H200: a recheck there would file H100 verdicts
     beside the stale H200 ones and renew none, so it leaves them pending, says so, and runs the ones of its GPU."""
@@ -344,7 +369,8 @@ def test_a_campaign_stopped_short_of_its_verdict_alone_is_concluded_not_resumed(
 
     with pytest.raises(KeyboardInterrupt):
         recheck.run(out, [], second, root=proj, echo=lambda s: None, conclude_one=conclude)
-    assert concluded == [f"2026-12-01-{first}-new"] and len(calls) == 2 and "resume=" not in " ".join(calls[1])
+    assert concluded == [f"2026-12-01-{first}-new"] and len(calls) == 2
+    assert [o for o in calls[1] if o.startswith("resume=")] == ["resume=auto"]     # none of its own begun yet
     state = recheck.load_state(out)
     assert [(e["status"], e.get("verdict")) for e in state["entries"]][:1] == [("done", "FLIP")]
     # the one a leg short is resumed, not concluded
