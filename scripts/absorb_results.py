@@ -1,6 +1,6 @@
 """Bring one GPU call's results into the checkout and commit them at once, so a session cut off later keeps them.
 
-    python scripts/absorb_results.py RESULTS_TGZ [--no-commit] [-m MESSAGE]
+    python scripts/absorb_results.py RESULTS_TGZ [--no-commit | --no-render] [-m MESSAGE]
 
 RESULTS_TGZ is the tarball `scripts/h200_session.sh` leaves in $OUT (records, bench/results, op bounds, logs).
 - records/campaigns/<id>/: copied over the checkout's when it is the same campaign (same `created` time: a resumed
@@ -14,6 +14,9 @@ RESULTS_TGZ is the tarball `scripts/h200_session.sh` leaves in $OUT (records, be
   one whose bytes the checkout holds under any name (renamed since the call's copy was made) is left out.
 - campaigns/gates/op_bounds.yaml: taken when it differs (bounds measured on the device).
 - the logs go to the directory printed at the end, outside the tree.
+--no-render takes the files in and stops there (no render, no commit; a few seconds against the render's ~100 s):
+for the next call on a warm machine, which the lender gives back after 30 s idle; a campaign in flight resumes from
+the untracked evidence it carries. Absorb the tarballs again afterwards, in order, to render and commit them.
 Then `vtcampaign render` and, unless --no-commit, one commit of what changed ("Device results: ...", a subject of at
 most 72 characters, every name in the body; amend it with the figures while it is still HEAD: campaign ids and
 fingerprints name later commits, so history must not be rewritten past it).
@@ -147,13 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("tgz", type=Path)
     p.add_argument("--no-commit", action="store_true")
+    p.add_argument("--no-render", action="store_true", help="take the files in only (no render, no commit)")
     p.add_argument("-m", "--message", default=None)
     args = p.parse_args(argv)
     if not args.tgz.is_file():
         p.error(f"{args.tgz}: no such file (the call's files_at folder holds results.tgz)")
-    campaigns, bench, logs = absorb(args.tgz)
+    campaigns, bench, logs = absorb(args.tgz, ROOT)
     print(f"campaigns: {campaigns or 'none new'}\nbench files: {bench or 'none new'}\nlogs: {logs}")
-    left = [n for n in pending() if n not in campaigns + bench]
+    if args.no_render:
+        print("taken in, not rendered or committed: absorb the tarball again (without --no-render) to do both")
+        return 0
+    left = [n for n in pending(ROOT) if n not in campaigns + bench]
     if left:
         print(f"uncommitted from an earlier absorb, taken too: {left}")
     if campaigns or any((ROOT / "records" / "campaigns" / n).is_dir() for n in left):

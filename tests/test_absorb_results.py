@@ -91,6 +91,25 @@ def test_a_retry_after_a_failed_render_still_names_what_the_first_try_took(tmp_p
     assert absorb_results.pending(root) == ["b.md", "new"]
 
 
+def test_no_render_takes_the_files_in_and_neither_renders_nor_commits(tmp_path, monkeypatch):
+    """Between two calls on a warm machine (given back after 30 s idle) there is no time for the ~100 s render:
+    --no-render copies the call's files in and runs nothing; absorbing the tarball again renders and commits."""
+    root = tmp_path / "repo"
+    (root / "records" / "campaigns").mkdir(parents=True)
+    (root / "bench" / "results").mkdir(parents=True)
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, check=True, capture_output=True)     # noqa: E731
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "root")
+    tgz = _tgz(tmp_path / "results.tgz", {"records/campaigns/new/evidence.json": "{}", "bench/results/b.md": "b\n"})
+    ran = []
+    monkeypatch.setattr(absorb_results, "ROOT", root)
+    monkeypatch.setattr(absorb_results.subprocess, "run", lambda *a, **k: ran.append(a[0]))
+    assert absorb_results.main([str(tgz), "--no-render"]) == 0
+    assert ran == []                                    # no render, no git add, no commit
+    assert (root / "records" / "campaigns" / "new" / "evidence.json").read_text() == "{}"
+    assert (root / "bench" / "results" / "b.md").read_text() == "b\n"
+
+
 def test_a_second_campaign_under_the_same_id_comes_in_as_a_re_run_id(tmp_path):
     """Each GPU call starts from the checkout, so two campaigns of one lever at one commit (mixed_prefill's standard
     grid, then its long-prompt grid) both take <date>-<lever>-<sha7>: the second used to be copied over the first,
