@@ -13,7 +13,8 @@
 # A campaign step cut off after its last leg (before its verdict): `vtcampaign conclude <id>` here, no device needed.
 # `vtcampaign recheck --dry-run` here prints the stale verdicts' campaign steps, timed and packed into calls.
 # Absorb each call's tarball before the next call: a call carries the checkout as it is, and a resume=auto step
-# whose copy lacks the last call's legs starts its campaign anew (absorb keeps the further-along evidence). While
+# whose copy lacks the last call's legs starts its campaign anew (absorb keeps the further-along evidence; with
+# --no-render it takes the files in within seconds and leaves the render and commit for later). While
 # the machine stays warm (about 30 s idle) the next call needs no absorb first: scripts/device_state.sh keeps each
 # call's campaigns on the machine and puts back those the checkout lacks; absorb both tarballs afterwards, in order.
 set -uo pipefail
