@@ -197,6 +197,25 @@ def test_device_busy_time_counts_overlapping_kernels_once():
     assert kernel_profile.device_busy_us([], steps=1) is None
 
 
+def test_own_time_charges_a_pdl_wait_to_the_kernel_still_running():
+    """A kernel launched under PDL starts while the one before it drains and waits for it: its duration counts the
+    wait. Own time charges the overlap to the kernel started first, so own times sum to the busy time and a
+    kernel's own time is the part of the timeline it alone holds."""
+    ev = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    # gemv [0, 10); attention launched at 8 waits for it, runs to 12; a copy nested in [30, 35); a gap before it
+    trace = [ev("gemv", 0.0, 10.0), ev("attn", 8.0, 4.0), ev("gemv", 30.0, 5.0), ev("copy", 31.0, 2.0)]
+    rows = {r["name_full"]: r for r in kernel_table(trace, steps=1, on_device=True)}
+    assert {n: (r["us_per_step"], r["own_us_per_step"]) for n, r in rows.items()} == {
+        "gemv": (15.0, 15.0), "attn": (4.0, 2.0), "copy": (2.0, 0.0)}
+    assert sum(r["own_us_per_step"] for r in rows.values()) == kernel_profile.device_busy_us(trace, steps=1) == 17.0
+    # over two steps, per step; listed in any order, the same
+    rows = {r["name_full"]: r["own_us_per_step"] for r in kernel_table(trace[::-1], steps=2, on_device=True)}
+    assert rows == {"gemv": 7.5, "attn": 1.0, "copy": 0.0}
+    # CPU ops have no own time (self time already excludes what is nested)
+    cpu = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0.0, "dur": 3.0}]
+    assert kernel_table(cpu, steps=1, on_device=False)[0].get("own_us_per_step") is None
+
+
 def test_profile_markdown_shows_the_device_timeline():
     p = KernelProfile(model="m", quant="bf16", batch=8, activity="cuda", steps=16, context_len=1024,
                       step_us_measured=4204.0, kernel_us_per_step=4768.0, gap_us_per_step=-564.0,
@@ -526,6 +545,22 @@ def test_each_kind_of_bytes_against_its_own_floor():
     p.byte_floors = list(floors.values())
     md = report.render_markdown(DecodeResult.from_dict({"engine": [], "profiles": [p.to_dict()]}))
     assert "| w4a16_gemm | `_w4a16_gemm_kernel` | 10.0 |" in md and "% of floor |" in md
+    assert w.own_us_per_step is None and "own us/step" not in md      # a CPU trace, or a file before own times
+    # a device trace's own times (the GEMM's 10 us less 2 of PDL wait for the kernel before it): the own
+    # fraction of the floor beside the plain one, in the JSON and the markdown
+    for row, own in zip(rows, (8.0, 2.0, 1.0)):
+        row.own_us_per_step = own
+    floors = {f.kind: f for f in kernel_profile.byte_floors(p, eng, copy_gbs=1.0)}
+    w = floors["w4a16_gemm"]
+    assert w.own_us_per_step == 8.0 and w.frac_of_floor_own == pytest.approx(w.floor_us / 8.0)
+    p.byte_floors = list(floors.values())
+    back = DecodeResult.from_dict({"engine": [], "profiles": [p.to_dict()]})
+    assert back.profiles[0].byte_floors[0].frac_of_floor_own == pytest.approx(floors["w4a16_gemm"].frac_of_floor_own)
+    md = report.render_markdown(back)
+    assert "| kernel | us/step | own us/step | launches/step |" in md
+    assert "| `_w4a16_gemm_kernel` | 10.0 | 8.0 | 1.00 | 50.0% |" in md
+    own_pct = f"{100 * w.frac_of_floor_own:.1f}%"
+    assert f"| 10.0 | {qbytes / 1e6:.1f} | {w.floor_us:.1f} | {100 * w.frac_of_floor:.1f}% | 8.0 | {own_pct} |" in md
 
 
 def test_profiling_prints_no_kineto_lines():

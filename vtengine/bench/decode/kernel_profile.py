@@ -70,9 +70,13 @@ def kernel_table(trace_events: list[dict], steps: int, on_device: bool) -> list[
     """Aggregate Kineto trace events by kernel name: us per step, launches per step, sorted by time (longest first).
 
     On a GPU the "kernels" are device activities (kernels, memcpy, memset); on CPU they are CPU ops by self time."""
+    own: dict[str, float] | None = None
     if on_device:
         acts = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
         times = [float(e["dur"]) for e in acts]
+        own = {}
+        for e, us in zip(acts, _own_times_us(acts)):
+            own[e["name"]] = own.get(e["name"], 0.0) + us
     else:
         acts = [e for e in trace_events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
         times = _self_times_us(acts)
@@ -82,9 +86,26 @@ def kernel_table(trace_events: list[dict], steps: int, on_device: bool) -> list[
         total[e["name"]] = total.get(e["name"], 0.0) + us
         count[e["name"]] = count.get(e["name"], 0) + 1
     rows = [KernelRow(kernel=short_kernel_name(n), name_full=n, us_per_step=total[n] / steps,
-                      launches_per_step=count[n] / steps) for n in total]
+                      launches_per_step=count[n] / steps,
+                      own_us_per_step=None if own is None else own[n] / steps) for n in total]
     rows.sort(key=lambda r: -r.us_per_step)
     return rows
+
+
+def _own_times_us(acts: list[dict]) -> list[float]:
+    """Each device activity's own time: its interval less what of it lies before the end of every activity that
+    started earlier. Under PDL a kernel starts while the one before it drains and waits (griddepcontrol.wait) until
+    that one ends; its duration counts the wait, so duration sums count the overlap twice and charge the wait to
+    the waiting kernel. Own times charge it to the kernel still running: they sum to the device's busy time (the
+    union of the intervals), and a kernel's own time is the part of the step's critical path it alone holds."""
+    order = sorted(range(len(acts)), key=lambda i: (float(acts[i]["ts"]), -float(acts[i]["dur"])))
+    own = [0.0] * len(acts)
+    reached = float("-inf")                     # the latest end among the activities started so far
+    for i in order:
+        start, end = float(acts[i]["ts"]), float(acts[i]["ts"]) + float(acts[i]["dur"])
+        own[i] = max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return own
 
 
 def device_step_us(trace_events: list[dict], steps: int) -> float | None:
@@ -339,9 +360,11 @@ def byte_floors(p: KernelProfile, eng, copy_gbs: float | None) -> list[ByteFloor
         if not rows or need.get(kind, 0) <= 0:
             continue
         us = sum(k.us_per_step for k in rows)
+        own = None if any(k.own_us_per_step is None for k in rows) else sum(k.own_us_per_step for k in rows)
         floor_us = 1e6 * need[kind] / (copy_gbs * 1e9) if copy_gbs else None
         out.append(ByteFloor(kind=kind, kernels=[k.kernel for k in rows], us_per_step=us,
                              bytes_per_step=need[kind], floor_us=floor_us,
-                             frac_of_floor=floor_us / us if floor_us and us > 0 else None))
+                             frac_of_floor=floor_us / us if floor_us and us > 0 else None, own_us_per_step=own,
+                             frac_of_floor_own=floor_us / own if floor_us and own else None))
     return out
 

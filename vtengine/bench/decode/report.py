@@ -121,26 +121,39 @@ def _profile_section(p) -> list[str]:
                   " between kernels and between steps", ""]
     if p.warning:
         lines += [f"**warning**: {p.warning}", ""]
-    lines += ["| kernel | us/step | launches/step | % of step" + (" (device)" if p.share_basis == "device" else "")
-              + " |", "|---|---|---|---|"]
+    # own time (device traces from 2026-12-07): a kernel's time less its wait for the one before it under PDL
+    own = bool(p.kernels) and all(k.own_us_per_step is not None for k in p.kernels)
+    if own:
+        lines += ["own us/step: a kernel's time less what of it overlaps kernels started before it (under PDL a "
+                  "kernel starts early and waits for the one before; that wait is the earlier kernel's time). Own "
+                  "times sum to the device's busy time.", ""]
+    lines += ["| kernel | us/step |" + (" own us/step |" if own else "") + " launches/step | % of step"
+              + (" (device)" if p.share_basis == "device" else "") + " |", "|---|---|" + ("---|" if own else "")
+              + "---|---|"]
     for k in p.kernels[:MD_TOP_KERNELS]:
-        lines.append(f"| `{k.kernel}` | {k.us_per_step:.1f} | {k.launches_per_step:.2f} | "
-                     f"{100 * k.share_of_step:.1f}% |")
+        lines.append(f"| `{k.kernel}` | {k.us_per_step:.1f} |" + (f" {k.own_us_per_step:.1f} |" if own else "")
+                     + f" {k.launches_per_step:.2f} | {100 * k.share_of_step:.1f}% |")
     rest = p.kernels[MD_TOP_KERNELS:]
     other_us = sum(k.us_per_step for k in rest) + (p.kernels_other.us_per_step if p.kernels_other else 0.0)
     if other_us:
         basis = p.device_step_us if p.share_basis == "device" else p.step_us_measured      # as the rows above
-        lines.append(f"| ({p.num_kernel_names - MD_TOP_KERNELS} others) | {other_us:.1f} | | "
-                     f"{100 * other_us / basis:.1f}% |")
+        lines.append(f"| ({p.num_kernel_names - MD_TOP_KERNELS} others) | {other_us:.1f} |" + (" |" if own else "")
+                     + f" | {100 * other_us / basis:.1f}% |")
     lines.append("")
     if p.byte_floors:
+        own = all(f.own_us_per_step is not None for f in p.byte_floors)
         lines += ["Each kind of bytes against its own floor (bytes / copy bandwidth):", "",
-                  "| bytes | kernels | us/step | MB/step | floor us | % of floor |", "|---|---|---|---|---|---|"]
+                  "| bytes | kernels | us/step | MB/step | floor us | % of floor |"
+                  + (" own us/step | own % of floor |" if own else ""),
+                  "|---|---|---|---|---|---|" + ("---|---|" if own else "")]
         for f in p.byte_floors:
             lines.append(f"| {f.kind} | {', '.join(f'`{k}`' for k in f.kernels[:4])}"
                          f"{' ...' if len(f.kernels) > 4 else ''} | {f.us_per_step:.1f} | "
                          f"{f.bytes_per_step / 1e6:.1f} | {_f(f.floor_us, '.1f')} | "
-                         f"{_f(None if f.frac_of_floor is None else 100 * f.frac_of_floor, '.1f')}% |")
+                         f"{_f(None if f.frac_of_floor is None else 100 * f.frac_of_floor, '.1f')}% |"
+                         + (f" {f.own_us_per_step:.1f} | "
+                            f"{_f(None if f.frac_of_floor_own is None else 100 * f.frac_of_floor_own, '.1f')}% |"
+                            if own else ""))
         lines.append("")
     return lines
 

@@ -154,12 +154,16 @@ class KernelRow(Record):
     - share_of_step: us_per_step / the profile's device_step_us where the trace has one (with async scheduling the
       host's step is shorter than the device's), else / step_us_measured: the profile's share_basis says which
       (files written before it divided by step_us_measured).
+    - own_us_per_step (device activity only; files before 2026-12-07 lack it): its time less the part before the
+      end of the activities started before it (kernel_profile._own_times_us). Under PDL a kernel starts early and
+      waits for the one before it, and us_per_step counts that wait; own times do not, and sum to the busy time.
     """
     kernel: str
     name_full: str
     us_per_step: float
     launches_per_step: float
     share_of_step: float | None = None
+    own_us_per_step: float | None = None
 
 
 @dataclass
@@ -179,6 +183,8 @@ class ByteFloor(Record):
     - kernels: the profile's kernel names of that kind; us_per_step: their time summed.
     - bytes_per_step: what they must read at least once per step; floor_us = bytes / copy bandwidth;
       frac_of_floor = floor_us / us_per_step (1.0 = those kernels stream their bytes at copy speed).
+    - own_us_per_step, frac_of_floor_own: the same from the kernels' own times (KernelRow.own_us_per_step: under
+      PDL a kernel's wait for the one before it is that one's time); None on CPU and in files before 2026-12-07.
     """
     kind: str
     kernels: list[str]
@@ -186,6 +192,8 @@ class ByteFloor(Record):
     bytes_per_step: float
     floor_us: float | None = None
     frac_of_floor: float | None = None
+    own_us_per_step: float | None = None
+    frac_of_floor_own: float | None = None
 
 
 @dataclass
