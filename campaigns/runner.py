@@ -535,15 +535,19 @@ def _record_gate_context(ev: Evidence, ctx: GateContext) -> None:
 
 def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
     """The newest in-progress campaign under ``out_dir`` that ``cfg`` may resume (its lever, its composed config,
-    this code: this commit or one that differs in records, results or prose alone), or None."""
+    this code: this commit or one that differs in records, results or prose alone; the same dirty files, GPU and
+    versions, as ``_check_resumable`` asks), or None. A campaign cut on another GPU is not one: the plan of
+    ``vtcampaign recheck`` keeps one entry per GPU with the same overrides, each resumed with resume=auto."""
     want = config_hash(cfg)
     mine = [ev for ev in (load_evidence(p.parent) for p in find_evidence(out_dir))
             if ev.status != "complete" and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
     if not mine:
         return None
     now = fp.collect(repo, cfg.device, levers.get(cfg.campaign.lever).env, mine[0].arms, want,
-                     ignore_dirty=RUN_OUTPUTS)
-    mine = [ev for ev in mine if _same_code(ev.fingerprint, now)]
+                     ignore_dirty=_not_dirt(repo, out_dir))
+    mine = [ev for ev in mine if _same_code(ev.fingerprint, now)
+            and sorted(ev.fingerprint.dirty_files) == sorted(now.dirty_files)
+            and all(getattr(ev.fingerprint, k) == getattr(now, k) for k, _ in _SAME_ON_RESUME)]
     return max(mine, key=lambda ev: (ev.created, ev.campaign_id)).campaign_id if mine else None
 
 

@@ -198,32 +198,40 @@ def _mlflow_runs(uri: str, ev) -> dict[str, list]:
 
 def test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_commit(tmp_path):
     """resume=auto (a campaign spread over time-limited commands): of the campaigns under out_dir it takes the newest
-    in-progress one with this lever, this composed config and this commit; a finished one, another config or
-    another commit is never resumed, and with none left it starts a new campaign."""
+    in-progress one with this lever, this composed config and this commit, on this GPU and versions; a finished
+    one, another config, commit, GPU or torch is never resumed (a recheck plan holds one entry per GPU with the same
+    overrides: on 2026-12-07 an H100 call could have picked an H200 campaign and stopped on the resume's refusal),
+    and with none left it starts a new campaign."""
     import dataclasses
 
     import git
     from campaigns.config import config_hash
     from campaigns.evidence import save_evidence
+    from campaigns.fingerprint import collect
+    from campaigns.gitops import RUN_OUTPUTS
     from campaigns.runner import _unfinished
     from helpers import make_evidence
+    from vtengine import levers
     repo = temp_repo(tmp_path)
     sha = git.Repo(repo).head.commit.hexsha
     cfg = compose(["campaign=gqa_swap", "tracking=off", "resume=auto"], cuda=False)
     out = repo / "records" / "campaigns"
 
-    def put(name, created, status="in-progress", git_sha=sha, config=None, lever="gqa_swap"):
+    def put(name, created, status="in-progress", git_sha=sha, config=None, lever="gqa_swap", **setup):
         ev = make_evidence(lever=lever, created=created, campaign_id=name)
         ev.status = status
-        ev.fingerprint = dataclasses.replace(ev.fingerprint, git_sha=git_sha, git_short_sha=git_sha[:7],
-                                             config_hash=config or config_hash(cfg))
+        here = collect(repo, "cpu", levers.get(lever).env, ev.arms, config or config_hash(cfg),   # this host's
+                       ignore_dirty=RUN_OUTPUTS)
+        ev.fingerprint = dataclasses.replace(here, git_sha=git_sha, git_short_sha=git_sha[:7], **setup)
         save_evidence(ev, out / name)
     put("a-older", "2026-12-01T10:00:00Z")
     put("b-newer", "2026-12-01T11:00:00Z")
     put("c-finished", "2026-12-01T12:00:00Z", status="complete")
     put("d-other-config", "2026-12-01T13:00:00Z", config="1" * 64)
-    put("e-other-commit", "2026-12-01T14:00:00Z", git_sha="f" * 40)
+    put("e-other-commit", "2026-12-01T14:00:00Z", git_sha="f" * 40, code_digest="f" * 64)    # other code
     put("f-other-lever", "2026-12-01T15:00:00Z", lever="fast_math")
+    put("g-other-gpu", "2026-12-01T16:00:00Z", device_name="NVIDIA H200")
+    put("h-other-torch", "2026-12-01T17:00:00Z", torch_version="2.11.0+cu130")
     assert _unfinished(cfg, repo, out) == "b-newer"
     for name in ("a-older", "b-newer"):
         (out / name / "evidence.json").unlink()
