@@ -389,6 +389,10 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
     pending for a host that has it (a campaign here would file a verdict of this GPU beside it, not renew it)."""
     from campaigns.records import short_gpu
     from campaigns.runner import left_to_measure
+    asked = [o for o in extra if o.split("=", 1)[0].lstrip("+~") == "resume"]
+    if asked:
+        raise RecheckError(f"recheck: {' '.join(asked)}: recheck picks what each campaign resumes (the one its plan "
+                           "entry began, else resume=auto); drop it, or resume one campaign with `vtcampaign run`")
     out_dir = Path(out_dir)
     state = plan(out_dir, restart, root, frozen)
     if not state["entries"]:

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"uncommitted from an earlier absorb, taken too: {left}")
     if campaigns or any((ROOT / "records" / "campaigns" / n).is_dir() for n in left):
         subprocess.run([sys.executable, "-m", "campaigns.cli", "render"], cwd=ROOT, check=True)
-    for name in concludable(campaigns):
+    taken = campaigns + [n for n in left if (ROOT / "records" / "campaigns" / n).is_dir()]
+    for name in concludable(taken, ROOT):          # those an earlier --no-render took in, too
         print(f"{name}: every gate and leg is recorded, the verdict is not (the call's time ran out there): "
               f"`vtcampaign conclude {name}` concludes it here")
     if args.no_commit:

@@ -210,6 +210,10 @@ def test_a_campaign_begun_where_the_plans_progress_was_lost_is_resumed_by_config
                 root=proj, echo=lambda s: None)
     assert calls[1][-2:] == ["tracking=off", "resume=auto"]
     assert sum(o.startswith("resume=") for o in calls[1]) == 1
+    # a resume= of the user's would override the plan's (Hydra keeps the last): refused, saying why
+    with pytest.raises(recheck.RecheckError, match=r"resume=x: recheck picks what each campaign resumes"):
+        recheck.run(out, ["tracking=off", "resume=x"], lambda o, s: calls.append(o), root=proj, echo=lambda s: None)
+    assert len(calls) == 2
 
 
 def test_a_verdict_of_another_gpu_is_left_pending_for_a_host_with_it(proj):
