@@ -360,7 +360,36 @@ def cmd_status(args) -> int:
         console.print(f"{len(stale)} stale binding verdict(s) (`vtcampaign recheck` re-runs them):")
         for ev, f in stale:
             console.print(f"  {plan_key(ev)} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}")
+    unfinished = [e for evs in by.values() for e in evs if e.status != "complete"]
+    if unfinished:
+        console.print(f"{len(unfinished)} unfinished campaign(s):")
+        for ev in sorted(unfinished, key=lambda e: (e.created, e.campaign_id)):
+            console.print(f"  {unfinished_line(ev, root)}")
     return 0
+
+
+def unfinished_line(ev, root: Path) -> str:
+    """One unfinished campaign for `vtcampaign status`: how far it came, where it ran, and whether this checkout's
+    code can resume it (the command), or why not: a resume needs the campaign's code (its commit, or one that
+    differs in records, results or prose alone), so a campaign cut before a code change stays unfinished for good
+    unless resumed on a checkout of its commit."""
+    from campaigns.gitops import GitOpsError, code_digest, open_repo
+    from campaigns.records import gpu_label
+    from campaigns.runner import left_to_measure, resume_command
+    f = ev.fingerprint
+    try:
+        here, head = code_digest(root), open_repo(root).head.commit.hexsha
+    except (GitOpsError, ValueError):
+        here = head = None
+    done = f"{len(ev.done_legs())} legs, {len(ev.gates)} gate results, on {gpu_label(ev)} at {f.git_short_sha}"
+    if not left_to_measure(ev):         # concluded from what is recorded, anywhere (runner.conclude_recorded)
+        return f"{ev.campaign_id} ({done}): only its verdict is left: `vtcampaign conclude {ev.campaign_id}`"
+    if head is not None and (f.git_sha == head or (f.code_digest is not None and f.code_digest == here)):
+        return f"{ev.campaign_id} ({done}): resume on that GPU with `{resume_command(ev)}`"
+    why = ("its code digest was not recorded" if f.code_digest is None else
+           "no repository here to compare with" if here is None else "the code has changed since")
+    return (f"{ev.campaign_id} ({done}): not resumable on this checkout ({why}); resume on a checkout of "
+            f"{f.git_short_sha}, or run the campaign anew")
 
 
 def cmd_sources(args) -> int:

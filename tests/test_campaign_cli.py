@@ -362,6 +362,45 @@ def test_status_rows_show_their_own_quantizations_default_and_value(tmp_path, mo
                      ["pdl_prefetch", "qwen3-8b (mxfp4)", "H200", "False", "VT_PDL_PREFETCH", "False (default)"]]
 
 
+def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, capsys):
+    """A campaign cut mid-grid stays unfinished until a resume on its code takes it; once the code changes, none
+    will. `vtcampaign status` lists each unfinished one with how far it came and what finishes it: the resume
+    command where this checkout's code is the campaign's, `vtcampaign conclude` where only the verdict is left,
+    else why it cannot resume here. A complete campaign is not listed."""
+    import dataclasses
+
+    from campaigns.gitops import code_digest, open_repo
+    from vtengine import confdirs
+    out = tmp_path / "records" / "campaigns"
+    here = open_repo(confdirs.SOURCE_ROOT).head.commit.hexsha
+
+    def put(cid, status="in-progress", legs=None, **fp):
+        ev = make_evidence(TPUT_WIN, lever="gqa_swap", campaign_id=cid)
+        ev.status = status
+        ev.legs = ev.legs[:legs] if legs is not None else ev.legs
+        ev.peak_memory_gib = {a.name: 1.0 for a in ev.arms}
+        ev.context = {a.name: {"gqa_swap": a.value} for a in ev.arms}
+        ev.fingerprint = dataclasses.replace(ev.fingerprint, **fp)
+        save_evidence(ev, out / cid)
+    put("2026-12-01-gqa_swap-done", status="complete")
+    put("2026-12-02-gqa_swap-verdict-left")
+    put("2026-12-03-gqa_swap-here", legs=5, git_sha=here, git_short_sha=here[:7])
+    put("2026-12-04-gqa_swap-same-code", legs=6, code_digest=code_digest(confdirs.SOURCE_ROOT))
+    put("2026-12-05-gqa_swap-old-code", legs=7, code_digest="0" * 64)
+    put("2026-12-06-gqa_swap-no-digest", legs=8)
+    assert main(["status", "--out-dir", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "5 unfinished campaign(s):" in text and "gqa_swap-done" not in text.split("unfinished campaign(s):")[1]
+    assert ("2026-12-02-gqa_swap-verdict-left (24 legs, 16 gate results, on H200 at abc1234): only its verdict is "
+            "left: `vtcampaign conclude 2026-12-02-gqa_swap-verdict-left`") in text
+    assert "2026-12-03-gqa_swap-here (5 legs, " in text and "resume=2026-12-03-gqa_swap-here`" in text
+    assert "resume=2026-12-04-gqa_swap-same-code`" in text          # another commit, the same code
+    assert ("2026-12-05-gqa_swap-old-code (7 legs, 16 gate results, on H200 at abc1234): not resumable on this "
+            "checkout (the code has changed since); resume on a checkout of abc1234") in text
+    assert "gqa_swap-no-digest (8 legs, 16 gate results, on H200 at abc1234): not resumable on this checkout (its " \
+           "code digest was not recorded)" in text
+
+
 def test_summaries_of_a_run_elsewhere_stay_next_to_its_records(tmp_path):
     # a rehearsal into a scratch out_dir must not overwrite the repository's STATUS.md / BENCHMARKS.md (they list
     # every campaign of the out_dir they are rendered from)
