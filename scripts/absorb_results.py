@@ -15,8 +15,9 @@ RESULTS_TGZ is the tarball `scripts/h200_session.sh` leaves in $OUT (records, be
 - campaigns/gates/op_bounds.yaml: taken when it differs (bounds measured on the device).
 - the logs go to the directory printed at the end, outside the tree.
 --no-render takes the files in and stops there (no render, no commit; a few seconds against the render's ~100 s):
-for the next call on a warm machine, which the lender gives back after 30 s idle; a campaign in flight resumes from
-the untracked evidence it carries. Absorb the tarballs again afterwards, in order, to render and commit them.
+for the next call on a fresh machine, so the campaign in flight resumes from the untracked evidence that call
+carries (on a warm machine, given back after 30 s idle, call again at once: scripts/device_state.sh keeps the
+campaigns there). Absorb the tarballs again afterwards, in order, to render and commit them.
 Then `vtcampaign render` and, unless --no-commit, one commit of what changed ("Device results: ...", a subject of at
 most 72 characters, every name in the body; amend it with the figures while it is still HEAD: campaign ids and
 fingerprints name later commits, so history must not be rewritten past it).

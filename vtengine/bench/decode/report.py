@@ -126,7 +126,7 @@ def _profile_section(p) -> list[str]:
     if own:
         lines += ["own us/step: a kernel's time less what of it overlaps kernels started before it (under PDL a "
                   "kernel starts early and waits for the one before; that wait is the earlier kernel's time). Own "
-                  "times sum to the device's busy time.", ""]
+                  "times, every kernel's, sum to the device's busy time.", ""]
     lines += ["| kernel | us/step |" + (" own us/step |" if own else "") + " launches/step | % of step"
               + (" (device)" if p.share_basis == "device" else "") + " |", "|---|---|" + ("---|" if own else "")
               + "---|---|"]
