@@ -362,25 +362,25 @@ def cmd_status(args) -> int:
             console.print(f"  {plan_key(ev)} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}")
     unfinished = [e for evs in by.values() for e in evs if e.status != "complete"]
     if unfinished:
+        from campaigns.gitops import GitOpsError, code_digest, open_repo
+        try:                            # this checkout's code, once for all of them
+            here, head = code_digest(root), open_repo(root).head.commit.hexsha
+        except (GitOpsError, ValueError):
+            here = head = None
         console.print(f"{len(unfinished)} unfinished campaign(s):")
         for ev in sorted(unfinished, key=lambda e: (e.created, e.campaign_id)):
-            console.print(f"  {unfinished_line(ev, root)}")
+            console.print(f"  {unfinished_line(ev, head, here)}")
     return 0
 
 
-def unfinished_line(ev, root: Path) -> str:
+def unfinished_line(ev, head: str | None, here: str | None) -> str:
     """One unfinished campaign for `vtcampaign status`: how far it came, where it ran, and whether this checkout's
-    code can resume it (the command), or why not: a resume needs the campaign's code (its commit, or one that
-    differs in records, results or prose alone), so a campaign cut before a code change stays unfinished for good
-    unless resumed on a checkout of its commit."""
-    from campaigns.gitops import GitOpsError, code_digest, open_repo
+    code (commit ``head``, code digest ``here``; None without a repository) can resume it (the command), or why
+    not: a resume needs the campaign's code (its commit, or one that differs in records, results or prose alone),
+    so a campaign cut before a code change stays unfinished for good unless resumed on a checkout of its commit."""
     from campaigns.records import gpu_label
     from campaigns.runner import left_to_measure, resume_command
     f = ev.fingerprint
-    try:
-        here, head = code_digest(root), open_repo(root).head.commit.hexsha
-    except (GitOpsError, ValueError):
-        here = head = None
     done = f"{len(ev.done_legs())} legs, {len(ev.gates)} gate results, on {gpu_label(ev)} at {f.git_short_sha}"
     if not left_to_measure(ev):         # concluded from what is recorded, anywhere (runner.conclude_recorded)
         return f"{ev.campaign_id} ({done}): only its verdict is left: `vtcampaign conclude {ev.campaign_id}`"
