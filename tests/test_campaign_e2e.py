@@ -96,34 +96,89 @@ def test_rehearsal_end_to_end(tmp_path):
     assert len(children) >= len(ev.gates) + len(ev.legs)
 
 
+def _wait_legs(proc: subprocess.Popen, repo: Path, at_least: int) -> tuple[Path, list[int]]:
+    """Wait until the campaign ``proc`` runs has recorded ``at_least`` legs: its evidence file and its servers' pids."""
+    out_dir = repo / "records" / "campaigns"
+    deadline, evidence, pids = time.time() + 600, None, []
+    while time.time() < deadline and proc.poll() is None:
+        found = list(out_dir.glob("*/evidence.json"))
+        if found:
+            try:
+                if len(json.loads(found[0].read_text())["legs"]) >= at_least:
+                    evidence = found[0]
+                    pids = [json.loads(p.read_text())["pid"] for p in evidence.parent.glob("server-*.pid")]
+                    break
+            except (json.JSONDecodeError, KeyError):
+                pass
+        time.sleep(0.3)
+    if evidence is None:
+        out = proc.communicate(timeout=60)[0] if proc.stdout else ""
+        pytest.fail(f"no {at_least} legs recorded in time: {(out or '')[-3000:]}")
+    assert len(pids) == 2, "the grid did not run on two servers"
+    return evidence, pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
 def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
+    """One campaign stopped three ways and resumed each time (one campaign, not three: each full grid is minutes of
+    CI). SIGKILL gives the runner no chance to stop its servers: they exit with their parent (--exit-with-parent),
+    and the pid files they leave let resume= stop any survivor before it starts its own. SIGTERM (a scheduler's time
+    limit, `kill`) stops it as Ctrl-C does: the runner stops its servers, keeps the finished legs, says how to resume
+    and exits 143. Ctrl-C (SIGINT) exits 130; MLflow, following live, hears how it stopped; resume=auto finishes it
+    with every finished leg kept as it was."""
     repo = temp_repo(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"         # MLflow follows the campaign live, and hears how it stopped
     args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
             "tracking=local", f"tracking.uri={uri}", "campaign.gates=[op,mechanism]"]
-    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out_dir = repo / "records" / "campaigns"
-    deadline = time.time() + 600
-    evidence = None
-    while time.time() < deadline and proc.poll() is None:
-        found = list(out_dir.glob("*/evidence.json"))
-        if found:
-            try:
-                if len(json.loads(found[0].read_text())["legs"]) >= 2:
-                    evidence = found[0]
-                    break
-            except (json.JSONDecodeError, KeyError):
-                pass
-        time.sleep(0.5)
-    assert evidence is not None, f"no leg finished in time: {proc.communicate(timeout=60)[0][-3000:]}"
+
+    # SIGKILL after the first leg: no handler runs in the runner; its servers follow it within seconds
+    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    evidence, pids = _wait_legs(proc, repo, 1)
+    proc.kill()
+    proc.wait(timeout=30)
+    t0 = time.time()
+    while any(_alive(p) for p in pids) and time.time() - t0 < 15:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), f"servers outlived their campaign: {[p for p in pids if _alive(p)]}"
+    ev = load_evidence(evidence)
+    assert ev.status == "in-progress" and list(evidence.parent.glob("server-*.pid"))     # left behind
+
+    # resume=<id>, then SIGTERM after one more leg
+    proc = subprocess.Popen(args + [f"resume={ev.campaign_id}"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    _, pids = _wait_legs(proc, repo, len(ev.legs) + 1)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert "interrupted" in out and "resume=" in out
+    assert not list(evidence.parent.glob("server-*.pid"))       # stopped by the runner, not orphaned
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    after_term = load_evidence(evidence)
+    assert after_term.status == "in-progress" and len(ev.legs) < len(after_term.legs) < 8
+
+    # resume=auto, then Ctrl-C after one more leg
+    proc = subprocess.Popen(args + ["resume=auto"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    _wait_legs(proc, repo, len(after_term.legs) + 1)
     proc.send_signal(signal.SIGINT)                           # Ctrl-C mid-grid
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, out[-3000:]
     assert "resume=" in out
     ev = load_evidence(evidence)
-    assert ev.status == "in-progress" and 2 <= len(ev.legs) < 8
+    assert ev.status == "in-progress" and 3 <= len(ev.legs) < 8
     kept = {leg.key: leg.started for leg in ev.legs}
+    assert {leg.key: leg.started for leg in after_term.legs} == {k: kept[k] for k in
+                                                                  (leg.key for leg in after_term.legs)}
     runs = _mlflow_runs(uri, ev)
     assert [(r.info.status, r.data.tags["verdict"]) for r in runs["campaign"]] == [("KILLED", "IN-PROGRESS")]
     assert len(runs["leg"]) == len(ev.legs) and len(runs["gate"]) == len(ev.gates) > 0   # each as it was recorded
@@ -133,7 +188,7 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resume=auto: resuming {ev.campaign_id}" in done.stdout + done.stderr
     ev2 = load_evidence(evidence)
-    assert ev2.status == "complete" and len(ev2.legs) == 8
+    assert ev2.status == "complete" and len(ev2.legs) == 8 and not list(evidence.parent.glob("server-*.pid"))
     assert {leg.key: leg.started for leg in ev2.legs if leg.key in kept} == kept     # finished legs kept as they were
     assert ev2.decision.verdict == "NON-BINDING"
     runs = _mlflow_runs(uri, ev)        # the resume's runs replaced the killed ones; the end logged it whole
@@ -464,57 +519,6 @@ def test_a_broken_candidate_is_rejected_by_its_gates(tmp_path):
         assert g.self_check is True, (g.gate, g.arm)
 
 
-def _first_leg(proc: subprocess.Popen, repo: Path) -> tuple[Path, list[int]]:
-    """Wait until the campaign ``proc`` runs has recorded its first leg: its evidence file and its servers' pids."""
-    out_dir = repo / "records" / "campaigns"
-    deadline, evidence, pids = time.time() + 600, None, []
-    while time.time() < deadline and proc.poll() is None:
-        found = list(out_dir.glob("*/evidence.json"))
-        if found:
-            try:
-                if len(json.loads(found[0].read_text())["legs"]) >= 1:
-                    evidence = found[0]
-                    pids = [json.loads(p.read_text())["pid"] for p in evidence.parent.glob("server-*.pid")]
-                    break
-            except (json.JSONDecodeError, KeyError):
-                pass
-        time.sleep(0.3)
-    assert evidence is not None and len(pids) == 2, "the grid did not start with two servers"
-    return evidence, pids
-
-
-def test_a_campaign_killed_with_sigkill_leaves_no_server_and_resumes(tmp_path):
-    """SIGKILL gives the runner no chance to stop its servers: they exit with their parent (--exit-with-parent),
-    and the pid files they leave let resume= stop any survivor before it starts its own."""
-    repo = temp_repo(tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
-            "tracking=off", "campaign.gates=[mechanism]"]
-    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    evidence, pids = _first_leg(proc, repo)
-    proc.kill()                                               # SIGKILL: no handler runs in the runner
-    proc.wait(timeout=30)
-
-    def alive(pid):
-        try:
-            os.kill(pid, 0)
-            return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
-        except (ProcessLookupError, FileNotFoundError):
-            return False
-    t0 = time.time()
-    while any(alive(p) for p in pids) and time.time() - t0 < 15:
-        time.sleep(0.2)
-    assert not any(alive(p) for p in pids), f"servers outlived their campaign: {[p for p in pids if alive(p)]}"
-    assert time.time() - t0 < 15
-
-    ev = load_evidence(evidence)
-    done = subprocess.run(args + [f"resume={ev.campaign_id}"], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ev2 = load_evidence(evidence)
-    assert ev2.status == "complete" and len(ev2.legs) == 8 and not list(evidence.parent.glob("server-*.pid"))
-
-
 def test_server_start_order_is_drawn_from_the_campaign_id():
     """The same id gives the same order (a resume restarts the servers as before); across ids both orders occur, so
     a steady offset of the second server does not fall on the candidate every time."""
@@ -613,25 +617,3 @@ def test_arms_that_do_not_fit_side_by_side_run_one_at_a_time(tmp_path, monkeypat
     assert "async_scheduling" in ev.live_levers["on"]
     record = (repo / "records" / "campaigns" / ev.campaign_id / "record.md").read_text()
     assert "The arms' servers ran one at a time, each with 90% of the GPU's memory (grid.residency auto" in record
-
-
-def test_sigterm_stops_a_campaign_as_ctrl_c_does(tmp_path):
-    """SIGTERM (a scheduler's time limit, `kill`) mid-grid: the runner stops its servers (their pid files gone, the
-    processes exited), keeps the finished legs, says how to resume, and exits 143; before, the default action
-    killed it where it stood."""
-    repo = temp_repo(tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = [sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", "campaign.arms.baseline=false",
-            "tracking=off", "campaign.gates=[mechanism]"]
-    proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    evidence, pids = _first_leg(proc, repo)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 143, out[-3000:]
-    assert "interrupted" in out and "resume=" in out
-    assert not list(evidence.parent.glob("server-*.pid"))       # stopped by the runner, not orphaned
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-    ev = load_evidence(evidence)
-    assert ev.status == "in-progress" and 1 <= len(ev.legs) < 8
