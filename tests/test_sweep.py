@@ -107,11 +107,10 @@ def test_a_submitit_local_sweep_runs_campaigns_side_by_side_and_merges_once(tmp_
     logged = {r.data.tags.get(CAMPAIGN_TAG) for exp_name in ("vtcampaign/async_scheduling", "vtcampaign/gqa_swap")
               for r in client.search_runs([client.get_experiment_by_name(exp_name).experiment_id])}
     assert {survivor.campaign_id, killed.campaign_id} <= logged
-    # the killed campaign resumes by hand, keeping its finished legs
-    kept = {leg.key for leg in killed.legs}
-    done = subprocess.run([sys.executable, "-m", "campaigns.cli", "run", "campaign=gqa_swap", *SMALL, "tracking=off",
-                           f"resume={killed.campaign_id}"], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    resumed = load_evidence(out_dir / killed.campaign_id)
-    assert resumed.status == "complete" and len(resumed.legs) == 8 and kept <= {leg.key for leg in resumed.legs}
+    # the killed campaign is left resumable, and `vtcampaign status` says how (the resume after a SIGKILL itself runs
+    # in test_campaign_e2e, not here again: a grid is a minute of CI)
+    status = subprocess.run([sys.executable, "-m", "campaigns.cli", "status"], cwd=repo, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert status.returncode == 0, status.stdout[-3000:] + status.stderr[-3000:]
+    line = next(ln for ln in status.stdout.splitlines() if killed.campaign_id in ln and "legs" in ln)
+    assert f"resume={killed.campaign_id}" in " ".join(status.stdout.split()), line
