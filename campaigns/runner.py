@@ -128,10 +128,10 @@ def _ctrl_c_raises():
         return
 
     def raise_interrupt(signum, frame):
-        raise KeyboardInterrupt
+        _raise_or_hold(KeyboardInterrupt())
 
     def raise_stopped(signum, frame):
-        raise Stopped(signum)
+        _raise_or_hold(Stopped(signum))
 
     previous = signal.signal(signal.SIGINT, raise_interrupt), signal.signal(signal.SIGTERM, raise_stopped)
     try:
@@ -139,6 +139,37 @@ def _ctrl_c_raises():
     finally:
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
+
+
+_held: list = []            # while a result is being recorded: [pending interrupt or None] (main thread only)
+
+
+def _raise_or_hold(e: KeyboardInterrupt) -> None:
+    if _held:
+        _held[0] = _held[0] or e
+        return
+    raise e
+
+
+@contextmanager
+def _recording():
+    """A gate's or a leg's record as one step: appended to the evidence, saved, and logged to MLflow as a child run.
+    A Ctrl-C or SIGTERM that comes in between waits until all three are done and is raised then. Before, a signal
+    between the save and the MLflow log left a leg in the evidence that MLflow never had (the interruption test
+    caught it under load: 3 legs recorded, 2 leg runs)."""
+    if threading.current_thread() is not threading.main_thread():     # signals reach the main thread only
+        yield
+        return
+    outer = bool(_held)
+    if not outer:
+        _held.append(None)
+    try:
+        yield
+    finally:
+        if not outer:
+            pending = _held.pop()
+            if pending is not None:
+                raise pending
 
 
 @dataclass
@@ -645,9 +676,10 @@ def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], sel
         for gate, arm in todo:
             prog.update(task, description=f"gate {gate} [{arm.name}]")
             res = run_gate(gate, ctx, arm, self_check=self_check)
-            ev.gates.append(res)
-            _save(ev, cdir)
-            on_result(res)
+            with _recording():
+                ev.gates.append(res)
+                _save(ev, cdir)
+                on_result(res)
             mark = "skip" if res.skipped else ("pass" if res.passed else "FAIL")
             if gate == "battery" and not res.passed and not res.skipped and res.counts.get("divergent") == 0:
                 mark = "near-ties (near_tie rules)"     # only near-tie divergences: RATIFIED or FAIL after it
@@ -748,9 +780,10 @@ def _run_grid(ev: Evidence, cdir: Path, cfg: DictConfig, handles: dict,
             prog.update(task, description=f"leg c={c} rep={rep} [{arm.name}]")
             leg = gridmod.run_leg(handles[arm.name], arm, c, rep, i, parts[(c, rep)],
                                   gridmod.warmup_for(warm, c, int(g.warmup_requests)), lens[(c, rep)])
-            ev.legs.append(leg)
-            _save(ev, cdir)
-            on_leg(leg)
+            with _recording():
+                ev.legs.append(leg)
+                _save(ev, cdir)
+                on_leg(leg)
             m = leg.metrics
             prog.console.print(f"  c={c} rep={rep} {arm.name:<6} {'valid' if leg.valid else 'INVALID'}  "
                                f"total {m.get('total_token_throughput', 0):.1f} tok/s  "

@@ -240,6 +240,42 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     assert left.status == "in-progress" and left.decision is None and len(left.legs) == 7
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_a_result_is_recorded_waits_until_it_is_logged(signum):
+    """A leg or gate is appended, saved and logged to MLflow as one step (runner._recording): Ctrl-C or SIGTERM in
+    between is raised once all three are done, never between the save and the log (the evidence would hold a leg
+    MLflow never had). Outside such a step it stops the campaign where it stands."""
+    import threading
+
+    from campaigns.runner import Stopped, _ctrl_c_raises, _recording, exit_status
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+    want = Stopped if signum == signal.SIGTERM else KeyboardInterrupt
+
+    def wait_for_signal():                      # the handler runs between two bytecodes of this loop
+        deadline = time.time() + 5
+        while time.time() < deadline and not (runner._held and runner._held[0]):
+            time.sleep(0.01)
+
+    steps = []
+    with pytest.raises(want) as caught:
+        with _ctrl_c_raises():
+            with _recording():
+                steps.append("saved")
+                os.kill(os.getpid(), signum)
+                wait_for_signal()
+                steps.append("logged")
+            steps.append("after the step")
+    assert steps == ["saved", "logged"] and exit_status(caught.value) == 128 + signum
+    steps = []
+    with pytest.raises(want):
+        with _ctrl_c_raises():
+            os.kill(os.getpid(), signum)
+            wait_for_signal()
+            steps.append("went on")
+    assert steps == []
+
+
 def _mlflow_runs(uri: str, ev) -> dict[str, list]:
     """The active MLflow runs of ``ev``'s campaign by kind (campaign, gate, leg, arm-summary)."""
     from campaigns import tracking
