@@ -272,6 +272,37 @@ def test_a_flip_that_moves_a_default_stops_the_run(proj):
                                "2026-12-01-pdl-new), merge")
 
 
+def test_a_flip_measured_with_pins_off_their_defaults_does_not_stop_the_run(proj):
+    """A recheck re-runs a campaign in its own context, pins included: where a pin is off today's default its FLIP
+    moves no default (`vtcampaign flip` refuses it), so the run goes on, saying so and what would decide the
+    default (2026-12-07, H100: prefill_splits FLIPped with chunked_prefill=256 pinned and the recheck stopped)."""
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    verdict(proj, "pdl", "2026-11-30T12:00:00Z", nsplits_cap=8)
+    verdict(proj, "triton_gemv", "2026-11-30T13:00:00Z", pdl=True)
+    said, ran = [], []
+
+    def flips(overrides, started):
+        lever = overrides[0].split("=")[1]
+        ran.append(lever)
+        ev = make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-01-{lever}-new")
+        ev.arms[1].value = True if lever == "pdl" else levers.registry()[lever].default
+        if lever == "pdl":
+            ev.config["campaign"]["with_levers"] = {"nsplits_cap": 8}
+            ev.__dict__.pop("_settings", None)
+        return policy.conclude(ev)
+
+    order = [e["lever"] for e in recheck.plan(out, root=proj)["entries"]]
+    state = recheck.run(out, [], flips, root=proj, echo=said.append)
+    assert ran == order and order.index("pdl") < len(order) - 1
+    assert all(e["status"] == "done" for e in state["entries"])
+    line = next(s for s in said if "FLIPs pdl" in s)
+    assert ("2026-12-01-pdl-new FLIPs pdl to true with nsplits_cap=8 pinned (its default: off): it moves no default "
+            "(`vtcampaign flip` refuses it), so the recheck goes on. To decide the default: `vtcampaign run "
+            "campaign=pdl") in line, line
+    assert "nsplits_cap:off" in line and not any(s.startswith("recheck stops") for s in said)
+
+
 def test_frozen_works_through_the_saved_plan_as_it_is(proj, capsys):
     """--frozen (a GPU host's copy has no git history, so every verdict there would read STALE): the saved plan
     runs as it is, even a lever FRESH now; with no plan left it is a one-line error that says what to do."""
