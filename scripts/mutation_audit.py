@@ -286,7 +286,7 @@ MUTATIONS = [
              "campaigns/recheck.py",
              "        pinned = _pinned_flip(ev)\n",
              "        pinned = \"\"\n",
-             ["tests/test_recheck.py::test_a_flip_measured_with_pins_off_their_defaults_does_not_stop_the_run"]),
+             ["tests/test_recheck.py::test_a_flip_that_moves_a_default_stops_the_run"]),
     Mutation("recheck-fresh-start", "recheck: an entry without a begun campaign starts one afresh, not resume=auto",
              "campaigns/recheck.py",
              "            overrides.append(\"resume=auto\")",

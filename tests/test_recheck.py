@@ -246,9 +246,13 @@ def test_a_verdict_of_another_gpu_is_left_pending_for_a_host_with_it(proj):
     assert [e["status"] for e in state["entries"] if e["lever"] == "gqa_swap"] == ["done"]
 
 
-def test_a_flip_that_moves_a_default_stops_the_run(proj):
+@pytest.mark.parametrize("pins", [{}, {"nsplits_cap": 8}], ids=["at-defaults", "pinned-off-default"])
+def test_a_flip_that_moves_a_default_stops_the_run(proj, pins):
     """pdl (off by default) FLIPs on its recheck: the entries after it would run on the default the flip replaces,
-    so the run stops there and says what to do; FLIPs that keep today's defaults (the others') do not stop it."""
+    so the run stops there and says what to do; FLIPs that keep today's defaults (the others') do not stop it.
+    Measured with a pin off today's default (a recheck re-runs a campaign in its own context, pins included), the
+    FLIP moves no default (`vtcampaign flip` refuses it), so the run goes on, saying so and what would decide the
+    default (2026-12-07, H100: prefill_splits FLIPped with chunked_prefill=256 pinned and the recheck stopped)."""
     out = proj / "records"
     verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
     verdict(proj, "nsplits_cap", "2026-11-30T11:00:00Z", pdl=True)
@@ -261,41 +265,20 @@ def test_a_flip_that_moves_a_default_stops_the_run(proj):
         ran.append(lever)
         ev = make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-01-{lever}-new")
         ev.arms[1].value = True if lever == "pdl" else levers.registry()[lever].default
-        return policy.conclude(ev)
-
-    order = [e["lever"] for e in recheck.plan(out, root=proj)["entries"]]
-    state = recheck.run(out, [], flips, root=proj, echo=said.append)
-    stop = order.index("pdl") + 1
-    assert ran == order[:stop] and stop < len(order)
-    assert [e["status"] for e in state["entries"]] == ["done"] * stop + ["pending"] * (len(order) - stop)
-    assert said[-1].startswith("recheck stops: 2026-12-01-pdl-new FLIPs pdl to true. Commit it (vtcampaign flip "
-                               "2026-12-01-pdl-new), merge")
-
-
-def test_a_flip_measured_with_pins_off_their_defaults_does_not_stop_the_run(proj):
-    """A recheck re-runs a campaign in its own context, pins included: where a pin is off today's default its FLIP
-    moves no default (`vtcampaign flip` refuses it), so the run goes on, saying so and what would decide the
-    default (2026-12-07, H100: prefill_splits FLIPped with chunked_prefill=256 pinned and the recheck stopped)."""
-    out = proj / "records"
-    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
-    verdict(proj, "pdl", "2026-11-30T12:00:00Z", nsplits_cap=8)
-    verdict(proj, "triton_gemv", "2026-11-30T13:00:00Z", pdl=True)
-    said, ran = [], []
-
-    def flips(overrides, started):
-        lever = overrides[0].split("=")[1]
-        ran.append(lever)
-        ev = make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-01-{lever}-new")
-        ev.arms[1].value = True if lever == "pdl" else levers.registry()[lever].default
-        if lever == "pdl":
-            ev.config["campaign"]["with_levers"] = {"nsplits_cap": 8}
+        if lever == "pdl" and pins:
+            ev.config["campaign"]["with_levers"] = pins
             ev.__dict__.pop("_settings", None)
         return policy.conclude(ev)
 
     order = [e["lever"] for e in recheck.plan(out, root=proj)["entries"]]
     state = recheck.run(out, [], flips, root=proj, echo=said.append)
-    assert ran == order and order.index("pdl") < len(order) - 1
-    assert all(e["status"] == "done" for e in state["entries"])
+    stop = len(order) if pins else order.index("pdl") + 1
+    assert ran == order[:stop] and order.index("pdl") + 1 < len(order)
+    assert [e["status"] for e in state["entries"]] == ["done"] * stop + ["pending"] * (len(order) - stop)
+    if not pins:
+        assert said[-1].startswith("recheck stops: 2026-12-01-pdl-new FLIPs pdl to true. Commit it (vtcampaign flip "
+                                   "2026-12-01-pdl-new), merge")
+        return
     line = next(s for s in said if "FLIPs pdl" in s)
     assert ("2026-12-01-pdl-new FLIPs pdl to true with nsplits_cap=8 pinned (its default: off): it moves no default "
             "(`vtcampaign flip` refuses it), so the recheck goes on. To decide the default: `vtcampaign run "
