@@ -363,7 +363,7 @@ def cmd_status(args) -> int:
     unfinished = [e for evs in by.values() for e in evs if e.status != "complete"]
     if unfinished:
         from campaigns.gitops import GitOpsError, code_digest, open_repo
-        here_root = project_root()      # what a resume compares: the repository the campaigns run in (runner.py)
+        here_root = project_root()      # what a resume compares: the repository campaigns run in (cmd_run's repo)
         try:                            # this checkout's code, once for all of them
             here, head = code_digest(here_root), open_repo(here_root).head.commit.hexsha
         except (GitOpsError, ValueError):

@@ -122,7 +122,8 @@ def _ctrl_c_raises():
     absorbed below it lets the leg return and the campaign go on: in CI a Ctrl-C sent mid-grid was lost and the
     campaign ran to its end. With this handler installed asyncio.run leaves SIGINT alone (it only takes over the
     default handler), and the interrupted leg is simply not recorded. SIGTERM raises Stopped, a KeyboardInterrupt:
-    by default it killed the runner outright, leaving its servers to die with it and MLflow's run RUNNING."""
+    by default it killed the runner outright, leaving its servers to die with it and MLflow's run RUNNING. While a
+    finished leg or gate is being recorded (``_recording``) the first signal waits for the record to be complete."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -145,8 +146,11 @@ _held: list = []            # while a result is being recorded: [pending interru
 
 
 def _raise_or_hold(e: KeyboardInterrupt) -> None:
-    if _held:
-        _held[0] = _held[0] or e
+    """Raise ``e`` now, or hold it while a record is being written. A second signal while one is held raises at
+    once: the record may be stuck (MLflow retries an unreachable server for minutes), and a second Ctrl-C, or a
+    scheduler's SIGTERM after a first, must still stop the campaign."""
+    if _held and _held[0] is None:
+        _held[0] = e
         return
     raise e
 
@@ -154,9 +158,10 @@ def _raise_or_hold(e: KeyboardInterrupt) -> None:
 @contextmanager
 def _recording():
     """A gate's or a leg's record as one step: appended to the evidence, saved, and logged to MLflow as a child run.
-    A Ctrl-C or SIGTERM that comes in between waits until all three are done and is raised then. Before, a signal
-    between the save and the MLflow log left a leg in the evidence that MLflow never had (the interruption test
-    caught it under load: 3 legs recorded, 2 leg runs)."""
+    Under ``_ctrl_c_raises`` (a campaign's run), a Ctrl-C or SIGTERM that comes in between waits until all three
+    are done and is raised then; an error of the step itself goes up as it is, not masked by the held signal.
+    Before, a signal between the save and the MLflow log left a leg in the evidence that MLflow never had (the
+    interruption test caught it under load: 3 legs recorded, 2 leg runs)."""
     if threading.current_thread() is not threading.main_thread():     # signals reach the main thread only
         yield
         return
@@ -165,11 +170,14 @@ def _recording():
         _held.append(None)
     try:
         yield
-    finally:
+    except BaseException:
         if not outer:
-            pending = _held.pop()
-            if pending is not None:
-                raise pending
+            _held.pop()
+        raise
+    if not outer:
+        pending = _held.pop()
+        if pending is not None:
+            raise pending
 
 
 @dataclass

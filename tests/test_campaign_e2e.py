@@ -108,10 +108,12 @@ def _wait_legs(proc: subprocess.Popen, repo: Path, at_least: int) -> tuple[Path,
                     evidence = found[0]
                     pids = [json.loads(p.read_text())["pid"] for p in evidence.parent.glob("server-*.pid")]
                     break
-            except (json.JSONDecodeError, KeyError):
+            except (json.JSONDecodeError, KeyError, OSError):      # a file mid-write, or gone as a server stops
                 pass
         time.sleep(0.3)
     if evidence is None:
+        if proc.poll() is None:
+            proc.kill()
         out = proc.communicate(timeout=60)[0] if proc.stdout else ""
         pytest.fail(f"no {at_least} legs recorded in time: {(out or '')[-3000:]}")
     assert len(pids) == 2, "the grid did not run on two servers"
@@ -126,7 +128,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
+@pytest.fixture
+def spawned():
+    """The campaign processes a test starts (append them): any still running at its end is killed, servers and
+    all (they exit with their parent), so a failed assertion leaves nothing running into later tests."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path, spawned):
     """One campaign stopped three ways and resumed each time (one campaign, not three: each full grid is minutes of
     CI). SIGKILL gives the runner no chance to stop its servers: they exit with their parent (--exit-with-parent),
     and the pid files they leave let resume= stop any survivor before it starts its own. SIGTERM (a scheduler's time
@@ -141,6 +155,7 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
 
     # SIGKILL after the first leg: no handler runs in the runner; its servers follow it within seconds
     proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spawned.append(proc)
     evidence, pids = _wait_legs(proc, repo, 1)
     proc.kill()
     proc.wait(timeout=30)
@@ -154,21 +169,21 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path):
     # resume=<id>, then SIGTERM after one more leg
     proc = subprocess.Popen(args + [f"resume={ev.campaign_id}"], cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    spawned.append(proc)
     _, pids = _wait_legs(proc, repo, len(ev.legs) + 1)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 143, out[-3000:]
     assert "interrupted" in out and "resume=" in out
     assert not list(evidence.parent.glob("server-*.pid"))       # stopped by the runner, not orphaned
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert not any(_alive(p) for p in pids), f"servers outlived the runner: {[p for p in pids if _alive(p)]}"
     after_term = load_evidence(evidence)
     assert after_term.status == "in-progress" and len(ev.legs) < len(after_term.legs) < 8
 
     # resume=auto, then Ctrl-C after one more leg
     proc = subprocess.Popen(args + ["resume=auto"], cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    spawned.append(proc)
     _wait_legs(proc, repo, len(after_term.legs) + 1)
     proc.send_signal(signal.SIGINT)                           # Ctrl-C mid-grid
     out = proc.communicate(timeout=120)[0]
@@ -274,6 +289,25 @@ def test_a_signal_while_a_result_is_recorded_waits_until_it_is_logged(signum):
             wait_for_signal()
             steps.append("went on")
     assert steps == []
+    # a second signal while one is held stops it at once (a record stuck on an unreachable MLflow must not keep
+    # Ctrl-C from stopping the campaign), and an error of the record itself is not masked by the held signal
+    with pytest.raises(want):
+        with _ctrl_c_raises():
+            with _recording():
+                os.kill(os.getpid(), signum)
+                wait_for_signal()
+                steps.append("held")
+                os.kill(os.getpid(), signum)
+                wait_for_signal()
+                steps.append("went on")
+    assert steps == ["held"] and not runner._held
+    with pytest.raises(OSError, match="disk full"):
+        with _ctrl_c_raises():
+            with _recording():
+                os.kill(os.getpid(), signum)
+                wait_for_signal()
+                raise OSError("disk full")
+    assert not runner._held
 
 
 def _mlflow_runs(uri: str, ev) -> dict[str, list]:
