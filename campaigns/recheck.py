@@ -435,11 +435,11 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
         entry["new"], entry["status"] = ev.campaign_id, "done"
         entry["verdict"] = ev.decision.verdict if ev.decision else None
         save_state(out_dir, state)
-        pinned = _pinned_flip(ev)
-        if pinned:
+        refused = _flip_refused(ev, out_dir, root)
+        if refused:
             echo(f"recheck {_key(entry)}: {ev.campaign_id} FLIPs {ev.lever} to "
-                 f"{render_value(ev.decision.new_default)} with {pinned}: it moves no default (`vtcampaign flip` "
-                 f"refuses it), so the recheck goes on. To decide the default: `{_unpinned_command(ev)}`")
+                 f"{render_value(ev.decision.new_default)} but moves no default, so the recheck goes on: "
+                 f"`vtcampaign flip` refuses it: {refused}")
         elif _moves_a_default(ev) and any(e["status"] != "done" for e in state["entries"]):
             # what is left would run on the default this FLIP replaces, and its verdicts go stale at the merge
             echo(f"recheck stops: {ev.campaign_id} FLIPs {ev.lever} to {render_value(ev.decision.new_default)}. Commit "
@@ -453,36 +453,27 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
 
 
 def _moves_a_default(ev: Evidence) -> bool:
-    """A binding FLIP whose new default is not the lever's default now, measured with every pinned lever at its
-    default (with a pin off its default, `vtcampaign flip` refuses it: see _pinned_flip)."""
+    """A binding FLIP whose new default is not the lever's default now (one `vtcampaign flip` may still refuse:
+    _flip_refused)."""
     from vtengine import levers
     d = ev.decision
-    if ev.kind != "lever" or d is None or d.verdict != "FLIP" or not d.binding or lever_context.off_default_pins(ev):
+    if ev.kind != "lever" or d is None or d.verdict != "FLIP" or not d.binding:
         return False
     defaults = levers.effective_defaults(quant=lever_context.quant_of(ev))
     return ev.lever in defaults and d.new_default != defaults[ev.lever]
 
 
-def _pinned_flip(ev: Evidence) -> str:
-    """For a binding FLIP measured with pinned levers off today's defaults ("chunked_prefill=256 pinned (its
-    default: 512)"), else "". Such a FLIP says what the lever does in that context only; it moves no default, so a
-    recheck must not stop at it (2026-12-07, H100: prefill_splits FLIPped with 256-token chunks pinned, the
-    default 512, and the recheck stopped, asking for a flip that `vtcampaign flip` then refused)."""
-    from vtengine import levers
-    d = ev.decision
-    if ev.kind != "lever" or d is None or d.verdict != "FLIP" or not d.binding:
+def _flip_refused(ev: Evidence, out_dir: Path, root: Path | str | None) -> str:
+    """Why `vtcampaign flip` would refuse a binding FLIP that differs from today's default (runner.check_flippable:
+    a pinned lever off its default, a baseline no longer the default, a fresh REJECT of the same change elsewhere),
+    else "". Such a FLIP moves no default, so a recheck must not stop at it (2026-12-07, H100: prefill_splits
+    FLIPped with chunked_prefill=256 pinned, the default 512; the recheck stopped and asked for a flip that
+    `vtcampaign flip` then refused)."""
+    from campaigns.runner import CampaignError, check_flippable
+    if not _moves_a_default(ev):
         return ""
-    pins = lever_context.off_default_pins(ev)
-    if not pins:
-        return ""
-    now = levers.effective_defaults(quant=lever_context.quant_of(ev))
-    return ", ".join(f"{n}={render_value(v)} pinned (its default: {render_value(now[n])})"
-                     for n, v in sorted(pins.items()))
-
-
-def _unpinned_command(ev: Evidence) -> str:
-    """The campaign of ``ev`` with its off-default pins at today's defaults (what `vtcampaign flip` suggests)."""
-    from campaigns.runner import _unpinned_run
-    from vtengine import levers
-    return _unpinned_run(ev, lever_context.off_default_pins(ev),
-                         levers.effective_defaults(quant=lever_context.quant_of(ev)))
+    try:
+        check_flippable(ev, out_dir, root=None if root is None else Path(root))
+    except CampaignError as e:
+        return str(e).removeprefix(f"{ev.campaign_id}: ")
+    return ""

@@ -860,7 +860,7 @@ def _unpinned_run(ev: Evidence, off_default: dict, defaults: dict) -> str:
     return "vtcampaign run " + " ".join(shlex.quote(o) for o in ovs)      # a shell word each: {a:1,b:2} expands
 
 
-def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None:
+def check_flippable(ev: Evidence, records_dir: Path | None = None, root: Path | None = None) -> str | None:
     """Raise CampaignError, saying why, unless ``ev`` is a complete, binding, fresh FLIP of a lever campaign, and
     (with ``records_dir``) no fresh binding verdict of the same lever on another model or workload of its
     quantization refuted it. Returns the flip's scope: None (the lever's ``default``, every quantization), or the
@@ -868,7 +868,9 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
     fresh or stale, refuted the change (pdl_stack, H200 2026-12-04: FLIP on bf16, REJECT on MXFP4), where the
     lever already has its own default on this one, or where some of its sources cannot run on this quantization
     (``context.QUANT_SOURCES``): a bf16 campaign never ran a lever's W4A16 form, so it says nothing of it
-    (pdl_stack again: flipped for every quantization from bf16 alone, it cost MXFP4 x0.79 in total tok/s)."""
+    (pdl_stack again: flipped for every quantization from bf16 alone, it cost MXFP4 x0.79 in total tok/s).
+    ``root``: the source tree freshness is judged against (None: the engine's own, confdirs.SOURCE_ROOT)."""
+    root = confdirs.SOURCE_ROOT if root is None else root
     d = ev.decision
     if ev.kind != "lever" or d is None or d.verdict != "FLIP":
         raise CampaignError(f"{ev.campaign_id}: its verdict is {d.verdict if d else 'not decided'}, not FLIP; only a "
@@ -902,7 +904,7 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
                             "does where those levers are set so, not in the engine users run by default. Flip the "
                             f"pinned lever first (its own campaign), or measure with the pins at today's defaults: "
                             f"`{_unpinned_run(ev, off_default, defaults)}`{both}")
-    fresh = lever_context.freshness(ev, confdirs.SOURCE_ROOT)
+    fresh = lever_context.freshness(ev, root)
     if not fresh.fresh:
         raise CampaignError(f"{ev.campaign_id}: its FLIP is STALE ({'; '.join(fresh.reasons)}); a stale verdict "
                             "measured another engine than the one users run. Re-run it: `vtcampaign recheck`, or "
@@ -913,7 +915,7 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None) -> str | None
     if records_dir is not None:
         refuted = _refuted_elsewhere(ev, records_dir)
         same = [r for r in refuted if quant is None or lever_context.quant_of(r) in (quant, None)]
-        here = [r for r in same if lever_context.freshness(r, confdirs.SOURCE_ROOT).fresh]
+        here = [r for r in same if lever_context.freshness(r, root).fresh]
         if here:
             raise CampaignError(
                 f"{ev.campaign_id}: {ev.lever} FLIPped on {recheck.measured_on(ev)}, {records.gpu_label(ev)}, but "

@@ -46,14 +46,20 @@ def verdict(root: Path, lever: str, created: str, aa: bool = False, grid: str | 
         ev.config["grid"]["name"] = grid
     ev.config["model"]["quant"] = quant
     ev.__dict__.pop("_settings", None)
+    save_evidence(measured_here(ev, root, **context), root / "records" / ev.campaign_id)
+    return ev.campaign_id
+
+
+def measured_here(ev, root: Path, **context):
+    """``ev`` as measured at ``root``'s HEAD with today's defaults except ``context``, the bf16 levers live."""
+    reg = levers.registry()
     sha = git.Repo(root).head.commit.hexsha
     ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
     for arm in ev.arms:
-        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, **context, lever: arm.value}
-        ev.live_levers[arm.name] = sorted(set(LIVE) | {lever})
+        ev.context[arm.name] = {**{n: lv.default for n, lv in reg.items()}, **context, ev.lever: arm.value}
+        ev.live_levers[arm.name] = sorted(set(LIVE) | {ev.lever})
     ev.lever_digests = lever_context.tree_digests(reg, root)
-    save_evidence(ev, root / "records" / ev.campaign_id)
-    return ev.campaign_id
+    return ev
 
 
 def test_the_plan_lists_the_stale_verdicts_with_their_overrides(proj):
@@ -268,7 +274,7 @@ def test_a_flip_that_moves_a_default_stops_the_run(proj, pins):
         if lever == "pdl" and pins:
             ev.config["campaign"]["with_levers"] = pins
             ev.__dict__.pop("_settings", None)
-        return policy.conclude(ev)
+        return policy.conclude(measured_here(ev, proj, **pins))
 
     order = [e["lever"] for e in recheck.plan(out, root=proj)["entries"]]
     state = recheck.run(out, [], flips, root=proj, echo=said.append)
@@ -280,9 +286,8 @@ def test_a_flip_that_moves_a_default_stops_the_run(proj, pins):
                                    "2026-12-01-pdl-new), merge")
         return
     line = next(s for s in said if "FLIPs pdl" in s)
-    assert ("2026-12-01-pdl-new FLIPs pdl to true with nsplits_cap=8 pinned (its default: off): it moves no default "
-            "(`vtcampaign flip` refuses it), so the recheck goes on. To decide the default: `vtcampaign run "
-            "campaign=pdl") in line, line
+    assert ("2026-12-01-pdl-new FLIPs pdl to true but moves no default, so the recheck goes on: `vtcampaign flip` "
+            "refuses it: its FLIP was measured with nsplits_cap=8 (its default: off) pinned") in line, line
     assert "nsplits_cap:off" in line and not any(s.startswith("recheck stops") for s in said)
 
 
