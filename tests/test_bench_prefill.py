@@ -59,3 +59,14 @@ def test_a_step_that_does_not_fit_is_an_error_row_and_bad_flags_are_named(tmp_pa
     [path] = tmp_path.glob("prefill-*.json")
     rows = json.loads(path.read_text())["rows"]
     assert "ms" in rows[0] and "do not fit this engine" in rows[1]["error"], rows
+
+
+def test_the_prefill_attention_bench_refuses_an_unknown_sweep_naming_its_sweeps(tmp_path):
+    """`python -m vtengine.bench.prefill_attention OUT_DIR <sweep>`: a misspelt sweep is refused before any GPU work,
+    naming the accepted ones; split-prefixes spans the prefixes where splitting lost (2k) and won (32k)."""
+    from vtengine.bench import prefill_attention as bench
+    with pytest.raises(SystemExit, match=r"'prefixes' is not a sweep; accepted: tiles, splits, split-prefixes, "
+                                         r"stages"):
+        bench.main(str(tmp_path), "prefixes")
+    assert sorted({p for _, p in bench.SPLIT_PREFIX_SHAPES}) == [1000, 2000, 4000, 8000, 16000, 32000]
+    assert not list(tmp_path.iterdir())

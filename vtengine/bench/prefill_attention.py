@@ -25,6 +25,8 @@ chunks of 128-640 new tokens in steps of 64 after a 32k prefix (a mixed step's p
 prompt's last partial chunk) and two short-prefix controls, the packed route's tiles at the engine's fast math (on,
 its default) at forced split counts and "auto", against splits "off" in the same run; beside each arm the speed-up
 the wave model predicts (``wave_model_speedup``), so one run says whether "auto" picks the counts the model would.
+``python -m vtengine.bench.prefill_attention OUT_DIR split-prefixes``: the split sweep's arms at 128, 256 and 384 new
+tokens after prefixes of 1,000 to 32,000 tokens: where splitting starts to pay (the prefix per slice it needs).
 ``python -m vtengine.bench.prefill_attention OUT_DIR stages``: the packed route's candidate tiles at both fast-math
 settings (the lever ``fast_math``; the tile table above was swept with it off, the engine runs it on), short and long
 steps with and without a long prefix; each arm's output is also compared bitwise with the default tiles' at the same
@@ -53,6 +55,9 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 DEVICE = "cuda"
 SHAPES = [(512, 0), (2048, 0), (8192, 0), (512, 30000), (2048, 30000), (8192, 24000)]    # (q_len, prefix)
 SPLIT_SHAPES = [(q, 32000) for q in range(128, 641, 64)] + [(128, 2000), (512, 0)]
+# the split rule's prefix threshold (2026-12-07, H100: every split won after 32k, every split lost after 2k, x0.54-
+# 0.69 at 128 new tokens): chunks whose grid is under one round, at prefixes between
+SPLIT_PREFIX_SHAPES = [(q, p) for p in (1000, 2000, 4000, 8000, 16000, 32000) for q in (128, 256, 384)]
 SPLIT_ARMS = ["off", 2, 3, 4, 6, 8, 16, "auto"]
 SPLIT_FAST_MATH = True          # the engine's default (the lever fast_math): the tiles "auto" sizes its wave by
 PACKED_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
@@ -132,8 +137,11 @@ def matmul_tflops() -> float:
 
 
 def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
-    if what not in ("tiles", "splits", "stages"):
-        raise SystemExit(f"prefill attention bench: {what!r} is not a sweep; accepted: tiles, splits, stages")
+    if what not in ("tiles", "splits", "split-prefixes", "stages"):
+        raise SystemExit(f"prefill attention bench: {what!r} is not a sweep; accepted: tiles, splits, split-prefixes, "
+                         "stages")
+    shapes = {"splits": SPLIT_SHAPES, "split-prefixes": SPLIT_PREFIX_SHAPES, "stages": STAGE_SHAPES}.get(what, SHAPES)
+    what = "splits" if what == "split-prefixes" else what        # the same arms and columns
     if not torch.cuda.is_available():
         print("prefill attention bench: needs a CUDA GPU; nothing measured")
         return {"skipped": "needs a CUDA GPU"}
@@ -151,10 +159,11 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kind = {"splits": "prefill-attention-splits", "stages": "prefill-attention-stages"}.get(what, "prefill-attention")
+    kind += "-prefixes" if shapes is SPLIT_PREFIX_SHAPES else ""
     stem = out / common.unique_stem(out, f"{kind}-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
-    for q_len, prefix in {"splits": SPLIT_SHAPES, "stages": STAGE_SHAPES}.get(what, SHAPES):
+    for q_len, prefix in shapes:
         q, k, v, kc, vc, bt, cu, cl = make_case(q_len, prefix, gen)
         flops = causal_flops(q_len, prefix)
         row = {"q_len": q_len, "prefix": prefix, "gflop": round(flops / 1e9, 1), "arms": {}}
