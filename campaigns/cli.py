@@ -362,35 +362,54 @@ def cmd_status(args) -> int:
             console.print(f"  {plan_key(ev)} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}")
     unfinished = [e for evs in by.values() for e in evs if e.status != "complete"]
     if unfinished:
-        from campaigns.gitops import GitOpsError, code_digest, open_repo
+        import torch
+
+        from campaigns.fingerprint import host_setup
+        from campaigns.gitops import GitOpsError, code_digest, open_repo, repo_state
+        from campaigns.runner import not_dirt
         here_root = project_root()      # what a resume compares: the repository campaigns run in (cmd_run's repo)
-        try:                            # this checkout's code, once for all of them
+        try:                            # this checkout's code and tree, once for all of them
             here, head = code_digest(here_root), open_repo(here_root).head.commit.hexsha
+            dirty = repo_state(here_root, ignore=not_dirt(here_root, Path(args.out_dir).resolve())).dirty_files
         except (GitOpsError, ValueError):
-            here = head = None
+            here = head = dirty = None
+        setup = host_setup("cuda" if torch.cuda.is_available() else "cpu")
         console.print(f"{len(unfinished)} unfinished campaign(s):")
         for ev in sorted(unfinished, key=lambda e: (e.created, e.campaign_id)):
-            console.print(f"  {unfinished_line(ev, head, here)}")
+            console.print(f"  {unfinished_line(ev, head, here, dirty, setup)}")
     return 0
 
 
-def unfinished_line(ev, head: str | None, here: str | None) -> str:
-    """One unfinished campaign for `vtcampaign status`: how far it came, where it ran, and whether this checkout's
-    code (commit ``head``, code digest ``here``; None without a repository) can resume it (the command), or why
-    not: a resume needs the campaign's code (its commit, or one that differs in records, results or prose alone),
-    so a campaign cut before a code change stays unfinished for good unless resumed on a checkout of its commit."""
+def unfinished_line(ev, head: str | None, here: str | None, dirty: list[str] | None = None,
+                    setup: dict | None = None) -> str:
+    """One unfinished campaign for `vtcampaign status`: how far it came, where it ran, and whether this checkout
+    (commit ``head``, code digest ``here``, ``dirty`` files; None without a repository) can resume it, or why not,
+    with what the resume checks (runner._check_resumable): the campaign's code (its commit, or one that differs in
+    records, results or prose alone), the same tree (clean, or dirty in the same files), and its device and
+    versions, which ``setup`` (fingerprint.host_setup of this host) either has (resume here) or lacks (named). A
+    campaign cut before a code change stays unfinished for good unless resumed on a checkout of its commit."""
     from campaigns.records import gpu_label
-    from campaigns.runner import left_to_measure, resume_command
+    from campaigns.runner import SAME_ON_RESUME, left_to_measure, resume_command
     f = ev.fingerprint
     done = f"{len(ev.done_legs())} legs, {len(ev.gates)} gate results, on {gpu_label(ev)} at {f.git_short_sha}"
     if not left_to_measure(ev):         # concluded from what is recorded, anywhere (runner.conclude_recorded)
         return f"{ev.campaign_id} ({done}): only its verdict is left: `vtcampaign conclude {ev.campaign_id}`"
-    if head is not None and (f.git_sha == head or (f.code_digest is not None and f.code_digest == here)):
-        return f"{ev.campaign_id} ({done}): resume on that GPU with `{resume_command(ev)}`"
-    why = ("its code digest was not recorded" if f.code_digest is None else
-           "no repository here to compare with" if here is None else "the code has changed since")
-    return (f"{ev.campaign_id} ({done}): not resumable on this checkout ({why}); resume on a checkout of "
-            f"{f.git_short_sha}, or run the campaign anew")
+    if head is None or not (f.git_sha == head or (f.code_digest is not None and f.code_digest == here)):
+        why = ("its code digest was not recorded" if f.code_digest is None else
+               "no repository here to compare with" if here is None else "the code has changed since")
+        return (f"{ev.campaign_id} ({done}): not resumable on this checkout ({why}); resume on a checkout of "
+                f"{f.git_short_sha}, or run the campaign anew")
+    if dirty is not None and sorted(dirty) != sorted(f.dirty_files):
+        def tree(files):
+            return f"dirty in {', '.join(sorted(files))}" if files else "clean"
+        return (f"{ev.campaign_id} ({done}): not resumable on this checkout as it is (the campaign ran on a tree "
+                f"{tree(f.dirty_files)}, this one is {tree(dirty)}); make the trees match, then "
+                f"`{resume_command(ev)}`")
+    lacks = [f"{label} {getattr(f, k)} (here {setup[k]})" for k, label in SAME_ON_RESUME
+             if getattr(f, k) != setup[k]] if setup is not None else None
+    where = ("on its GPU and versions" if lacks is None else f"on a host with {'; '.join(lacks)}" if lacks
+             else "here")
+    return f"{ev.campaign_id} ({done}): resume {where} with `{resume_command(ev)}`"
 
 
 def cmd_sources(args) -> int:

@@ -26,6 +26,20 @@ def device_info(device: str) -> tuple[str, str, str | None]:
     return "cpu", platform.processor() or platform.machine() or "cpu", torch.version.cuda
 
 
+def host_setup(device: str) -> dict[str, str | None]:
+    """What a resume must find as the first run had it (runner.SAME_ON_RESUME): the device's name and the torch,
+    triton, CUDA and Python versions, read on this host for ``device`` ('cuda' or 'cpu')."""
+    import torch
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    _, device_name, cuda_version = device_info(device)
+    return {"device_name": device_name, "torch_version": torch.__version__, "triton_version": triton_version,
+            "cuda_version": cuda_version, "python_version": platform.python_version()}
+
+
 def make_arms(lever: str, baseline: Any, candidates: list[Any], aa: bool = False) -> list[Arm]:
     """The arms, named by value ('off', 'on', 'auto', '8'); an A/A campaign's two arms (one value) are 'a' and 'b'."""
     if aa:
@@ -49,12 +63,6 @@ def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm],
             ignore_dirty: tuple[str, ...] = (), pinned: Mapping[str, Any] | None = None) -> Fingerprint:
     """The preflight fingerprint. ``ignore_dirty``: paths (e.g. the campaign's own out_dir) that do not count as
     dirt, since the campaign writes there while it runs."""
-    import torch
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     state = repo_state(repo_path, ignore=ignore_dirty)
     # A lent GPU host gets a copy of the checkout without .git; the copy is committed there as a fresh repository
     # (so dirtiness is still measured against it) and the source commit is named by CAMPAIGN_SOURCE_SHA.
@@ -62,11 +70,8 @@ def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm],
     if source:
         state = dataclasses.replace(state, sha=source, short_sha=source[:7],
                                     branch=os.environ.get("CAMPAIGN_SOURCE_BRANCH", state.branch))
-    device_type, device_name, cuda_version = device_info(device)
     return Fingerprint(
         git_sha=state.sha, git_short_sha=state.short_sha, dirty=state.dirty, branch=state.branch,
-        device_type=device_type, device_name=device_name, cuda_version=cuda_version,
-        torch_version=torch.__version__,
-        triton_version=triton_version, python_version=platform.python_version(), hostname=socket.gethostname(),
+        device_type=device_info(device)[0], **host_setup(device), hostname=socket.gethostname(),
         arms_env=arms_env(lever_env, arms, pinned=pinned), config_hash=config_hash, dirty_files=state.dirty_files,
         code_digest=code_digest(repo_path))

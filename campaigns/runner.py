@@ -59,7 +59,7 @@ def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
                             "or file::definition), or its verdicts could never go STALE when they change")
     kind = "aa" if cfg.aa else "lever"
     arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates), aa=cfg.aa)
-    fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=_not_dirt(repo, out_dir),
+    fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=not_dirt(repo, out_dir),
                      pinned={levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()})
     check_tree(fpr, cfg)
     cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha, kind)
@@ -81,7 +81,7 @@ def check_tree(fpr, cfg: DictConfig) -> None:
                             "Commit or stash the change, or pass allow_dirty=true (the verdict is then NON-BINDING)")
 
 
-def _not_dirt(repo: Path, out_dir: Path) -> tuple[str, ...]:
+def not_dirt(repo: Path, out_dir: Path) -> tuple[str, ...]:
     """What a campaign writes itself (its evidence, the run outputs): never counted as a dirty tree."""
     own = str(out_dir.relative_to(repo)) if out_dir.is_relative_to(repo) else ""
     return tuple(i for i in (own, *RUN_OUTPUTS) if i)
@@ -583,15 +583,15 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
     if not mine:
         return None
     now = fp.collect(repo, cfg.device, levers.get(cfg.campaign.lever).env, mine[0].arms, want,
-                     ignore_dirty=_not_dirt(repo, out_dir))
+                     ignore_dirty=not_dirt(repo, out_dir))
     mine = [ev for ev in mine if _same_code(ev.fingerprint, now)
             and sorted(ev.fingerprint.dirty_files) == sorted(now.dirty_files)
-            and all(getattr(ev.fingerprint, k) == getattr(now, k) for k, _ in _SAME_ON_RESUME)]
+            and all(getattr(ev.fingerprint, k) == getattr(now, k) for k, _ in SAME_ON_RESUME)]
     return max(mine, key=lambda ev: (ev.created, ev.campaign_id)).campaign_id if mine else None
 
 
 # what must match between a campaign's first run and its resumption, with how a difference reads
-_SAME_ON_RESUME = (("device_name", "device"), ("torch_version", "torch"), ("triton_version", "triton"),
+SAME_ON_RESUME = (("device_name", "device"), ("torch_version", "torch"), ("triton_version", "triton"),
                    ("cuda_version", "CUDA"), ("python_version", "Python"))
 
 
@@ -637,7 +637,7 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
                             f"`{resume_command(ev)}`, or start a new campaign")
     then = ev.fingerprint
     now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, then.config_hash,
-                     ignore_dirty=_not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
+                     ignore_dirty=not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
     if now.git_sha != then.git_sha and not _same_code(then, now):
         why = ("its code at that commit was not recorded (before 2026-12-05)" if then.code_digest is None else
                "the commits between them change code, not only records, results, prose (*.md) or record "
@@ -651,7 +651,7 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
         raise CampaignError(f"resume={cfg.resume!r}: the campaign ran on a tree {tree(then.dirty_files)}, the "
                             f"checkout is {tree(now.dirty_files)}; legs from two trees would not compare (commit or "
                             "stash the change, or start a new campaign)")
-    differ = [f"{label} {getattr(then, k)} then, {getattr(now, k)} now" for k, label in _SAME_ON_RESUME
+    differ = [f"{label} {getattr(then, k)} then, {getattr(now, k)} now" for k, label in SAME_ON_RESUME
               if getattr(then, k) != getattr(now, k)]
     if differ:
         raise CampaignError(f"resume={cfg.resume!r}: {'; '.join(differ)}; legs measured on two setups would not "

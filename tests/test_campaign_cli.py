@@ -365,14 +365,20 @@ def test_status_rows_show_their_own_quantizations_default_and_value(tmp_path, mo
 def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, capsys):
     """A campaign cut mid-grid stays unfinished until a resume on its code takes it; once the code changes, none
     will. `vtcampaign status` lists each unfinished one with how far it came and what finishes it: the resume
-    command where this checkout's code is the campaign's, `vtcampaign conclude` where only the verdict is left,
-    else why it cannot resume here. A complete campaign is not listed."""
+    command where this checkout's code and tree are the campaign's (here, or on a host with the device and
+    versions it names), `vtcampaign conclude` where only the verdict is left, else why it cannot resume here. A
+    complete campaign is not listed."""
     import dataclasses
 
-    from campaigns.gitops import code_digest, open_repo
+    import torch
+
+    from campaigns.fingerprint import host_setup
+    from campaigns.gitops import RUN_OUTPUTS, code_digest, open_repo, repo_state
     from vtengine import confdirs
     out = tmp_path / "records" / "campaigns"
     here = open_repo(confdirs.SOURCE_ROOT).head.commit.hexsha
+    dirty = repo_state(confdirs.SOURCE_ROOT, ignore=RUN_OUTPUTS).dirty_files     # the checkout as it is now
+    setup = host_setup("cuda" if torch.cuda.is_available() else "cpu")
 
     def put(cid, status="in-progress", legs=None, **fp):
         ev = make_evidence(TPUT_WIN, lever="gqa_swap", campaign_id=cid)
@@ -380,7 +386,7 @@ def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, ca
         ev.legs = ev.legs[:legs] if legs is not None else ev.legs
         ev.peak_memory_gib = {a.name: 1.0 for a in ev.arms}
         ev.context = {a.name: {"gqa_swap": a.value} for a in ev.arms}
-        ev.fingerprint = dataclasses.replace(ev.fingerprint, **fp)
+        ev.fingerprint = dataclasses.replace(ev.fingerprint, **{"dirty_files": dirty, **fp})
         save_evidence(ev, out / cid)
     put("2026-12-01-gqa_swap-done", status="complete")
     put("2026-12-02-gqa_swap-verdict-left")
@@ -388,13 +394,25 @@ def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, ca
     put("2026-12-04-gqa_swap-same-code", legs=6, code_digest=code_digest(confdirs.SOURCE_ROOT))
     put("2026-12-05-gqa_swap-old-code", legs=7, code_digest="0" * 64)
     put("2026-12-06-gqa_swap-no-digest", legs=8)
+    put("2026-12-07-gqa_swap-this-host", legs=9, git_sha=here, git_short_sha=here[:7], **setup)
+    put("2026-12-08-gqa_swap-other-tree", legs=10, git_sha=here, git_short_sha=here[:7],
+        dirty_files=sorted({*dirty, "vtengine/kernels/not_here.py"}))
     assert main(["status", "--out-dir", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "5 unfinished campaign(s):" in text and "gqa_swap-done" not in text.split("unfinished campaign(s):")[1]
+    assert "7 unfinished campaign(s):" in text and "gqa_swap-done" not in text.split("unfinished campaign(s):")[1]
     assert ("2026-12-02-gqa_swap-verdict-left (24 legs, 16 gate results, on H200 at abc1234): only its verdict is "
             "left: `vtcampaign conclude 2026-12-02-gqa_swap-verdict-left`") in text
-    assert "2026-12-03-gqa_swap-here (5 legs, " in text and "resume=2026-12-03-gqa_swap-here`" in text
+    # the resume checks the device and versions too: an H200 campaign is resumed on a host that has them
+    assert (f"2026-12-03-gqa_swap-here (5 legs, 16 gate results, on H200 at {here[:7]}): resume on a host with "
+            f"device NVIDIA H200 (here {setup['device_name']}); torch 2.13.0 (here {setup['torch_version']})") in text
+    assert "resume=2026-12-03-gqa_swap-here`" in text
     assert "resume=2026-12-04-gqa_swap-same-code`" in text          # another commit, the same code
+    assert "2026-12-07-gqa_swap-this-host (9 legs, 16 gate results, on " in text
+    assert ": resume here with `vtcampaign run campaign=gqa_swap <the overrides it ran with> " \
+           "resume=2026-12-07-gqa_swap-this-host`" in text
+    assert (f"2026-12-08-gqa_swap-other-tree (10 legs, 16 gate results, on H200 at {here[:7]}): not resumable on "
+            "this checkout as it is (the campaign ran on a tree dirty in ") in text
+    assert "vtengine/kernels/not_here.py, this one is " in text
     assert ("2026-12-05-gqa_swap-old-code (7 legs, 16 gate results, on H200 at abc1234): not resumable on this "
             "checkout (the code has changed since); resume on a checkout of abc1234") in text
     assert "gqa_swap-no-digest (8 legs, 16 gate results, on H200 at abc1234): not resumable on this checkout (its " \
