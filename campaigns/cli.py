@@ -112,6 +112,19 @@ def _parser() -> argparse.ArgumentParser:
                                     "left is refused, naming them: resume that one where it ran.")
     co.add_argument("campaign_id")
     _out_dir_arg(co)
+    ab = sub.add_parser("abandon", help="give up unfinished campaigns: no longer listed, resumed or concluded",
+                        description="Mark unfinished campaigns abandoned (e.g. cut before a code change, so no "
+                                    "checkout of today's code can resume them): `vtcampaign status` stops listing "
+                                    "them, resume=auto passes them by, and resume or conclude refuse them. Nothing "
+                                    "is deleted: the evidence keeps every gate and leg, the record says when and "
+                                    "why it was abandoned, and MLflow's status tag says so where it holds it.")
+    ab.add_argument("campaign_ids", nargs="*", metavar="CAMPAIGN_ID")
+    ab.add_argument("--why", required=True, help="the reason, written into each record")
+    ab.add_argument("--unresumable", action="store_true",
+                    help="every unfinished campaign this checkout cannot resume because its code changed since "
+                         "(those `vtcampaign status` calls not resumable on this checkout; not one that only "
+                         "needs `vtcampaign conclude`)")
+    _out_dir_arg(ab)
     rc = sub.add_parser("recheck", help="re-run the campaigns of the stale binding verdicts, one after another",
                         description="Re-run every stale binding verdict's campaign (vtcampaign status lists them) "
                                     "on today's defaults, resumably; extra arguments are Hydra overrides for every "
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"status": cmd_status, "sources": cmd_sources, "render": cmd_render, "log": cmd_log, "pr": cmd_pr,
                 "ui": cmd_ui,
                 "calibrate": cmd_calibrate, "flip": cmd_flip, "merge": cmd_merge, "decide": cmd_decide,
-                "conclude": cmd_conclude}[args.cmd](args)
+                "conclude": cmd_conclude, "abandon": cmd_abandon}[args.cmd](args)
     except (UsageError, *USER_ERRORS) as e:
         print(f"vtcampaign: error: {e}", file=sys.stderr)
         return 2
@@ -360,7 +373,7 @@ def cmd_status(args) -> int:
         console.print(f"{len(stale)} stale binding verdict(s) (`vtcampaign recheck` re-runs them):")
         for ev, f in stale:
             console.print(f"  {plan_key(ev)} {ev.campaign_id} {ev.decision.verdict}: {'; '.join(f.reasons)}")
-    unfinished = [e for evs in by.values() for e in evs if e.status != "complete"]
+    unfinished = [e for evs in by.values() for e in evs if e.status == "in-progress"]
     if unfinished:
         import torch
 
@@ -587,6 +600,32 @@ def _conclude_recorded(campaign_id: str, out_dir: str):
 def cmd_conclude(args) -> int:
     ev = _conclude_recorded(args.campaign_id, args.out_dir)
     print(f"{ev.campaign_id}: {ev.decision.verdict} ({ev.decision.headline})")
+    return 0
+
+
+def cmd_abandon(args) -> int:
+    from campaigns import records, tracking
+    from campaigns.gitops import code_digest, open_repo
+    from campaigns.runner import CampaignError, abandon, left_to_measure
+    ids = list(args.campaign_ids)
+    if args.unresumable:
+        root = project_root()
+        here, head = code_digest(root), open_repo(root).head.commit.hexsha
+        ids += [e.campaign_id for evs in _evidence_by_lever(args.out_dir).values() for e in evs
+                if e.status == "in-progress" and e.fingerprint.git_sha != head
+                and (e.fingerprint.code_digest is None or e.fingerprint.code_digest != here)
+                and left_to_measure(e) and e.campaign_id not in ids]      # else `vtcampaign conclude` ends it
+    if not ids:
+        raise UsageError("abandon: name the campaigns (CAMPAIGN_ID ...) or pass --unresumable; "
+                         "`vtcampaign status` lists the unfinished ones")
+    try:
+        done = abandon(ids, args.out_dir, args.why)
+    except CampaignError as e:
+        raise UsageError(str(e)) from None
+    records.render_all(args.out_dir, only=ids)
+    for ev in done:
+        tracking.relog_if_logged(ev, Path(args.out_dir) / ev.campaign_id)
+        print(f"{ev.campaign_id}: abandoned ({len(ev.legs)} legs and {len(ev.gates)} gate results kept)")
     return 0
 
 

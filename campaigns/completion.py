@@ -97,7 +97,7 @@ def _unfinished(out_dir: Path | str | None) -> list[str]:
             ev = load_evidence(path)
         except Exception:
             continue
-        if ev.status != "complete":
+        if ev.status == "in-progress":
             ids.append(ev.campaign_id)
     return sorted(ids)
 

@@ -28,7 +28,7 @@ SCHEMA_VERSIONS = (1, 2)
 VERDICTS = ("INVALID", "REJECT-CORRECTNESS", "NON-BINDING", "FLIP", "REJECT-PERFORMANCE", "KEEP",
             "AA-PASS", "AA-FAIL")
 SEPARATIONS = ("WIN", "LOSS", "NEUTRAL")
-STATUSES = ("in-progress", "complete")
+STATUSES = ("in-progress", "complete", "abandoned")   # abandoned: `vtcampaign abandon`, kept as it was
 KINDS = ("lever", "aa")          # a lever campaign (baseline vs candidates), or the grid's A/A self-check
 
 
@@ -234,6 +234,8 @@ class Evidence:
     # the lever file's summary when the campaign started: what the lever did then (its values may mean something
     # else later, e.g. a rule behind "auto" rewritten); empty: written before 2026-12-06, read from git at its commit
     lever_summary: str = ""
+    # `vtcampaign abandon`: {"at": ISO 8601 UTC, "why": the user's reason}; its gates and legs stay as they were
+    abandoned: dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     # --- queries the runner and the views share

@@ -179,7 +179,8 @@ def what_changed(ev: Evidence) -> str:
     d = ev.decision
     base = ev.baseline.name
     if d is None:
-        return "campaign in progress"
+        return f"campaign abandoned {ev.abandoned.get('at', '')[:10]}" if ev.status == "abandoned" else \
+            "campaign in progress"
     cand = d.candidate or "?"
     if ev.kind == "aa":
         return f"A/A self-check of the grid, {ev.lever}={fmt_lever_value(ev.baseline.value)} on both arms"
@@ -360,7 +361,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
     arms_note = {arm_label(ev, arm): _preset_note(ev, arm) for arm in fp.arms_env}
     pinned = dict(camp.with_levers)
     with_text = (" with " + ", ".join(f"{k}={fmt_lever_value(v)}" for k, v in sorted(pinned.items()))) if pinned else ""
-    title = f"row/{ev.lever}{with_text}: {what_changed(ev)} — {d.headline if d else 'in progress'}"
+    title = f"row/{ev.lever}{with_text}: {what_changed(ev)} — {d.headline if d else ev.status.replace('-', ' ')}"
     base_label = arm_label(ev, ev.baseline.name)
     cand_labels = {a.name: arm_label(ev, a.name) for a in ev.candidates}
     for r in binding_rows:

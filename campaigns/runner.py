@@ -250,6 +250,7 @@ def conclude_recorded(campaign_id: str, repo: Path | str = ".", out_dir: Path | 
         raise CampaignError(f"unknown campaign id {campaign_id!r} under {out_dir}; accepted: "
                             f"{', '.join(known) or '(none yet)'}")
     ev = load_evidence(cdir)
+    _refuse_abandoned(ev)
     if ev.status == "complete":
         verdict = ev.decision.verdict if ev.decision else "no verdict"
         raise CampaignError(f"{campaign_id} is complete already ({verdict}); `vtcampaign decide {campaign_id}` "
@@ -579,7 +580,7 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
     ``vtcampaign recheck`` keeps one entry per GPU with the same overrides, each resumed with resume=auto."""
     want = config_hash(cfg)
     mine = [ev for ev in (load_evidence(p.parent) for p in find_evidence(out_dir))
-            if ev.status != "complete" and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
+            if ev.status == "in-progress" and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
     if not mine:
         return None
     now = fp.collect(repo, cfg.device, levers.get(cfg.campaign.lever).env, mine[0].arms, want,
@@ -617,11 +618,52 @@ def _resumable(cfg: DictConfig, cdir: Path, repo: Path, out_dir: Path) -> Eviden
         known = sorted(p.parent.name for p in out_dir.glob("*/evidence.json"))
         raise CampaignError(f"resume={cfg.resume!r}: no evidence at {cdir}; campaigns here: {known}")
     ev = load_evidence(cdir)
+    _refuse_abandoned(ev)
     if ev.lever != cfg.campaign.lever:
         raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
     later = _check_resumable(ev, cfg, repo, out_dir)
     if later and later not in ev.resumed_at:
         ev.resumed_at.append(later)
+    return ev
+
+
+def _refuse_abandoned(ev: Evidence) -> None:
+    if ev.status == "abandoned":
+        raise CampaignError(f"{ev.campaign_id} was abandoned on {ev.abandoned.get('at', '?')[:10]} "
+                            f"({ev.abandoned.get('why', 'no reason given')}); its legs stay in its evidence, but "
+                            f"it is not resumed or concluded: run the campaign anew")
+
+
+def abandon(campaign_ids: list[str], out_dir: Path | str, why: str) -> list[Evidence]:
+    """Mark unfinished campaigns abandoned (`vtcampaign abandon`): they are no longer listed as unfinished, resumed
+    by resume=auto or by id, or concluded; nothing of them is deleted (the evidence keeps every gate and leg, the
+    record says when and why). A complete or abandoned campaign, or one whose legs are all recorded (conclude it),
+    is refused; every id is checked before any campaign is changed."""
+    why = " ".join(why.split())
+    if not why:
+        raise CampaignError("abandon: --why is empty; say why the campaign is given up (it goes into its record)")
+    evs = [_abandonable(cid, Path(out_dir)) for cid in dict.fromkeys(campaign_ids)]
+    for ev in evs:
+        with _recording():
+            ev.status = "abandoned"
+            ev.abandoned = {"at": utc_now(), "why": why}
+            _save(ev, Path(out_dir) / ev.campaign_id)
+    return evs
+
+
+def _abandonable(campaign_id: str, out_dir: Path) -> Evidence:
+    cdir = out_dir / campaign_id
+    if not (cdir / "evidence.json").is_file():
+        known = sorted(ev.campaign_id for ev in map(load_evidence, (p.parent for p in find_evidence(out_dir)))
+                       if ev.status == "in-progress")
+        raise CampaignError(f"unknown campaign id {campaign_id!r} under {out_dir}; unfinished campaigns there: "
+                            f"{', '.join(known) or '(none)'}")
+    ev = load_evidence(cdir)
+    if ev.status != "in-progress":
+        raise CampaignError(f"{campaign_id} is {ev.status} already; only an unfinished campaign can be abandoned")
+    if not left_to_measure(ev):
+        raise CampaignError(f"{campaign_id} has every gate and leg recorded: nothing is left to give up; "
+                            f"`vtcampaign conclude {campaign_id}` gives its verdict")
     return ev
 
 

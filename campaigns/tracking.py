@@ -162,10 +162,12 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
 
 def _parent_tags(ev: Evidence) -> dict[str, str]:
     fp, d = ev.fingerprint, ev.decision
-    tags = {"verdict": d.verdict if d else "IN-PROGRESS", "git_sha": fp.git_sha, "dirty": str(fp.dirty).lower(),
+    tags = {"verdict": d.verdict if d else ev.status.upper(), "git_sha": fp.git_sha, "dirty": str(fp.dirty).lower(),
             "device": fp.device_name, "device_type": fp.device_type, "branch": fp.branch, "status": ev.status,
             "candidate": (d.candidate if d else "") or "", "binding": str(bool(d and d.binding)).lower(),
             "byte_exact": str(d.byte_exact).lower() if d else "none", "kind": ev.kind}
+    if ev.abandoned:
+        tags["abandoned"] = ev.abandoned.get("why", "")[:5000]
     if d:
         tags["rule"] = d.rule[:5000]
         if d.effect_note:

@@ -533,3 +533,64 @@ def test_a_server_that_did_not_start_in_a_many_armed_gpu_campaign_is_told_about_
                          "memory. Tried to allocate 2.00 GiB")
     assert not out_of_memory("the 'on' server did not start (exited with 1); log x:\nValueError: bad --lever")
     assert not out_of_memory("leg c=8 rep=0: CUDA out of memory")        # not a start: a leg's failure
+
+
+def test_abandon_gives_up_unfinished_campaigns_keeping_their_evidence(tmp_path, capsys):
+    """A campaign cut before a code change can never resume on today's code; `vtcampaign status` listed such ones
+    for good. `vtcampaign abandon` marks them: status no longer lists them, resume=<id> and conclude refuse them,
+    every gate and leg stays in the evidence, and the record says when and why. --unresumable takes exactly the
+    ones status calls not resumable on this checkout; a bad id among good ones changes nothing."""
+    import dataclasses
+
+    from campaigns.completion import _unfinished
+    from campaigns.gitops import open_repo
+    from campaigns.runner import CampaignError, _resumable, conclude_recorded
+    from vtengine import confdirs
+    out = tmp_path / "records" / "campaigns"
+    here = open_repo(confdirs.SOURCE_ROOT).head.commit.hexsha
+
+    def put(cid, status="in-progress", legs=5, **fp):
+        ev = make_evidence(TPUT_WIN, lever="gqa_swap", campaign_id=cid)
+        ev.status, ev.legs = status, ev.legs[:legs]
+        ev.decision = ev.decision if status == "complete" else None
+        ev.peak_memory_gib = {a.name: 1.0 for a in ev.arms}
+        ev.context = {a.name: {"gqa_swap": a.value} for a in ev.arms}
+        ev.fingerprint = dataclasses.replace(ev.fingerprint, **fp)
+        save_evidence(ev, out / cid)
+    put("2026-12-01-gqa_swap-old", code_digest="0" * 64)
+    put("2026-12-02-gqa_swap-older", legs=3)                          # no code digest: not resumable either
+    put("2026-12-03-gqa_swap-here", git_sha=here, git_short_sha=here[:7])
+    put("2026-12-04-gqa_swap-done", status="complete", legs=24)
+    put("2026-12-05-gqa_swap-all-legs", legs=24)                      # only its verdict is left: conclude it
+
+    assert main(["abandon", "2026-12-01-gqa_swap-old", "nope", "--why", "x", "--out-dir", str(out)]) == 2
+    err = _error_line(capsys)
+    assert "unknown campaign id 'nope'" in err and "2026-12-01-gqa_swap-old" in err      # names the unfinished
+    assert load_evidence(out / "2026-12-01-gqa_swap-old").status == "in-progress"         # nothing changed
+    for cid, says in (("2026-12-04-gqa_swap-done", "is complete already"),
+                      ("2026-12-05-gqa_swap-all-legs", "`vtcampaign conclude 2026-12-05-gqa_swap-all-legs`")):
+        assert main(["abandon", cid, "--why", "x", "--out-dir", str(out)]) == 2
+        assert says in _error_line(capsys)
+    assert main(["abandon", "--why", " ", "--unresumable", "--out-dir", str(out)]) == 2
+    assert "--why is empty" in _error_line(capsys)
+
+    why = "cut at 60459cb before the split rule changed; measured anew in 2026-12-07-prefill_splits-144ed18"
+    assert main(["abandon", "--unresumable", "--why", why, "--out-dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "2026-12-01-gqa_swap-old: abandoned (5 legs and 16 gate results kept)" in said
+    assert "2026-12-02-gqa_swap-older: abandoned (3 legs" in said and "gqa_swap-here" not in said
+    ev = load_evidence(out / "2026-12-01-gqa_swap-old")
+    assert ev.status == "abandoned" and ev.abandoned["why"] == why and len(ev.legs) == 5 and len(ev.gates) == 16
+    record = " ".join((out / "2026-12-01-gqa_swap-old" / "record.md").read_text().split())
+    assert f"No decision: the campaign was abandoned on {ev.abandoned['at'][:10]} ({why}), with 5 legs" in record
+    assert _unfinished(out) == ["2026-12-03-gqa_swap-here", "2026-12-05-gqa_swap-all-legs"]   # resume= completion
+    assert main(["status", "--out-dir", str(out)]) == 0
+    listed = " ".join(capsys.readouterr().out.split()).split("unfinished campaign(s):")[1]
+    assert "gqa_swap-here" in listed and "gqa_swap-old" not in listed and "gqa_swap-older" not in listed
+    with pytest.raises(CampaignError, match=r"2026-12-01-gqa_swap-old was abandoned on .* \(cut at 60459cb"):
+        conclude_recorded("2026-12-01-gqa_swap-old", confdirs.SOURCE_ROOT, out)
+    cfg = compose(["campaign=gqa_swap", "resume=2026-12-01-gqa_swap-old"])
+    with pytest.raises(CampaignError, match="abandoned on .*run the campaign anew"):
+        _resumable(cfg, out / "2026-12-01-gqa_swap-old", confdirs.SOURCE_ROOT, out)
+    assert main(["abandon", "2026-12-01-gqa_swap-old", "--why", "again", "--out-dir", str(out)]) == 2
+    assert "is abandoned already" in _error_line(capsys)
