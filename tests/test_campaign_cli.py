@@ -583,6 +583,9 @@ def test_abandon_gives_up_unfinished_campaigns_keeping_their_evidence(tmp_path, 
     assert ev.status == "abandoned" and ev.abandoned["why"] == why and len(ev.legs) == 5 and len(ev.gates) == 16
     record = " ".join((out / "2026-12-01-gqa_swap-old" / "record.md").read_text().split())
     assert f"No decision: the campaign was abandoned on {ev.abandoned['at'][:10]} ({why}), with 5 legs" in record
+    assert "**Default.** `gqa_swap` stays false: the campaign decided nothing." in record
+    pr = " ".join((out / "2026-12-01-gqa_swap-old" / "pr.md").read_text().split())
+    assert f"Abandoned on {ev.abandoned['at'][:10]}, without a verdict: {why}." in pr and "In progress" not in pr
     assert _unfinished(out) == ["2026-12-03-gqa_swap-here", "2026-12-05-gqa_swap-all-legs"]   # resume= completion
     assert main(["status", "--out-dir", str(out)]) == 0
     listed = " ".join(capsys.readouterr().out.split()).split("unfinished campaign(s):")[1]
