@@ -409,12 +409,19 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
             continue
         overrides = list(entry["overrides"]) + list(extra)
         ev = None
+        begun = None
         if entry["new"] and (out_dir / entry["new"] / "evidence.json").is_file():
             begun = load_evidence(out_dir / entry["new"])
             if begun.status == "complete":
                 entry["status"] = "done"
                 save_state(out_dir, state)
                 continue
+            if begun.status == "abandoned":      # `vtcampaign abandon`: resume=auto passes it by
+                echo(f"recheck {_key(entry)}: {entry['new']} was abandoned ({begun.abandoned.get('why', '')}); "
+                     "resuming another campaign of its config and code, else starting one")
+                begun = entry["new"] = None
+                save_state(out_dir, state)
+        if begun is not None:
             if conclude_one is not None and not left_to_measure(begun):
                 echo(f"recheck {_key(entry)}: {entry['new']} has every gate and leg; concluding it here")
                 ev = conclude_one(entry["new"])

@@ -222,6 +222,31 @@ def test_a_campaign_begun_where_the_plans_progress_was_lost_is_resumed_by_config
     assert len(calls) == 2
 
 
+def test_a_campaign_abandoned_since_it_began_is_not_resumed_by_id(proj):
+    """The plan names the campaign begun for an entry; once `vtcampaign abandon` gives it up, resuming it by id
+    would be refused in every call: the entry runs with resume=auto instead (which passes abandoned ones by)."""
+    from campaigns.runner import abandon
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    calls, said = [], []
+
+    def interrupted(overrides, started):
+        ev = make_evidence(TPUT_WIN, lever="gqa_swap", campaign_id="2026-12-01-gqa_swap-new")
+        ev.status, ev.decision, ev.legs = "in-progress", None, ev.legs[:3]
+        save_evidence(ev, out / ev.campaign_id)
+        started(ev.campaign_id)
+        calls.append(overrides)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        recheck.run(out, ["tracking=off"], interrupted, root=proj, echo=lambda s: None)
+    abandon(["2026-12-01-gqa_swap-new"], out, "cut before a code change")
+    recheck.run(out, ["tracking=off"], lambda o, s: calls.append(o) or make_evidence(TPUT_WIN, lever="gqa_swap"),
+                root=proj, echo=said.append)
+    assert calls[1][-2:] == ["tracking=off", "resume=auto"]
+    assert any("2026-12-01-gqa_swap-new was abandoned (cut before a code change)" in line for line in said)
+
+
 def test_a_verdict_of_another_gpu_is_left_pending_for_a_host_with_it(proj):
     """The lender may give an H100 to a session that asked for an H200: a recheck there would file H100 verdicts
     beside the stale H200 ones and renew none, so it leaves them pending, says so, and runs the ones of its GPU."""
