@@ -347,7 +347,8 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         default_line = "An A/A campaign changes no default; it measures the grid (and its noise feeds calibration)."
     elif d is None:
         default_line = (f"`{ev.lever}` stays {fmt_lever_value(ev.baseline.value)}"
-                        + (": the campaign decided nothing." if ev.status == "abandoned" else " while the campaign runs."))
+                        + (": the campaign decided nothing." if ev.status == "abandoned"
+                           else " while the campaign runs."))
     elif d.verdict == "FLIP":
         default_line = (f"`{ev.lever}` flips {fmt_lever_value(ev.baseline.value)} → "
                         f"{fmt_lever_value(d.new_default)} in conf/lever/{ev.lever}.yaml; "
