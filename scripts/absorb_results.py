@@ -67,7 +67,8 @@ def _created(evidence: Path) -> str | None:
 
 
 def _progress(evidence: Path) -> tuple[int, int, int]:
-    """How far a campaign's evidence has come: (concluded, legs, gate results)."""
+    """How far a campaign's evidence has come: (settled, legs, gate results); settled: 2 concluded, 1 abandoned here
+    (`vtcampaign abandon`: a copy a call carried before that must not bring it back to in-progress), 0 neither."""
     try:
         data = json.loads(evidence.read_text())
     except (OSError, ValueError):
@@ -75,7 +76,7 @@ def _progress(evidence: Path) -> tuple[int, int, int]:
     if not isinstance(data, dict):
         return (0, 0, 0)
     size = [len(v) if isinstance(v, (list, dict)) else 0 for v in (data.get("legs"), data.get("gates"))]
-    return (int(data.get("status") == "complete"), *size)
+    return ({"complete": 2, "abandoned": 1}.get(data.get("status"), 0), *size)
 
 
 def _campaign_dest(cdir: Path, campaigns: Path) -> Path:
@@ -128,8 +129,8 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
     if bounds.exists() and not filecmp.cmp(bounds, root / "campaigns" / "gates" / "op_bounds.yaml", shallow=False):
         shutil.copy2(bounds, root / "campaigns" / "gates" / "op_bounds.yaml")
     if behind:
-        print(f"kept the checkout's evidence of {behind}: the call brought back less (fewer legs or gates, or not "
-              "concluded). A call carries the checkout as it was: absorb each call's results before the next one")
+        print(f"kept the checkout's evidence of {behind}: the call brought back less (fewer legs or gates, not "
+              "concluded, or not abandoned as here). A call carries the checkout as it was: absorb each call's results before the next one")
     return campaigns, bench, tmp / "vt-logs"
 
 

@@ -157,6 +157,15 @@ def test_an_older_copy_of_a_campaign_never_replaces_the_checkouts(tmp_path):
     fewer_gates = {**done, "gates": [1]}
     assert absorb_results.absorb(_tgz(tmp_path / "g.tgz", {f"records/campaigns/{cid}/evidence.json":
                                                            json.dumps(fewer_gates)}), root)[0] == []
+    # abandoned here after a call carried it: that call's in-progress copy must not undo the abandon
+    other = "2026-12-04-fuse_norm-0a873f1"
+    given_up = {**cut, "campaign_id": other, "status": "abandoned", "abandoned": {"why": "x"}}
+    (root / "records/campaigns" / other).mkdir()
+    (root / "records/campaigns" / other / "evidence.json").write_text(json.dumps(given_up))
+    carried = {**given_up, "status": "in-progress", "abandoned": {}}
+    assert absorb_results.absorb(_tgz(tmp_path / "a.tgz", {f"records/campaigns/{other}/evidence.json":
+                                                           json.dumps(carried)}), root)[0] == []
+    assert json.loads((root / "records/campaigns" / other / "evidence.json").read_text())["status"] == "abandoned"
 
 
 def test_a_campaign_stopped_only_short_of_its_verdict_is_named_concludable(tmp_path):
