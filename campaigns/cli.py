@@ -386,10 +386,16 @@ def cmd_status(args) -> int:
             dirty = repo_state(here_root, ignore=not_dirt(here_root, Path(args.out_dir).resolve())).dirty_files
         except (GitOpsError, ValueError):
             here = head = dirty = None
-        setup = host_setup("cuda" if torch.cuda.is_available() else "cpu")
+        setups: dict[str, dict] = {}
+
+        def setup(device_type: str) -> dict:        # this host's, for a campaign run on that kind of device
+            kind = "cuda" if device_type == "cuda" and torch.cuda.is_available() else "cpu"
+            if kind not in setups:
+                setups[kind] = host_setup(kind)
+            return setups[kind]
         console.print(f"{len(unfinished)} unfinished campaign(s):")
         for ev in sorted(unfinished, key=lambda e: (e.created, e.campaign_id)):
-            console.print(f"  {unfinished_line(ev, head, here, dirty, setup)}")
+            console.print(f"  {unfinished_line(ev, head, here, dirty, setup(ev.fingerprint.device_type))}")
     return 0
 
 
@@ -608,13 +614,22 @@ def cmd_abandon(args) -> int:
     from campaigns.gitops import code_digest, open_repo
     from campaigns.runner import CampaignError, abandon, left_to_measure
     ids = list(args.campaign_ids)
-    if args.unresumable:
+    if args.unresumable:        # status's "not resumable on this checkout": the code differs (not only the tree)
         root = project_root()
-        here, head = code_digest(root), open_repo(root).head.commit.hexsha
-        ids += [e.campaign_id for evs in _evidence_by_lever(args.out_dir).values() for e in evs
-                if e.status == "in-progress" and e.fingerprint.git_sha != head
-                and (e.fingerprint.code_digest is None or e.fingerprint.code_digest != here)
-                and left_to_measure(e) and e.campaign_id not in ids]      # else `vtcampaign conclude` ends it
+        try:
+            here, head = code_digest(root), open_repo(root).head.commit.hexsha
+        except (GitOpsError, ValueError) as e:
+            raise UsageError(f"abandon --unresumable compares each campaign's code with this checkout's, and "
+                             f"{root} has none to compare ({e}); name the campaigns instead") from None
+        found = [e.campaign_id for evs in _evidence_by_lever(args.out_dir).values() for e in evs
+                 if e.status == "in-progress" and e.fingerprint.git_sha != head
+                 and (e.fingerprint.code_digest is None or e.fingerprint.code_digest != here)
+                 and left_to_measure(e)]      # one with only its verdict left: `vtcampaign conclude` ends it
+        if not found and not ids:
+            print("abandon --unresumable: every unfinished campaign here can resume on this checkout's code (or "
+                  "only needs `vtcampaign conclude`); nothing abandoned")
+            return 0
+        ids += [cid for cid in found if cid not in ids]
     if not ids:
         raise UsageError("abandon: name the campaigns (CAMPAIGN_ID ...) or pass --unresumable; "
                          "`vtcampaign status` lists the unfinished ones")
@@ -622,10 +637,19 @@ def cmd_abandon(args) -> int:
         done = abandon(ids, args.out_dir, args.why)
     except CampaignError as e:
         raise UsageError(str(e)) from None
-    records.render_all(args.out_dir, only=ids)
     for ev in done:
-        tracking.relog_if_logged(ev, Path(args.out_dir) / ev.campaign_id)
         print(f"{ev.campaign_id}: abandoned ({len(ev.legs)} legs and {len(ev.gates)} gate results kept)")
+    try:            # the evidence says abandoned now; what follows derives from it and can be redone
+        records.render_all(args.out_dir, only=ids)
+    except Exception as e:
+        raise UsageError(f"the records were not rendered again ({type(e).__name__}: {e}); `vtcampaign render` "
+                         "rebuilds them from the evidence") from None
+    for ev in done:
+        try:
+            tracking.relog_if_logged(ev, Path(args.out_dir) / ev.campaign_id)
+        except Exception as e:      # a tracking store out of reach costs the logging, not the abandon
+            print(f"{ev.campaign_id}: MLflow not updated ({type(e).__name__}: {e}); `vtcampaign log "
+                  f"{Path(args.out_dir) / ev.campaign_id / 'evidence.json'}` logs it again", file=sys.stderr)
     return 0
 
 

@@ -664,7 +664,29 @@ def _abandonable(campaign_id: str, out_dir: Path) -> Evidence:
     if not left_to_measure(ev):
         raise CampaignError(f"{campaign_id} has every gate and leg recorded: nothing is left to give up; "
                             f"`vtcampaign conclude {campaign_id}` gives its verdict")
+    pid = running_pid(cdir)
+    if pid is not None:     # its next save would write in-progress over the abandon
+        raise CampaignError(f"{campaign_id} is running now (pid {pid}, {cdir / 'runner.pid'}): stop it first "
+                            "(Ctrl-C keeps every finished leg), then abandon it")
     return ev
+
+
+def running_pid(cdir: Path) -> int | None:
+    """The live process running the campaign in ``cdir`` (its runner.pid, written at the start and removed at the
+    end; a killed run leaves it behind), or None. A live pid counts only where its command line is a campaign run's
+    (not a recycled pid); without /proc a live pid is trusted."""
+    try:
+        pid = int((cdir / "runner.pid").read_text().split()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    if pid == os.getpid():
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid
+    return pid if b"campaign" in cmdline else None
 
 
 def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | None = None) -> str | None:

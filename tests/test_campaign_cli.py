@@ -390,7 +390,7 @@ def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, ca
         save_evidence(ev, out / cid)
     put("2026-12-01-gqa_swap-done", status="complete")
     put("2026-12-02-gqa_swap-verdict-left")
-    put("2026-12-03-gqa_swap-here", legs=5, git_sha=here, git_short_sha=here[:7])
+    put("2026-12-03-gqa_swap-here", legs=5, git_sha=here, git_short_sha=here[:7], torch_version="0.0-test")
     put("2026-12-04-gqa_swap-same-code", legs=6, code_digest=code_digest(confdirs.SOURCE_ROOT))
     put("2026-12-05-gqa_swap-old-code", legs=7, code_digest="0" * 64)
     put("2026-12-06-gqa_swap-no-digest", legs=8)
@@ -404,7 +404,7 @@ def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, ca
             "left: `vtcampaign conclude 2026-12-02-gqa_swap-verdict-left`") in text
     # the resume checks the device and versions too: an H200 campaign is resumed on a host that has them
     assert (f"2026-12-03-gqa_swap-here (5 legs, 16 gate results, on H200 at {here[:7]}): resume on a host with "
-            f"device NVIDIA H200 (here {setup['device_name']}); torch 2.13.0 (here {setup['torch_version']})") in text
+            f"device NVIDIA H200 (here {setup['device_name']}); torch 0.0-test (here {setup['torch_version']})") in text
     assert "resume=2026-12-03-gqa_swap-here`" in text
     assert "resume=2026-12-04-gqa_swap-same-code`" in text          # another commit, the same code
     assert "2026-12-07-gqa_swap-this-host (9 legs, 16 gate results, on " in text
@@ -544,7 +544,13 @@ def test_abandon_gives_up_unfinished_campaigns_keeping_their_evidence(tmp_path, 
 
     from campaigns.completion import _unfinished
     from campaigns.gitops import open_repo
-    from campaigns.runner import CampaignError, _resumable, conclude_recorded
+    import subprocess
+
+    from campaigns import fingerprint as fp
+    from campaigns.config import config_hash
+    from campaigns.runner import CampaignError, _resumable, conclude_recorded, not_dirt
+    from campaigns.runner import _unfinished as newest_unfinished
+    from campaigns.tracking import _parent_tags
     from vtengine import confdirs
     out = tmp_path / "records" / "campaigns"
     here = open_repo(confdirs.SOURCE_ROOT).head.commit.hexsha
@@ -597,3 +603,26 @@ def test_abandon_gives_up_unfinished_campaigns_keeping_their_evidence(tmp_path, 
         _resumable(cfg, out / "2026-12-01-gqa_swap-old", confdirs.SOURCE_ROOT, out)
     assert main(["abandon", "2026-12-01-gqa_swap-old", "--why", "again", "--out-dir", str(out)]) == 2
     assert "is abandoned already" in _error_line(capsys)
+    tags = _parent_tags(ev)
+    assert tags["verdict"] == "ABANDONED" and tags["status"] == "abandoned" and tags["abandoned"] == why
+
+    # resume=auto takes the newest unfinished campaign of this config and code, never an abandoned one; one that
+    # is running now (its runner.pid a live campaign process) is not abandoned under it
+    cfg = compose(["campaign=gqa_swap"])
+    cid = "2026-12-09-gqa_swap-auto"
+    put(cid)
+    ev = load_evidence(out / cid)
+    ev.fingerprint = fp.collect(confdirs.SOURCE_ROOT, cfg.device, "VT_DECODE_GQA_SWAP", ev.arms, config_hash(cfg),
+                                ignore_dirty=not_dirt(confdirs.SOURCE_ROOT, out))
+    save_evidence(ev, out / cid)
+    assert newest_unfinished(cfg, confdirs.SOURCE_ROOT, out) == cid
+    running = subprocess.Popen(["bash", "-c", "exec -a vtcampaign-test sleep 60"])
+    try:
+        (out / cid / "runner.pid").write_text(f"{running.pid}\n")
+        assert main(["abandon", cid, "--why", "x", "--out-dir", str(out)]) == 2
+        assert f"{cid} is running now (pid {running.pid}" in _error_line(capsys)
+    finally:
+        running.kill()
+        running.wait()
+    assert main(["abandon", cid, "--why", "superseded", "--out-dir", str(out)]) == 0     # a dead pid's file: stale
+    assert newest_unfinished(cfg, confdirs.SOURCE_ROOT, out) is None
