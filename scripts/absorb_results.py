@@ -130,7 +130,8 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
         shutil.copy2(bounds, root / "campaigns" / "gates" / "op_bounds.yaml")
     if behind:
         print(f"kept the checkout's evidence of {behind}: the call brought back less (fewer legs or gates, not "
-              "concluded, or not abandoned as here). A call carries the checkout as it was: absorb each call's results before the next one")
+              "concluded, or not abandoned as here). A call carries the checkout as it was: absorb each call's "
+              "results before the next one")
     return campaigns, bench, tmp / "vt-logs"
 
 
