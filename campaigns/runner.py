@@ -593,7 +593,7 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
 
 # what must match between a campaign's first run and its resumption, with how a difference reads
 SAME_ON_RESUME = (("device_name", "device"), ("torch_version", "torch"), ("triton_version", "triton"),
-                   ("cuda_version", "CUDA"), ("python_version", "Python"))
+                  ("cuda_version", "CUDA"), ("python_version", "Python"))
 
 
 def resume_plan(cfg: DictConfig, repo: Path | str) -> str:
