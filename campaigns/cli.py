@@ -399,6 +399,12 @@ def cmd_status(args) -> int:
     return 0
 
 
+def code_here(f, head: str | None, here: str | None) -> bool:
+    """Whether a campaign of fingerprint ``f`` ran this checkout's code (commit ``head``, code digest ``here``; None
+    without a repository): its commit, or one whose code digest is this one (runner._same_code)."""
+    return head is not None and (f.git_sha == head or (f.code_digest is not None and f.code_digest == here))
+
+
 def unfinished_line(ev, head: str | None, here: str | None, dirty: list[str] | None = None,
                     setup: dict | None = None) -> str:
     """One unfinished campaign for `vtcampaign status`: how far it came, where it ran, and whether this checkout
@@ -413,7 +419,7 @@ def unfinished_line(ev, head: str | None, here: str | None, dirty: list[str] | N
     done = f"{len(ev.done_legs())} legs, {len(ev.gates)} gate results, on {gpu_label(ev)} at {f.git_short_sha}"
     if not left_to_measure(ev):         # concluded from what is recorded, anywhere (runner.conclude_recorded)
         return f"{ev.campaign_id} ({done}): only its verdict is left: `vtcampaign conclude {ev.campaign_id}`"
-    if head is None or not (f.git_sha == head or (f.code_digest is not None and f.code_digest == here)):
+    if not code_here(f, head, here):
         why = ("its code digest was not recorded" if f.code_digest is None else
                "no repository here to compare with" if here is None else "the code has changed since")
         return (f"{ev.campaign_id} ({done}): not resumable on this checkout ({why}); resume on a checkout of "
@@ -622,8 +628,7 @@ def cmd_abandon(args) -> int:
             raise UsageError(f"abandon --unresumable compares each campaign's code with this checkout's, and "
                              f"{root} has none to compare ({e}); name the campaigns instead") from None
         found = [e.campaign_id for evs in _evidence_by_lever(args.out_dir).values() for e in evs
-                 if e.status == "in-progress" and e.fingerprint.git_sha != head
-                 and (e.fingerprint.code_digest is None or e.fingerprint.code_digest != here)
+                 if e.status == "in-progress" and not code_here(e.fingerprint, head, here)
                  and left_to_measure(e)]      # one with only its verdict left: `vtcampaign conclude` ends it
         if not found and not ids:
             print("abandon --unresumable: every unfinished campaign here can resume on this checkout's code (or "

@@ -644,10 +644,9 @@ def abandon(campaign_ids: list[str], out_dir: Path | str, why: str) -> list[Evid
         raise CampaignError("abandon: --why is empty; say why the campaign is given up (it goes into its record)")
     evs = [_abandonable(cid, Path(out_dir)) for cid in dict.fromkeys(campaign_ids)]
     for ev in evs:
-        with _recording():
-            ev.status = "abandoned"
-            ev.abandoned = {"at": utc_now(), "why": why}
-            _save(ev, Path(out_dir) / ev.campaign_id)
+        ev.status = "abandoned"
+        ev.abandoned = {"at": utc_now(), "why": why}
+        _save(ev, Path(out_dir) / ev.campaign_id)
     return evs
 
 
