@@ -661,7 +661,7 @@ def cmd_abandon(args) -> int:
 def cmd_recheck(args) -> int:
     from campaigns import recheck
     from campaigns.records import short_gpu
-    from campaigns.runner import CampaignError, run_campaign
+    from campaigns.runner import CampaignError, concluded_here, run_campaign
     if args.dry_run:
         state = recheck.plan(args.out_dir, restart=args.restart, frozen=args.frozen)
         if not state["entries"]:
@@ -705,6 +705,9 @@ def cmd_recheck(args) -> int:
             return run_campaign(cfg, repo=project_root(), on_start=on_start)
         except CampaignError as e:
             raise UsageError(str(e)) from None
+
+    def concluded(overrides):
+        return concluded_here(compose(overrides + [f"out_dir={args.out_dir}"]), project_root())
     try:
         # on the device (--frozen) a resume concludes without starting servers anyway, on the device it ran on
         from campaigns.config import cuda_available
@@ -713,7 +716,7 @@ def cmd_recheck(args) -> int:
         device = "cuda" if asked == "cuda" or (asked == "auto" and cuda_available()) else "cpu"
         recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart, frozen=args.frozen,
                     conclude_one=None if args.frozen else lambda cid: _conclude_recorded(cid, args.out_dir),
-                    gpu=device_info(device)[1])
+                    gpu=device_info(device)[1], concluded=concluded)
     except KeyboardInterrupt as e:
         from campaigns.runner import exit_status
         print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)

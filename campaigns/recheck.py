@@ -381,12 +381,15 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
 def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Callable[[str], None]], Evidence],
         restart: bool = False, echo: Callable[[str], None] = print, root: Path | str | None = None,
         frozen: bool = False, conclude_one: Callable[[str], Evidence] | None = None,
-        gpu: str | None = None) -> dict:
+        gpu: str | None = None, concluded: Callable[[list[str]], Evidence | None] | None = None) -> dict:
     """Work through the plan: ``run_one(overrides, on_start)`` runs one campaign (on_start gets its id as soon as
     its evidence exists, so an interruption can resume it). ``conclude_one(campaign_id)``: concludes a campaign
     stopped with nothing left to measure but its verdict, where it is (runner.conclude_recorded), instead of
     resuming it on the device it ran on. ``gpu``: this host's device name; a verdict measured on another GPU is left
-    pending for a host that has it (a campaign here would file a verdict of this GPU beside it, not renew it)."""
+    pending for a host that has it (a campaign here would file a verdict of this GPU beside it, not renew it).
+    ``concluded(overrides)``: the newest complete campaign those overrides would run again here (same config, code
+    and setup: runner.concluded_here), or None; an entry that names no campaign of its own takes one begun after its
+    stale verdict as its renewal instead of running the campaign again."""
     from campaigns.records import short_gpu
     from campaigns.runner import left_to_measure
     asked = [o for o in extra if o.split("=", 1)[0].lstrip("+~") == "resume"]
@@ -429,7 +432,12 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
         else:
             # the plan may not know a campaign begun for it: progress saved on a GPU host whose plan file did not
             # come back (2026-12-07: the next call started the same campaign afresh, 14 legs measured twice).
-            # resume=auto takes the newest unfinished campaign of this config and code, else starts one
+            # resume=auto takes the newest unfinished campaign of this config and code, else starts one. A
+            # complete one begun after the stale verdict renews it already (concluded in such a call)
+            ev = _renewal(concluded(overrides), entry, out_dir) if concluded is not None else None
+            if ev is not None:
+                echo(f"recheck {_key(entry)}: {ev.campaign_id} renews it already (complete, of this config, code and "
+                     f"setup, begun after {entry['stale']}): not run again")
             overrides.append("resume=auto")
         if ev is None:
             echo(f"recheck {_key(entry)}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
@@ -457,6 +465,15 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
         echo(f"recheck: {len(elsewhere)} stale verdict(s) of other GPUs left pending "
              f"({', '.join(sorted({short_gpu(e['gpu']) for e in elsewhere}))}); run recheck on those GPUs")
     return state
+
+
+def _renewal(ev: Evidence | None, entry: dict, out_dir: Path) -> Evidence | None:
+    """``ev`` where it was begun after the entry's stale verdict, else None (the stale verdict itself is one of
+    this code and config where a lever default's change alone made it stale)."""
+    stale = out_dir / entry["stale"] / "evidence.json"
+    if ev is None or stale.is_file() and parse_utc(ev.created) <= parse_utc(load_evidence(stale.parent).created):
+        return None
+    return ev
 
 
 def _moves_a_default(ev: Evidence) -> bool:

@@ -578,17 +578,33 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
     this code: this commit or one that differs in records, results or prose alone; the same dirty files, GPU and
     versions, as ``_check_resumable`` asks), or None. A campaign cut on another GPU is not one: the plan of
     ``vtcampaign recheck`` keeps one entry per GPU with the same overrides, each resumed with resume=auto."""
+    mine = _of_this_run(cfg, repo, out_dir, "in-progress")
+    return mine[-1].campaign_id if mine else None
+
+
+def concluded_here(cfg: DictConfig, repo: Path | str) -> Evidence | None:
+    """The newest complete campaign under ``cfg.out_dir`` of ``cfg``'s lever and composed config, measured on this
+    code, tree, GPU and versions (what resume=auto asks of an unfinished one), or None. ``vtcampaign recheck``:
+    a plan entry whose campaign concluded in a device call whose plan file did not come back is done, not run
+    again (2026-12-07: a third call re-ran an entry concluded in the second, 15 legs measured twice)."""
+    repo = Path(repo).resolve()
+    mine = _of_this_run(cfg, repo, (repo / cfg.out_dir).resolve(), "complete")
+    return mine[-1] if mine else None
+
+
+def _of_this_run(cfg: DictConfig, repo: Path, out_dir: Path, status: str) -> list[Evidence]:
+    """The campaigns under ``out_dir`` of ``status`` that ``cfg`` would run again here, oldest first."""
     want = config_hash(cfg)
     mine = [ev for ev in (load_evidence(p.parent) for p in find_evidence(out_dir))
-            if ev.status == "in-progress" and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
+            if ev.status == status and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
     if not mine:
-        return None
+        return []
     now = fp.collect(repo, cfg.device, levers.get(cfg.campaign.lever).env, mine[0].arms, want,
                      ignore_dirty=not_dirt(repo, out_dir))
     mine = [ev for ev in mine if _same_code(ev.fingerprint, now)
             and sorted(ev.fingerprint.dirty_files) == sorted(now.dirty_files)
             and all(getattr(ev.fingerprint, k) == getattr(now, k) for k, _ in SAME_ON_RESUME)]
-    return max(mine, key=lambda ev: (ev.created, ev.campaign_id)).campaign_id if mine else None
+    return sorted(mine, key=lambda ev: (ev.created, ev.campaign_id))
 
 
 # what must match between a campaign's first run and its resumption, with how a difference reads

@@ -332,6 +332,18 @@ MUTATIONS = [
              "                begun = entry[\"new\"] = None\n",
              "                pass\n",
              ["tests/test_recheck.py::test_a_campaign_abandoned_since_it_began_is_not_resumed_by_id"]),
+    Mutation("recheck-reruns-concluded", "recheck: runs again an entry whose campaign concluded in a lost call",
+             "campaigns/recheck.py",
+             "            ev = _renewal(concluded(overrides), entry, out_dir) if concluded is not None else None\n",
+             "            ev = None\n",
+             ["tests/test_recheck.py::test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry"]),
+    Mutation("recheck-stale-renews-itself", "recheck: the stale verdict itself counts as its own renewal",
+             "campaigns/recheck.py",
+             "    if ev is None or stale.is_file() and parse_utc(ev.created) <= parse_utc(load_evidence(stale.parent)"
+             ".created):\n",
+             "    if ev is None or stale.is_file() and parse_utc(ev.created) < parse_utc(load_evidence(stale.parent)"
+             ".created):\n",
+             ["tests/test_recheck.py::test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry"]),
     Mutation("recheck-pinned-flip-silent", "recheck: a FLIP that `vtcampaign flip` refuses passes unremarked",
              "campaigns/recheck.py",
              "        refused = _flip_refused(ev, out_dir, root)\n",

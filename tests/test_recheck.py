@@ -222,6 +222,66 @@ def test_a_campaign_begun_where_the_plans_progress_was_lost_is_resumed_by_config
     assert len(calls) == 2
 
 
+def test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry(proj, capsys, monkeypatch):
+    """A device call concludes an entry's campaign but its plan file does not come back: the next call's plan names
+    no campaign for the entry, and resume=auto finds none unfinished. It must not run the campaign again (on
+    2026-12-07 a third call did: 15 legs measured twice): a complete campaign of the entry's config, measured on
+    this code and setup after the stale verdict, is its renewal. One of other code, or the stale verdict itself, is
+    not."""
+    import dataclasses
+
+    from campaigns import runner
+    from campaigns.cli import main
+    from campaigns.config import compose, config_hash
+    from campaigns.fingerprint import collect
+    from campaigns.runner import concluded_here, not_dirt
+    out = proj / "records"
+    stale = verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    old = load_evidence(out / stale)
+    old.fingerprint.device_name = "x86_64"          # measured on this host's kind: `recheck` here runs its entry
+    save_evidence(old, out / stale)
+    [entry] = recheck.plan(out, root=proj)["entries"]
+    planned = (out / recheck.STATE_FILE).read_text()
+
+    def concluded(overrides):
+        return concluded_here(compose(overrides + [f"out_dir={out}"], cuda=False), proj)
+
+    cfg = compose(entry["overrides"] + ["tracking=off", f"out_dir={out}"], cuda=False)
+    ev = make_evidence(TPUT_WIN, lever="gqa_swap", campaign_id="2026-12-01-gqa_swap-renewed",
+                       created="2026-12-01T10:00:00Z")
+    here = collect(proj, "cpu", levers.get("gqa_swap").env, ev.arms, config_hash(cfg),
+                   ignore_dirty=not_dirt(proj, out))
+    ev.fingerprint = dataclasses.replace(here, git_sha="f" * 40, code_digest="0" * 16)     # other code
+    save_evidence(ev, out / ev.campaign_id)
+    calls = []
+    ran = make_evidence(TPUT_WIN, lever="gqa_swap", campaign_id="2026-12-02-gqa_swap-run")
+    recheck.run(out, ["tracking=off"], lambda o, s: calls.append(o) or ran, root=proj, echo=lambda s: None,
+                frozen=True, concluded=concluded)
+    assert [o for c in calls for o in c if o.startswith("resume=")] == ["resume=auto"]    # run: not its renewal
+
+    (out / recheck.STATE_FILE).write_text(planned)          # the call's progress lost; this time it is this code
+    ev.fingerprint = here
+    save_evidence(ev, out / ev.campaign_id)
+    monkeypatch.chdir(proj)                        # `vtcampaign recheck --frozen` as a device call runs it
+    monkeypatch.setattr(runner, "run_campaign", lambda cfg, **kw: calls.append(cfg) or ran)
+    assert main(["recheck", "--frozen", "--out-dir", str(out), "tracking=off"]) == 0
+    assert len(calls) == 1
+    [done] = recheck.load_state(out)["entries"]
+    assert (done["status"], done["new"], done["verdict"]) == ("done", "2026-12-01-gqa_swap-renewed", "FLIP")
+    assert (f"2026-12-01-gqa_swap-renewed renews it already (complete, of this config, code and setup, begun after "
+            f"{stale}): not run again") in capsys.readouterr().out.replace("\n", " ")
+
+    # the stale verdict itself, of this code (a default's change made it stale), renews nothing
+    (out / recheck.STATE_FILE).write_text(planned)
+    (out / ev.campaign_id / "evidence.json").unlink()
+    old.fingerprint = here
+    save_evidence(old, out / stale)
+    assert concluded(entry["overrides"] + ["tracking=off"]).campaign_id == stale
+    recheck.run(out, ["tracking=off"], lambda o, s: calls.append(o) or ran, root=proj, echo=lambda s: None,
+                frozen=True, concluded=concluded)
+    assert len(calls) == 2
+
+
 def test_a_campaign_abandoned_since_it_began_is_not_resumed_by_id(proj):
     """The plan names the campaign begun for an entry; once `vtcampaign abandon` gives it up, resuming it by id
     would be refused in every call: the entry runs with resume=auto instead (which passes abandoned ones by)."""
