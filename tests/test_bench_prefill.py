@@ -66,7 +66,32 @@ def test_the_prefill_attention_bench_refuses_an_unknown_sweep_naming_its_sweeps(
     naming the accepted ones; split-prefixes spans the prefixes where splitting lost (2k) and won (32k)."""
     from vtengine.bench import prefill_attention as bench
     with pytest.raises(SystemExit, match=r"'prefixes' is not a sweep; accepted: tiles, splits, split-prefixes, "
-                                         r"stages"):
+                                         r"split-floor, stages"):
         bench.main(str(tmp_path), "prefixes")
     assert sorted({p for _, p in bench.SPLIT_PREFIX_SHAPES}) == [1000, 2000, 4000, 8000, 16000, 32000]
     assert not list(tmp_path.iterdir())
+
+
+def test_the_split_floor_sweep_times_the_split_kernel_without_its_merge(tmp_path):
+    """split-floor's merge_ms is an arm's time less the same launch without the merge: `without_merge` leaves the
+    merge out of that one call (the output keeps its poison where only the merge writes) and puts it back after,
+    so the next call merges again (run here under the interpreter, at a tiny split shape)."""
+    from test_kernels_attention import poisoned, prefill_case
+
+    from vtengine import counters
+    from vtengine.bench import prefill_attention as bench
+    from vtengine.kernels import attention as attn
+    from vtengine.testing import rel_l2
+    gen = torch.Generator().manual_seed(0)
+    q, kc, vc, cu, ctx, bt, scale, ref = prefill_case([5], [70], 4, 2, 16, 8, gen)
+    out = poisoned(q)
+
+    def fn():
+        return attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, out=out, gqa_pack=True, splits=2)
+    counters.reset()
+    assert torch.isnan(bench.without_merge(fn)()).all()             # split kernel only: nothing merged into out
+    assert counters.snapshot()["prefill_attention"]["gqa_pack"]["splits"] == {"2": 1}
+    assert rel_l2(fn(), ref) < 1e-5                                 # the merge is back
+    with pytest.raises(SystemExit, match="accepted: tiles, splits, split-prefixes, split-floor, stages"):
+        bench.main(str(tmp_path), "floor")
+    assert sorted({p for _, p in bench.SPLIT_FLOOR_SHAPES}) == [1000, 1500, 2000, 2500, 3000, 3500, 4000, 6000]

@@ -27,6 +27,10 @@ its default) at forced split counts and "auto", against splits "off" in the same
 the wave model predicts (``wave_model_speedup``), so one run says whether "auto" picks the counts the model would.
 ``python -m vtengine.bench.prefill_attention OUT_DIR split-prefixes``: the split sweep's arms at 128, 256 and 384 new
 tokens after prefixes of 1,000 to 32,000 tokens: where splitting starts to pay (the prefix per slice it needs).
+``python -m vtengine.bench.prefill_attention OUT_DIR split-floor``: the same arms (2, 4, 8 and auto) at 128 and 256 new
+tokens after prefixes of 1,000 to 6,000 tokens in steps of 500 to 1,000, where the sweep above turns from loss to
+gain; each split arm also reports ``merge_ms``, its time less the same launch with the merge left out (the split
+kernel alone), so a loss reads as the partials' merge or as the split walk itself.
 ``python -m vtengine.bench.prefill_attention OUT_DIR stages``: the packed route's candidate tiles at both fast-math
 settings (the lever ``fast_math``; the tile table above was swept with it off, the engine runs it on), short and long
 steps with and without a long prefix; each arm's output is also compared bitwise with the default tiles' at the same
@@ -58,7 +62,11 @@ SPLIT_SHAPES = [(q, 32000) for q in range(128, 641, 64)] + [(128, 2000), (512, 0
 # the split rule's prefix threshold (2026-12-07, H100: every split won after 32k, every split lost after 2k, x0.54-
 # 0.69 at 128 new tokens): chunks whose grid is under one round, at prefixes between
 SPLIT_PREFIX_SHAPES = [(q, p) for p in (1000, 2000, 4000, 8000, 16000, 32000) for q in (128, 256, 384)]
+# where the split turns from loss to gain (2026-12-07, H100, split-prefixes: every count lost after 2,000 tokens,
+# x0.60-0.86 under auto; after 4,000 auto won x2.18 at 128 new tokens and broke even at 256-384)
+SPLIT_FLOOR_SHAPES = [(q, p) for p in (1000, 1500, 2000, 2500, 3000, 3500, 4000, 6000) for q in (128, 256)]
 SPLIT_ARMS = ["off", 2, 3, 4, 6, 8, 16, "auto"]
+SPLIT_FLOOR_ARMS = ["off", 2, 4, 8, "auto"]
 SPLIT_FAST_MATH = True          # the engine's default (the lever fast_math): the tiles "auto" sizes its wave by
 PACKED_SWEEP = [attn.Tiles(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (128, 64, 8, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2),
@@ -129,6 +137,21 @@ def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def without_merge(fn):
+    """``fn`` with the split route's merge launch left out (its output then is wrong: timing only)."""
+    class Skipped:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    def run():
+        merge, attn._prefill_merge_kernel = attn._prefill_merge_kernel, Skipped()
+        try:
+            return fn()
+        finally:
+            attn._prefill_merge_kernel = merge
+    return run
+
+
 def matmul_tflops() -> float:
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
@@ -137,11 +160,13 @@ def matmul_tflops() -> float:
 
 
 def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
-    if what not in ("tiles", "splits", "split-prefixes", "stages"):
+    if what not in ("tiles", "splits", "split-prefixes", "split-floor", "stages"):
         raise SystemExit(f"prefill attention bench: {what!r} is not a sweep; accepted: tiles, splits, split-prefixes, "
-                         "stages")
-    shapes = {"splits": SPLIT_SHAPES, "split-prefixes": SPLIT_PREFIX_SHAPES, "stages": STAGE_SHAPES}.get(what, SHAPES)
-    what = "splits" if what == "split-prefixes" else what        # the same arms and columns
+                         "split-floor, stages")
+    shapes = {"splits": SPLIT_SHAPES, "split-prefixes": SPLIT_PREFIX_SHAPES, "split-floor": SPLIT_FLOOR_SHAPES,
+              "stages": STAGE_SHAPES}.get(what, SHAPES)
+    split_arms = SPLIT_FLOOR_ARMS if what == "split-floor" else SPLIT_ARMS
+    what = "splits" if what.startswith("split") else what        # the same arms and columns
     if not torch.cuda.is_available():
         print("prefill attention bench: needs a CUDA GPU; nothing measured")
         return {"skipped": "needs a CUDA GPU"}
@@ -159,7 +184,7 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kind = {"splits": "prefill-attention-splits", "stages": "prefill-attention-stages"}.get(what, "prefill-attention")
-    kind += "-prefixes" if shapes is SPLIT_PREFIX_SHAPES else ""
+    kind += {id(SPLIT_PREFIX_SHAPES): "-prefixes", id(SPLIT_FLOOR_SHAPES): "-floor"}.get(id(shapes), "")
     stem = out / common.unique_stem(out, f"{kind}-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
@@ -179,7 +204,7 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
             (f"gqa_pack/m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}", True, t, "off") for t in PACKED_SWEEP]
         fast = {}
         if what == "splits":
-            arms = [(f"gqa_pack/splits={sp}", True, None, sp) for sp in SPLIT_ARMS]
+            arms = [(f"gqa_pack/splits={sp}", True, None, sp) for sp in split_arms]
             fast = {name: SPLIT_FAST_MATH for name, *_ in arms}
         if what == "stages":        # name/fast: at fast math; the default tiles' output per setting, for bitwise
             arms = [(f"m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}{'/fast' if fm else ''}", True, t, "off")
@@ -204,6 +229,8 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
                     if prefix:              # the model is about a long prefix's walk
                         entry["wave_model_speedup"] = round(wave_model_speedup(q_len, int(entry["splits"][0]),
                                                                                result["sm_count"]), 3)
+                    if shapes is SPLIT_FLOOR_SHAPES and int(entry["splits"][0]) > 1:
+                        entry["merge_ms"] = round(ms - time_ms(without_merge(fn)), 4)
                 if ref is not None:
                     entry["rel_l2_vs_sdpa"] = float(f"{rel_l2(fn(), ref):.3e}")
                 if what == "stages":
@@ -256,7 +283,8 @@ def _split_note(row: dict, name: str, arm: dict) -> str:
         return ""
     model = f"; model x{arm['wave_model_speedup']:.2f}" if "wave_model_speedup" in arm else ""
     used = f", S={','.join(map(str, arm['splits']))}" if arm.get("splits") else ""
-    return f" (x{measured:.2f}{model}{used})"
+    merge = f", merge {arm['merge_ms']} ms" if "merge_ms" in arm else ""
+    return f" (x{measured:.2f}{model}{used}{merge})"
 
 
 if __name__ == "__main__":
