@@ -415,16 +415,16 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
         begun = None
         if entry["new"] and (out_dir / entry["new"] / "evidence.json").is_file():
             begun = load_evidence(out_dir / entry["new"])
-            if begun.status == "complete":
-                entry["status"] = "done"
-                save_state(out_dir, state)
-                continue
-            if begun.status == "abandoned":      # `vtcampaign abandon`: resume=auto passes it by
+            if begun.status == "complete":      # concluded in a call whose plan came back before its verdict did
+                ev, begun = begun, None         # its verdict as a run's: a FLIP that moves a default stops here too
+            elif begun.status == "abandoned":      # `vtcampaign abandon`: resume=auto passes it by
                 echo(f"recheck {_key(entry)}: {entry['new']} was abandoned ({begun.abandoned.get('why', '')}); "
                      "resuming another campaign of its config and code, else starting one")
                 begun = entry["new"] = None
                 save_state(out_dir, state)
-        if begun is not None:
+        if ev is not None:
+            pass
+        elif begun is not None:
             if conclude_one is not None and not left_to_measure(begun):
                 echo(f"recheck {_key(entry)}: {entry['new']} has every gate and leg; concluding it here")
                 ev = conclude_one(entry["new"])
@@ -469,9 +469,10 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
 
 def _renewal(ev: Evidence | None, entry: dict, out_dir: Path) -> Evidence | None:
     """``ev`` where it was begun after the entry's stale verdict, else None (the stale verdict itself is one of
-    this code and config where a lever default's change alone made it stale)."""
+    this code and config where a lever default's change alone made it stale; without the stale verdict's evidence
+    nothing says when it was begun: None)."""
     stale = out_dir / entry["stale"] / "evidence.json"
-    if ev is None or stale.is_file() and parse_utc(ev.created) <= parse_utc(load_evidence(stale.parent).created):
+    if ev is None or not stale.is_file() or parse_utc(ev.created) <= parse_utc(load_evidence(stale.parent).created):
         return None
     return ev
 

@@ -583,12 +583,15 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
 
 
 def concluded_here(cfg: DictConfig, repo: Path | str) -> Evidence | None:
-    """The newest complete campaign under ``cfg.out_dir`` of ``cfg``'s lever and composed config, measured on this
-    code, tree, GPU and versions (what resume=auto asks of an unfinished one), or None. ``vtcampaign recheck``:
-    a plan entry whose campaign concluded in a device call whose plan file did not come back is done, not run
-    again (2026-12-07: a third call re-ran an entry concluded in the second, 15 legs measured twice)."""
+    """The newest complete campaign with a binding verdict under ``cfg.out_dir`` of ``cfg``'s lever, kind and
+    composed config, measured on this code, tree, GPU and versions (what resume=auto asks of an unfinished one), or
+    None. ``vtcampaign recheck``: a plan entry whose campaign concluded in a device call whose plan file did not come
+    back is done, not run again (2026-12-07: a third call re-ran an entry concluded in the second, 15 legs measured
+    twice). A verdict that binds nothing (invalid legs, a skipped gate) renews nothing: the entry runs again."""
     repo = Path(repo).resolve()
-    mine = _of_this_run(cfg, repo, (repo / cfg.out_dir).resolve(), "complete")
+    kind = "aa" if cfg.aa else "lever"
+    mine = [ev for ev in _of_this_run(cfg, repo, (repo / cfg.out_dir).resolve(), "complete")
+            if ev.kind == kind and ev.decision is not None and ev.decision.binding]
     return mine[-1] if mine else None
 
 

@@ -339,11 +339,22 @@ MUTATIONS = [
              ["tests/test_recheck.py::test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry"]),
     Mutation("recheck-stale-renews-itself", "recheck: the stale verdict itself counts as its own renewal",
              "campaigns/recheck.py",
-             "    if ev is None or stale.is_file() and parse_utc(ev.created) <= parse_utc(load_evidence(stale.parent)"
-             ".created):\n",
-             "    if ev is None or stale.is_file() and parse_utc(ev.created) < parse_utc(load_evidence(stale.parent)"
-             ".created):\n",
+             "    if ev is None or not stale.is_file() or parse_utc(ev.created) <= "
+             "parse_utc(load_evidence(stale.parent).created):\n",
+             "    if ev is None or not stale.is_file() or parse_utc(ev.created) < "
+             "parse_utc(load_evidence(stale.parent).created):\n",
              ["tests/test_recheck.py::test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry"]),
+    Mutation("recheck-void-renewal", "recheck: a complete campaign whose verdict binds nothing renews its entry",
+             "campaigns/runner.py",
+             "            if ev.kind == kind and ev.decision is not None and ev.decision.binding]\n",
+             "            if ev.kind == kind]\n",
+             ["tests/test_recheck.py::test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry"]),
+    Mutation("recheck-named-flip-unstopped", "recheck: a FLIP concluded in a lost call passes by, the run goes on",
+             "campaigns/recheck.py",
+             "                ev, begun = begun, None         # its verdict as a run's: a FLIP that moves a default "
+             "stops here too\n",
+             "                entry[\"status\"] = \"done\"\n                continue\n",
+             ["tests/test_recheck.py::test_a_flip_concluded_in_a_call_whose_verdict_did_not_come_back_stops_the_run"]),
     Mutation("recheck-pinned-flip-silent", "recheck: a FLIP that `vtcampaign flip` refuses passes unremarked",
              "campaigns/recheck.py",
              "        refused = _flip_refused(ev, out_dir, root)\n",

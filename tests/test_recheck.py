@@ -226,8 +226,8 @@ def test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry
     """A device call concludes an entry's campaign but its plan file does not come back: the next call's plan names
     no campaign for the entry, and resume=auto finds none unfinished. It must not run the campaign again (on
     2026-12-07 a third call did: 15 legs measured twice): a complete campaign of the entry's config, measured on
-    this code and setup after the stale verdict, is its renewal. One of other code, or the stale verdict itself, is
-    not."""
+    this code and setup after the stale verdict, with a binding verdict, is its renewal. One of other code, one whose
+    verdict binds nothing, or the stale verdict itself, is not."""
     import dataclasses
 
     from campaigns import runner
@@ -259,13 +259,21 @@ def test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry
                 frozen=True, concluded=concluded)
     assert [o for c in calls for o in c if o.startswith("resume=")] == ["resume=auto"]    # run: not its renewal
 
-    (out / recheck.STATE_FILE).write_text(planned)          # the call's progress lost; this time it is this code
+    (out / recheck.STATE_FILE).write_text(planned)          # this code, but a verdict that binds nothing
     ev.fingerprint = here
+    ev.decision.binding = False
+    save_evidence(ev, out / ev.campaign_id)
+    recheck.run(out, ["tracking=off"], lambda o, s: calls.append(o) or ran, root=proj, echo=lambda s: None,
+                frozen=True, concluded=concluded)
+    assert len(calls) == 2                                  # run again: a void campaign renews nothing
+
+    (out / recheck.STATE_FILE).write_text(planned)          # the call's progress lost; this code, binding
+    ev.decision.binding = True
     save_evidence(ev, out / ev.campaign_id)
     monkeypatch.chdir(proj)                        # `vtcampaign recheck --frozen` as a device call runs it
     monkeypatch.setattr(runner, "run_campaign", lambda cfg, **kw: calls.append(cfg) or ran)
     assert main(["recheck", "--frozen", "--out-dir", str(out), "tracking=off"]) == 0
-    assert len(calls) == 1
+    assert len(calls) == 2
     [done] = recheck.load_state(out)["entries"]
     assert (done["status"], done["new"], done["verdict"]) == ("done", "2026-12-01-gqa_swap-renewed", "FLIP")
     assert (f"2026-12-01-gqa_swap-renewed renews it already (complete, of this config, code and setup, begun after "
@@ -279,7 +287,7 @@ def test_a_campaign_concluded_where_the_plans_progress_was_lost_renews_its_entry
     assert concluded(entry["overrides"] + ["tracking=off"]).campaign_id == stale
     recheck.run(out, ["tracking=off"], lambda o, s: calls.append(o) or ran, root=proj, echo=lambda s: None,
                 frozen=True, concluded=concluded)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_a_campaign_abandoned_since_it_began_is_not_resumed_by_id(proj):
@@ -374,6 +382,35 @@ def test_a_flip_that_moves_a_default_stops_the_run(proj, pins):
     assert ("2026-12-01-pdl-new FLIPs pdl to true but moves no default, so the recheck goes on: `vtcampaign flip` "
             "refuses it: its FLIP was measured with nsplits_cap=8 (its default: off) pinned") in line, line
     assert "nsplits_cap:off" in line and not any(s.startswith("recheck stops") for s in said)
+
+
+def test_a_flip_concluded_in_a_call_whose_verdict_did_not_come_back_stops_the_run(proj):
+    """The plan names the campaign begun for an entry (its progress came back) but the campaign concluded later, in a
+    call whose plan did not: that verdict is taken as a run's is, so a FLIP that moves a default stops the run
+    there, before the entries that would run on the default it replaces."""
+    out = proj / "records"
+    verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    verdict(proj, "pdl", "2026-11-30T12:00:00Z", nsplits_cap=8)
+    verdict(proj, "triton_gemv", "2026-11-30T13:00:00Z", pdl=True)
+    state = recheck.plan(out, root=proj)
+    flip = make_evidence(TPUT_WIN, lever="pdl", campaign_id="2026-12-01-pdl-new", created="2026-12-01T10:00:00Z")
+    flip.arms[1].value = True
+    save_evidence(policy.conclude(measured_here(flip, proj)), out / flip.campaign_id)
+    entry = next(e for e in state["entries"] if e["lever"] == "pdl")
+    entry["new"], entry["status"] = flip.campaign_id, "running"
+    recheck.save_state(out, state)
+    said, ran = [], []
+
+    def runs(overrides, started):
+        lever = overrides[0].split("=")[1]
+        ran.append(lever)
+        return make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-01-{lever}-run")
+
+    state = recheck.run(out, [], runs, root=proj, echo=said.append)
+    assert ran == []                    # pdl (a begun campaign goes first) not run again, and nothing after it
+    assert {e["lever"]: (e["status"], e.get("verdict")) for e in state["entries"]} == {
+        "pdl": ("done", "FLIP"), "gqa_swap": ("pending", None), "triton_gemv": ("pending", None)}
+    assert said[-1].startswith("recheck stops: 2026-12-01-pdl-new FLIPs pdl to true"), said
 
 
 def test_frozen_works_through_the_saved_plan_as_it_is(proj, capsys):
