@@ -387,9 +387,9 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
     stopped with nothing left to measure but its verdict, where it is (runner.conclude_recorded), instead of
     resuming it on the device it ran on. ``gpu``: this host's device name; a verdict measured on another GPU is left
     pending for a host that has it (a campaign here would file a verdict of this GPU beside it, not renew it).
-    ``concluded(overrides)``: the newest complete campaign those overrides would run again here (same config, code
-    and setup: runner.concluded_here), or None; an entry that names no campaign of its own takes one begun after its
-    stale verdict as its renewal instead of running the campaign again."""
+    ``concluded(overrides)``: the newest complete campaign with a binding verdict that those overrides would run
+    again here (same kind, config, code and setup: runner.concluded_here), or None; an entry that names no campaign
+    of its own takes one begun after its stale verdict as its renewal instead of running the campaign again."""
     from campaigns.records import short_gpu
     from campaigns.runner import left_to_measure
     asked = [o for o in extra if o.split("=", 1)[0].lstrip("+~") == "resume"]
@@ -417,7 +417,7 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
             begun = load_evidence(out_dir / entry["new"])
             if begun.status == "complete":      # concluded in a call whose plan came back before its verdict did
                 ev, begun = begun, None         # its verdict as a run's: a FLIP that moves a default stops here too
-            elif begun.status == "abandoned":      # `vtcampaign abandon`: resume=auto passes it by
+            elif begun.status == "abandoned":   # `vtcampaign abandon`: resume=auto passes it by
                 echo(f"recheck {_key(entry)}: {entry['new']} was abandoned ({begun.abandoned.get('why', '')}); "
                      "resuming another campaign of its config and code, else starting one")
                 begun = entry["new"] = None
