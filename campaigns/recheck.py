@@ -422,14 +422,12 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
                      "resuming another campaign of its config and code, else starting one")
                 begun = entry["new"] = None
                 save_state(out_dir, state)
-        if ev is not None:
-            pass
-        elif begun is not None:
+        if begun is not None:
             if conclude_one is not None and not left_to_measure(begun):
                 echo(f"recheck {_key(entry)}: {entry['new']} has every gate and leg; concluding it here")
                 ev = conclude_one(entry["new"])
             overrides.append(f"resume={entry['new']}")
-        else:
+        elif ev is None:
             # the plan may not know a campaign begun for it: progress saved on a GPU host whose plan file did not
             # come back (2026-12-07: the next call started the same campaign afresh, 14 legs measured twice).
             # resume=auto takes the newest unfinished campaign of this config and code, else starts one. A
