@@ -165,8 +165,9 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
                          "split-floor, stages")
     shapes = {"splits": SPLIT_SHAPES, "split-prefixes": SPLIT_PREFIX_SHAPES, "split-floor": SPLIT_FLOOR_SHAPES,
               "stages": STAGE_SHAPES}.get(what, SHAPES)
-    split_arms = SPLIT_FLOOR_ARMS if what == "split-floor" else SPLIT_ARMS
-    what = "splits" if what.startswith("split") else what        # the same arms and columns
+    sweep = what
+    split_arms = SPLIT_FLOOR_ARMS if sweep == "split-floor" else SPLIT_ARMS
+    what = "splits" if sweep.startswith("split") else what        # the same arms and columns
     if not torch.cuda.is_available():
         print("prefill attention bench: needs a CUDA GPU; nothing measured")
         return {"skipped": "needs a CUDA GPU"}
@@ -184,7 +185,7 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kind = {"splits": "prefill-attention-splits", "stages": "prefill-attention-stages"}.get(what, "prefill-attention")
-    kind += {id(SPLIT_PREFIX_SHAPES): "-prefixes", id(SPLIT_FLOOR_SHAPES): "-floor"}.get(id(shapes), "")
+    kind += {"split-prefixes": "-prefixes", "split-floor": "-floor"}.get(sweep, "")
     stem = out / common.unique_stem(out, f"{kind}-{now.strftime('%Y-%m-%d')}-{props.name.split()[-1].lower()}")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
@@ -229,7 +230,7 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
                     if prefix:              # the model is about a long prefix's walk
                         entry["wave_model_speedup"] = round(wave_model_speedup(q_len, int(entry["splits"][0]),
                                                                                result["sm_count"]), 3)
-                    if shapes is SPLIT_FLOOR_SHAPES and int(entry["splits"][0]) > 1:
+                    if sweep == "split-floor" and int(entry["splits"][0]) > 1:
                         try:        # two medians apart: a merge near 0 can read a little negative
                             entry["merge_ms"] = round(ms - time_ms(without_merge(fn)), 4)
                         except Exception as e:      # the arm's own time stands
