@@ -95,3 +95,46 @@ def test_the_split_floor_sweep_times_the_split_kernel_without_its_merge(tmp_path
     with pytest.raises(SystemExit, match="accepted: tiles, splits, split-prefixes, split-floor, stages"):
         bench.main(str(tmp_path), "floor")
     assert sorted({p for _, p in bench.SPLIT_FLOOR_SHAPES}) == [1000, 1500, 2000, 2500, 3000, 3500, 4000, 6000]
+
+
+def test_the_prefill_attention_table_shows_graph_and_eager_times_and_a_failed_capture():
+    """Cells read the graphed time (GPU) with the eager call's beside it; an arm whose capture failed shows its
+    eager time as "no graph", never as a graphed figure."""
+    from vtengine.bench import prefill_attention as bench
+    arms = {"sdpa": {"ms": 0.03, "tflops": 80.0, "eager_ms": 0.031},
+            "gqa_pack/splits=off": {"ms": 0.06, "tflops": 40.0, "eager_ms": 0.07},
+            "gqa_pack/splits=2": {"ms": 0.04, "tflops": 60.0, "eager_ms": 0.13, "splits": ["2"], "merge_ms": 0.004},
+            "gqa_pack/splits=4": {"eager_ms": 0.12, "graph_error": "RuntimeError: capture"}}
+    result = {"device": "GPU", "date_utc": "2026-12-07T00:00:00Z", "torch": "2", "triton": "3", "matmul_tflops": 1.0,
+              "rows": [{"q_len": 128, "prefix": 2000, "gflop": 4.3, "arms": arms,
+                        "speedup_vs_off": {"gqa_pack/splits=off": 1.0, "gqa_pack/splits=2": 1.5}}]}
+    row = bench.markdown(result).splitlines()[-1].split(" | ")
+    assert row[3:] == ["0.03 / 80.0 [eager 0.031]", "0.06 / 40.0 [eager 0.07]",
+                       "0.04 / 60.0 [eager 0.13] (x1.50, S=2, merge 0.004 ms)", "no graph [eager 0.12] |"]
+    assert "CUDA graph's replay (GPU time)" in bench.markdown(result)
+
+
+@pytest.mark.gpu
+def test_the_timed_graph_replays_the_whole_split_launch():
+    """The bench's ``ms`` times a CUDA graph's replay, so the graph must hold the work the eager call does:
+    replayed into a poisoned output it writes the eager output bitwise, and the graph captured without the merge
+    leaves the poison (merge_ms subtracts the merge and nothing else)."""
+    from test_kernels_attention import poisoned, prefill_case
+
+    from vtengine.bench import common
+    from vtengine.bench import prefill_attention as bench
+    from vtengine.kernels import attention as attn
+    from vtengine.testing import rel_l2
+    q, kc, vc, cu, ctx, bt, scale, ref = prefill_case([64], [700], 4, 2, 64, 16, torch.Generator().manual_seed(0))
+    out = poisoned(q)
+
+    def fn():
+        return attn.prefill_attention(q, kc, vc, cu, ctx, bt, scale, out=out, gqa_pack=True, splits=2)
+    eager = fn().clone()
+    assert rel_l2(eager, ref) < 1e-3
+    replay, no_merge = common.captured(fn), common.captured(bench.without_merge(fn))
+    for graph, merged in ((replay, True), (no_merge, False), (replay, True)):
+        out.fill_(float("nan"))
+        graph()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager) if merged else torch.isnan(out).all()

@@ -82,10 +82,7 @@ def time_us(fn) -> dict:
     fn()
     torch.cuda.synchronize()
     eager = triton.testing.do_bench(fn, warmup=15, rep=60, return_mode="median") * 1e3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graphed = triton.testing.do_bench(graph.replay, warmup=15, rep=60, return_mode="median") * 1e3
+    graphed = triton.testing.do_bench(common.captured(fn), warmup=15, rep=60, return_mode="median") * 1e3
     return {"eager_us": round(eager, 2), "graph_us": round(graphed, 2)}
 
 
@@ -202,12 +199,7 @@ EXPLORE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def graph_us(fn, warmup_ms: int = 10, rep_ms: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+    return triton.testing.do_bench(common.captured(fn), warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
 
 
 def explore(out_dir: str, max_seconds: float | None = None) -> dict:

@@ -70,6 +70,19 @@ def copy_bandwidth_gbs(nbytes: int | None = None, *, device: str | torch.device 
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def captured(fn):
+    """``fn`` (called once first: compiled, allocated) captured in a CUDA graph; returns the graph's ``replay``.
+    Timing the replay leaves the host's launch cost out: what a graphed step pays, and what an eager step pays
+    while its launches run ahead of the GPU (a ~0.1 ms kernel behind a ~0.1 ms Python launcher times as the
+    launcher under do_bench)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def graph_us(graph, per_replay: int, reps: int) -> float:
     """Median over ``reps`` replays of a captured CUDA graph, in us per item of the ``per_replay`` it holds (a
     kernel launched that many times, or that many iterations), timed with CUDA events around each replay."""

@@ -14,9 +14,15 @@ Definitions:
   (query, key) pair, causal masking counted as skipped work (FlashAttention's convention).
 - matmul rate = a bf16 8192 x 8192 x 8192 ``torch.mm`` (cuBLAS), do_bench median, measured in the same run: the
   ceiling the tensor cores reach on this device and these clocks (the physical limit's measured stand-in).
-- time = ``triton.testing.do_bench`` median. SDPA runs on the same K/V laid out contiguously ([1, Hkv, ctx, D],
+- time (``ms``) = ``triton.testing.do_bench`` median of a CUDA graph replaying the call (bench.common.captured):
+  GPU time, what a graphed chunk step pays and what an eager step pays while its launches run ahead of the GPU.
+  ``eager_ms`` = the same median of the call itself, host launch included: at small steps the GPU waits for
+  the Python launcher and the two differ (2026-12-07, H100: every split arm of the split-floor sweep read
+  ~0.13 ms eager whatever its prefix, 1k-6k, or split count; the same shapes read 0.05-0.09 ms that morning).
+  Speed-ups and ``merge_ms`` compare ``ms``. SDPA runs on the same K/V laid out contiguously ([1, Hkv, ctx, D],
   ``enable_gqa``), with a lower-right causal mask when a prefix is cached (torch's CausalBias); if a backend
-  refuses the call the error is recorded instead of a time.
+  refuses the call the error is recorded instead of a time, and a call that cannot be captured keeps its
+  ``eager_ms`` with the capture's error (``graph_error``).
 - rel_l2 = vtengine.testing.rel_l2 of each route against SDPA's output (both bf16 out, fp32 accumulation).
 
 ``python -m vtengine.bench.prefill_attention [OUT_DIR]`` or ``vtengine bench prefill-attention``.
@@ -131,10 +137,27 @@ def sdpa_call(q, k, v, prefix: int):
     return run
 
 
-def time_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
+def time_ms(fn, graphed: bool = True) -> float:
+    """do_bench median in ms of a CUDA graph replaying ``fn`` (GPU time), or of ``fn`` itself (``graphed=False``:
+    host launch included)."""
+    if graphed:
+        fn = common.captured(fn)
+    else:
+        fn()
+        torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def timed(fn, flops: float) -> dict:
+    """An arm's ``eager_ms`` and graphed ``ms`` (with its TFLOP/s); a capture that fails keeps the eager time
+    and says why (``graph_error``), so the arm drops out of the comparisons instead of mixing definitions."""
+    entry = {"eager_ms": round(time_ms(fn, graphed=False), 3)}
+    try:
+        ms = time_ms(fn)
+    except Exception as e:
+        entry["graph_error"] = common.error_text(e)
+        return entry
+    return {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), **entry}
 
 
 def without_merge(fn):
@@ -196,8 +219,7 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
         try:
             sd = sdpa_call(q, k, v, prefix)
             ref = sd()
-            ms = time_ms(sd)
-            row["arms"]["sdpa"] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+            row["arms"]["sdpa"] = timed(sd, flops)
         except Exception as e:                       # a backend refusing the mask/shape: say so, keep going
             ref = None
             row["arms"]["sdpa"] = {"error": common.error_text(e)}
@@ -220,9 +242,9 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
                 def fn(pack=pack, tiles=tiles, buf=buf, sp=sp, fm=fast.get(name, False)):
                     return attn.prefill_attention(q, kc, vc, cu, cl, bt, scale, fast_math=fm, tiles=tiles, out=buf,
                                                   gqa_pack=pack, splits=sp)
-                ms = time_ms(fn)
-                entry = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
-                         "fraction_of_matmul": round(flops / ms / 1e9 / peak, 3)}
+                entry = timed(fn, flops)
+                if "ms" in entry:
+                    entry["fraction_of_matmul"] = round(entry["tflops"] / peak, 3)
                 if what == "splits":        # the count the launch used ("auto" picks it from the grid)
                     counters.reset()
                     fn()
@@ -230,9 +252,9 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
                     if prefix:              # the model is about a long prefix's walk
                         entry["wave_model_speedup"] = round(wave_model_speedup(q_len, int(entry["splits"][0]),
                                                                                result["sm_count"]), 3)
-                    if sweep == "split-floor" and int(entry["splits"][0]) > 1:
+                    if sweep == "split-floor" and int(entry["splits"][0]) > 1 and "ms" in entry:
                         try:        # two medians apart: a merge near 0 can read a little negative
-                            entry["merge_ms"] = round(ms - time_ms(without_merge(fn)), 4)
+                            entry["merge_ms"] = round(entry["ms"] - time_ms(without_merge(fn)), 4)
                         except Exception as e:      # the arm's own time stands
                             entry["merge_ms_error"] = common.error_text(e)
                 if ref is not None:
@@ -268,16 +290,23 @@ def markdown(result: dict) -> str:
     names = list(result["rows"][0]["arms"]) if result["rows"] else []
     lines = [f"# Prefill attention, {result['device']}, {result['date_utc']}",
              f"torch {result['torch']}, triton {result['triton']}; bf16 matmul rate {result['matmul_tflops']} TFLOP/s "
-             "(measured in this run). Cells: ms / TFLOP/s.", "",
+             "(measured in this run). Cells: ms / TFLOP/s of a CUDA graph's replay (GPU time) [the eager call's ms, "
+             "host launch included].", "",
              "| q_len | prefix | GFLOP | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
     if any("speedup_vs_off" in r for r in result["rows"]):
         lines[1] += (" Split arms: (measured speed-up over off; the wave model's, `wave_model_speedup`), at the "
                      "split count the launch used.")
     for r in result["rows"]:
-        cells = [f"{a['ms']} / {a['tflops']}" + _split_note(r, name, a) if "ms" in a else "error"
-                 for name, a in r["arms"].items()]
+        cells = [_cell(r, name, a) for name, a in r["arms"].items()]
         lines.append(f"| {r['q_len']} | {r['prefix']} | {r['gflop']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(row: dict, name: str, arm: dict) -> str:
+    eager = f" [eager {arm['eager_ms']}]" if "eager_ms" in arm else ""
+    if "ms" in arm:
+        return f"{arm['ms']} / {arm['tflops']}{eager}" + _split_note(row, name, arm)
+    return f"no graph{eager}" if "graph_error" in arm else "error"
 
 
 def _split_note(row: dict, name: str, arm: dict) -> str:
