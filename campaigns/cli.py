@@ -57,6 +57,17 @@ def _out_dir_arg(sub: argparse.ArgumentParser) -> None:
                      help=f"the campaigns folder (default: {DEFAULT_OUT_DIR} under the project root)")
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds (argparse type: the error names the value and what is accepted)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; accepted: a positive number, e.g. 540")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vtcampaign", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -136,6 +147,12 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--frozen", action="store_true",
                     help="work through the saved plan as it is (a copy without the repository's history, e.g. a "
                          "GPU host, cannot judge freshness: plan where the history is, carry the plan there)")
+    rc.add_argument("--within", type=_seconds, metavar="SECONDS",
+                    help="start only campaigns that should reach their verdict within SECONDS of this command (their "
+                         "last run's time, less what a resumed one has measured, plus 60 s), taking a later one "
+                         "that fits in place of one that does not; those left stay pending. One longer than SECONDS "
+                         "runs only first, cut and resumed by the next command. A device call's step passes its "
+                         "limit")
     so = sub.add_parser("sources", help="what code counts for a lever's staleness, and what changed since a commit",
                         description="For each file a lever file lists (paths:), the whole file or the definitions "
                                     "whose code counts (the declared ones and what they reach; campaigns/sources.py)"
@@ -661,7 +678,7 @@ def cmd_abandon(args) -> int:
 def cmd_recheck(args) -> int:
     from campaigns import recheck
     from campaigns.records import short_gpu
-    from campaigns.runner import CampaignError, concluded_here, run_campaign
+    from campaigns.runner import CampaignError, concluded_here, run_campaign, share_measured
     if args.dry_run:
         state = recheck.plan(args.out_dir, restart=args.restart, frozen=args.frozen)
         if not state["entries"]:
@@ -697,6 +714,9 @@ def cmd_recheck(args) -> int:
                     print(f"  {i}: bash scripts/h200_session.sh " + " ".join(f'"{step}"' for step in call))
             print(f"{len(todo)} to run: ~{sum(need for _, need in known) / 60:.0f} min of device steps at their last "
                   "durations" + (f" ({len(todo) - len(known)} unknown)" if len(known) < len(todo) else ""))
+            print('or, on whichever GPU comes, "540@recheck" steps (recheck --frozen --within 540): that GPU\'s '
+                  "entries in the plan's order, each started only where it should end in what is left of the step "
+                  "(the calls above, packed the same way)")
         return 0
 
     def run_one(overrides, on_start):
@@ -708,6 +728,9 @@ def cmd_recheck(args) -> int:
 
     def concluded(overrides):
         return concluded_here(compose(overrides + [f"out_dir={args.out_dir}"]), project_root())
+
+    def measured(overrides):
+        return share_measured(compose(overrides + [f"out_dir={args.out_dir}"]), project_root())
     try:
         # on the device (--frozen) a resume concludes without starting servers anyway, on the device it ran on
         from campaigns.config import cuda_available
@@ -716,7 +739,7 @@ def cmd_recheck(args) -> int:
         device = "cuda" if asked == "cuda" or (asked == "auto" and cuda_available()) else "cpu"
         recheck.run(args.out_dir, args.overrides, run_one, restart=args.restart, frozen=args.frozen,
                     conclude_one=None if args.frozen else lambda cid: _conclude_recorded(cid, args.out_dir),
-                    gpu=device_info(device)[1], concluded=concluded)
+                    gpu=device_info(device)[1], concluded=concluded, within=args.within, measured=measured)
     except KeyboardInterrupt as e:
         from campaigns.runner import exit_status
         print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)

@@ -27,6 +27,7 @@ would the lever files and sources of another commit make STALE, and what would r
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -285,14 +286,23 @@ STEP_OVERHEAD_S = 60.0
 DEVICE_CALL_S = 540
 
 
+def need_s(entry: dict, measured: float = 0.0) -> float | None:
+    """The seconds a plan entry's campaign should take to its verdict: its last run's took_s less the ``measured``
+    share of its legs (a resumed campaign), plus STEP_OVERHEAD_S; None where the last run has no timing."""
+    if not entry.get("took_s"):
+        return None
+    return entry["took_s"] * (1.0 - min(max(measured, 0.0), 1.0)) + STEP_OVERHEAD_S
+
+
 def device_step(entry: dict) -> tuple[str, int] | None:
     """(the `scripts/h200_session.sh` step that re-runs a plan entry, the seconds it should need), or None when the
     entry's last run has no timing. The step's seconds are took_s + STEP_OVERHEAD_S, rounded up to 5 s and at most
     DEVICE_CALL_S: a longer campaign is cut there, and the same step in the next call resumes it (campaign steps
     run with resume=auto). The overrides are one word each (overrides_for), so the step splits back into them."""
-    if not entry.get("took_s"):
+    need = need_s(entry)
+    if need is None:
         return None
-    need = int(-(-(entry["took_s"] + STEP_OVERHEAD_S) // 5) * 5)
+    need = int(-(-need // 5) * 5)
     words = list(entry["overrides"])
     name = words.pop(0).removeprefix("campaign=")
     return f"{min(need, DEVICE_CALL_S)}@campaign:{name}" + (":" + " ".join(words) if words else ""), need
@@ -381,7 +391,9 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
 def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Callable[[str], None]], Evidence],
         restart: bool = False, echo: Callable[[str], None] = print, root: Path | str | None = None,
         frozen: bool = False, conclude_one: Callable[[str], Evidence] | None = None,
-        gpu: str | None = None, concluded: Callable[[list[str]], Evidence | None] | None = None) -> dict:
+        gpu: str | None = None, concluded: Callable[[list[str]], Evidence | None] | None = None,
+        within: float | None = None, measured: Callable[[list[str]], float] | None = None,
+        clock: Callable[[], float] = time.monotonic) -> dict:
     """Work through the plan: ``run_one(overrides, on_start)`` runs one campaign (on_start gets its id as soon as
     its evidence exists, so an interruption can resume it). ``conclude_one(campaign_id)``: concludes a campaign
     stopped with nothing left to measure but its verdict, where it is (runner.conclude_recorded), instead of
@@ -389,7 +401,12 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
     pending for a host that has it (a campaign here would file a verdict of this GPU beside it, not renew it).
     ``concluded(overrides)``: the newest complete campaign with a binding verdict that those overrides would run
     again here (same kind, config, code and setup: runner.concluded_here), or None; an entry that names no campaign
-    of its own takes one begun after its stale verdict as its renewal instead of running the campaign again."""
+    of its own takes one begun after its stale verdict as its renewal instead of running the campaign again.
+    ``within``: the seconds this run may take (a device call's step); an entry is started only where it should end
+    in what is left (``need_s``: its last run's time, less the share of legs ``measured(overrides)`` says its
+    resumed campaign holds), else left pending for a command with room, and a later one that fits runs instead
+    (the first-fit of ``device_calls``, so a recheck step does what the printed calls say). One longer than
+    ``within`` itself runs only as the run's first campaign: it is cut and resumes in the next command."""
     from campaigns.records import short_gpu
     from campaigns.runner import left_to_measure
     asked = [o for o in extra if o.split("=", 1)[0].lstrip("+~") == "resume"]
@@ -401,7 +418,7 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
     if not state["entries"]:
         echo("recheck: no stale binding verdict")
         return state
-    elsewhere = []
+    elsewhere, waiting, ran, t0 = [], [], False, clock()
     for entry in state["entries"]:
         if entry["status"] == "done":
             continue
@@ -437,9 +454,18 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
                 echo(f"recheck {_key(entry)}: {ev.campaign_id} renews it already (complete, of this config, code and "
                      f"setup, begun after {entry['stale']}): not run again")
             overrides.append("resume=auto")
+        if ev is None and within is not None:
+            need = need_s(entry, measured(overrides) if measured is not None else 0.0)
+            left = within - (clock() - t0)
+            if need is not None and need > left and (ran or need <= within):
+                waiting.append(entry)
+                echo(f"recheck {_key(entry)}: needs ~{need:.0f} s, {max(left, 0.0):.0f} s left of {within:.0f}: "
+                     "left pending for a command with room")
+                continue
         if ev is None:
             echo(f"recheck {_key(entry)}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
                  f"running {' '.join(overrides)}")
+            ran = True
 
             def started(cid: str, entry=entry) -> None:
                 entry["new"], entry["status"] = cid, "running"
@@ -459,6 +485,9 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
                  f"it (vtcampaign flip {ev.campaign_id}), merge, and run recheck again: the rest is re-planned "
                  "on the new default")
             break
+    if waiting:
+        echo(f"recheck: {len(waiting)} stale verdict(s) left pending for want of time ({within:.0f} s); run recheck "
+             "again")
     if elsewhere:
         echo(f"recheck: {len(elsewhere)} stale verdict(s) of other GPUs left pending "
              f"({', '.join(sorted({short_gpu(e['gpu']) for e in elsewhere}))}); run recheck on those GPUs")

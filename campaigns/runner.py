@@ -582,6 +582,20 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
     return mine[-1].campaign_id if mine else None
 
 
+def share_measured(cfg: DictConfig, repo: Path | str) -> float:
+    """The share of its grid's legs measured already by the campaign ``cfg`` would resume here (``cfg.resume``: an
+    id, or auto: the newest unfinished one of this config and code), 0.0 where it would start anew: what
+    ``vtcampaign recheck --within`` counts as done when it times an entry."""
+    repo = Path(repo).resolve()
+    out_dir = (repo / cfg.out_dir).resolve()
+    cid = _unfinished(cfg, repo, out_dir) if cfg.resume == "auto" else cfg.resume
+    if not cid or not (out_dir / str(cid) / "evidence.json").is_file():
+        return 0.0
+    ev = load_evidence(out_dir / str(cid))
+    planned = {(c, rep, arm.name) for c, rep, arm in _leg_plan(ev, cfg)}
+    return len(ev.done_legs() & planned) / len(planned) if planned else 0.0
+
+
 def concluded_here(cfg: DictConfig, repo: Path | str) -> Evidence | None:
     """The newest complete campaign with a binding verdict under ``cfg.out_dir`` of ``cfg``'s lever, kind and
     composed config, measured on this code, tree, GPU and versions (what resume=auto asks of an unfinished one), or

@@ -2,8 +2,9 @@
 # One call on the lent GPU machine: `bash scripts/h200_session.sh STEP...` with the `.whl` wheelhouse carried.
 # Each step is one argument: [SECONDS@]campaign:<name>[:<space-separated overrides>] | [SECONDS@]decode[:<args>] |
 # [SECONDS@]gputests[:<pytest args>] | [SECONDS@]py:<module> [args] (python3 -m <module> [args]) |
-# [SECONDS@]recheck[:<overrides>] (vtcampaign recheck --frozen: the plan made here with --dry-run, resumable: carry
-# records/campaigns/.recheck.json and copy the returned evidence back before the next call) |
+# [SECONDS@]recheck[:<overrides>] (vtcampaign recheck --frozen --within SECONDS: the plan made here with --dry-run,
+# resumable, starting only the campaigns that should end within the step: carry records/campaigns/.recheck.json
+# and copy the returned evidence back before the next call) |
 # [SECONDS@]serve:<vtengine serve flags>|<vtengine bench serve flags>[|<bench serve flags>...] (one server, one
 # closed-loop leg per |-part, each with its own SECONDS). A step past its SECONDS (default 400) gets SIGINT:
 # servers stop, evidence is kept. Campaign steps run with resume=auto (unless they name a resume=): carry the
@@ -61,7 +62,7 @@ for step in "$@"; do
     decode)   timeout -s INT -k $KILL_S $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
     gputests) timeout -s INT -k $KILL_S $limit python3 -m pytest -q -m gpu -p no:cacheprovider ${rest:-tests} 2>&1 | tail -40 | tee -a $LOGS/gputests.log ;;
     py)       timeout -s INT -k $KILL_S $limit python3 -m $rest 2>&1 | tee -a $LOGS/py-${rest%% *}.log ;;
-    recheck)  timeout -s INT -k $KILL_S $limit python3 -m campaigns.cli recheck --frozen tracking=off $rest 2>&1 | tee -a $LOGS/recheck.log ;;
+    recheck)  timeout -s INT -k $KILL_S $limit python3 -m campaigns.cli recheck --frozen --within $limit tracking=off $rest 2>&1 | tee -a $LOGS/recheck.log ;;
     serve)    IFS='|' read -r -a parts <<< "$rest"; port=8123; url=http://127.0.0.1:$port
               python3 -m vtengine.cli serve ${parts[0]} --port $port >> $LOGS/serve-server.log 2>&1 & spid=$!
               python3 -c "import sys, time, urllib.request as u

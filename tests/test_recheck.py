@@ -613,3 +613,74 @@ def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_ca
     assert calls == [["200@campaign:a", "300@campaign:b"], [f"{cap}@campaign:long"],
                      [f"{int(-(-(900 - left) // 5) * 5)}@campaign:long", "120@campaign:d"], [f"{cap}@campaign:long2"],
                      [f"{int(-(-(700 - left) // 5) * 5)}@campaign:long2"]], calls
+
+
+def test_a_run_within_a_time_budget_starts_only_what_should_end_in_it(proj):
+    """`recheck --within SECONDS` (a device call's step passes its limit): an entry starts only where its last run's
+    time plus STEP_OVERHEAD_S, less the share of legs its resumed campaign holds, fits in what is left; a later
+    entry that fits runs in place of one that does not (2026-12-07: a recheck step started a 745 s campaign with
+    540 s left where the printed calls had packed a 310 s one). One longer than the budget runs only first."""
+    out = proj / "records"
+    for i, lever in enumerate(("gqa_swap", "fast_math", "fuse_norm", "triton_gemv")):
+        verdict(proj, lever, f"2026-11-30T1{i}:00:00Z", pdl=True)
+    state = recheck.plan(out, root=proj)
+    order = [e["lever"] for e in state["entries"]]
+    for e, took in zip(state["entries"], (200.0, 400.0, 150.0, 900.0)):     # needs 260, 460, 210, 960
+        e["took_s"] = took
+    recheck.save_state(out, state)
+    now, share, calls, said = [0.0], [0.0], [], []          # the clock; the share of legs a resumed run holds
+
+    def runs(overrides, started):
+        lever = overrides[0].split("=")[1]
+        calls.append(lever)
+        entry = next(e for e in recheck.load_state(out)["entries"] if e["lever"] == lever)
+        now[0] += recheck.need_s(entry, share[0])
+        return make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-07-{lever}-new")
+
+    def within(seconds, measured=None):
+        return recheck.run(out, [], runs, root=proj, echo=said.append, within=seconds, clock=lambda: now[0],
+                           measured=measured, frozen=True)             # the saved plan, with the times set here
+    state = within(540.0)
+    assert calls == [order[0], order[2]]                    # 260 s, then 210 s in the 280 s left; not 460 or 960
+    assert [e["status"] for e in state["entries"] if e["lever"] in calls] == ["done", "done"]
+    assert f"recheck {order[1]}: needs ~460 s, 280 s left of 540: left pending for a command with room" in \
+        [s.replace(" on qwen3-8b (bf16), H200", "") for s in said], said
+    assert said[-1] == "recheck: 2 stale verdict(s) left pending for want of time (540 s); run recheck again"
+    within(540.0)                                           # 460 s; the 960 s one is not first in this command
+    assert calls[2:] == [order[1]]
+    state = within(540.0)                                   # first in its command: runs, to be cut and resumed
+    assert calls[3:] == [order[3]] and all(e["status"] == "done" for e in state["entries"])
+    # a resumed campaign needs the share of its legs left: 900 s with three quarters measured fits in 300 s
+    assert recheck.need_s({"took_s": 900.0}, 0.75) == 285.0 and recheck.need_s({"took_s": None}) is None
+    state = recheck.plan(out, root=proj)                    # all done: planned anew (the runs filed no evidence)
+    for e in state["entries"]:
+        e["took_s"] = 900.0
+    recheck.save_state(out, state)
+    seen, ran, share[0] = [], len(calls), 0.75
+    within(600.0, lambda overrides: seen.append(overrides[-1]) or share[0])
+    assert calls[ran:] == [e["lever"] for e in state["entries"][:2]] and seen[0] == "resume=auto"    # 285 s twice
+
+
+def test_the_share_a_resumed_campaign_measured_counts_its_grids_legs(proj, capsys):
+    """runner.share_measured, what `recheck --within` takes off a resumed entry's time: the legs of the composed
+    grid its campaign holds (legs of another grid do not count), 0.0 for a campaign it would start anew; a budget
+    that is not a positive number of seconds is refused naming the value."""
+    from campaigns.cli import main
+    from campaigns.config import compose
+    from campaigns.runner import share_measured
+    out = proj / "records"
+    ev = make_evidence(TPUT_WIN, lever="gqa_swap", campaign_id="2026-12-07-gqa_swap-new")    # c 1/2/4/8 x 3 reps
+    ev.status, ev.legs = "in-progress", ev.legs[:6]
+    save_evidence(ev, out / ev.campaign_id)
+
+    def share(resume):
+        return share_measured(compose(["campaign=gqa_swap", "tracking=off", f"out_dir={out}", f"resume={resume}"],
+                                      cuda=False), proj)
+    assert {leg.key for leg in ev.legs} == {(1, r, a) for r in range(3) for a in ("off", "on")}
+    assert share(ev.campaign_id) == 0.5         # the CPU grid: c 1/2 x 2 reps, its 4 legs at c1 measured of 8
+    assert share("2026-12-07-gqa_swap-other") == 0.0
+    for bad in ("0", "-5", "ten", "nan"):
+        with pytest.raises(SystemExit):
+            main(["recheck", "--within", bad, "--out-dir", str(out)])
+        assert f"argument --within: '{bad}' is not a number of seconds; accepted: a positive number" in \
+            capsys.readouterr().err
