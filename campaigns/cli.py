@@ -418,8 +418,9 @@ def cmd_status(args) -> int:
 
 def code_here(f, head: str | None, here: str | None) -> bool:
     """Whether a campaign of fingerprint ``f`` ran this checkout's code (commit ``head``, code digest ``here``; None
-    without a repository): its commit, or one whose code digest is this one (runner._same_code)."""
-    return head is not None and (f.git_sha == head or (f.code_digest is not None and f.code_digest == here))
+    without a repository): runner.same_code."""
+    from campaigns.runner import same_code
+    return head is not None and same_code(f, head, here)
 
 
 def unfinished_line(ev, head: str | None, here: str | None, dirty: list[str] | None = None,

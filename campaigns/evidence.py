@@ -229,7 +229,7 @@ class Evidence:
     # how the arms' servers shared the GPU: "together" (side by side, the whole grid) or "alternate" (one at a time,
     # restarted between blocks of legs: they did not fit side by side, or grid.residency=alternate asked for it)
     residency: str = "together"
-    # later commits (short sha) the campaign was resumed at, each with the code of its own commit (runner._same_code)
+    # later commits (short sha) the campaign was resumed at, each with the code of its own commit (runner.same_code)
     resumed_at: list[str] = field(default_factory=list)
     # the lever file's summary when the campaign started: what the lever did then (its values may mean something
     # else later, e.g. a rule behind "auto" rewritten); empty: written before 2026-12-06, read from git at its commit

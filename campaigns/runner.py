@@ -618,7 +618,7 @@ def _of_this_run(cfg: DictConfig, repo: Path, out_dir: Path, status: str) -> lis
         return []
     now = fp.collect(repo, cfg.device, levers.get(cfg.campaign.lever).env, mine[0].arms, want,
                      ignore_dirty=not_dirt(repo, out_dir))
-    mine = [ev for ev in mine if _same_code(ev.fingerprint, now)
+    mine = [ev for ev in mine if same_code(ev.fingerprint, now.git_sha, now.code_digest)
             and sorted(ev.fingerprint.dirty_files) == sorted(now.dirty_files)
             and all(getattr(ev.fingerprint, k) == getattr(now, k) for k, _ in SAME_ON_RESUME)]
     return sorted(mine, key=lambda ev: (ev.created, ev.campaign_id))
@@ -723,7 +723,7 @@ def running_pid(cdir: Path) -> int | None:
 
 def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | None = None) -> str | None:
     """New legs must compare like with like: the same composed config, the same code (the campaign's commit, or a
-    later one that changed only records, results or prose: _same_code), the same tree (clean, or dirty in the same
+    later one that changed only records, results or prose: same_code), the same tree (clean, or dirty in the same
     files), device and versions as the first run. The host may differ (a fresh device machine per command is the
     normal way to spread a grid). Returns the later commit a resume runs at, else None."""
     if config_hash(cfg) != ev.fingerprint.config_hash:
@@ -734,7 +734,7 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
     then = ev.fingerprint
     now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, then.config_hash,
                      ignore_dirty=not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
-    if now.git_sha != then.git_sha and not _same_code(then, now):
+    if not same_code(then, now.git_sha, now.code_digest):
         why = ("its code at that commit was not recorded (before 2026-12-05)" if then.code_digest is None else
                "the commits between them change code, not only records, results, prose (*.md) or record "
                "templates")
@@ -764,10 +764,11 @@ def resume_command(ev: Evidence) -> str:
     return " ".join(["vtcampaign", "run", *words, f"resume={ev.campaign_id}"])
 
 
-def _same_code(then, now) -> bool:
-    """Two fingerprints of one code: the same commit, or commits whose code digests (gitops.code_digest: every file
-    but the run outputs and the prose) are equal, e.g. a resume after the first command's results were committed."""
-    return then.git_sha == now.git_sha or (then.code_digest is not None and then.code_digest == now.code_digest)
+def same_code(then, sha: str, digest: str | None) -> bool:
+    """Whether a campaign of fingerprint ``then`` ran the code of commit ``sha`` (code digest ``digest``): that
+    commit, or one whose code digest (gitops.code_digest: every file but the run outputs and the prose) is equal,
+    e.g. a resume after the first command's results were committed."""
+    return then.git_sha == sha or (then.code_digest is not None and then.code_digest == digest)
 
 
 def _run_gates(ev: Evidence, cdir: Path, ctx: GateContext, names: list[str], self_check: bool,
