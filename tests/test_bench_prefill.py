@@ -138,3 +138,34 @@ def test_the_timed_graph_replays_the_whole_split_launch():
         graph()
         torch.cuda.synchronize()
         assert torch.equal(out, eager) if merged else torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("sweep", ["split-floor", "stages"])
+def test_every_arm_of_a_prefill_attention_sweep_is_timed_and_checked(tmp_path, monkeypatch, sweep):
+    """The sweep's own loop on this host: the kernels run under the interpreter at a tiny shape, only the GPU's
+    timer is a stand-in (no CUDA graph here): every arm is timed both ways, its output checked against SDPA, and
+    none is an error row (a name in the loop that shadowed `timed` once turned every arm into one)."""
+    from types import SimpleNamespace
+
+    from vtengine.bench import prefill_attention as bench
+    for name, value in {"DEVICE": "cpu", "HQ": 4, "HKV": 2, "D": 16, "matmul_tflops": lambda: 1.0,
+                        "sm_count": lambda: 4, "SPLIT_FLOOR_SHAPES": [(16, 40)], "STAGE_SHAPES": [(16, 40)],
+                        "STAGE_SWEEP": bench.STAGE_SWEEP[:1]}.items():
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(name="CPU stand-in"))
+    timings = []
+
+    def time_ms(fn, graphed=True):
+        fn()
+        timings.append(graphed)
+        return 0.5 if graphed else 0.75
+    monkeypatch.setattr(bench, "time_ms", time_ms)
+    result = bench.main(str(tmp_path), sweep)
+    arms = result["rows"][0]["arms"]
+    assert len(arms) >= 3 and all("error" not in a for a in arms.values()), arms
+    for name, arm in arms.items():
+        assert (arm["ms"], arm["eager_ms"]) == (0.5, 0.75), (name, arm)
+        assert name == "sdpa" or arm["rel_l2_vs_sdpa"] < 2e-2, (name, arm)
+        assert arm.get("bitwise_vs_default", True) is True, (name, arm)     # stages: the default tiles' output
+    assert timings.count(False) == len(arms) and "[eager 0.75]" in next(tmp_path.glob("*.md")).read_text()

@@ -244,7 +244,7 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
                                                   gqa_pack=pack, splits=sp)
                 entry = timed(fn, flops)
                 if "ms" in entry:
-                    entry["fraction_of_matmul"] = round(entry["tflops"] / peak, 3)
+                    entry["fraction_of_matmul"] = round(flops / entry["ms"] / 1e9 / peak, 3)
                 if what == "splits":        # the count the launch used ("auto" picks it from the grid)
                     counters.reset()
                     fn()
@@ -270,9 +270,9 @@ def main(out_dir: str = "bench/results", what: str = "tiles") -> dict:
             row["speedup_vs_off"] = {n: round(off / a["ms"], 3) for n, a in packed.items()}
         elif what == "stages":
             for fm in (False, True):
-                timed = {n: a["ms"] for n, a in row["arms"].items() if "ms" in a and fast.get(n) == fm}
-                if timed:
-                    row[f"best{'_fast' if fm else ''}"] = min(timed, key=timed.get)
+                times = {n: a["ms"] for n, a in row["arms"].items() if "ms" in a and fast.get(n) == fm}
+                if times:
+                    row[f"best{'_fast' if fm else ''}"] = min(times, key=times.get)
         elif packed and "ms" in row["arms"]["per_q_head"]:
             best = min(packed, key=lambda n: packed[n]["ms"])
             row["best_packed"] = best
