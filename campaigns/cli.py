@@ -36,7 +36,7 @@ from pathlib import Path
 from campaigns.config import CampaignConfigError, compose, options, settings
 from campaigns.evidence import EvidenceError, find_evidence, load_evidence
 from campaigns.gitops import GitOpsError, project_root
-from campaigns.recheck import RecheckError
+from campaigns.recheck import STEP_OVERHEAD_S, WHOLE_CALL_S, RecheckError
 
 from vtengine.confdirs import ConfDirError
 from vtengine.levers import LeverError
@@ -149,10 +149,11 @@ def _parser() -> argparse.ArgumentParser:
                          "GPU host, cannot judge freshness: plan where the history is, carry the plan there)")
     rc.add_argument("--within", type=_seconds, metavar="SECONDS",
                     help="start only campaigns that should reach their verdict within SECONDS of this command (their "
-                         "last run's time, less what a resumed one has measured, plus 60 s), taking a later one "
-                         "that fits in place of one that does not; those left stay pending. One longer than SECONDS "
-                         "runs only first, cut and resumed by the next command. A device call's step passes its "
-                         "limit")
+                         "last run's time, less what a resumed one has measured, plus "
+                         f"{STEP_OVERHEAD_S:.0f} s), taking a later one that fits in place of one that does "
+                         "not; those left, and those never timed, stay pending. A budget of a whole device call "
+                         f"({WHOLE_CALL_S:.0f} s or more) opens with the first whatever it needs: one longer than a "
+                         "call is cut and resumed by the next. A device call's recheck step passes its limit")
     so = sub.add_parser("sources", help="what code counts for a lever's staleness, and what changed since a commit",
                         description="For each file a lever file lists (paths:), the whole file or the definitions "
                                     "whose code counts (the declared ones and what they reach; campaigns/sources.py)"
@@ -715,9 +716,9 @@ def cmd_recheck(args) -> int:
                     print(f"  {i}: bash scripts/h200_session.sh " + " ".join(f'"{step}"' for step in call))
             print(f"{len(todo)} to run: ~{sum(need for _, need in known) / 60:.0f} min of device steps at their last "
                   "durations" + (f" ({len(todo) - len(known)} unknown)" if len(known) < len(todo) else ""))
-            print('or, on whichever GPU comes, "540@recheck" steps (recheck --frozen --within 540): that GPU\'s '
-                  "entries in the plan's order, each started only where it should end in what is left of the step "
-                  "(the calls above, packed the same way)")
+            print(f'or, on whichever GPU comes, "{recheck.DEVICE_CALL_S}@recheck" steps (recheck --frozen --within '
+                  f"{recheck.DEVICE_CALL_S}): that GPU's entries in the plan's order, each started only where it "
+                  "should end in what is left of the step (about as the calls above are packed)")
         return 0
 
     def run_one(overrides, on_start):

@@ -284,6 +284,10 @@ STEP_OVERHEAD_S = 60.0
 # imports: 9 s and 7 s on the H100, 2026-12-06; ~35 s allowed), less the 25 s scripts/h200_session.sh keeps back
 # for a stopped step to end and for the tarball (it cuts any step past that).
 DEVICE_CALL_S = 540
+# A recheck budget this large is a whole device call's step (a step's limit is what is left of its call: 539 s on
+# the H100, 2026-12-07, for a call of 575 s): no call has more room, so it opens with its first campaign whatever it
+# needs (``run``'s ``within``).
+WHOLE_CALL_S = DEVICE_CALL_S - STEP_OVERHEAD_S
 
 
 def need_s(entry: dict, measured: float = 0.0) -> float | None:
@@ -402,23 +406,25 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
     ``concluded(overrides)``: the newest complete campaign with a binding verdict that those overrides would run
     again here (same kind, config, code and setup: runner.concluded_here), or None; an entry that names no campaign
     of its own takes one begun after its stale verdict as its renewal instead of running the campaign again.
-    ``within``: the seconds this run may take (a device call's step); an entry is started only where it should end
-    in what is left (``need_s``: its last run's time, less the share of legs ``measured(overrides)`` says its
-    resumed campaign holds), else left pending for a command with room, and a later one that fits runs instead
-    (the first-fit of ``device_calls``, so a recheck step does what the printed calls say). One longer than
-    ``within`` itself runs only as the run's first campaign: it is cut and resumes in the next command."""
+    ``within``: the seconds this run may take from its call (a device call's step); an entry is started only where
+    it should end in what is left (``need_s``: its last run's time, less the share of legs ``measured(overrides)``
+    says its resumed campaign holds), else left pending for a command with room, and a later one that fits runs
+    instead (about the first-fit ``device_calls`` packs the printed calls by). An entry without a timing is left
+    so too. Only a command of a whole call (``within`` >= WHOLE_CALL_S), which no call can better, starts its
+    first campaign whatever it needs: one longer than a call is cut there and resumes in the next."""
     from campaigns.records import short_gpu
     from campaigns.runner import left_to_measure
     asked = [o for o in extra if o.split("=", 1)[0].lstrip("+~") == "resume"]
     if asked:
         raise RecheckError(f"recheck: {' '.join(asked)}: recheck picks what each campaign resumes (the one its plan "
                            "entry began, else resume=auto); drop it, or resume one campaign with `vtcampaign run`")
+    t0 = clock()
     out_dir = Path(out_dir)
     state = plan(out_dir, restart, root, frozen)
     if not state["entries"]:
         echo("recheck: no stale binding verdict")
         return state
-    elsewhere, waiting, ran, t0 = [], [], False, clock()
+    elsewhere, waiting, ran, stopped = [], [], False, False
     for entry in state["entries"]:
         if entry["status"] == "done":
             continue
@@ -456,11 +462,15 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
             overrides.append("resume=auto")
         if ev is None and within is not None:
             need = need_s(entry, measured(overrides) if measured is not None else 0.0)
-            left = within - (clock() - t0)
-            if need is not None and need > left and (ran or need <= within):
+            spent = clock() - t0
+            # no command has more room than a whole device call: its opening campaign runs even where it will
+            # not end (cut, it resumes in the next call); elsewhere only one that should end in what is left
+            opening = not ran and spent < STEP_OVERHEAD_S and within >= WHOLE_CALL_S
+            if (need is None or need > within - spent) and not opening:
                 waiting.append(entry)
-                echo(f"recheck {_key(entry)}: needs ~{need:.0f} s, {max(left, 0.0):.0f} s left of {within:.0f}: "
-                     "left pending for a command with room")
+                echo(f"recheck {_key(entry)}: needs " + (f"~{need:.0f} s" if need is not None else "a time not known")
+                     + f", {max(within - spent, 0.0):.0f} s left of {within:.0f}: left pending for a command with "
+                     "room")
                 continue
         if ev is None:
             echo(f"recheck {_key(entry)}: {entry['stale']} is STALE ({'; '.join(entry['why'])}); "
@@ -484,8 +494,9 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
             echo(f"recheck stops: {ev.campaign_id} FLIPs {ev.lever} to {render_value(ev.decision.new_default)}. Commit "
                  f"it (vtcampaign flip {ev.campaign_id}), merge, and run recheck again: the rest is re-planned "
                  "on the new default")
+            stopped = True
             break
-    if waiting:
+    if waiting and not stopped:
         echo(f"recheck: {len(waiting)} stale verdict(s) left pending for want of time ({within:.0f} s); run recheck "
              "again")
     if elsewhere:

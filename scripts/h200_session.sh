@@ -62,7 +62,8 @@ for step in "$@"; do
     decode)   timeout -s INT -k $KILL_S $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
     gputests) timeout -s INT -k $KILL_S $limit python3 -m pytest -q -m gpu -p no:cacheprovider ${rest:-tests} 2>&1 | tail -40 | tee -a $LOGS/gputests.log ;;
     py)       timeout -s INT -k $KILL_S $limit python3 -m $rest 2>&1 | tee -a $LOGS/py-${rest%% *}.log ;;
-    recheck)  timeout -s INT -k $KILL_S $limit python3 -m campaigns.cli recheck --frozen --within $limit tracking=off $rest 2>&1 | tee -a $LOGS/recheck.log ;;
+    recheck)  timeout -s INT -k $KILL_S $limit python3 -m campaigns.cli recheck --frozen --within $limit \
+                tracking=off $rest 2>&1 | tee -a $LOGS/recheck.log ;;
     serve)    IFS='|' read -r -a parts <<< "$rest"; port=8123; url=http://127.0.0.1:$port
               python3 -m vtengine.cli serve ${parts[0]} --port $port >> $LOGS/serve-server.log 2>&1 & spid=$!
               python3 -c "import sys, time, urllib.request as u

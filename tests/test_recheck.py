@@ -619,7 +619,8 @@ def test_a_run_within_a_time_budget_starts_only_what_should_end_in_it(proj):
     """`recheck --within SECONDS` (a device call's step passes its limit): an entry starts only where its last run's
     time plus STEP_OVERHEAD_S, less the share of legs its resumed campaign holds, fits in what is left; a later
     entry that fits runs in place of one that does not (2026-12-07: a recheck step started a 745 s campaign with
-    540 s left where the printed calls had packed a 310 s one). One longer than the budget runs only first."""
+    540 s left where the printed calls had packed a 310 s one). Only a command of a whole call opens with one that
+    will not end in it (one longer than any call is cut and resumes); a shorter, last call starts none."""
     out = proj / "records"
     for i, lever in enumerate(("gqa_swap", "fast_math", "fuse_norm", "triton_gemv")):
         verdict(proj, lever, f"2026-11-30T1{i}:00:00Z", pdl=True)
@@ -633,7 +634,7 @@ def test_a_run_within_a_time_budget_starts_only_what_should_end_in_it(proj):
     def runs(overrides, started):
         lever = overrides[0].split("=")[1]
         calls.append(lever)
-        entry = next(e for e in recheck.load_state(out)["entries"] if e["lever"] == lever)
+        entry = next(e for e in recheck.load_state(out)["entries"] if e["lever"] == lever and e["status"] != "done")
         now[0] += recheck.need_s(entry, share[0])
         return make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-07-{lever}-new")
 
@@ -659,6 +660,23 @@ def test_a_run_within_a_time_budget_starts_only_what_should_end_in_it(proj):
     seen, ran, share[0] = [], len(calls), 0.75
     within(600.0, lambda overrides: seen.append(overrides[-1]) or share[0])
     assert calls[ran:] == [e["lever"] for e in state["entries"][:2]] and seen[0] == "resume=auto"    # 285 s twice
+    # a call shorter than a whole one (a session's last): nothing starts that should not end in it, first or not,
+    # nor an entry without a timing; a campaign begun already is timed by its own legs, resumed by id
+    state = recheck.plan(out, root=proj, restart=True)
+    first, untimed, begun = state["entries"][:3]
+    first["took_s"], untimed["took_s"], begun["took_s"] = 400.0, None, 900.0
+    ev = make_evidence(TPUT_WIN, lever=begun["lever"], campaign_id=f"2026-12-07-{begun['lever']}-begun")
+    ev.status = "in-progress"
+    save_evidence(ev, out / ev.campaign_id)
+    begun["new"], begun["status"] = ev.campaign_id, "running"
+    recheck.save_state(out, state)
+    seen, ran, said[:] = [], len(calls), []
+    within(300.0, lambda overrides: seen.append(overrides[-1]) or (share[0] if overrides[-1].endswith("-begun") else 0))
+    assert calls[ran:] == [begun["lever"]] and f"resume={ev.campaign_id}" in seen, (calls[ran:], seen)
+    said = [s.replace(" on qwen3-8b (bf16), H200", "") for s in said]
+    assert f"recheck {first['lever']}: needs ~460 s, 300 s left of 300: left pending for a command with room" in said
+    assert f"recheck {untimed['lever']}: needs a time not known, 300 s left of 300: left pending for a command " \
+        "with room" in said
 
 
 def test_the_share_a_resumed_campaign_measured_counts_its_grids_legs(proj, capsys):
