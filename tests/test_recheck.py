@@ -377,6 +377,15 @@ def test_a_flip_that_moves_a_default_stops_the_run(proj, pins):
     if not pins:
         assert said[-1].startswith("recheck stops: 2026-12-01-pdl-new FLIPs pdl to true. Commit it (vtcampaign flip "
                                    "2026-12-01-pdl-new), merge")
+        # under --within, an entry left for want of time before the stop gets no "run recheck again": the stop's
+        # advice (flip, merge, then recheck) is the last word
+        state = recheck.plan(out, root=proj, restart=True)
+        assert state["entries"][0]["lever"] != "pdl", order
+        state["entries"][0]["took_s"] = None
+        recheck.save_state(out, state)
+        said[:] = []
+        recheck.run(out, [], flips, root=proj, echo=said.append, within=300.0, frozen=True)
+        assert "left pending for a command with room" in said[0] and said[-1].startswith("recheck stops:"), said
         return
     line = next(s for s in said if "FLIPs pdl" in s)
     assert ("2026-12-01-pdl-new FLIPs pdl to true but moves no default, so the recheck goes on: `vtcampaign flip` "
