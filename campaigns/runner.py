@@ -582,16 +582,23 @@ def _unfinished(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
     return mine[-1].campaign_id if mine else None
 
 
+def _resume_target(cfg: DictConfig, repo: Path, out_dir: Path) -> str | None:
+    """The campaign ``cfg.resume`` names: resume=auto's find (``_unfinished``), an id as given, or None."""
+    if cfg.resume == "auto":
+        return _unfinished(cfg, repo, out_dir)
+    return str(cfg.resume) if cfg.resume else None
+
+
 def share_measured(cfg: DictConfig, repo: Path | str) -> float:
     """The share of its grid's legs measured already by the campaign ``cfg`` would resume here (``cfg.resume``: an
     id, or auto: the newest unfinished one of this config and code), 0.0 where it would start anew: what
     ``vtcampaign recheck --within`` counts as done when it times an entry."""
     repo = Path(repo).resolve()
     out_dir = (repo / cfg.out_dir).resolve()
-    cid = _unfinished(cfg, repo, out_dir) if cfg.resume == "auto" else cfg.resume
-    if not cid or not (out_dir / str(cid) / "evidence.json").is_file():
+    cid = _resume_target(cfg, repo, out_dir)
+    if cid is None or not (out_dir / cid / "evidence.json").is_file():
         return 0.0
-    ev = load_evidence(out_dir / str(cid))
+    ev = load_evidence(out_dir / cid)
     planned = {(c, rep, arm.name) for c, rep, arm in _leg_plan(ev, cfg)}
     return len(ev.done_legs() & planned) / len(planned) if planned else 0.0
 
@@ -634,7 +641,7 @@ def resume_plan(cfg: DictConfig, repo: Path | str) -> str:
     this config and code, or none), the legs done and left; the checks a real resume makes, made."""
     repo = Path(repo).resolve()
     out_dir = (repo / cfg.out_dir).resolve()
-    cid = _unfinished(cfg, repo, out_dir) if cfg.resume == "auto" else str(cfg.resume)
+    cid = _resume_target(cfg, repo, out_dir)
     if cid is None:
         return "resume=auto: no unfinished campaign of this config and code; a new one would start"
     ev = _resumable(cfg, out_dir / cid, repo, out_dir)
