@@ -3,13 +3,14 @@ tests/helpers.py: a complete, binding campaign whose grid values each test choos
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
 from campaigns import policy
 from campaigns.evidence import Evidence
 from campaigns.gates import GATE_NAMES
-from campaigns.stats import compute_stats, oriented_ratio, separation
+from campaigns.stats import compute_stats, oriented_ratio, separation, summarize
 from helpers import TPUT_WIN, gates, legs, make_evidence
 
 
@@ -51,6 +52,15 @@ def test_stats_medians_cv_and_primary_flags():
     assert s.ratio == pytest.approx(111.0 / 101.0) and s.separation == "WIN" and s.primary
     assert {st.axis for st in ev.stats if st.primary} == {"total_token_throughput", "tpot"}
     assert len(ev.stats) == 7 * 4
+
+
+@pytest.mark.parametrize("values", [[100.0, 101.0, 102.0], [1e9 + 1, 1e9 + 2, 1e9 + 4, 1e9 + 8],
+                                    [0.031, 0.029, 0.0305, 0.0298, 0.0302], [5.0, 5.0]])
+def test_the_float_spread_equals_the_exact_one(values):
+    """The CV's standard deviation is summed in floats for speed: it must agree with statistics.stdev (exact
+    Fractions) to rounding, also where the values sit far from zero and one pass would cancel."""
+    cv = summarize(values).cv
+    assert cv == pytest.approx(statistics.stdev(values) / statistics.fmean(values), rel=1e-12, abs=1e-300)
 
 
 def test_invalid_legs_are_left_out_of_statistics():
