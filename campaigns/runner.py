@@ -31,7 +31,7 @@ from campaigns import fingerprint as fp
 from campaigns import grid as gridmod
 from campaigns import policy, recheck, records
 from campaigns.config import config_diff, config_hash, settings
-from campaigns.evidence import (Evidence, find_evidence, load_evidence, new_campaign_id, new_evidence,
+from campaigns.evidence import (Evidence, evidence_head, find_evidence, load_evidence, new_campaign_id, new_evidence,
                                 save_evidence, utc_now)
 from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate, skipped
 from campaigns.gitops import RUN_OUTPUTS
@@ -619,7 +619,9 @@ def concluded_here(cfg: DictConfig, repo: Path | str) -> Evidence | None:
 def _of_this_run(cfg: DictConfig, repo: Path, out_dir: Path, status: str) -> list[Evidence]:
     """The campaigns under ``out_dir`` of ``status`` that ``cfg`` would run again here, oldest first."""
     want = config_hash(cfg)
-    mine = [ev for ev in (load_evidence(p.parent) for p in find_evidence(out_dir))
+    heads = ((p, evidence_head(p)) for p in find_evidence(out_dir))
+    maybe = (p for p, head in heads if head is None or None in head or head == (status, cfg.campaign.lever, want))
+    mine = [ev for ev in (load_evidence(p.parent) for p in maybe)
             if ev.status == status and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
     if not mine:
         return []

@@ -12,7 +12,8 @@ import pytest
 
 from campaigns import evidence as evidence_module
 from campaigns.evidence import (KINDS, SCHEMA_VERSION, STATUSES, VERDICTS, Arm, ArmSummary, AxisStat, Decision,
-                                Evidence, Fingerprint, GateResult, LegResult, load_evidence, save_evidence)
+                                Evidence, Fingerprint, GateResult, LegResult, evidence_head, load_evidence,
+                                save_evidence)
 
 # load_evidence accepts only these values in these fields: the builder takes the first that is not the default;
 # every other field takes whatever the builder makes
@@ -146,6 +147,21 @@ def test_every_field_survives_save_and_load(built, tmp_path):
     loaded = load_evidence(path)
     assert differences(ev, loaded) == []
     assert loaded == ev
+
+
+def test_the_head_is_what_load_evidence_reads_and_follows_a_rewrite(built, tmp_path):
+    """evidence_head filters a search before load_evidence builds the matches: it must state the loaded fields,
+    and read a rewritten file anew (a campaign's evidence is rewritten as it goes: in-progress, then complete)."""
+    ev, _ = built
+    path = save_evidence(ev, tmp_path)
+    loaded = load_evidence(path)
+    assert evidence_head(path) == (loaded.status, loaded.lever, loaded.fingerprint.config_hash)
+    other = next(s for s in STATUSES if s != ev.status)
+    save_evidence(dataclasses.replace(ev, status=other, lever=ev.lever + "-2"), tmp_path)
+    assert evidence_head(path) == (other, ev.lever + "-2", ev.fingerprint.config_hash)
+    path.write_text("[]")           # not an object: no head, so a search loads it and load_evidence says why
+    assert evidence_head(path) is None
+    assert evidence_head(tmp_path / "absent" / "evidence.json") is None
 
 
 def drop_leg_reasons(d):
