@@ -409,8 +409,10 @@ def _serve(run: _Run) -> None:
 
 def _serve_together(run: _Run, order: list) -> None:
     ev, cfg = run.ev, run.cfg
+    t = time.perf_counter()         # the phases' seconds go to the log: what a device call pays besides the legs
     with gridmod.servers(order, lambda a: _server_cmd(cfg, ev, a, run.inject), str(run.cdir), _server_env(),
                          on_start=lambda n: console.print(f"starting the {n!r} server ...")) as handles:
+        console.print(f"servers ready in {time.perf_counter() - t:.1f} s")
         run.ctx.server_urls = {n: h.url for n, h in handles.items()}
         run.ctx.server_model = next(iter(handles.values())).model_name
         _run_gates(ev, run.cdir, run.ctx, [g for g in run.gates if g in SERVER_GATES], bool(cfg.gate.self_check),
@@ -422,6 +424,8 @@ def _serve_together(run: _Run, order: list) -> None:
             _run_grid(ev, run.cdir, cfg, handles, run.live.leg)
         _server_reports(ev, handles)
         _save(ev, run.cdir)
+        t = time.perf_counter()
+    console.print(f"servers stopped in {time.perf_counter() - t:.1f} s")
 
 
 def _serve_alternating(run: _Run, order: list) -> None:
@@ -507,7 +511,9 @@ def _conclude(run: _Run, note: str | None = None) -> None:
     ev, cfg = run.ev, run.cfg
     if not ev.context:             # no server ran (the gates fixed the verdict): the gate engines' context
         _record_gate_context(ev, run.ctx)
+    t = time.perf_counter()
     policy.conclude(ev, noise=calibrate.pool_for(ev, _other_evidence(run.out_dir, ev.campaign_id)))
+    t_verdict = time.perf_counter() - t
     if note and ev.decision is not None:
         ev.decision.reasons.append(note)
     ev.status = "complete"
@@ -517,6 +523,8 @@ def _conclude(run: _Run, note: str | None = None) -> None:
         records.render_all(run.out_dir, summaries, only=[ev.campaign_id])
     else:                           # one job of a sweep: its own records; the sweep renders the summaries once
         records.write_campaign(ev, run.cdir)
+    console.print(f"verdict in {t_verdict:.1f} s (statistics and calibration), records in "
+                  f"{time.perf_counter() - t - t_verdict:.1f} s")
     refused = None
     if ev.decision and ev.decision.verdict == "FLIP" and cfg.commit:
         try:
