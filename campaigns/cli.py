@@ -728,20 +728,11 @@ def cmd_recheck(args) -> int:
         except CampaignError as e:
             raise UsageError(str(e)) from None
 
-    last = {}                       # the config of the entry weighed last
-
-    def composed(overrides):        # an entry is weighed by concluded, then measured: one compose (0.3 s) for both
-        key = tuple(overrides)
-        if key not in last:
-            last.clear()
-            last[key] = compose(overrides + [f"out_dir={args.out_dir}"])
-        return last[key]
-
     def concluded(overrides):
-        return concluded_here(composed(overrides), project_root())
+        return concluded_here(compose(overrides + [f"out_dir={args.out_dir}"]), project_root())
 
     def measured(overrides):
-        return share_measured(composed(overrides), project_root())
+        return share_measured(compose(overrides + [f"out_dir={args.out_dir}"]), project_root())
     try:
         # on the device (--frozen) a resume concludes without starting servers anyway, on the device it ran on
         from campaigns.config import cuda_available
