@@ -184,18 +184,23 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def stop_servers(handles: list[ServerHandle]) -> None:
-    """SIGTERM to every server first, then wait for each (SIGKILL after 30 s): the arms' shutdowns overlap rather
-    than add up."""
+def stop_servers(handles: list[ServerHandle], timeout_s: float = 30.0) -> None:
+    """SIGTERM to every server first, then wait for them all, SIGKILL to any still running after ``timeout_s``: the
+    arms' shutdowns overlap rather than add up. Interrupted while waiting, it kills the rest: never an orphan."""
     for h in handles:
         if h.proc.poll() is None:
             h.proc.terminate()
-    for h in handles:
-        try:
-            h.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for h in handles:
+            try:
+                h.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                _kill(h.proc)
+    finally:
+        for h in handles:
             _kill(h.proc)
-        _pid_file(h.log_path).unlink(missing_ok=True)
+            _pid_file(h.log_path).unlink(missing_ok=True)
 
 
 @contextmanager
