@@ -432,19 +432,20 @@ def find_evidence(out_dir: Path | str) -> list[Path]:
 
 def evidence_head(path: Path) -> tuple[Any, Any, Any] | None:
     """(status, lever, composed config's hash) as an evidence file states them, parsed once per version of the file
-    in a process (keyed by its mtime and size), or None where it does not parse as an object (load_evidence says
-    why). A search for one run's campaigns filters by it before building the few it may match: building all of a
-    records folder's evidence took 1.4 s a search, and ``vtcampaign recheck --within`` makes two for every entry
-    it weighs (2026-12-07, H200: 42 s of a device call's step spent weighing 21 entries none of which fitted)."""
+    in a process (keyed by its inode, times and size: write_atomic renames a new file in), or None where it does
+    not parse as an object (load_evidence says why). A search for one run's campaigns filters by it before building
+    the few it may match: building all of a records folder's evidence took 1.4 s a search, and ``vtcampaign
+    recheck --within`` makes two for every entry it weighs (2026-12-07, H200: 42 s of a device call's step spent
+    weighing 21 entries none of which fitted)."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return _head(str(path), st.st_mtime_ns, st.st_size)
+    return _head(str(path), st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
 
 @functools.lru_cache(maxsize=None)
-def _head(path: str, mtime_ns: int, size: int) -> tuple[Any, Any, Any] | None:
+def _head(path: str, ino: int, mtime_ns: int, ctime_ns: int, size: int) -> tuple[Any, Any, Any] | None:
     try:
         data = json.loads(Path(path).read_text())
         return data.get("status"), data.get("lever"), data.get("fingerprint", {}).get("config_hash")

@@ -627,6 +627,8 @@ def concluded_here(cfg: DictConfig, repo: Path | str) -> Evidence | None:
 def _of_this_run(cfg: DictConfig, repo: Path, out_dir: Path, status: str) -> list[Evidence]:
     """The campaigns under ``out_dir`` of ``status`` that ``cfg`` would run again here, oldest first."""
     want = config_hash(cfg)
+    # a file whose head names another status, lever or config is not built here: a fault in it is reported by
+    # the commands that build every file (render, status), not by this run's resume
     heads = ((p, evidence_head(p)) for p in find_evidence(out_dir))
     maybe = (p for p, head in heads if head is None or None in head or head == (status, cfg.campaign.lever, want))
     mine = [ev for ev in (load_evidence(p.parent) for p in maybe)

@@ -55,7 +55,7 @@ def test_stats_medians_cv_and_primary_flags():
 
 
 @pytest.mark.parametrize("values", [[100.0, 101.0, 102.0], [1e9 + 1, 1e9 + 2, 1e9 + 4, 1e9 + 8],
-                                    [0.031, 0.029, 0.0305, 0.0298, 0.0302], [5.0, 5.0]])
+                                    [0.031, 0.029, 0.0305, 0.0298, 0.0302], [5.0, 5.0], [3.3333] * 26])
 def test_the_float_spread_equals_the_exact_one(values):
     """The CV's standard deviation is summed in floats for speed: it must agree with statistics.stdev (exact
     Fractions) to rounding, also where the values sit far from zero and one pass would cancel."""
