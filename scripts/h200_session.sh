@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: `bash scripts/h200_session.sh STEP...` with the `.whl` wheelhouse carried.
+# (`python scripts/prune_wheels.py` first: it drops the MLflow wheels a tracking=off call never imports, 17 MB of
+# the lender's 64 MiB carry limit.)
 # Each step is one argument: [SECONDS@]campaign:<name>[:<space-separated overrides>] | [SECONDS@]decode[:<args>] |
 # [SECONDS@]gputests[:<pytest args>] | [SECONDS@]py:<module> [args] (python3 -m <module> [args]) |
 # [SECONDS@]recheck[:<overrides>] (vtcampaign recheck --frozen --within SECONDS: the plan made here with --dry-run,
