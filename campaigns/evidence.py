@@ -270,11 +270,30 @@ class Evidence:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=True) + "\n"
+        return dump_json(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Evidence":
         return _build(cls, data, "evidence")
+
+
+def dump_json(data: dict[str, Any]) -> str:
+    """An evidence file's text: one line per top-level key, and inside a top-level list or object one line per item
+    (a leg, a gate, a stats row, a config group), each written compactly with sorted keys. ``json.loads`` reads it
+    back exactly. Indented JSON put 540 KB in an 80-leg file, 350 KB of it whitespace and separators; this form
+    takes about two thirds of that (records/campaigns: 31 MB of evidence in indented form, 20 MB in this one,
+    2026-12-07) and a resumed campaign's diff still reads leg by leg."""
+    def one(v: Any) -> str:
+        return json.dumps(v, sort_keys=True, allow_nan=True, separators=(",", ":"))
+
+    def block(v: Any) -> str:
+        if isinstance(v, list) and v:
+            return "[\n" + ",\n".join("  " + one(x) for x in v) + "\n ]"
+        if isinstance(v, dict) and v:
+            return "{\n" + ",\n".join(f"  {one(k)}:{one(v[k])}" for k in sorted(v)) + "\n }"
+        return one(v)
+
+    return "{\n" + ",\n".join(f" {one(k)}:{block(data[k])}" for k in sorted(data)) + "\n}\n"
 
 
 # ----------------------------------------------------------------------------------------------- typed decode

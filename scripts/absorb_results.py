@@ -36,6 +36,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:                    # run as a script: the checkout's own campaigns package
+    sys.path.insert(0, str(ROOT))
+from campaigns.evidence import dump_json  # noqa: E402
 
 
 def _place(src: Path, dest: Path) -> Path | None:
@@ -105,7 +108,7 @@ def absorb(tgz: Path, root: Path = ROOT) -> tuple[list[str], list[str], Path]:
         if renamed:                                     # another campaign took this id: a re-run id, set inside too
             data = json.loads(src.read_text())          # (record.md/pr.md carry the old one until the render below)
             data["campaign_id"] = dest.name
-            src.write_text(json.dumps(data, indent=2, sort_keys=True, allow_nan=True) + "\n")
+            src.write_text(dump_json(data))
         if (dest.exists() and (renamed or not filecmp.dircmp(cdir, dest).diff_files)
                 and filecmp.cmp(src, dest / src.name, shallow=False)):
             continue                                    # carried there from this checkout, or taken before, unchanged

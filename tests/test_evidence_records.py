@@ -3,6 +3,7 @@ STATUS.md and BENCHMARKS.md keyed by lever and updated in place as campaigns acc
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -10,8 +11,8 @@ import shutil
 import pytest
 
 from campaigns import records
-from campaigns.evidence import (Evidence, EvidenceError, LegResult, find_evidence, load_evidence, new_campaign_id,
-                                save_evidence, write_atomic)
+from campaigns.evidence import (Evidence, EvidenceError, LegResult, dump_json, find_evidence, load_evidence,
+                                new_campaign_id, save_evidence, write_atomic)
 from helpers import TPUT_WIN, gates, make_evidence
 
 LOSS = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}}
@@ -34,12 +35,27 @@ def _rich_evidence() -> Evidence:
 # ----------------------------------------------------------------------------------------------- evidence
 
 
+def test_evidence_text_reads_back_exactly_with_nan_nesting_and_empties():
+    data = {"b": [{"x": float("nan"), "y": [1, 2.5]}, {"x": -0.0}], "a": {"k": {"z": 1, "w": None}, "e": []},
+            "c": [], "d": {}, "s": "t\u00e9\n", "i": 3, "f": 1e-300}
+    text = dump_json(data)
+    back = json.loads(text)
+    assert json.dumps(back, sort_keys=True) == json.dumps(data, sort_keys=True)
+    assert math.isnan(back["b"][0]["x"]) and math.copysign(1.0, back["b"][1]["x"]) == -1.0
+    assert text.splitlines()[:5] == ['{', ' "a":{', '  "e":[],', '  "k":{"w":null,"z":1}', ' },']
+    assert text.endswith("\n}\n")
+
+
 def test_json_round_trip_is_exact(tmp_path):
     ev = _rich_evidence()
     path = save_evidence(ev, tmp_path / ev.campaign_id)
     back = load_evidence(path)
     assert back == ev
     assert back.to_json() == path.read_text()
+    # One line per leg and per gate: a resumed campaign's diff reads leg by leg.
+    lines = path.read_text().splitlines()
+    assert sum(line.startswith('  {"arm":') and '"concurrency":' in line for line in lines) == len(ev.legs) > 0
+    assert sum(line.startswith('  {"arm":') and '"gate":' in line for line in lines) == len(ev.gates) > 0
     # Types survive, not just values: ints stay ints, floats stay floats, lever values keep their type.
     bat = back.gate("battery", "on")
     assert type(bat.counts["strict"]) is int and type(back.gate("near_tie", "on").counts["max_gap_mnats"]) is float
