@@ -365,8 +365,11 @@ def test_graph_parity_counts_replays_and_catches_a_diverging_graph():
 @pytest.mark.gpu
 def test_a_broken_kernel_broken_alike_in_graphs_and_eager_passes_graph_parity_but_not_battery():
     """graph_parity proves graphed == eager, not correctness: a kernel broken in both paths passes it (replaying
-    graphs), and the battery is what rejects it."""
+    graphs), and the battery is what rejects it. With mixed_prefill off, as when this test was written: on (its
+    default since 2026-12-06), the three short prompts decoding beside the long prompt's chunks differed graphed
+    from eager with the kernel broken (H100, 2026-12-07; why is not traced yet: healthy, they are equal)."""
     ctx = context(device="cuda", broken_arm="on")
+    ctx.with_levers = {"mixed_prefill": False}
     cand = ctx.arms[1]
     res = run_gate("graph_parity", ctx, cand, self_check=False)
     assert res.passed and res.counts["graph_replays"] > 0
@@ -379,7 +382,7 @@ def test_chunk_graphs_gates_replay_chunk_graphs_on_the_gpu():
     """On CUDA: the mechanism probe replays chunk graphs in the ON arm only (the inert and stuck faults caught,
     the stuck baseline capturing on demand), and graph_parity compares a two-chunk prompt through them."""
     ctx = context(device="cuda", lever="chunk_graphs")
-    ctx.with_levers = {"chunked_prefill": 256, "mixed_steps": True}
+    ctx.with_levers = {"chunked_prefill": 256, "mixed_steps": True, "mixed_prefill": False}   # as the CPU twin's
     for arm in ctx.arms:
         res = run_gate("mechanism", ctx, arm)
         assert res.passed and res.self_check is True, res.details
