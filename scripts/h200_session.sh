@@ -3,7 +3,8 @@
 # (`python scripts/prune_wheels.py` first: it drops the MLflow wheels a tracking=off call never imports, 17 MB of
 # the lender's 64 MiB carry limit.)
 # Each step is one argument: [SECONDS@]campaign:<name>[:<space-separated overrides>] | [SECONDS@]decode[:<args>] |
-# [SECONDS@]gputests[:<pytest args>] | [SECONDS@]py:<module> [args] (python3 -m <module> [args]) |
+# [SECONDS@]gputests[:<pytest args>] (the `gpu` tests; their JUnit XML comes back in bench/results/) |
+# [SECONDS@]py:<module> [args] (python3 -m <module> [args]) |
 # [SECONDS@]recheck[:<overrides>] (vtcampaign recheck --frozen --within SECONDS: the plan made here with --dry-run,
 # resumable, starting only the campaigns that should end within the step: carry records/campaigns/.recheck.json
 # and copy the returned evidence back before the next call) |
@@ -62,7 +63,11 @@ for step in "$@"; do
               case " $ov" in *" resume="*) ;; *) ov="$ov resume=auto" ;; esac
               timeout -s INT -k $KILL_S $limit python3 -m campaigns.cli run campaign=$name tracking=off $ov 2>&1 | tee -a $LOGS/campaign-$name.log ;;
     decode)   timeout -s INT -k $KILL_S $limit python3 -m vtengine.cli bench decode --out bench/results $rest 2>&1 | tee $LOGS/decode.log ;;
-    gputests) timeout -s INT -k $KILL_S $limit python3 -m pytest -q -m gpu -p no:cacheprovider ${rest:-tests} 2>&1 | tail -40 | tee -a $LOGS/gputests.log ;;
+    gputests) gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' _)
+              xml=bench/results/gputests-${gpu:-GPU}-$(date -u +%Y-%m-%dT%H%M%S).xml   # the run's record: absorb
+              timeout -s INT -k $KILL_S $limit python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+                --junitxml=$xml -o junit_suite_name="gpu tests at ${CAMPAIGN_SOURCE_SHA:-unknown}" ${rest:-tests} \
+                2>&1 | tee -a $LOGS/gputests.log | tail -40 ;;
     py)       timeout -s INT -k $KILL_S $limit python3 -m $rest 2>&1 | tee -a $LOGS/py-${rest%% *}.log ;;
     recheck)  timeout -s INT -k $KILL_S $limit python3 -m campaigns.cli recheck --frozen --within $limit \
                 tracking=off $rest 2>&1 | tee -a $LOGS/recheck.log ;;

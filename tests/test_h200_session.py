@@ -130,3 +130,16 @@ def test_a_step_with_under_a_minute_left_is_not_started(tmp_path):
     r = _session(tmp_path, env, "400@py:sleeper 30")
     assert r.returncode == 0 and "== step py:sleeper 30 not started: " in r.stdout, r.stdout + r.stderr
     assert "took" not in r.stdout.split("== setup took")[1]
+
+
+def test_gputests_leave_their_junit_record_in_bench_results(tmp_path):
+    """2026-12-07: a GPU run's count line was lost to -qq and a 40-line tail, and nothing recorded when the GPU tests
+    last passed. The step writes JUnit XML into bench/results/ (the tarball brings it back, absorb commits it), named
+    by GPU and time, its suite named by the source commit; the full output goes to the log."""
+    env = {**_fake_device_checkout(tmp_path), "CALL_S": "200", "CAMPAIGN_SOURCE_SHA": "abc1234"}
+    r = _session(tmp_path, env, "100@gputests:tests/test_x.py -k graph")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = _timeouts(tmp_path)
+    args = line.split(" python3 -m pytest ")[1]
+    assert args.startswith("-q -m gpu -p no:cacheprovider -rfE --junitxml=bench/results/gputests-GPU-20")
+    assert args.endswith(".xml -o junit_suite_name=gpu tests at abc1234 tests/test_x.py -k graph"), args
