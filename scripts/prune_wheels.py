@@ -35,10 +35,13 @@ ENV = {**default_environment(), "python_version": "3.12", "python_full_version":
 def wheel_requires(path: Path) -> tuple[str, list[str]]:
     """(the wheel's canonical name, the canonical names it requires on the device's Python, extras not followed)."""
     with zipfile.ZipFile(path) as zf:
-        meta_name = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
+        # the wheel's own .dist-info sits at its top level; vendored packages carry theirs deeper
+        meta_name = next((n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), None)
         if meta_name is None:
-            raise ValueError(f"{path.name}: no .dist-info/METADATA in the wheel")
+            raise ValueError(f"{path.name}: no top-level .dist-info/METADATA in the wheel")
         meta = Parser().parsestr(zf.read(meta_name).decode("utf-8", "replace"))
+    if not meta["Name"]:
+        raise ValueError(f"{path.name}: its METADATA has no Name")
     needs = []
     for spec in meta.get_all("Requires-Dist") or []:
         req = Requirement(spec)
@@ -69,17 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         print(f"{house}: no wheels here; build them with ../shared/tools/gpu-wheelhouse.sh", file=sys.stderr)
         return 2
-    by_name = {}
+    by_name: dict[str, tuple[list[Path], list[str]]] = {}     # two wheels of one name: both kept or both dropped
     for f in files:
         name, needs = wheel_requires(f)
-        by_name[name] = (f, needs)
+        got = by_name.setdefault(name, ([], []))
+        got[0].append(f)
+        got[1].extend(needs)
     missing = [r for r in DEVICE_ROOTS if canonicalize_name(r) not in by_name]
     if missing:
         print(f"{house} lacks wheels the device needs: {', '.join(missing)}; rebuild it with gpu-wheelhouse.sh",
               file=sys.stderr)
         return 2
     keep = closure({n: needs for n, (_, needs) in by_name.items()}, DEVICE_ROOTS)
-    drop = sorted((f for n, (f, _) in by_name.items() if n not in keep), key=lambda f: f.name)
+    drop = sorted((f for n, (fs, _) in by_name.items() if n not in keep for f in fs), key=lambda f: f.name)
     freed = sum(f.stat().st_size for f in drop)
     for f in drop:
         print(f"{'would drop' if args.dry_run else 'dropped'} {f.name}")

@@ -36,7 +36,7 @@ def test_the_closure_stays_and_mlflow_with_its_own_dependencies_goes(tmp_path):
     _wheel(tmp_path, "starlette", "anyio")                # anyio: in the GPU image, no wheel here
     _wheel(tmp_path, "pydantic", "pydantic-core==2.1")
     _wheel(tmp_path, "pydantic_core")                      # spelled apart from its requirement: canonical names match
-    _wheel(tmp_path, "gitdb", "smmap")
+    _wheel(tmp_path, "gitdb", "smmap; python_version >= '3.8'")     # a marker true on the device: followed
     _wheel(tmp_path, "smmap")
     _wheel(tmp_path, "python-multipart")                   # only an extra of fastapi asks for it
     _wheel(tmp_path, "typing-extensions")                  # only for Pythons the device does not run
@@ -68,3 +68,11 @@ def test_a_wheelhouse_without_a_device_root_is_refused_and_left_whole(tmp_path, 
     assert sorted(tmp_path.iterdir()) == before
     err = capsys.readouterr().err
     assert ("no wheels here" in err) if not present else ("lacks wheels the device needs: omegaconf" in err)
+
+
+def test_the_wheels_own_metadata_is_read_not_a_vendored_packages(tmp_path):
+    path = tmp_path / "tool-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("tool/_vendor/jaraco.text-3.12.dist-info/METADATA", "Metadata-Version: 2.1\nName: jaraco.text\n")
+        zf.writestr("tool-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tool\nRequires-Dist: smmap\n")
+    assert prune_wheels.wheel_requires(path) == ("tool", ["smmap"])
