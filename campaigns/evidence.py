@@ -290,7 +290,8 @@ def dump_json(data: dict[str, Any]) -> str:
         if isinstance(v, list) and v:
             return "[\n" + ",\n".join("  " + one(x) for x in v) + "\n ]"
         if isinstance(v, dict) and v:
-            return "{\n" + ",\n".join(f"  {one(k)}:{one(v[k])}" for k in sorted(v)) + "\n }"
+            # each item as json.dumps writes a one-key object (a key that is not a string becomes one, as before)
+            return "{\n" + ",\n".join("  " + one({k: v[k]})[1:-1] for k in sorted(v)) + "\n }"
         return one(v)
 
     return "{\n" + ",\n".join(f" {one(k)}:{block(data[k])}" for k in sorted(data)) + "\n}\n"

@@ -44,6 +44,8 @@ def test_evidence_text_reads_back_exactly_with_nan_nesting_and_empties():
     assert math.isnan(back["b"][0]["x"]) and math.copysign(1.0, back["b"][1]["x"]) == -1.0
     assert text.splitlines()[:5] == ['{', ' "a":{', '  "e":[],', '  "k":{"w":null,"z":1}', ' },']
     assert text.endswith("\n}\n")
+    # keys that are not strings become strings, as json.dumps writes them, at every depth
+    assert json.loads(dump_json({"a": {1: 2, 3: [{4: 5}]}})) == {"a": {"1": 2, "3": [{"4": 5}]}}
 
 
 def test_json_round_trip_is_exact(tmp_path):
