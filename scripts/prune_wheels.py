@@ -5,7 +5,9 @@ OpenTelemetry: about 17 MB), but a device call runs its campaigns with ``trackin
 MLflow back here (``vtcampaign log``), so those wheels only cost carry room: with records/ at 48 MB on 2026-12-07 the
 checkout and the full wheelhouse came to 69 MB and the lender refused the call. This keeps the dependency closure
 of the packages a device step imports (read from each wheel's ``Requires-Dist``, markers evaluated for CPython 3.12
-on Linux, extras not followed) and deletes the rest::
+on Linux, extras not followed) and deletes the rest. Not pip's resolver (`pip install --dry-run --report`): the
+wheels' requirements that the GPU image provides (anyio, numpy, torch, ...) have no wheel here, so it refuses the
+set; a closure walk over what is here, with `packaging` reading the requirements, is all this needs::
 
     python scripts/prune_wheels.py            # prune .whl in place, print what went and the MB freed
     python scripts/prune_wheels.py --dry-run  # print only
