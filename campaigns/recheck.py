@@ -263,11 +263,16 @@ RESUME_GAP_S = 120.0    # legs follow each other within seconds; a longer pause 
 def took_s(ev: Evidence) -> float | None:
     """How long a campaign ran, from its start to its last leg's end (gates, servers and grid): what re-running it
     should cost. A pause of more than RESUME_GAP_S between two legs is a campaign cut and resumed in a later command
-    (on the H200, pdl_stack's 6.8 minutes read 15): it is left out. None without timed legs."""
+    (on the H200, pdl_stack's 6.8 minutes read 15): it is left out. So is a cut before the first leg (during the
+    gates or a server's start): the time to the first leg counts at most the gates' own recorded time plus
+    RESUME_GAP_S. None without timed legs."""
     timed = sorted((parse_utc(leg.started), parse_utc(leg.ended)) for leg in ev.legs if leg.started and leg.ended)
     if not timed or not ev.created:
         return None
     total = max(0.0, (timed[0][0] - parse_utc(ev.created)).total_seconds())
+    gates_s = sum(g.duration_s for g in ev.gates)
+    if gates_s > 0.0:                   # evidence without gate timings keeps its whole span (nothing to bound it by)
+        total = min(total, gates_s + RESUME_GAP_S)
     last = timed[0][0]
     for started, ended in timed:
         gap = (started - last).total_seconds()
@@ -293,7 +298,7 @@ WHOLE_CALL_S = DEVICE_CALL_S - STEP_OVERHEAD_S
 def need_s(entry: dict, measured: float = 0.0) -> float | None:
     """The seconds a plan entry's campaign should take to its verdict: its last run's took_s less the ``measured``
     share of its legs (a resumed campaign), plus STEP_OVERHEAD_S; None where the last run has no timing."""
-    if not entry.get("took_s"):
+    if entry.get("took_s") is None:
         return None
     return entry["took_s"] * (1.0 - min(max(measured, 0.0), 1.0)) + STEP_OVERHEAD_S
 

@@ -474,6 +474,22 @@ def test_a_campaign_resumed_in_a_later_command_is_timed_without_the_pause():
     assert recheck.took_s(ev) == 129
 
 
+def test_a_campaign_cut_before_its_first_leg_is_timed_by_its_gates():
+    """Cut during its gates and resumed an hour later, a campaign's span to its first leg is mostly the wait: it
+    counts at most the gates' recorded time plus RESUME_GAP_S (without gate timings, the whole span)."""
+    from campaigns.evidence import GateResult, LegResult
+    ev = make_evidence(TPUT_WIN, created="2026-12-04T09:00:00Z")
+    ev.legs = [LegResult(concurrency=1, rep=0, arm="on", order_index=0, prompts_sha256="", num_prompts=6,
+                         started="2026-12-04T10:00:00Z", ended="2026-12-04T10:00:10Z")]
+    ev.gates = []
+    assert recheck.took_s(ev) == 3600 + 10
+    ev.gates = [GateResult(gate="op", arm="on", passed=True, duration_s=25.0),
+                GateResult(gate="battery", arm="on", passed=True, duration_s=26.0)]
+    assert recheck.took_s(ev) == 25 + 26 + recheck.RESUME_GAP_S + 10
+    ev.created = "2026-12-04T09:59:00Z"                         # not cut: the span itself, under the bound
+    assert recheck.took_s(ev) == 60 + 10
+
+
 def test_the_overrides_of_a_pinned_campaign_are_words_that_compose_back_to_its_pins():
     """A recheck's overrides go into `scripts/h200_session.sh` steps, which split on spaces: a pin written
     `{pdl: true}` broke a device call on 2026-12-04. Each override is one word, and composing them gives the pins."""
