@@ -250,7 +250,18 @@ def render_value(v: Any) -> str:
 
 def load_state(out_dir: Path | str) -> dict:
     path = Path(out_dir) / STATE_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RecheckError(f"recheck: the saved plan {path} is not readable JSON ({e}); a copy cut short on its way "
+                           "back from a GPU host reads so: restore it from git, or plan afresh with "
+                           "`vtcampaign recheck --dry-run --restart`") from None
+    if not isinstance(state, dict) or not isinstance(state.get("entries", []), list):
+        raise RecheckError(f"recheck: the saved plan {path} holds no object with a list of entries; plan afresh "
+                           "with `vtcampaign recheck --dry-run --restart`")
+    return state
 
 
 def save_state(out_dir: Path | str, state: dict) -> None:

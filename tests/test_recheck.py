@@ -315,6 +315,16 @@ def test_a_campaign_abandoned_since_it_began_is_not_resumed_by_id(proj):
     assert any("2026-12-01-gqa_swap-new was abandoned (cut before a code change)" in line for line in said)
 
 
+def test_a_saved_plan_that_is_no_json_is_an_error_naming_the_file(proj):
+    out = proj / "records"
+    (out / recheck.STATE_FILE).write_text('{"entries": [{"lever": "gqa_')      # cut short on its way back
+    with pytest.raises(recheck.RecheckError, match=r"the saved plan .*\.recheck\.json is not readable JSON"):
+        recheck.plan(out, root=proj)
+    (out / recheck.STATE_FILE).write_text('["gqa_swap"]')
+    with pytest.raises(recheck.RecheckError, match="holds no object with a list of entries"):
+        recheck.plan(out, frozen=True)
+
+
 def test_a_verdict_of_another_gpu_is_left_pending_for_a_host_with_it(proj):
     """The lender may give an H100 to a session that asked for an H200: a recheck there would file H100 verdicts
     beside the stale H200 ones and renew none, so it leaves them pending, says so, and runs the ones of its GPU."""
@@ -727,3 +737,4 @@ def test_the_share_a_resumed_campaign_measured_counts_its_grids_legs(proj, capsy
             main(["recheck", "--within", bad, "--out-dir", str(out)])
         assert f"argument --within: '{bad}' is not a number of seconds; accepted: a positive number" in \
             capsys.readouterr().err
+
