@@ -726,7 +726,13 @@ def cmd_recheck(args) -> int:
         try:
             return run_campaign(cfg, repo=project_root(), on_start=on_start)
         except CampaignError as e:
-            raise UsageError(str(e)) from None
+            # a plan entry's own campaign refused to resume (code, tree or setup changed): recheck cannot start
+            # another in its place by itself, the user decides to drop its legs
+            begun = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=") and o != "resume=auto"),
+                         None)
+            hint = (f"; recheck resumes the campaign its plan began: to run this entry afresh, `vtcampaign abandon "
+                    f"{begun} --why \"...\"` and run recheck again" if begun and str(e).startswith("resume=") else "")
+            raise UsageError(f"{e}{hint}") from None
 
     def concluded(overrides):
         return concluded_here(compose(overrides + [f"out_dir={args.out_dir}"]), project_root())

@@ -388,6 +388,12 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
                 e["key"] = plan_key(load_evidence(Path(out_dir) / e["stale"]))
         stale_now = {plan_key(ev): (ev, f) for ev, f in current}
         for e in state["entries"]:
+            gone = _gone(out_dir, e.get("new")) if e["status"] == "running" else None
+            if gone:
+                # nothing of its campaign to resume: the entry is planned again like a pending one (today's reasons
+                # and arms, or done where its verdict is fresh now), not run afresh on the overrides of the default
+                # it was first planned on
+                e["status"], e["new"], e["abandoned"] = "pending", None, gone
             if e["status"] != "pending":
                 continue
             if _key(e) not in stale_now:
@@ -406,6 +412,19 @@ def plan(out_dir: Path | str, restart: bool = False, root: Path | str | None = N
         state = {"entries": [_entry(ev, f, registry) for ev, f in current]}
     save_state(out_dir, state)
     return state
+
+
+def _gone(out_dir: Path | str, campaign_id: str | None) -> str | None:
+    """Why a running plan entry's campaign cannot be resumed or concluded (abandoned, deleted), else None."""
+    if not campaign_id:
+        return "its campaign was not recorded"
+    path = Path(out_dir) / campaign_id / "evidence.json"
+    if not path.is_file():
+        return f"{campaign_id} is gone ({path} does not exist)"
+    ev = load_evidence(path)
+    if ev.status == "abandoned":
+        return f"{campaign_id} was abandoned ({ev.abandoned.get('why', '')})"
+    return None
 
 
 def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Callable[[str], None]], Evidence],
@@ -452,6 +471,8 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
         overrides = list(entry["overrides"]) + list(extra)
         ev = None
         begun = None
+        if entry.get("abandoned") and not entry["new"]:
+            echo(f"recheck {_key(entry)}: {entry['abandoned']}; planned again on today's defaults")
         if entry["new"] and (out_dir / entry["new"] / "evidence.json").is_file():
             begun = load_evidence(out_dir / entry["new"])
             if begun.status == "complete":      # concluded in a call whose plan came back before its verdict did
@@ -460,6 +481,7 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
                 echo(f"recheck {_key(entry)}: {entry['new']} was abandoned ({begun.abandoned.get('why', '')}); "
                      "resuming another campaign of its config and code, else starting one")
                 begun = entry["new"] = None
+                entry["status"] = "pending"
                 save_state(out_dir, state)
         if begun is not None:
             if conclude_one is not None and not left_to_measure(begun):
@@ -495,6 +517,7 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
 
             def started(cid: str, entry=entry) -> None:
                 entry["new"], entry["status"] = cid, "running"
+                entry.pop("abandoned", None)
                 save_state(out_dir, state)
             ev = run_one(overrides, started)
         entry["new"], entry["status"] = ev.campaign_id, "done"

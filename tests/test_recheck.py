@@ -315,6 +315,47 @@ def test_a_campaign_abandoned_since_it_began_is_not_resumed_by_id(proj):
     assert any("2026-12-01-gqa_swap-new was abandoned (cut before a code change)" in line for line in said)
 
 
+def test_an_entry_whose_campaign_was_abandoned_is_planned_again_on_todays_defaults(proj, capsys, monkeypatch):
+    """A running entry keeps the overrides it was planned with, for its campaign's resume. Once that campaign is
+    abandoned (here: refused on resume after a code change, which the refusal says how to do), nothing of it is left
+    to resume: the next plan treats the entry as pending, so a verdict measured FRESH meanwhile ends it instead of
+    a campaign on the overrides of a default since replaced."""
+    from campaigns import runner
+    from campaigns.cli import main
+    from campaigns.runner import CampaignError, abandon
+    out = proj / "records"
+    stale = verdict(proj, "gqa_swap", "2026-11-30T10:00:00Z", pdl=True)
+    old = load_evidence(out / stale)
+    old.fingerprint.device_name = "x86_64"          # measured on this host's kind: `recheck` here runs its entry
+    save_evidence(old, out / stale)
+
+    def interrupted(overrides, started):
+        ev = make_evidence(TPUT_WIN, lever="gqa_swap", campaign_id="2026-12-01-gqa_swap-new")
+        ev.status, ev.decision = "in-progress", None
+        save_evidence(ev, out / ev.campaign_id)
+        started(ev.campaign_id)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        recheck.run(out, ["tracking=off"], interrupted, root=proj, echo=lambda s: None)
+
+    def refused(cfg, **kw):
+        raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at abc1234, the checkout is now at def5678")
+    monkeypatch.chdir(proj)
+    monkeypatch.setattr(runner, "run_campaign", refused)
+    assert main(["recheck", "--frozen", "--out-dir", str(out), "tracking=off"]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "to run this entry afresh, `vtcampaign abandon 2026-12-01-gqa_swap-new --why" in err
+    abandon(["2026-12-01-gqa_swap-new"], out, "cut before a code change")
+    fresh = load_evidence(out / verdict(proj, "gqa_swap", "2026-12-01T12:00:00Z"))    # FRESH, outside the plan
+    fresh.fingerprint.device_name = "x86_64"
+    save_evidence(fresh, out / fresh.campaign_id)
+    [entry] = recheck.plan(out, root=proj)["entries"]
+    assert (entry["status"], entry["new"]) == ("done", None)
+    assert "FRESH without it" in entry["verdict"]
+    assert entry["abandoned"] == "2026-12-01-gqa_swap-new was abandoned (cut before a code change)"
+
+
 def test_a_saved_plan_that_is_no_json_is_an_error_naming_the_file(proj):
     out = proj / "records"
     (out / recheck.STATE_FILE).write_text('{"entries": [{"lever": "gqa_')      # cut short on its way back
