@@ -206,9 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("run", "recheck"):
             flags = [x for x in extra if x.startswith("-")]
             if flags:
-                raise UsageError(f"unknown option(s) {flags} for {args.cmd}; accepted: --dry-run"
-                                 + (", --restart, --frozen, --out-dir" if args.cmd == "recheck" else "")
-                                 + ", and Hydra overrides key=value")
+                raise UsageError(f"unknown option(s) {flags} for {args.cmd}; accepted: "
+                                 f"{', '.join(_options(parser, args.cmd))}, and Hydra overrides key=value")
             if args.cmd == "run":
                 if args.config_dir:
                     from vtengine.confdirs import set_project_conf
@@ -303,6 +302,12 @@ EXIT_CODES = {"INVALID": 3, "AA-FAIL": 3, "REJECT-CORRECTNESS": 4}
 
 def exit_code(verdict: str | None) -> int:
     return EXIT_CODES.get(verdict or "", 0)
+
+
+def _options(parser: argparse.ArgumentParser, cmd: str) -> list[str]:
+    """The long options a subcommand accepts, as its parser declares them (so an error's list cannot fall behind)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    return [max(a.option_strings, key=len) for a in sub._actions if a.option_strings and a.dest != "help"]
 
 
 def _campaign_evidence(out_dir: str, campaign_id: str) -> Path:

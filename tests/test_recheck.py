@@ -779,3 +779,10 @@ def test_the_share_a_resumed_campaign_measured_counts_its_grids_legs(proj, capsy
         assert f"argument --within: '{bad}' is not a number of seconds; accepted: a positive number" in \
             capsys.readouterr().err
 
+
+def test_an_unknown_option_names_every_option_recheck_accepts(capsys):
+    from campaigns.cli import main
+    assert main(["recheck", "--widthin", "540"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown option(s) ['--widthin'] for recheck" in err
+    assert all(flag in err for flag in ("--dry-run", "--restart", "--frozen", "--within", "--out-dir"))
