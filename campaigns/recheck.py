@@ -143,20 +143,23 @@ def freshness_at(out_dir: Path | str, rev: str, root: Path | str | None = None) 
     evs = [load_evidence(p) for p in find_evidence(out_dir)]
     latest = [*latest_binding(evs).values(), *latest_aa(evs).values()]
     registry_here = levers.registry()            # this checkout's levers, as `vtcampaign status` reads them
-    here = {ev.campaign_id: lever_context.freshness(ev, root, registry_here,
-                                                    lever_context.tree_digests(registry_here, root))
-            for ev in latest}
+    digests_here = lever_context.tree_digests(registry_here, root)
+    here = {ev.campaign_id: lever_context.freshness(ev, root, registry_here, digests_here) for ev in latest}
     tmp = Path(tempfile.mkdtemp(prefix="vtcampaign-at-"))
     tree = tmp / "tree"
-    repo.git.worktree("prune")       # a run killed before its cleanup left a registration whose folder is gone
-    repo.git.worktree("add", "--detach", str(tree), commit.hexsha)
     try:
+        repo.git.worktree("prune")   # a run killed before its cleanup left a registration whose folder is gone
+        repo.git.worktree("add", "--detach", str(tree), commit.hexsha)
         registry_at = levers.registry(tree / "conf" / "lever")
         digests_at = lever_context.tree_digests(registry_at, tree)
         rows = [(ev, here[ev.campaign_id], lever_context.freshness(ev, tree, registry_at, digests_at))
                 for ev in latest]
     finally:
-        repo.git.worktree("remove", "--force", str(tree))
+        try:                         # a failed add left nothing registered: removing it fails, the rest goes on
+            if tree.exists():
+                repo.git.worktree("remove", "--force", str(tree))
+        except git.GitCommandError:
+            pass                     # the next call's prune drops the registration
         shutil.rmtree(tmp, ignore_errors=True)
         levers.reload()              # the registry cache holds the worktree's lever files: let them go
     return commit.hexsha[:7], rows
