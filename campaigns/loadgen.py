@@ -372,6 +372,10 @@ async def run_leg_async(base_url: str, model: str, prompts: list[list[int]], out
             m.failures.append(f"server metrics missing from {base_url}/metrics: {', '.join(m.server['missing'])}"
                               + (f" ({problems[0]})" if problems else " (renamed or removed on the server?)"))
             m.valid = False
+        if m.server.get("reset"):       # a delta across a restart means nothing: fail it, by name
+            m.failures.append(f"server counters went down during the leg at {base_url}/metrics (did the server "
+                              f"restart?): {', '.join(m.server['reset'])}")
+            m.valid = False
     return m
 
 
@@ -444,14 +448,18 @@ SERVER_MEANS = {
 def _server_deltas(before: dict[str, float] | str | None, after: dict[str, float] | str | None
                    ) -> dict[str, Any]:
     """The leg's ``server`` dict from two scrapes (a scrape that failed is a string or None: everything it should
-    have given is missing). Fields whose metric is absent are left out and listed under ``missing``."""
+    have given is missing). Fields whose metric is absent are left out and listed under ``missing``; a counter that
+    went down between the two (the server restarted) is left out and listed under ``reset``."""
     before = before if isinstance(before, dict) else {}
     after = after if isinstance(after, dict) else {}
     out: dict[str, Any] = {}
     missing: list[str] = []
+    reset: list[str] = []
     for name, metric in SERVER_COUNTERS.items():
-        if metric in before and metric in after:
+        if metric in before and metric in after and after[metric] >= before[metric]:
             out[name] = after[metric] - before[metric]
+        elif metric in before and metric in after:     # a counter that went down: the server restarted mid-leg
+            reset.append(f"{metric} {before[metric]:g} -> {after[metric]:g}")
         else:
             missing.append(metric)
     for name, metric in SERVER_GAUGES.items():
@@ -460,10 +468,12 @@ def _server_deltas(before: dict[str, float] | str | None, after: dict[str, float
         else:
             missing.append(metric)
     for name, (total, count) in SERVER_MEANS.items():
-        if out.get(count):          # a mean of nothing is left out, not 0
-            out[name] = 1000 * out[total] / out[count]
+        if out.get(count) and total in out:     # a mean of nothing is left out, not 0 (nor one whose sum is
+            out[name] = 1000 * out[total] / out[count]     # missing: listed above)
     if missing:
         out["missing"] = missing
+    if reset:
+        out["reset"] = reset
     return out
 
 

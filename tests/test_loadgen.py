@@ -349,3 +349,26 @@ def test_unreadable_metrics_make_every_server_field_missing():
     # a count that did not move leaves its mean out rather than reporting 0
     out = _server_deltas(before, dict(after, **{"vtengine:time_to_first_token_seconds_count": 1.0}))
     assert "mean_ttft_ms" not in out and out["ttft_count"] == 0.0
+
+
+def test_a_sum_missing_beside_its_moving_count_is_reported_not_raised():
+    """The step count moved but its time series is gone (renamed on the server): the mean is left out and the sum
+    listed as missing; it must not raise and lose the leg's figures."""
+    everything = list(SERVER_COUNTERS.values()) + list(SERVER_GAUGES.values())
+    before = {name: 1.0 for name in everything}
+    after = {name: 3.0 for name in everything}
+    gone = SERVER_COUNTERS["step_time_s"]
+    out = _server_deltas({k: v for k, v in before.items() if k != gone}, after)
+    assert out["missing"] == [gone] and "step_time_s" not in out and "mean_step_ms" not in out
+    assert out["steps"] == 2.0 and out["mean_decode_step_ms"] == 1000.0
+
+
+def test_a_counter_that_went_down_is_a_reset_not_a_negative_delta():
+    everything = list(SERVER_COUNTERS.values()) + list(SERVER_GAUGES.values())
+    before = {name: 5.0 for name in everything}
+    after = dict({name: 7.0 for name in everything}, **{SERVER_COUNTERS["steps"]: 2.0})
+    out = _server_deltas(before, after)
+    assert out["reset"] == [f"{SERVER_COUNTERS['steps']} 5 -> 2"]
+    assert "steps" not in out and "mean_step_ms" not in out and "missing" not in out
+    assert out["decode_steps"] == 2.0
+
