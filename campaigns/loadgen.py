@@ -291,8 +291,12 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
                     break
                 now = time.perf_counter()
                 data = json.loads(payload)
+                if not isinstance(data, dict):
+                    r.error = f"a stream event that is no JSON object: {payload[:200]}"
+                    return r
                 if "error" in data:
-                    r.error = f"in-stream error: {data['error'].get('message')}"
+                    err = data["error"]
+                    r.error = f"in-stream error: {err.get('message') if isinstance(err, dict) else err}"
                     return r
                 if data.get("choices"):
                     if r.num_chunks == 0:
@@ -306,7 +310,10 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
                     r.output_tokens = int(data["usage"].get("completion_tokens") or 0)
                     if data["usage"].get("prompt_tokens") is not None:
                         r.server_prompt_tokens = int(data["usage"]["prompt_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+    except (httpx.HTTPError, httpx.StreamError, json.JSONDecodeError, OSError, KeyError, TypeError, ValueError,
+            AttributeError, IndexError) as e:
+        # one request's failure, whatever the server sent: it counts as failed (and fails the leg, by name), never
+        # aborts the other requests' figures
         r.error = f"{type(e).__name__}: {e}"
         return r
     r.latency = last - st

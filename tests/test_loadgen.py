@@ -372,3 +372,47 @@ def test_a_counter_that_went_down_is_a_reset_not_a_negative_delta():
     assert "steps" not in out and "mean_step_ms" not in out and "missing" not in out
     assert out["decode_steps"] == 2.0
 
+
+@pytest.fixture()
+def odd_stream():
+    """A real HTTP server on loopback whose completions stream the events a test sets (server-sent events)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    events: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for e in events:
+                self.wfile.write(f"data: {e}\n\n".encode())
+            self.wfile.flush()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", events
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.parametrize("event, reason", [
+    ('{"error": "out of memory"}', "in-stream error: out of memory"),
+    ('[1, 2]', "a stream event that is no JSON object: [1, 2]"),
+    ('{"choices": "not a list"}', "AttributeError"),
+    ('{"usage": {"completion_tokens": "many"}}', "ValueError"),
+])
+def test_an_odd_stream_event_fails_its_request_not_the_leg(odd_stream, event, reason):
+    """Whatever a server streams, one request's odd event is that request's failure, named, and the leg's other
+    requests keep their figures: it must not escape the gather and lose the leg."""
+    url, events = odd_stream
+    events[:] = [event, "[DONE]"]
+    m = run_leg(url, "m", [[5, 6, 7]] * 2, 4, 2, timeout_s=10, read_server_metrics=False)
+    assert m.failed == 2 and m.completed == 0 and not m.valid
+    assert any(reason in f for f in m.failures), m.failures
