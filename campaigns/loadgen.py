@@ -339,7 +339,12 @@ async def _run(client, url: str, model: str, prompts: list[list[int]], output_le
         while next_i < len(prompts):
             i = next_i
             next_i += 1
-            results[i] = await _one_request(client, url, model, prompts[i], lens[i], timeout_s)
+            try:        # httpx's timeout bounds each read; this bounds the whole request, as --timeout says
+                results[i] = await asyncio.wait_for(
+                    _one_request(client, url, model, prompts[i], lens[i], timeout_s), timeout_s)
+            except asyncio.TimeoutError:
+                results[i] = RequestResult(prompt_len=len(prompts[i]),
+                                           error=f"no complete response within the {timeout_s:g} s timeout")
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(prompts))))))

@@ -375,11 +375,14 @@ def test_a_counter_that_went_down_is_a_reset_not_a_negative_delta():
 
 @pytest.fixture()
 def odd_stream():
-    """A real HTTP server on loopback whose completions stream the events a test sets (server-sent events)."""
+    """A real HTTP server on loopback whose completions stream the events a test sets (server-sent events), each
+    after the pause a test sets."""
     import threading
+    import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     events: list[str] = []
+    pause = {"s": 0.0}
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -388,8 +391,9 @@ def odd_stream():
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             for e in events:
+                time.sleep(pause["s"])
                 self.wfile.write(f"data: {e}\n\n".encode())
-            self.wfile.flush()
+                self.wfile.flush()
 
         def log_message(self, *args):
             pass
@@ -397,7 +401,7 @@ def odd_stream():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", events
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", events, pause
     httpd.shutdown()
     httpd.server_close()
 
@@ -411,8 +415,20 @@ def odd_stream():
 def test_an_odd_stream_event_fails_its_request_not_the_leg(odd_stream, event, reason):
     """Whatever a server streams, one request's odd event is that request's failure, named, and the leg's other
     requests keep their figures: it must not escape the gather and lose the leg."""
-    url, events = odd_stream
+    url, events, _ = odd_stream
     events[:] = [event, "[DONE]"]
     m = run_leg(url, "m", [[5, 6, 7]] * 2, 4, 2, timeout_s=10, read_server_metrics=False)
     assert m.failed == 2 and m.completed == 0 and not m.valid
     assert any(reason in f for f in m.failures), m.failures
+
+
+def test_the_timeout_bounds_a_whole_request_not_each_read(odd_stream):
+    """A stream that keeps sending, slowly, never trips httpx's per-read timeout; --timeout is per request."""
+    url, events, pause = odd_stream
+    chunk = '{"choices": [{"text": "a", "token_ids": [7]}]}'
+    events[:] = [chunk] * 4 + ['{"usage": {"completion_tokens": 4, "prompt_tokens": 3}}', "[DONE]"]
+    pause["s"] = 0.25                   # 1.5 s in all, no read waits more than 0.25 s
+    m = run_leg(url, "m", [[5, 6, 7]], 4, 1, timeout_s=1.0, read_server_metrics=False)
+    assert m.failed == 1 and any("no complete response within the 1 s timeout" in f for f in m.failures), m.failures
+    m = run_leg(url, "m", [[5, 6, 7]], 4, 1, timeout_s=5.0, read_server_metrics=False)
+    assert m.valid and m.completed == 1, m.failures
