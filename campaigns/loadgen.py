@@ -55,7 +55,10 @@ def make_output_lens(n: int, output_len: int, range_ratio: float, seed: int) -> 
     """Each request's output length: ``output_len`` for all when ``range_ratio`` is 0, else an integer drawn
     uniformly from ``[output_len * (1 - r), output_len * (1 + r)]`` by a seeded generator (vLLM's random dataset
     range ratio, applied to the outputs). Requests that end at different steps arrive at different steps: a closed
-    loop of equal requests otherwise runs in lockstep, and a prefill never finds another request decoding."""
+    loop of equal requests otherwise runs in lockstep, and a prefill never finds another request decoding. The
+    bounds are rounded to the nearest integer (Python's round, halves to even), where vLLM truncates them: at a
+    fractional bound the two ranges differ by one token at an end. Kept so, as the recorded campaigns' legs drew
+    their lengths this way (a change would make new legs unlike theirs)."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     if range_ratio == 0.0 and n >= 0 and output_len >= 1:
