@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import lru_cache
 
 POINT_METHOD = "Hodges-Lehmann, exact Mann-Whitney (Moses) interval"
@@ -102,7 +103,9 @@ def _stratified_counts(sizes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, .
 def _interval_rank(counts: tuple[int, ...], total: int, confidence: float) -> tuple[int, float]:
     """(k, achieved confidence): k is the largest integer with P(W <= k-1) <= alpha/2, found in exact integer
     arithmetic; k = 1 when none qualifies, i.e. the widest interval, with its achieved confidence."""
-    alpha = 1.0 - confidence
+    # alpha as the exact fraction of the decimal the level was written as (1 - 0.8 is 0.19999999999999996 in
+    # floats, so an exactly attainable level lost its k to rounding and took the next wider interval)
+    alpha = 1 - Fraction(str(confidence))
     k, tail = 0, 0                       # tail = count of W <= k-1
     while k < len(counts) and 2 * (tail + counts[k]) <= alpha * total:
         tail += counts[k]

@@ -64,6 +64,15 @@ def test_five_vs_five_interval_ranks_and_achieved_confidence_match_enumeration()
     assert e.ratio == pytest.approx(math.exp(d[12]))
 
 
+def test_an_exactly_attainable_level_takes_its_own_interval_not_the_next_wider():
+    """4 vs 4 at 80%: P(U <= 3) = 7/70 is exactly alpha/2, so k = 4 at exactly 0.800. In floats 1 - 0.8 is
+    0.19999999999999996 and the comparison lost k = 4 to rounding (k = 3, 0.886)."""
+    e = point_effect([1.1, 1.2, 1.3, 1.4], [1.0, 1.05, 1.15, 1.25], True, 0.8)
+    assert e.confidence == pytest.approx(0.8, abs=1e-12)
+    diffs = sorted(math.log(c) - math.log(b) for c in [1.1, 1.2, 1.3, 1.4] for b in [1.0, 1.05, 1.15, 1.25])
+    assert (e.lo, e.hi) == pytest.approx((math.exp(diffs[3]), math.exp(diffs[-4])))
+
+
 def test_three_vs_three_falls_back_to_the_full_range_at_ninety_percent():
     k, tail = _largest_k(3, 3, 0.05)
     assert k == 0                                             # P(U <= 0) = 1/20 > 0.025: 95% is out of reach
