@@ -76,7 +76,10 @@ def _fake_device_checkout(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "python3"
-    fake.write_text('#!/usr/bin/env bash\n[ "$1 $2" = "-m sleeper" ] && exec sleep "$3"\nexit 0\n')
+    fake.write_text('#!/usr/bin/env bash\n[ "$1 $2" = "-m sleeper" ] && exec sleep "$3"\n'
+                    # pytest selecting nothing: its JUnit file of zero tests, exit status 5
+                    'case "$*" in *"-m pytest"*nomatch*) x="${*#*--junitxml=}"; echo "<testsuites/>" > "${x%% *}"; '
+                    'exit 5;; esac\nexit 0\n')
     fake.chmod(0o755)
     import shutil
     logged = bin_dir / "timeout"                       # the real timeout(1), its arguments logged
@@ -143,3 +146,14 @@ def test_gputests_leave_their_junit_record_in_bench_results(tmp_path):
     args = line.split(" python3 -m pytest ")[1]
     assert args.startswith("-q -m gpu -p no:cacheprovider -rfE --junitxml=bench/results/gputests-GPU-20")
     assert args.endswith(".xml -o junit_suite_name=gpu tests at abc1234 tests/test_x.py -k graph"), args
+
+
+def test_a_gputests_step_that_selects_no_test_keeps_no_record(tmp_path):
+    """2026-12-07: a `-k op_gate` matched no test name; its JUnit file of zero tests came back and was committed
+    beside the real runs. pytest says so with exit status 5: the step says so too and keeps no record."""
+    env = {**_fake_device_checkout(tmp_path), "CALL_S": "200", "CAMPAIGN_SOURCE_SHA": "abc1234"}
+    r = _session(tmp_path, env, "100@gputests:tests/test_x.py -k nomatch", "100@gputests:tests/test_x.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== gputests: no test selected by 'tests/test_x.py -k nomatch'; no record kept" in r.stdout
+    assert r.stdout.count("no test selected") == 1
+    assert list((tmp_path / "bench" / "results").iterdir()) == []
