@@ -74,6 +74,29 @@ def test_battery_and_near_tie_fail_on_a_broken_candidate_and_pass_the_clean_base
     assert run_gate("near_tie", broken, base).self_check is True
 
 
+def test_a_lost_last_token_or_a_token_outside_the_vocabulary_is_no_near_tie(broken):
+    """An arm whose output lost its last token (or gained one) leaves every kept token's gap at ~0 under teacher
+    forcing: near_tie ratified it, and the policy then excused the failed battery. A length difference, and a token
+    id outside the vocabulary, are divergent whatever the gaps (async_parity's first_divergences rules alike)."""
+    from campaigns.gates import battery
+    base = broken.arms[0]
+    clean = battery.ours(broken, base)
+    assert run_gate("near_tie", broken, base, self_check=False).passed        # the clean arm: strict throughout
+    vocab = broken.oracle().engine.model_config.vocab_size
+    for i, (toks, why) in enumerate([(clean[0][:-1], "a token lost or added"), (clean[1] + [clean[1][-1]],
+                                     "a token lost or added"), (clean[2][:-1] + [vocab], "outside the vocabulary")]):
+        broken.cache[f"battery:{base.name}"] = [toks if j == i else t for j, t in enumerate(clean)]
+        res = run_gate("near_tie", broken, base, self_check=False)
+        assert not res.passed and res.counts["divergences"] == 1 and res.counts["unscored"] == 1, res.counts
+        (row,) = res.details["divergences"]
+        assert row["status"] == "divergent" and why in row["why"] and row["prompt"] == i, row
+        assert row["first_divergence"] == len(clean[i]) - (1 if i != 1 else 0)
+    broken.cache[f"battery:{base.name}"] = clean
+    # the gate's own self-check makes the first of these (and the broken kernel's run) and must be failed by both
+    res = run_gate("near_tie", broken, base)
+    assert res.passed and res.self_check is True and res.details["self_check_counts"]["lost_token_ratified"] == 0
+
+
 def test_the_battery_fault_runs_the_engine_under_test(broken):
     """The audit's mutation: a battery that took its tokens from the oracle passed every self-check. The fault is in
     the engine now, so tokens from anywhere but that engine miss it."""

@@ -10,9 +10,12 @@ scaled by -0.5 inside the forward, in every layer), run through the same battery
 and see tokens other than the clean run's (an arm that is not strict when clean, as a quantized model's, would
 otherwise "catch" a fault that changed nothing), and near_tie must find a divergence no near-tie explains. A gate
 that took its tokens from anywhere but the engine under test (the oracle, a cache of the clean run) would miss it.
+near_tie has a second fault, made without an engine run: the clean run's first completion less its last token,
+which must be divergent (a lost or added token is never a near-tie; its kept tokens' gaps would say ~0).
 """
 from __future__ import annotations
 
+import math
 import time
 
 from campaigns.gates import GateContext, result
@@ -51,28 +54,47 @@ def _fault_note(ctx: GateContext, fault: bool) -> str:
 
 
 def gaps_mnats(ctx: GateContext, prompt_ids: list[int], tokens: list[int]) -> list[float]:
-    """Per position of our sequence: max(0, logp(oracle argmax) - logp(our token)) under the oracle, millinats."""
+    """Per position of our sequence: max(0, logp(oracle argmax) - logp(our token)) under the oracle, millinats
+    (NaN stays NaN: a score that is no number ratifies nothing)."""
     lp = ctx.oracle().engine.score(prompt_ids, tokens)
     ours_lp = lp[range(len(tokens)), tokens]
-    return [max(0.0, float(g)) * 1000.0 for g in (lp.max(dim=-1).values - ours_lp)]
+    return [g if math.isnan(g) else max(0.0, g) * 1000.0
+            for g in (float(x) for x in (lp.max(dim=-1).values - ours_lp))]
+
+
+def _row(ctx: GateContext, i: int, prompt_ids: list[int], golden: list[int], toks: list[int]) -> dict:
+    """Prompt i strict (our tokens equal the golden), near_tie (every one of our tokens within the threshold of the
+    oracle's best, teacher-forced along ours) or divergent. A length difference is divergent whatever the gaps: a
+    token lost or added at the end leaves every kept token's gap at ~0 (parity.first_divergences rules alike)."""
+    if toks == golden:
+        return {"prompt": i, "status": "strict"}
+    first = next((j for j, (a, b) in enumerate(zip(toks, golden)) if a != b), min(len(toks), len(golden)))
+    row = {"prompt": i, "first_divergence": first}
+    vocab = ctx.oracle().engine.model_config.vocab_size
+    if len(toks) != len(golden):
+        return {**row, "status": "divergent",
+                "why": f"{len(toks)} tokens against the golden's {len(golden)}: a token lost or added, no near-tie"}
+    if not all(0 <= t < vocab for t in toks):
+        return {**row, "status": "divergent", "why": f"a token id outside the vocabulary [0, {vocab})"}
+    gaps = gaps_mnats(ctx, prompt_ids, toks)
+    worst_gap = max(gaps, key=lambda g: math.inf if math.isnan(g) else g)
+    tie = not math.isnan(worst_gap) and worst_gap <= ctx.near_tie_max_mnats
+    return {**row, "status": "near_tie" if tie else "divergent", "max_gap_mnats": round(worst_gap, 3),
+            "gap_at_divergence_mnats": round(gaps[first], 3)}
 
 
 def _classify(ctx: GateContext, arm: Arm, fault: bool):
-    gold = goldens(ctx)
     mine = ours(ctx, arm, fault)
-    fault_note = _fault_note(ctx, fault)
-    rows = []
-    for i, ((pid, golden), toks) in enumerate(zip(gold, mine)):
-        if toks == golden:
-            rows.append({"prompt": i, "status": "strict"})
-            continue
-        first = next(j for j, (a, b) in enumerate(zip(toks, golden)) if a != b) if len(toks) == len(golden) else 0
-        gaps = gaps_mnats(ctx, pid, toks)
-        worst_gap = max(gaps)
-        rows.append({"prompt": i, "status": "near_tie" if worst_gap <= ctx.near_tie_max_mnats else "divergent",
-                     "first_divergence": first, "max_gap_mnats": round(worst_gap, 3),
-                     "gap_at_divergence_mnats": round(gaps[first], 3)})
-    return rows, fault_note
+    rows = [_row(ctx, i, pid, golden, toks) for i, ((pid, golden), toks) in enumerate(zip(goldens(ctx), mine))]
+    return rows, _fault_note(ctx, fault)
+
+
+def _lost_last_token(ctx: GateContext, arm: Arm) -> dict:
+    """near_tie's second self-check fault, made from the arm's clean tokens: its first prompt's completion with
+    the last token dropped (every kept token's gap stays what it was, ~0 where strict). The gate must rule it
+    divergent: a gate judging a length difference by its kept tokens' gaps would ratify it."""
+    (pid, golden), toks = goldens(ctx)[0], ours(ctx, arm)[0]
+    return _row(ctx, 0, pid, golden, toks[:-1])
 
 
 def run_battery(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
@@ -107,9 +129,19 @@ def run_near_tie(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     t0 = time.perf_counter()
     rows, note = _classify(ctx, arm, fault)
     div = [r for r in rows if r["status"] != "strict"]
-    max_gap = max((r["max_gap_mnats"] for r in div), default=0.0)
+    # the largest gap scored (a length or vocabulary divergence has none: its row says why, and it fails the gate)
+    max_gap = max((r["max_gap_mnats"] for r in div if "max_gap_mnats" in r and not math.isnan(r["max_gap_mnats"])),
+                  default=0.0)
     counts = {"divergences": len(div), "ratified": sum(r["status"] == "near_tie" for r in div),
               "max_gap_mnats": max_gap}
+    unscored = sum("max_gap_mnats" not in r or math.isnan(r["max_gap_mnats"]) for r in div)
+    if unscored:
+        counts["unscored"] = unscored
     passed = all(r["status"] == "near_tie" for r in div)
-    return result("near_tie", arm, passed, t0, counts=counts,
-                  details={"fault": note, "threshold_mnats": ctx.near_tie_max_mnats, "divergences": div})
+    details = {"fault": note, "threshold_mnats": ctx.near_tie_max_mnats, "divergences": div}
+    if fault:       # caught only where both faults fail the gate: the broken kernel, and a lost last token
+        lost = _lost_last_token(ctx, arm)
+        counts["lost_token_ratified"] = int(lost["status"] != "divergent")
+        passed = passed or lost["status"] != "divergent"
+        details["fault"] = f"{note}; and the clean run's first completion less its last token"
+    return result("near_tie", arm, passed, t0, counts=counts, details=details)
