@@ -83,15 +83,18 @@ def test_a_lost_last_token_or_a_token_outside_the_vocabulary_is_no_near_tie(brok
     clean = battery.ours(broken, base)
     assert run_gate("near_tie", broken, base, self_check=False).passed        # the clean arm: strict throughout
     vocab = broken.oracle().engine.model_config.vocab_size
-    for i, (toks, why) in enumerate([(clean[0][:-1], "a token lost or added"), (clean[1] + [clean[1][-1]],
-                                     "a token lost or added"), (clean[2][:-1] + [vocab], "outside the vocabulary")]):
-        broken.cache[f"battery:{base.name}"] = [toks if j == i else t for j, t in enumerate(clean)]
-        res = run_gate("near_tie", broken, base, self_check=False)
-        assert not res.passed and res.counts["divergences"] == 1 and res.counts["unscored"] == 1, res.counts
-        (row,) = res.details["divergences"]
-        assert row["status"] == "divergent" and why in row["why"] and row["prompt"] == i, row
-        assert row["first_divergence"] == len(clean[i]) - (1 if i != 1 else 0)
-    broken.cache[f"battery:{base.name}"] = clean
+    try:
+        cases = [(clean[0][:-1], "a token lost or added"), (clean[1] + [clean[1][-1]], "a token lost or added"),
+                 (clean[2][:-1] + [vocab], "outside the vocabulary")]
+        for i, (toks, why) in enumerate(cases):
+            broken.cache[f"battery:{base.name}"] = [toks if j == i else t for j, t in enumerate(clean)]
+            res = run_gate("near_tie", broken, base, self_check=False)
+            assert not res.passed and res.counts["divergences"] == 1 and res.counts["unscored"] == 1, res.counts
+            (row,) = res.details["divergences"]
+            assert row["status"] == "divergent" and why in row["why"] and row["prompt"] == i, row
+            assert row["first_divergence"] == len(clean[i]) - (1 if i != 1 else 0)
+    finally:                            # the module's fixture: the later tests read this arm's clean tokens
+        broken.cache[f"battery:{base.name}"] = clean
     # the gate's own self-check makes the first of these (and the broken kernel's run) and must be failed by both
     res = run_gate("near_tie", broken, base)
     assert res.passed and res.self_check is True and res.details["self_check_counts"]["lost_token_ratified"] == 0

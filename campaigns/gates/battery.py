@@ -65,7 +65,8 @@ def gaps_mnats(ctx: GateContext, prompt_ids: list[int], tokens: list[int]) -> li
 def _row(ctx: GateContext, i: int, prompt_ids: list[int], golden: list[int], toks: list[int]) -> dict:
     """Prompt i strict (our tokens equal the golden), near_tie (every one of our tokens within the threshold of the
     oracle's best, teacher-forced along ours) or divergent. A length difference is divergent whatever the gaps: a
-    token lost or added at the end leaves every kept token's gap at ~0 (parity.first_divergences rules alike)."""
+    token lost or added at the end leaves every kept token's gap at ~0 (parity.first_divergences rules a length
+    difference after an equal prefix alike; here there is no other kind: the battery runs to a fixed length)."""
     if toks == golden:
         return {"prompt": i, "status": "strict"}
     first = next((j for j, (a, b) in enumerate(zip(toks, golden)) if a != b), min(len(toks), len(golden)))
@@ -94,7 +95,7 @@ def _lost_last_token(ctx: GateContext, arm: Arm) -> dict:
     the last token dropped (every kept token's gap stays what it was, ~0 where strict). The gate must rule it
     divergent: a gate judging a length difference by its kept tokens' gaps would ratify it."""
     (pid, golden), toks = goldens(ctx)[0], ours(ctx, arm)[0]
-    return _row(ctx, 0, pid, golden, toks[:-1])
+    return _row(ctx, 0, pid, golden, toks[:-1] if toks else [0])     # (an empty one: a token added instead)
 
 
 def run_battery(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
