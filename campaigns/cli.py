@@ -735,8 +735,9 @@ def cmd_recheck(args) -> int:
             # another in its place by itself, the user decides to drop its legs
             begun = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=") and o != "resume=auto"),
                          None)
+            refused = str(e).startswith("resume=") and ("would not compare" in str(e) or "config differs" in str(e))
             hint = (f"; recheck resumes the campaign its plan began: to run this entry afresh, `vtcampaign abandon "
-                    f"{begun} --why \"...\"` and run recheck again" if begun and str(e).startswith("resume=") else "")
+                    f"{begun} --why \"...\"` and run recheck again" if begun and refused else "")
             raise UsageError(f"{e}{hint}") from None
 
     def concluded(overrides):

@@ -340,7 +340,8 @@ def test_an_entry_whose_campaign_was_abandoned_is_planned_again_on_todays_defaul
         recheck.run(out, ["tracking=off"], interrupted, root=proj, echo=lambda s: None)
 
     def refused(cfg, **kw):
-        raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at abc1234, the checkout is now at def5678")
+        raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at abc1234, the checkout is now at def5678 "
+                            "and the commits between them change code; legs from two codes would not compare")
     monkeypatch.chdir(proj)
     monkeypatch.setattr(runner, "run_campaign", refused)
     assert main(["recheck", "--frozen", "--out-dir", str(out), "tracking=off"]) == 2
