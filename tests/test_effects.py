@@ -45,7 +45,7 @@ def _largest_k(m: int, n: int, alpha: float) -> tuple[int, Fraction]:
     counts = _brute_force_counts_by_pairs(m, n)
     total = sum(counts)
     k = 0
-    while Fraction(sum(counts[:k + 1]), total) <= Fraction(alpha) / 2:
+    while Fraction(sum(counts[:k + 1]), total) <= Fraction(str(alpha)) / 2:    # alpha as written, exactly
         k += 1
     return k, Fraction(sum(counts[:k]), total)
 
