@@ -83,10 +83,18 @@ class _Launch:
 
 
 def _launch(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str]) -> _Launch:
-    log = open(log_path, "w")
+    # appended, one header per start: a resumed campaign (or the next block of legs) keeps the earlier servers' logs
+    log = open(log_path, "a")
+    log.write(f"==== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting the {arm.name!r} server: {' '.join(cmd)}\n")
+    log.flush()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    write_pid_file(_pid_file(log_path), proc.pid, cmd)
+    try:
+        write_pid_file(_pid_file(log_path), proc.pid, cmd)
+    except BaseException:       # not yet among the launches the caller stops: never an orphan
+        _kill(proc)
+        log.close()
+        raise
     ready: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_drain, args=(proc, log, ready), daemon=True).start()
     return _Launch(arm, proc, ready, log_path)
@@ -179,9 +187,18 @@ def _drain(proc: subprocess.Popen, log, ready: queue.Queue) -> None:
 
 
 def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL to the server's whole session (it runs in its own: start_new_session), then a bounded wait. A
+    process stuck in the GPU driver may outlive the wait: that is reported, not raised, so the servers after it are
+    still stopped."""
     if proc.poll() is None:
-        proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+    try:
         proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        print(f"server pid {proc.pid} did not exit 30 s after SIGKILL (stuck in the driver?)", file=sys.stderr)
 
 
 def stop_servers(handles: list[ServerHandle], timeout_s: float = 30.0) -> None:

@@ -213,3 +213,56 @@ def test_a_server_that_ignores_sigterm_is_killed_at_the_deadline(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_restarted_server_appends_to_its_log(tmp_path):
+    """A resume (or the next block of legs) starts an arm's server again: its log keeps the earlier start's output
+    (what a void leg's message tells the user to read), each start under its own header."""
+    for word in ("first-start", "second-start"):
+        with pytest.raises(grid.GridError, match="exited with 3"):
+            _start(tmp_path, f"print('{word} failed'); raise SystemExit(3)", timeout_s=30)
+    log = (tmp_path / "server.log").read_text()
+    assert log.count("==== ") == 2 and log.index("first-start failed") < log.index("second-start failed")
+
+
+def test_a_server_is_killed_with_its_whole_session_and_a_failed_pid_file_leaves_no_orphan(tmp_path, monkeypatch):
+    """_kill stops what the server started too (a worker process in its session), and a launch whose pid file
+    cannot be written (a full disk) kills the process it just started: it is in no list the caller stops yet."""
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print('worker', p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    launch = grid._launch(ARMS[0], [sys.executable, "-u", "-c", code], str(tmp_path / "server.log"), env={})
+    import re
+    deadline, found = time.monotonic() + 30, None
+    while found is None and time.monotonic() < deadline:      # the header quotes the code: match the printed pid
+        found = re.search(r"^worker (\d+)$", (tmp_path / "server.log").read_text(), re.M)
+        time.sleep(0.1)
+    worker = int(found.group(1))
+    grid._kill(launch.proc)
+    assert launch.proc.poll() is not None
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker), "the server's worker outlived it"
+
+    procs = []
+    real_popen = grid.subprocess.Popen
+    monkeypatch.setattr(grid.subprocess, "Popen", lambda *a, **k: procs.append(real_popen(*a, **k)) or procs[-1])
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(grid, "write_pid_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        grid._launch(ARMS[1], [sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path / "b.log"), env={})
+    assert procs[0].poll() is not None
+
+
+def _alive(pid: int) -> bool:
+    import os
+    from pathlib import Path
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
