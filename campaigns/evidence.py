@@ -394,12 +394,18 @@ def new_campaign_id(out_dir: Path | str, date: str, lever: str, short_sha: str, 
             cid = f"{base}-{n}"
 
 
+_UMASK = os.umask(0o022)     # read once, at import (os.umask can only be read by setting it), and put back
+os.umask(_UMASK)
+
+
 def write_atomic(path: Path | str, data: str | bytes) -> Path:
-    """Write via a temporary file in the same directory and os.replace: readers see the old or the new file."""
+    """Write via a temporary file in the same directory and os.replace: readers see the old or the new file, with
+    the mode open() would give a new file (mkstemp's own is 0600: records others on the host could not read)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()

@@ -196,3 +196,18 @@ def test_a_field_the_writer_drops_is_caught(built, tmp_path, monkeypatch, drop, 
     loaded = load_evidence(save_evidence(ev, tmp_path))
     assert differences(ev, loaded) == lost
     assert loaded != ev
+
+
+def test_an_atomic_write_gets_the_mode_open_would_give(tmp_path, monkeypatch):
+    """write_atomic renames a temporary file into place: the file must not keep mkstemp's 0600 (records others on
+    the host could not read), but get what open() gives a new file under the process umask."""
+    import os
+    import stat
+
+    from campaigns import evidence
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert evidence._UMASK == umask
+    assert stat.S_IMODE(evidence.write_atomic(tmp_path / "a.json", "{}").stat().st_mode) == 0o666 & ~umask
+    monkeypatch.setattr(evidence, "_UMASK", 0o027)
+    assert stat.S_IMODE(evidence.write_atomic(tmp_path / "b.json", "{}").stat().st_mode) == 0o640
