@@ -31,8 +31,8 @@ from campaigns import fingerprint as fp
 from campaigns import grid as gridmod
 from campaigns import policy, recheck, records
 from campaigns.config import config_diff, config_hash, settings
-from campaigns.evidence import (Evidence, evidence_head, find_evidence, load_evidence, new_campaign_id, new_evidence,
-                                save_evidence, utc_now)
+from campaigns.evidence import (Evidence, EvidenceError, Fingerprint, evidence_head, find_evidence, load_evidence,
+                                new_campaign_id, new_evidence, save_evidence, utc_now)
 from campaigns.gates import IN_PROCESS_GATES, SERVER_GATES, GateContext, run_gate, skipped
 from campaigns.gitops import RUN_OUTPUTS
 from vtengine import confdirs, levers
@@ -398,6 +398,10 @@ def _serve(run: _Run) -> None:
         except gridmod.GridError as e:
             if residency == "together" or not gridmod.out_of_memory(str(e)):
                 raise
+            if ev.legs:     # legs measured side by side, more one at a time: two memory shares in one grid
+                raise gridmod.GridError(f"{e}\n{ev.campaign_id} measured {len(ev.legs)} legs with its servers "
+                                        "side by side, and they no longer fit so: resume it on a GPU with the "
+                                        "memory free, or start a new campaign (grid.residency=alternate)") from None
             share = 0.9 / len(ev.arms)
             console.print(f"[yellow]the {len(ev.arms)} arms' servers do not fit side by side ({share:.0%} of the "
                           "GPU's memory each; the server's log says so): one at a time from here on, each with 90%, "
@@ -415,13 +419,14 @@ def _serve_together(run: _Run, order: list) -> None:
         console.print(f"servers ready in {time.perf_counter() - t:.1f} s")
         run.ctx.server_urls = {n: h.url for n, h in handles.items()}
         run.ctx.server_model = next(iter(handles.values())).model_name
-        _run_gates(ev, run.cdir, run.ctx, [g for g in run.gates if g in SERVER_GATES], bool(cfg.gate.self_check),
-                   run.live.gate)
-        why = _gates_decide(ev)                 # the gates so far, the server gates included
-        if why:
-            console.print(f"[yellow]grid skipped:[/] {why}")
-        else:
-            _run_grid(ev, run.cdir, cfg, handles, run.live.leg)
+        with _reports_kept(ev, handles, run.cdir):
+            _run_gates(ev, run.cdir, run.ctx, [g for g in run.gates if g in SERVER_GATES],
+                       bool(cfg.gate.self_check), run.live.gate)
+            why = _gates_decide(ev)                 # the gates so far, the server gates included
+            if why:
+                console.print(f"[yellow]grid skipped:[/] {why}")
+            else:
+                _run_grid(ev, run.cdir, cfg, handles, run.live.leg)
         _server_reports(ev, handles)
         _save(ev, run.cdir)
         t = time.perf_counter()
@@ -458,13 +463,30 @@ def _serve_alternating(run: _Run, order: list) -> None:
                 as handles:
             run.ctx.server_urls = {n: h.url for n, h in handles.items()}
             run.ctx.server_model = handles[arm.name].model_name
-            _run_gates(ev, run.cdir, run.ctx, gates, bool(cfg.gate.self_check), run.live.gate, arms=[arm])
-            if legs and not _gates_decide(ev):
-                _run_grid(ev, run.cdir, cfg, handles, run.live.leg, legs=legs)
+            with _reports_kept(ev, handles, run.cdir):
+                _run_gates(ev, run.cdir, run.ctx, gates, bool(cfg.gate.self_check), run.live.gate, arms=[arm])
+                if legs and not _gates_decide(ev):
+                    _run_grid(ev, run.cdir, cfg, handles, run.live.leg, legs=legs)
             _server_reports(ev, handles)
             _save(ev, run.cdir)
     if (why := _gates_decide(ev)):
         console.print(f"[yellow]grid skipped:[/] {why}")
+
+
+@contextmanager
+def _reports_kept(ev: Evidence, handles: dict, cdir: Path):
+    """On the way out of a stopped run (Ctrl-C, a step's time limit, an error), what its servers report is still
+    recorded where they answer: the kernels that ran in its legs count toward the arms' live levers, and a resume
+    that has no legs left need not start fresh servers whose counters saw only their start-up."""
+    try:
+        yield
+    except BaseException:
+        try:
+            _server_reports(ev, handles)
+            _save(ev, cdir)
+        except Exception as e:      # the servers may be gone already: the first error is the one to report
+            console.print(f"[yellow]the servers' reports (peak memory, lever context) were not recorded: {e}[/]")
+        raise
 
 
 def _server_reports(ev: Evidence, handles: dict) -> None:
@@ -627,20 +649,40 @@ def concluded_here(cfg: DictConfig, repo: Path | str) -> Evidence | None:
 def _of_this_run(cfg: DictConfig, repo: Path, out_dir: Path, status: str) -> list[Evidence]:
     """The campaigns under ``out_dir`` of ``status`` that ``cfg`` would run again here, oldest first."""
     want = config_hash(cfg)
-    # a file whose head names another status, lever or config is not built here: a fault in it is reported by
-    # the commands that build every file (render, status), not by this run's resume
+    # a file whose head names another status, lever or config, or that does not parse, is not built here: a fault
+    # in it is reported by the commands that build every file (render, status), not by this run's resume
     heads = ((p, evidence_head(p)) for p in find_evidence(out_dir))
-    maybe = (p for p, head in heads if head is None or None in head or head == (status, cfg.campaign.lever, want))
-    mine = [ev for ev in (load_evidence(p.parent) for p in maybe)
+    this = (status, cfg.campaign.lever, want)
+    maybe = (p for p, head in heads if head is not None and (None in head or head == this))
+    mine = [ev for ev in filter(None, map(_loadable, maybe))
             if ev.status == status and ev.lever == cfg.campaign.lever and ev.fingerprint.config_hash == want]
     if not mine:
         return []
-    now = fp.collect(repo, cfg.device, levers.get(cfg.campaign.lever).env, mine[0].arms, want,
-                     ignore_dirty=not_dirt(repo, out_dir))
+    now = _fingerprint_now(cfg, mine[0], repo, not_dirt(repo, out_dir))
     mine = [ev for ev in mine if same_code(ev.fingerprint, now.git_sha, now.code_digest)
             and sorted(ev.fingerprint.dirty_files) == sorted(now.dirty_files)
+            and ev.fingerprint.arms_env == now.arms_env
             and all(getattr(ev.fingerprint, k) == getattr(now, k) for k, _ in SAME_ON_RESUME)]
     return sorted(mine, key=lambda ev: (ev.created, ev.campaign_id))
+
+
+def _fingerprint_now(cfg: DictConfig, ev: Evidence, repo: Path, ignore_dirty: tuple[str, ...]) -> Fingerprint:
+    """This checkout's fingerprint for ``ev``'s arms, what a resume compares with the first run's: code, tree,
+    setup and the servers' VT_* environment (inherited variables too: the engine applies them to every lever that
+    no --lever names)."""
+    pinned = {levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()}
+    return fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, ev.fingerprint.config_hash,
+                      ignore_dirty=ignore_dirty, pinned=pinned)
+
+
+def _loadable(path: Path) -> Evidence | None:
+    """The evidence at ``path``, or None (with a warning) where it does not load: one torn or conflicted file
+    must not stop every resume=auto of every lever."""
+    try:
+        return load_evidence(path.parent)
+    except EvidenceError as e:
+        console.print(f"[yellow]skipped {path}: {e}[/]")
+        return None
 
 
 # what must match between a campaign's first run and its resumption, with how a difference reads
@@ -671,8 +713,17 @@ def _resumable(cfg: DictConfig, cdir: Path, repo: Path, out_dir: Path) -> Eviden
         raise CampaignError(f"resume={cfg.resume!r}: no evidence at {cdir}; campaigns here: {known}")
     ev = load_evidence(cdir)
     _refuse_abandoned(ev)
+    if ev.status == "complete":     # resuming would reset it to in-progress and decide it again, maybe flip again
+        verdict = ev.decision.verdict if ev.decision else "no verdict"
+        raise CampaignError(f"resume={cfg.resume!r}: {ev.campaign_id} is complete ({verdict}); nothing is left to "
+                            f"measure (`vtcampaign decide {ev.campaign_id}` applies this checkout's policy again)")
     if ev.lever != cfg.campaign.lever:
         raise CampaignError(f"resume={cfg.resume!r} is a {ev.lever!r} campaign, not {cfg.campaign.lever!r}")
+    pid = running_pid(cdir)
+    if pid is not None:     # two runs of one campaign would stop each other's servers and save over each other's legs
+        raise CampaignError(f"resume={cfg.resume!r}: {ev.campaign_id} is running now (pid {pid}, "
+                            f"{cdir / 'runner.pid'}); wait for it, or stop it (Ctrl-C keeps every finished leg) and "
+                            "resume then")
     later = _check_resumable(ev, cfg, repo, out_dir)
     if later and later not in ev.resumed_at:
         ev.resumed_at.append(later)
@@ -751,8 +802,7 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
                             f"{' (' + '; '.join(differ) + ')' if differ else ''}; resume with "
                             f"`{resume_command(ev)}`, or start a new campaign")
     then = ev.fingerprint
-    now = fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, then.config_hash,
-                     ignore_dirty=not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
+    now = _fingerprint_now(cfg, ev, repo, not_dirt(repo, out_dir) if out_dir is not None else RUN_OUTPUTS)
     if not same_code(then, now.git_sha, now.code_digest):
         why = ("its code at that commit was not recorded (before 2026-12-05)" if then.code_digest is None else
                "the commits between them change code, not only records, results, prose (*.md) or record "
@@ -771,6 +821,15 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
     if differ:
         raise CampaignError(f"resume={cfg.resume!r}: {'; '.join(differ)}; legs measured on two setups would not "
                             "compare: resume where it ran, or start a new campaign")
+    if now.arms_env != then.arms_env:
+        def env(e):
+            return " ".join(f"{k}={v}" for k, v in sorted(e.items())) or "(none)"
+        differ = [f"{arm}: {env(then.arms_env.get(arm, {}))} then, {env(now.arms_env.get(arm, {}))} now"
+                  for arm in sorted(set(then.arms_env) | set(now.arms_env))
+                  if then.arms_env.get(arm) != now.arms_env.get(arm)]
+        raise CampaignError(f"resume={cfg.resume!r}: the servers' VT_* environment differs ({'; '.join(differ)}); "
+                            "the engine applies an inherited VT_* variable to every lever no --lever names, so legs "
+                            "would not compare: set the environment as it was, or start a new campaign")
     return now.git_short_sha if now.git_sha != then.git_sha else None
 
 

@@ -179,6 +179,9 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path, spawned):
     assert not any(_alive(p) for p in pids), f"servers outlived the runner: {[p for p in pids if _alive(p)]}"
     after_term = load_evidence(evidence)
     assert after_term.status == "in-progress" and len(ev.legs) < len(after_term.legs) < 8
+    # what the stopped run's servers report is kept (their kernels count toward the arms' live levers; only the
+    # servers report peak memory)
+    assert set(after_term.peak_memory_gib) == set(after_term.live_levers) == {a.name for a in after_term.arms}
 
     # resume=auto, then Ctrl-C after one more leg
     proc = subprocess.Popen(args + ["resume=auto"], cwd=repo, env=env, stdout=subprocess.PIPE,
@@ -357,6 +360,9 @@ def test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_c
     put("f-other-lever", "2026-12-01T15:00:00Z", lever="fast_math")
     put("g-other-gpu", "2026-12-01T16:00:00Z", device_name="NVIDIA H200")
     put("h-other-torch", "2026-12-01T17:00:00Z", torch_version="2.11.0+cu130")
+    put("i-other-env", "2026-12-01T18:00:00Z", arms_env={"off": {"VT_FAST_MATH": "off"}, "on": {}})
+    (out / "j-torn").mkdir()
+    (out / "j-torn" / "evidence.json").write_text('{"status": "in-progress", "lev')     # one torn file stops nothing
     assert _unfinished(cfg, repo, out) == "b-newer"
     for name in ("a-older", "b-newer"):
         (out / name / "evidence.json").unlink()
@@ -390,6 +396,53 @@ def test_a_resume_refuses_another_tree_device_or_versions(tmp_path):
     ev.fingerprint = dataclasses.replace(ev.fingerprint, torch_version="2.11.0+cu130")
     with pytest.raises(CampaignError, match=r"torch 2.11.0\+cu130 then, .* now; legs measured on two setups"):
         _check_resumable(ev, cfg, repo, out)
+
+
+def test_a_resume_refuses_another_vt_environment_a_complete_or_a_running_campaign(tmp_path, monkeypatch):
+    """The servers inherit VT_* variables, and the engine applies one to every lever no --lever names: a resume in
+    a shell that exports one the first run had not is refused, naming it. A complete campaign is not reopened (its
+    verdict would be decided again), and one that another live process runs is not resumed beside it (each would
+    stop the other's servers and save over its legs)."""
+    import subprocess
+
+    from campaigns.config import config_hash
+    from campaigns.evidence import save_evidence
+    from campaigns.fingerprint import collect
+    from campaigns.gitops import RUN_OUTPUTS
+    from campaigns.runner import CampaignError, _check_resumable, _resumable
+    from helpers import make_evidence
+    from vtengine import levers
+    repo = temp_repo(tmp_path)
+    cfg = compose(["campaign=gqa_swap", "tracking=off", "resume=x"], cuda=False)
+    out = repo / "records" / "campaigns"
+    monkeypatch.delenv("VT_FAST_MATH", raising=False)
+    ev = make_evidence(lever="gqa_swap", campaign_id="x")
+    ev.status = "in-progress"
+    ev.fingerprint = collect(repo, "cpu", levers.get("gqa_swap").env, ev.arms, config_hash(cfg),
+                             ignore_dirty=RUN_OUTPUTS)
+    save_evidence(ev, out / "x")
+    assert _resumable(cfg, out / "x", repo, out).campaign_id == "x"
+    monkeypatch.setenv("VT_FAST_MATH", "off")
+    with pytest.raises(CampaignError, match=r"VT_\* environment differs \(off: VT_DECODE_GQA_SWAP=off then, "
+                                            r"VT_DECODE_GQA_SWAP=off VT_FAST_MATH=off now"):
+        _check_resumable(ev, cfg, repo, out)
+    monkeypatch.delenv("VT_FAST_MATH")
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "campaigns.cli", "run"])
+    try:
+        (out / "x" / "runner.pid").write_text(f"{sleeper.pid}\n")
+        with pytest.raises(CampaignError, match=rf"x is running now \(pid {sleeper.pid}.*wait for it, or stop it"):
+            _resumable(cfg, out / "x", repo, out)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert _resumable(cfg, out / "x", repo, out).campaign_id == "x"      # its runner gone: resumable again
+
+    ev.status = "complete"
+    save_evidence(ev, out / "x")
+    with pytest.raises(CampaignError, match=r"x is complete \([A-Z-]+\); nothing is left to measure "
+                                            r"\(`vtcampaign decide x`"):
+        _resumable(cfg, out / "x", repo, out)
 
 
 def test_a_resume_crosses_commits_of_records_and_prose_but_not_of_code(tmp_path):
