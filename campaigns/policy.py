@@ -30,6 +30,7 @@ rules (AA-PASS / AA-FAIL): it must not show more separations than its calibratio
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -37,7 +38,7 @@ from campaigns.config import PolicyConfig, settings
 from campaigns.gates import CORRECTNESS_GATES
 from campaigns.evidence import Arm, AxisStat, Decision, Evidence, Fingerprint, GateResult, PooledEffect
 from campaigns.gitops import code_dirt
-from campaigns.stats import AXIS_BY_NAME, compute_stats, planned_legs, pooled_effects
+from campaigns.stats import AXES, AXIS_BY_NAME, OPTIONAL_AXES, compute_stats, planned_legs, pooled_effects
 
 RULES = {
     "INVALID": "1. INVALID — a self-check passed, the mechanism gate shows the lever inert, the baseline arm "
@@ -120,14 +121,17 @@ def decide(ev: Evidence, override: dict[str, Any] | None = None) -> Decision:
         hits = [d for d in per.values() if d.verdict == verdict]
         if hits:
             # Among equal verdicts, the candidate with the best primary-axis ratio is the one to report.
-            pick = max(hits, key=lambda d: _best_primary_ratio(ev, d.candidate, p))
+            pick = max(hits, key=lambda d: _best_primary_ratio(ev, d.candidate, p, counted_wins=verdict == "FLIP"))
             break
     pick.per_candidate = {name: d.verdict for name, d in per.items()}
     return pick
 
 
-def _best_primary_ratio(ev: Evidence, cand: str | None, p: PolicyConfig) -> float:
-    ratios = [s.ratio for s in ev.stats if s.candidate == cand and s.axis in p.primary_axes and s.ratio is not None]
+def _best_primary_ratio(ev: Evidence, cand: str | None, p: PolicyConfig, counted_wins: bool = False) -> float:
+    """The candidate's best primary-axis median ratio; of FLIPs, its best WIN the rules counted (a NEUTRAL point's
+    ratio, its bands overlapping, must not make a candidate the new default)."""
+    ratios = [s.ratio for s in ev.stats if s.candidate == cand and s.axis in p.primary_axes and s.ratio is not None
+              and (not counted_wins or (s.separation == "WIN" and counts(s, p)))]
     return max(ratios, default=0.0)
 
 
@@ -135,9 +139,12 @@ def _label(axis: str) -> str:
     return AXIS_BY_NAME[axis].label if axis in AXIS_BY_NAME else axis
 
 
+def _ratio(s: AxisStat) -> str:
+    return "n/a" if s.ratio is None else f"{s.ratio:.3f}"
+
+
 def _fmt_stat(s: AxisStat) -> str:
-    ratio = "n/a" if s.ratio is None else f"{s.ratio:.3f}"
-    return f"{_label(s.axis)} at c{s.concurrency}: ratio {ratio}"
+    return f"{_label(s.axis)} at c{s.concurrency}: ratio {_ratio(s)}"
 
 
 def fmt_effect(pe: PooledEffect) -> str:
@@ -306,7 +313,7 @@ def small_separations(stats: list[AxisStat], p: PolicyConfig) -> list[str]:
     small = [s for s in stats if s.separation != "NEUTRAL" and not counts(s, p)]
     if not small:
         return []
-    listed = "; ".join(f"{_label(s.axis)} at c{s.concurrency} {s.separation} ×{s.ratio:.3f}" for s in small)
+    listed = "; ".join(f"{_label(s.axis)} at c{s.concurrency} {s.separation} ×{_ratio(s)}" for s in small)
     return [f"separated below the minimum effect {p.min_effect:.1%}, not counted: {listed}"]
 
 
@@ -397,9 +404,10 @@ def rule_invalid(f: Facts) -> Fired:
         if b is None or b.skipped:
             why.append(f"correctness fix: gate {name} did not run on the baseline {f.base}, so nothing shows the bug "
                        "it fixes")
-        elif b.passed:
-            why.append(f"correctness fix: the baseline {f.base} passes {name} ({_counts(b)}), so the gate cannot "
-                       "prove the fix (RED first: it must fail before the fix)")
+        elif b.passed or (name == "battery" and _ratified(f.ev, f.base, f.p)):
+            ratified = "" if b.passed else ", every divergence ratified by near_tie, which counts as passing"
+            why.append(f"correctness fix: the baseline {f.base} passes {name} ({_counts(b)}{ratified}), so the "
+                       "gate cannot prove the fix (RED first: it must fail before the fix)")
     return (why, {}) if why else None
 
 
@@ -415,14 +423,15 @@ def rule_reject_correctness(f: Facts) -> Fired:
         elif not g.passed and not (g.gate == "battery" and f.near_ok):
             why.append(f"{g.gate} fails on arm {f.cand.name}" + (f": {g.reason}" if g.reason else "")
                        + (f" ({_counts(g)})" if g.counts else ""))
-    why += [f"correctness fix: gate {n} did not run on the candidate {f.cand.name}" for n in sorted(f.fix)
-            if f.gate(n, f.cand.name) is None or f.gate(n, f.cand.name).skipped]
     return (why, {}) if why else None
 
 
 def rule_non_binding(f: Facts) -> Fired:
-    """3. Nothing measured here may bind (host, tree, fingerprints, reps, void grid, gates that did not run)."""
+    """3. Nothing measured here may bind (host, tree, fingerprints, reps, void grid, gates that did not run; a
+    correctness fix's gate that did not run on the candidate shows no fix, and no failure either)."""
     why = _non_binding(f.ev, f.base, f.cand.name, f.p)
+    why += [f"correctness fix: gate {n} did not run on the candidate {f.cand.name}, so nothing shows the fix"
+            for n in sorted(f.fix) if f.gate(n, f.cand.name) is None or f.gate(n, f.cand.name).skipped]
     return (why, {"binding": False}) if why else None
 
 
@@ -519,6 +528,11 @@ def measured_dirt(fp: Fingerprint) -> list[str] | None:
     return code_dirt(fp.dirty_files) or None
 
 
+def _measured(v: Any) -> bool:
+    """A leg's metric as the rules can read it: a finite number above zero (a throughput or a latency)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
 def _binding_conditions(ev: Evidence, arms: tuple[str, ...], p: PolicyConfig) -> list[str]:
     """Reasons no verdict on these arms can bind: host, tree, fingerprints, reps, void grid."""
     fp = ev.fingerprint
@@ -544,6 +558,14 @@ def _binding_conditions(ev: Evidence, arms: tuple[str, ...], p: PolicyConfig) ->
     if missing:
         c, r, a = missing[0]
         out.append(f"void grid: {len(missing)} planned leg(s) missing (first: c{c} rep {r} arm {a})")
+    read = AXES + tuple(a for a in OPTIONAL_AXES if a.name in set(p.primary_axes) | set(p.traded_axes))
+    unread = [(leg, a) for leg in ev.legs if leg.arm in arms and leg.valid for a in read
+              if not _measured(leg.metrics.get(a.metric))]
+    if unread:      # dropped from the statistics, it would leave a point fewer reps (or none to veto with)
+        leg, a = unread[0]
+        out.append(f"void grid: {len(unread)} value(s) missing or not a finite positive number in valid legs "
+                   f"(first: {a.metric} = {leg.metrics.get(a.metric)!r} at c{leg.concurrency} rep {leg.rep} arm "
+                   f"{leg.arm})")
     bad = [leg for leg in ev.legs if leg.arm in arms and not leg.valid]
     if bad:
         leg = bad[0]
@@ -602,7 +624,7 @@ def decide_aa(ev: Evidence, p: PolicyConfig) -> Decision:
     conditions = _binding_conditions(ev, (a, b), p)
     void = [r for r in conditions if r.startswith("void grid")]
     bias = [f"server-instance bias {b}/{a}: {fmt_effect(pe)}" for pe in ev.pooled if pe.primary]
-    listed = "; ".join(f"{_label(s.axis)} at c{s.concurrency} {s.separation} ×{s.ratio:.3f}" for s in seen)
+    listed = "; ".join(f"{_label(s.axis)} at c{s.concurrency} {s.separation} ×{_ratio(s)}" for s in seen)
     observed = f"{len(seen)} separated point(s)" + (f" ({listed})" if seen else "")
 
     def decision(key: str, why: list[str], binding: bool) -> Decision:
@@ -619,10 +641,11 @@ def decide_aa(ev: Evidence, p: PolicyConfig) -> Decision:
     as_lever = _decide_candidate_grid_only(ev, p)
     why = ([f"{observed}; {expect}", f"as a lever campaign the rule would say {as_lever}"] + bias
            + small_separations(ev.stats, p))
-    binding = not conditions
-    if not binding:
-        why += [f"non-binding: {r}" for r in conditions]
-    return decision("AA-PASS" if len(seen) <= cal.separations_q95 else "AA-FAIL", why, binding)
+    key = "AA-PASS" if len(seen) <= cal.separations_q95 else "AA-FAIL"
+    if conditions:      # the rule text: not CUDA, a dirty tree, a rehearsal grid, too few reps bind nothing
+        return decision("AA-NON-BINDING", why + [f"on a binding grid this would be {key}"]
+                        + [f"non-binding: {r}" for r in conditions], False)
+    return decision(key, why, True)
 
 
 def _decide_candidate_grid_only(ev: Evidence, p: PolicyConfig) -> str:
@@ -631,9 +654,11 @@ def _decide_candidate_grid_only(ev: Evidence, p: PolicyConfig) -> str:
     stats = [s for s in ev.stats if s.candidate == cand]
     wins = [s for s in stats if s.axis in p.primary_axes and s.separation == "WIN" and counts(s, p)]
     losses = [s for s in stats if s.separation == "LOSS" and counts(s, p) and s.axis not in p.traded_axes]
-    if wins and not losses:
+    need = points_needed(ev, p)
+    if wins and _points(wins) >= need and not losses:
         return "FLIP (a false FLIP)"
-    if ([s for s in losses if s.axis in p.primary_axes]
+    primary_losses = [s for s in losses if s.axis in p.primary_axes]
+    if (primary_losses and _points(primary_losses) >= need
             and not [s for s in stats if s.separation == "WIN" and counts(s, p)]):
         return "REJECT-PERFORMANCE (a false REJECT)"
     return "KEEP"

@@ -104,7 +104,7 @@ def effect_size(e: effects.Effect) -> EffectSize:
 
 
 def _effect(cand: list[float], base: list[float], higher_is_better: bool) -> EffectSize | None:
-    if min(cand + base) <= 0:           # a log ratio needs positive values (a leg that measured 0)
+    if min(cand + base) <= 0 or not all(map(math.isfinite, cand + base)):   # a log ratio needs finite values > 0
         return None
     return effect_size(effects.point_effect(cand, base, higher_is_better))
 
@@ -152,7 +152,7 @@ def pooled_effects(stats: list[AxisStat]) -> list[PooledEffect]:
     for cand, axis in keys:
         points = [s for s in stats if s.candidate == cand and s.axis == axis]
         strata = [(s.reps[cand], s.reps[s.baseline]) for s in points]
-        if any(min(c + b) <= 0 for c, b in strata):
+        if any(min(c + b) <= 0 or not all(map(math.isfinite, c + b)) for c, b in strata):
             continue
         e = effects.pooled_effect(strata, points[0].higher_is_better)
         out.append(PooledEffect(candidate=cand, axis=axis, effect=effect_size(e), primary=points[0].primary))

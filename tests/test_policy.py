@@ -452,6 +452,60 @@ def test_correctness_fix_is_red_first():
     assert verdict(make_evidence({}, gate_results=g, policy_cfg=fix)) == "REJECT-CORRECTNESS"
 
 
+def test_a_fix_is_red_first_on_both_arms_alike_and_a_fix_gate_that_did_not_run_shows_nothing():
+    """A battery whose every divergence near_tie ratifies counts as passing, on the baseline as on the candidate:
+    two arms that diverge alike (the same near-ties) show no fix, so INVALID, not a FLIP. A fix gate that did not
+    run on the candidate (a crashed server) is no failure: NON-BINDING, never REJECT (which refutes the lever)."""
+    fix = {"flip_on_correctness": True, "fix_gates": ["battery"]}
+    near = {"counts": {"divergences": 3, "max_gap_mnats": 100.0}}
+    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "counts": {"divergent": 3}},
+                                   "battery@on": {"passed": False, "counts": {"divergent": 3}},
+                                   "near_tie@off": near, "near_tie@on": near})
+    d = make_evidence({}, gate_results=g, policy_cfg=fix).decision
+    assert d.verdict == "INVALID" and d.new_default is None
+    assert any("baseline off passes battery (divergent 3, every divergence ratified by near_tie" in r
+               and "cannot prove the fix" in r for r in d.reasons), d.reasons
+    g = gates(byte_exact=False, **{"battery@off": {"passed": False, "counts": {"divergent": 3}},
+                                   "near_tie@off": {"passed": False},
+                                   "battery@on": {"skipped": True, "passed": False, "reason": "server crashed"}})
+    d = make_evidence({}, gate_results=g, policy_cfg={**fix, "fix_gates": ["battery", "near_tie"]}).decision
+    assert d.verdict == "NON-BINDING" and not d.binding
+    assert "correctness fix: gate battery did not run on the candidate on, so nothing shows the fix" in d.reasons
+
+
+@pytest.mark.parametrize("bad", [float("nan"), None, 0.0, float("inf")])
+def test_a_valid_leg_without_a_readable_value_voids_the_grid(bad):
+    """A value the statistics cannot read (missing, NaN, zero, infinite) would drop that rep from its point: a
+    TPOT missing in every candidate leg leaves no TPOT point to veto a throughput WIN, and one rep of three would
+    "separate" alone. Either way the grid is void (NON-BINDING), never a FLIP, and nothing crashes."""
+    values = {**TPUT_WIN, "median_tpot_ms": {"off": [10.0, 10.1, 10.2], "on": [12.0, 12.1, 12.2]}}   # a TPOT LOSS
+    assert verdict(make_evidence(values)) == "KEEP"
+    ev = make_evidence(values)
+    for leg in ev.legs:
+        if leg.arm == "on":
+            leg.metrics["median_tpot_ms"] = bad
+    policy.conclude(ev)
+    assert verdict(ev) == "NON-BINDING", ev.decision.reasons
+    assert ev.decision.reasons[0].startswith(f"void grid: 12 value(s) missing or not a finite positive number in "
+                                             f"valid legs (first: median_tpot_ms = {bad!r} at c1 rep 0 arm on)")
+    ev = make_evidence(values)
+    one = [leg for leg in ev.legs if leg.arm == "on" and leg.concurrency == 1][0]
+    one.metrics["median_tpot_ms"] = bad
+    policy.conclude(ev)
+    assert verdict(ev) == "NON-BINDING" and ev.decision.reasons[0].startswith("void grid: 1 value(s)")
+
+
+def test_a_flip_among_candidates_goes_to_the_best_counted_win_not_a_neutral_ratio():
+    """Both candidates FLIP; b's best primary ratio (x1.386) is a NEUTRAL point (its reps 95/140/141 overlap the
+    baseline's), a's is a counted WIN at every point: a is the new default."""
+    values = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "a": [110.0, 111.0, 112.0],
+                                         "b": [95.0, 140.0, 141.0]},
+              "median_tpot_ms": {"off": [10.0, 10.1, 10.2], "a": [10.0, 10.1, 10.2], "b": [9.8, 9.85, 9.9]}}
+    d = make_evidence(values, gate_results=gates(arms=("off", "a", "b")), candidates=("a", "b")).decision
+    assert d.per_candidate == {"a": "FLIP", "b": "FLIP"}
+    assert d.verdict == "FLIP" and d.candidate == "a" and d.new_default == "a"
+
+
 def test_several_candidates_report_the_flipping_one():
     values = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "auto": [100.5, 101.0, 101.5],
                                          "8": [110.0, 111.0, 112.0]}}
@@ -516,6 +570,39 @@ def test_aa_counts_separations_the_lever_rule_would_count(shift, expected):
                    for r in d.reasons)
     else:
         assert d.reasons[0].startswith("4 separated point(s) (TPOT at c1 LOSS ×0.980")
+
+
+def test_an_aa_grid_where_nothing_binds_is_aa_non_binding_as_its_rule_says():
+    """The A/A rule text: a grid not on CUDA (a dirty tree, a rehearsal grid, too few reps) binds nothing; the
+    verdict says so (NON-BINDING under the AA-NON-BINDING rule) and what a binding grid would have said."""
+    from campaigns import calibrate
+    quiet = [4.79, 4.78, 4.80, 4.79, 4.78]
+    ev = make_evidence({"median_tpot_ms": {"off": quiet, "on": quiet}}, reps=5, device_type="cpu")
+    ev.kind = "aa"
+    ev.calibration = calibrate.calibrate(ev, calibrate.pool_for(ev, []), sims=60, seed=0, byte_exact=True)
+    d = policy.decide(ev)
+    assert d.verdict == "NON-BINDING" and not d.binding
+    assert d.rule == policy.rule_text("AA-NON-BINDING", policy.policy_params(ev))
+    assert "on a binding grid this would be AA-PASS" in d.reasons
+    assert any(r.startswith("non-binding: device cpu") for r in d.reasons)
+
+
+def test_the_aa_note_counts_wins_as_the_lever_rule_does():
+    """'as a lever campaign the rule would say' applies the lever rule's points: on an 8-concurrency grid one
+    separated concurrency is a KEEP there, so the note must not call it a false FLIP."""
+    from campaigns import calibrate
+    wide = (1, 2, 4, 8, 16, 32, 64, 128)
+    quiet = [100.0, 100.5, 101.0, 100.2, 100.7]
+    ev = make_evidence({"total_token_throughput": {"off": quiet, "on": quiet}}, reps=5, concurrency=wide)
+    for leg in ev.legs:
+        if leg.arm == "on" and leg.concurrency == 1:
+            leg.metrics["total_token_throughput"] *= 1.2
+    ev.kind = "lever"
+    assert verdict(policy.conclude(ev)) == "KEEP"
+    ev.kind = "aa"
+    ev.calibration = calibrate.calibrate(ev, calibrate.pool_for(ev, []), sims=20, seed=0, byte_exact=True)
+    d = policy.decide(ev)
+    assert "as a lever campaign the rule would say KEEP" in d.reasons, d.reasons
 
 
 def keep_note_with_a_tpot_win_at_c8(values: dict) -> str:
