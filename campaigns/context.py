@@ -273,19 +273,16 @@ def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Con
         known = _commit_known(repo, sha)
     except GitOpsError:
         repo, known = None, False
-    defaults: dict[str, Any] = {}
+    then: dict[str, _LeverThen] = {}
     digests: dict[str, str] = {}
+    quant = quant_of(ev)
     if known:
         for name, lever in levers_now.items():
             raw = _git_file(repo, sha, f"conf/lever/{name}.yaml")
             if raw is None:
                 notes.append(f"lever {name} had no file at {sha[:7]}")
                 continue
-            data = yaml.safe_load(raw) or {}
-            try:
-                defaults[name] = lever.parse(data.get("default"), "default at the campaign's commit")
-            except ValueError:
-                notes.append(f"lever {name}'s default at {sha[:7]} does not parse")
+            then[name] = _lever_then(lever, raw, sha, levers_now, quant, notes)
             digests[name] = digest({p: _git_file(repo, sha, p) for p in sources.files_of(lever.paths)})
         source = f"git {sha[:7]}"
     else:
@@ -294,14 +291,22 @@ def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Con
     env = ev.fingerprint.arms_env
     values = {}
     for arm in ev.arms:
-        vals = dict(defaults)
+        # as the engine resolved them then: the commit's default for the campaign's quantization, the arm's VT_*
+        # over it, the lever under test at the arm's value, then the commit's on presets where nothing else set one
+        vals = {name: lt.default for name, lt in then.items()}
+        src = {name: "default" for name in then}
         for name, lever in levers_now.items():
             if lever.env in env.get(arm.name, {}):
                 try:
-                    vals[name] = lever.parse(env[arm.name][lever.env], "env")
+                    vals[name], src[name] = lever.parse(env[arm.name][lever.env], "env"), "env"
                 except ValueError:
                     pass
-        vals[ev.lever] = arm.value
+        vals[ev.lever], src[ev.lever] = arm.value, "arm"
+        from vtengine.levers import apply_presets
+        try:
+            apply_presets({n: lt for n, lt in then.items() if n in vals}, vals, src)
+        except ValueError as e:
+            notes.append(f"the presets at {sha[:7]} do not resolve for arm {arm.name}: {e}")
         values[arm.name] = vals
     # liveness from the mechanism gate's counters, where they can tell
     live = {}
@@ -315,6 +320,48 @@ def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Con
         live[arm.name] = sorted(name for name, lv in levers_now.items()
                                 if not set(lv.affects) <= set(V1_COUNTED_KERNELS) or set(lv.affects) & ran)
     return Context(values=values, live=live, digests=digests, source=source, notes=notes)
+
+
+@dataclass(frozen=True)
+class _LeverThen:
+    """What a lever file said at a campaign's commit, as much as resolving an arm's values needs."""
+    name: str
+    default: Any
+    sets: dict[str, Any]
+
+
+class Unparsable(str):
+    """A lever value at a campaign's commit that no longer parses (a value since removed): it equals no value of
+    today's, so it reads as drift, never as the lever being new."""
+
+
+def _lever_then(lever, raw: bytes | str, sha: str, levers_now: dict, quant: str | None,
+                notes: list[str]) -> _LeverThen:
+    """The lever's file at ``sha``: its default for ``quant`` (default_by_quant where the file had one) and, for a
+    preset, the values it set. A file or value that no longer parses is noted and kept as Unparsable."""
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        notes.append(f"lever {lever.name}'s file at {sha[:7]} is not valid YAML ({e})")
+        data = None
+    if not isinstance(data, dict):
+        notes.append(f"lever {lever.name}'s file at {sha[:7]} is no mapping: its default is unknown")
+        return _LeverThen(lever.name, Unparsable("<unknown>"), {})
+    by_quant = data.get("default_by_quant") or {}
+    raw_default = by_quant[quant] if isinstance(by_quant, dict) and quant in by_quant else data.get("default")
+    try:
+        default = lever.parse(raw_default, "default at the campaign's commit")
+    except ValueError:
+        notes.append(f"lever {lever.name}'s default {raw_default!r} at {sha[:7]} does not parse today")
+        default = Unparsable(f"{raw_default} (no longer a value)")
+    sets = {}
+    for name, value in (data.get("sets") or {}).items() if isinstance(data.get("sets"), dict) else ():
+        if name in levers_now:
+            try:
+                sets[name] = levers_now[name].parse(value, f"value {lever.name} set at the campaign's commit")
+            except ValueError:
+                sets[name] = Unparsable(f"{value} (no longer a value)")
+    return _LeverThen(lever.name, default, sets)
 
 
 EPOCHS_FILE = Path("conf") / "epochs.yaml"
@@ -406,7 +453,8 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
             # A lever added since the campaign, still at its off default, is the code path the campaign ran (levers
             # arrive default-off, their off value the engine as it was); a changed source file of the verdict's
             # own lever is caught below. At an on default it is a new engine the verdict never measured.
-            if (name in live_anywhere or ctx.source == "unknown") and lever.is_on(defaults[name]):
+            if lever.is_on(defaults[name]) and (name in live_anywhere or ctx.source == "unknown"
+                                                 or _new_lever_live(lever, ev, ctx, levers_now)):
                 reasons.append(f"{name}: added since the campaign, with its default {_text(defaults[name])}, which "
                                "the campaign never ran")
                 causes.append(f"new {name}")
@@ -452,6 +500,30 @@ def freshness(ev: Evidence, repo_root: Path | str, levers_now: dict | None = Non
     reasons += epochs
     causes += [_epoch_cause(r) for r in epochs]
     return Freshness(fresh=not reasons, reasons=reasons, causes=causes)
+
+
+def _new_lever_live(lever, ev: Evidence, ctx: Context, levers_now: dict) -> bool:
+    """Whether a lever added since the campaign would have been live in it. The campaign's liveness was counted
+    against the levers of its day, so it cannot name this one: it is live where it has no kernels (an engine-loop
+    lever shapes every step), where one of its kernels ran there (the mechanism gate's counters; without them, any
+    kernel of a lever counted live), or where nothing says which kernels ran (STALE is the safe answer). A new preset
+    whose levers the campaign knew is judged through them (their values' drift), not again as new."""
+    if lever.sets and all(name in vals for name in lever.sets for vals in ctx.values.values()):
+        return False
+    if not lever.affects:
+        return True
+    ran: set[str] = set()
+    counted = False
+    for arm in ev.arms:
+        mech = ev.gate("mechanism", arm.name)
+        snapshot = mech.details.get("counters") if mech is not None else None
+        if isinstance(snapshot, dict) and snapshot:
+            counted = True
+            ran |= kernels_ran(snapshot)
+    if not counted:         # no counters: the kernels of the levers counted live (more than ran, never fewer)
+        for names in ctx.live.values():
+            ran |= {k for name in names if name in levers_now for k in levers_now[name].affects}
+    return bool(set(lever.affects) & ran) or not (counted or any(ctx.live.values()))
 
 
 def _by_preset(plain: dict[str, tuple[int, str]], reasons: list[str], causes: list[str], levers_now: dict,

@@ -52,8 +52,8 @@ def recorded(root: Path, live=("fast_math", "gqa_swap", "nsplits_cap", "pdl", "t
     return ev
 
 
-def set_default(root: Path, name: str, value):
-    levers.set_default_in_file(name, value, lever_dir=root / "conf" / "lever")
+def set_default(root: Path, name: str, value, quant: str | None = None):
+    levers.set_default_in_file(name, value, lever_dir=root / "conf" / "lever", quant=quant)
 
 
 def commit_all(root: Path, msg: str) -> str:
@@ -166,16 +166,56 @@ def test_comments_docstrings_and_formatting_do_not_stale_but_code_does(repo):
 
 
 def test_a_lever_added_since_stales_only_at_an_on_default(repo):
+    """The campaign's liveness was counted against the levers of its day, so it cannot list a lever added since:
+    such a lever is live there when one of its kernels ran (split_rule's decode_attention, which gqa_swap's
+    counting shows ran), not when none did (marlin_dense's W4A16 GEMM on bf16)."""
     ev = recorded(repo)
-    for arm in ev.arms:                                          # the campaign predates split_rule
+    for arm in ev.arms:                                          # the campaign predates split_rule and marlin_dense
         del ev.context[arm.name]["split_rule"]
-        ev.live_levers[arm.name] = sorted(ev.live_levers[arm.name] + ["split_rule"])
+        del ev.context[arm.name]["marlin_dense"]
+        ev.gate("mechanism", arm.name).details["counters"] = {"decode_attention": {"gqa_swap": {"launches": 10}}}
+    assert "split_rule" not in ev.live_levers["on"]
+    set_default(repo, "split_rule", "off")
+    set_default(repo, "marlin_dense", False)
     assert lever_context.freshness(ev, repo, *now(repo)).fresh   # added at "off": the engine the campaign ran
     set_default(repo, "split_rule", "len512")
+    set_default(repo, "marlin_dense", True)
     f = lever_context.freshness(ev, repo, *now(repo))
     assert not f.fresh and f.reasons == ["split_rule: added since the campaign, with its default len512, which the "
                                          "campaign never ran"]
     assert f.short() == "STALE (new: split_rule)"
+
+
+def test_a_reconstructed_context_resolves_the_commits_quantization_defaults_and_presets(repo):
+    """Evidence without recorded context is read from the lever files at its commit as the engine resolved them:
+    a quantization's own default (default_by_quant) and the levers an on preset sets. pdl_stack on for bf16 at the
+    commit ran pdl on: FRESH while that holds, STALE once bf16's pdl_stack default is off (the engine now runs pdl
+    off where the campaign measured it on)."""
+    set_default(repo, "pdl_stack", False)
+    set_default(repo, "pdl_stack", True, quant="bf16")
+    sha = commit_all(repo, "pdl_stack on for bf16")
+    ev = make_evidence(TPUT_WIN)                                  # bf16, no context recorded
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
+    ctx = lever_context.context_of(ev, repo, now(repo)[0])
+    assert ctx.values["off"]["pdl_stack"] is True and ctx.values["off"]["pdl"] is True
+    assert ctx.values["off"]["pdl_prefetch"] is True and not ctx.notes
+    assert lever_context.freshness(ev, repo, *now(repo)).fresh
+    set_default(repo, "pdl_stack", False, quant="bf16")
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert not f.fresh and any(r.startswith("pdl_stack's default is now off") or "pdl's default is now off" in r
+                               for r in f.reasons), f.reasons
+    # a default at the commit that no longer parses is drift, not a lever added since
+    raw = (repo / "conf" / "lever" / "split_rule.yaml").read_text()
+    (repo / "conf" / "lever" / "split_rule.yaml").write_text(re.sub(r"(?m)^default: .*$", "default: len999", raw))
+    sha = commit_all(repo, "a split_rule value since removed")
+    (repo / "conf" / "lever" / "split_rule.yaml").write_text(raw)
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = sha, sha[:7]
+    ctx = lever_context.context_of(ev, repo, now(repo)[0])
+    assert isinstance(ctx.values["on"]["split_rule"], lever_context.Unparsable)
+    assert any("split_rule's default 'len999'" in n for n in ctx.notes), ctx.notes
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert any(r.startswith("split_rule's default is now") and "len999 (no longer a value)" in r
+               for r in f.reasons), f.reasons
 
 
 def test_schema_1_evidence_is_reconstructed_from_git(repo):
