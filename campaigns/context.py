@@ -562,7 +562,14 @@ def pinned_levers(ev: Evidence, levers_now: dict | None = None) -> dict[str, Any
     from vtengine import levers as lever_registry
     levers_now = lever_registry.registry() if levers_now is None else levers_now
     pins = dict(settings(ev).campaign.with_levers or {})
-    return {name: levers_now[name].parse(v) for name, v in pins.items() if name in levers_now}
+    out = {}
+    for name, v in pins.items():
+        if name in levers_now:
+            try:
+                out[name] = levers_now[name].parse(v, f"{ev.campaign_id}'s campaign.with_levers pin")
+            except ValueError:      # a value since removed: a pin no engine of today runs, never a crashed render
+                out[name] = Unparsable(f"{v} (no longer a value)")
+    return out
 
 
 def off_default_pins(ev: Evidence, levers_now: dict | None = None) -> dict[str, Any]:

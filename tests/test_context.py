@@ -923,3 +923,17 @@ def test_every_committed_campaign_reads_its_code_at_a_commit_of_this_repository(
             lost.append(f"{ev.campaign_id} ({ev.fingerprint.git_short_sha})")
     assert len(find_evidence(ROOT / "records" / "campaigns")) >= 100
     assert lost == [], "campaigns whose code is in no commit here: " + ", ".join(lost)
+
+
+def test_a_pin_whose_value_was_since_removed_stales_the_verdict_and_renders(repo):
+    """campaign.with_levers pinned a value a lever no longer accepts: its verdict is about an engine nobody can run
+    now, so STALE (and its flip refused as off-default), never an error that stops STATUS rendering."""
+    ev = recorded(repo, live=("gqa_swap", "split_rule"))
+    ev.config = {**ev.config, "campaign": {**ev.config["campaign"], "with_levers": {"split_rule": "len999"}}}
+    for arm in ev.arms:
+        ev.context[arm.name]["split_rule"] = "len999"
+    pins = lever_context.pinned_levers(ev, now(repo)[0])
+    assert isinstance(pins["split_rule"], lever_context.Unparsable)
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert not f.fresh and any("the campaign ran with len999" in r for r in f.reasons), f.reasons
+    assert "split_rule" in lever_context.off_default_pins(ev, now(repo)[0])
