@@ -165,6 +165,10 @@ GOOD = {"name": "x", "env": "VT_X", "type": "choice", "default": "off", "values"
     ("summary", 5, "summary must be a sentence saying what the lever changes, not 5"),
     ("default", "b", r"default 'b' is not valid; accepted: 'off', 'a'"),
     ("values", [], "values must be a non-empty list"),
+    # git's tree names a file only in normal form: './a.py' would read as missing at every commit (always STALE)
+    ("paths", ["./vtengine/kernels/attention.py"], r"paths: '\./vtengine/kernels/attention.py' is not in normal "
+                                                   r"form; write 'vtengine/kernels/attention.py'"),
+    ("paths", ["vtengine//kernels/gemv.py::gemv"], r"write 'vtengine/kernels/gemv.py::gemv'"),
 ])
 def test_lever_file_fields_are_checked_by_type_and_meaning(tmp_path, field, value, message):
     """Each field is checked for what it must be, with the value and what is accepted named: a string where a

@@ -12,6 +12,7 @@ the lever's type. The files come from the packaged conf/ with a project's own co
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -161,6 +162,8 @@ def entry_error(entry: str) -> str | None:
     path, symbol = split_entry(entry)
     if not path or path.startswith("/") or ".." in Path(path).parts:
         return f"{entry!r} is no repository-relative path"
+    if posixpath.normpath(path) != path:    # git's tree names it only so: './a.py' would read as missing there
+        return f"{entry!r} is not in normal form; write {posixpath.normpath(path) + entry[len(path):]!r}"
     if symbol is not None:
         if not path.endswith(".py"):
             return f"{entry!r} names a definition in a file that is not Python"
