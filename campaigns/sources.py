@@ -223,7 +223,8 @@ def _reachable_tree(tree: ast.Module, symbols) -> ast.Module | None:
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls",
                                                                                                  cname):
                 named_member += n.value.id == cname
-                for j in mod.members[cname].get(n.attr) or _assigners(cls, n.attr):
+                # the member itself (a class-level default too) and every method that assigns it (self.x = ...)
+                for j in {*(mod.members[cname].get(n.attr) or ()), *_assigners(cls, n.attr)}:
                     take_member(cname, j)
         if sum(isinstance(n, ast.Name) and n.id == cname for n in ast.walk(node)) > named_member:
             take_top(cname)     # the class itself (an instance built, passed on): all of it

@@ -127,6 +127,17 @@ def test_another_definitions_change_does_not_count(old, new):
     assert changed(pkg__backend_py=edit(BACKEND, old, new)) == []
 
 
+def test_a_method_that_assigns_an_attribute_with_a_class_level_default_counts():
+    """``mode = "slow"`` at class level and ``self.mode = ...`` in another method: the value the definition reads
+    is the method's once it ran, so that method counts as well as the class attribute."""
+    backend = edit(BACKEND, "class Backend:\n", "class Backend:\n    scale = 1.0\n\n")
+    base = tree(pkg__backend_py=backend)
+    moved = tree(pkg__backend_py=edit(backend, "self.scale = scale", "self.scale = 2 * scale"))
+    assert sources.changed(ENTRIES, base, moved) == ["pkg/backend.py::Backend.rope_out"]
+    moved = tree(pkg__backend_py=edit(backend, "    scale = 1.0", "    scale = 3.0"))
+    assert sources.changed(ENTRIES, base, moved) == ["pkg/backend.py::Backend.rope_out"]
+
+
 def test_a_helper_another_listed_file_imports_counts():
     """gemv.py (listed whole) imports fused._qkv_head: it counts for the lever although RopeOut is the only
     definition listed in fused.py; rms_norm, which no listed code reaches, does not."""
