@@ -80,6 +80,7 @@ class _Launch:
     proc: subprocess.Popen
     ready: queue.Queue
     log_path: str
+    log_start: int = 0          # where this start's output begins in the (appended) log
 
 
 def _launch(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str]) -> _Launch:
@@ -87,6 +88,7 @@ def _launch(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str]) -> _La
     log = open(log_path, "a")
     log.write(f"==== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting the {arm.name!r} server: {' '.join(cmd)}\n")
     log.flush()
+    start = log.tell()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
@@ -97,7 +99,7 @@ def _launch(arm: Arm, cmd: list[str], log_path: str, env: dict[str, str]) -> _La
         raise
     ready: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_drain, args=(proc, log, ready), daemon=True).start()
-    return _Launch(arm, proc, ready, log_path)
+    return _Launch(arm, proc, ready, log_path, start)
 
 
 # ----------------------------------------------------------------------------------------------- pid files
@@ -163,8 +165,10 @@ def _await_ready(launch: _Launch, timeout_s: float = SERVER_START_TIMEOUT_S) -> 
             url = None
         if not url:
             why = f"exited with {proc.poll()}" if proc.poll() is not None else f"not ready after {timeout_s:.0f} s"
-            raise GridError(f"the {arm.name!r} server did not start ({why}); log {log_path}:\n"
-                            f"{open(log_path).read()[-2000:]}")
+            with open(log_path) as f:       # this start's output: an earlier start's error is not this one's
+                f.seek(launch.log_start)
+                tail = f.read()[-2000:]
+            raise GridError(f"the {arm.name!r} server did not start ({why}); log {log_path}:\n{tail}")
         info = loadgen.get_model_info(url)
         return ServerHandle(arm.name, url, proc, info.get("id") or info.get("model") or "", log_path)
     except BaseException:
@@ -206,7 +210,10 @@ def stop_servers(handles: list[ServerHandle], timeout_s: float = 30.0) -> None:
     arms' shutdowns overlap rather than add up. Interrupted while waiting, it kills the rest: never an orphan."""
     for h in handles:
         if h.proc.poll() is None:
-            h.proc.terminate()
+            try:                # the server's whole session: a process it started goes with it
+                os.killpg(h.proc.pid, signal.SIGTERM)
+            except OSError:
+                h.proc.terminate()
     deadline = time.monotonic() + timeout_s
     try:
         for h in handles:
@@ -243,13 +250,13 @@ def servers(arms: list[Arm], make_cmd: Callable[[Arm], list[str]], log_dir: str,
         stop_servers(list(handles.values()))
 
 
-def server_info(url: str) -> dict:
+def server_info(url: str, timeout_s: float = 30.0) -> dict:
     """What a server reports of itself on /metrics: every lever's resolved value, the kernels that ran (launch
     counters), and its build info (model, quant, dtype, device, versions). A series the campaign records that the
     server does not expose (renamed, removed) is a GridError naming it, never an empty context."""
     import re
     try:
-        resp = httpx.get(f"{url}/metrics", timeout=30)
+        resp = httpx.get(f"{url}/metrics", timeout=timeout_s)
         resp.raise_for_status()
     except httpx.HTTPError as e:
         raise GridError(f"cannot read {url}/metrics for the arm's context: {type(e).__name__}: {e}") from None
@@ -283,12 +290,12 @@ def server_info(url: str) -> dict:
     return {"levers": levers, "kernels_ran": {k for k, n in ran.items() if n > 0}, "build": build}
 
 
-def peak_memory_gib(url: str) -> float:
+def peak_memory_gib(url: str, timeout_s: float = 30.0) -> float:
     """The server's peak GPU memory (``vtengine_peak_gpu_memory_bytes``; 0 on CPU) in GiB. A server that does not
     expose it, or whose /metrics cannot be read, is a GridError naming the metric, never a silent 0."""
     name = "vtengine_peak_gpu_memory_bytes"
     try:
-        resp = httpx.get(f"{url}/metrics", timeout=30)
+        resp = httpx.get(f"{url}/metrics", timeout=timeout_s)
         resp.raise_for_status()
     except httpx.HTTPError as e:
         raise GridError(f"cannot read {url}/metrics for {name}: {type(e).__name__}: {e}") from None

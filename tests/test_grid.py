@@ -1,5 +1,6 @@
 """The grid's building blocks: server start-up never hangs and never orphans a process; the leg plan alternates
 arm order per rep; prompt partitions are disjoint across (concurrency, rep) and reproducible."""
+import re
 import sys
 import time
 
@@ -218,11 +219,15 @@ def test_a_server_that_ignores_sigterm_is_killed_at_the_deadline(tmp_path):
 def test_a_restarted_server_appends_to_its_log(tmp_path):
     """A resume (or the next block of legs) starts an arm's server again: its log keeps the earlier start's output
     (what a void leg's message tells the user to read), each start under its own header."""
-    for word in ("first-start", "second-start"):
-        with pytest.raises(grid.GridError, match="exited with 3"):
-            _start(tmp_path, f"print('{word} failed'); raise SystemExit(3)", timeout_s=30)
+    with pytest.raises(grid.GridError, match="exited with 3"):
+        _start(tmp_path, "print('first-start: CUDA out of memory'); raise SystemExit(3)", timeout_s=30)
+    with pytest.raises(grid.GridError, match="exited with 3") as e:
+        _start(tmp_path, "print('second-start failed: bad flag'); raise SystemExit(3)", timeout_s=30)
+    # the error quotes this start's output alone: an earlier start's out-of-memory must not read as this one's
+    assert "second-start failed" in str(e.value) and "first-start" not in str(e.value)
+    assert not grid.out_of_memory(str(e.value))
     log = (tmp_path / "server.log").read_text()
-    assert log.count("==== ") == 2 and log.index("first-start failed") < log.index("second-start failed")
+    assert log.count("==== ") == 2 and log.index("first-start: CUDA") < log.index("second-start failed")
 
 
 def test_a_server_is_killed_with_its_whole_session_and_a_failed_pid_file_leaves_no_orphan(tmp_path, monkeypatch):
@@ -233,7 +238,6 @@ def test_a_server_is_killed_with_its_whole_session_and_a_failed_pid_file_leaves_
             "print('worker', p.pid, flush=True)\n"
             "time.sleep(60)\n")
     launch = grid._launch(ARMS[0], [sys.executable, "-u", "-c", code], str(tmp_path / "server.log"), env={})
-    import re
     deadline, found = time.monotonic() + 30, None
     while found is None and time.monotonic() < deadline:      # the header quotes the code: match the printed pid
         found = re.search(r"^worker (\d+)$", (tmp_path / "server.log").read_text(), re.M)
@@ -245,6 +249,18 @@ def test_a_server_is_killed_with_its_whole_session_and_a_failed_pid_file_leaves_
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(worker), "the server's worker outlived it"
+    # a graceful stop (SIGTERM, the server exits by itself) takes the session's workers with it too
+    launch = grid._launch(ARMS[0], [sys.executable, "-u", "-c", code], str(tmp_path / "server2.log"), env={})
+    deadline, found = time.monotonic() + 30, None
+    while found is None and time.monotonic() < deadline:
+        found = re.search(r"^worker (\d+)$", (tmp_path / "server2.log").read_text(), re.M)
+        time.sleep(0.1)
+    worker = int(found.group(1))
+    grid.stop_servers([grid.ServerHandle("off", "", launch.proc, "", launch.log_path)], timeout_s=10)
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert launch.proc.returncode == -15 and not _alive(worker), "a stopped server's worker outlived it"
 
     procs = []
     real_popen = grid.subprocess.Popen
