@@ -481,20 +481,21 @@ def _reports_kept(ev: Evidence, handles: dict, cdir: Path):
     try:
         yield
     except BaseException:
-        try:
-            _server_reports(ev, handles)
+        try:        # seconds, not the usual 30: a step's time limit sends SIGKILL 15 s after its SIGINT
+            _server_reports(ev, handles, timeout_s=3.0)
             _save(ev, cdir)
         except Exception as e:      # the servers may be gone already: the first error is the one to report
-            console.print(f"[yellow]the servers' reports (peak memory, lever context) were not recorded: {e}[/]")
+            console.print(f"the servers' reports (peak memory, lever context) were not recorded: {e}",
+                          style="yellow", markup=False)
         raise
 
 
-def _server_reports(ev: Evidence, handles: dict) -> None:
+def _server_reports(ev: Evidence, handles: dict, timeout_s: float = 30.0) -> None:
     """What each running server reports: its peak memory (the largest of its arm's servers, one at a time) and
     its lever context."""
     for n, h in handles.items():
-        ev.peak_memory_gib[n] = max(gridmod.peak_memory_gib(h.url), ev.peak_memory_gib.get(n, 0.0))
-    _record_context(ev, handles)
+        ev.peak_memory_gib[n] = max(gridmod.peak_memory_gib(h.url, timeout_s), ev.peak_memory_gib.get(n, 0.0))
+    _record_context(ev, handles, timeout_s)
 
 
 def _served(run: _Run) -> bool:
@@ -575,14 +576,14 @@ def _other_evidence(out_dir: Path, own: str) -> list[Evidence]:
     return out
 
 
-def _record_context(ev: Evidence, handles: dict) -> None:
+def _record_context(ev: Evidence, handles: dict, timeout_s: float = 30.0) -> None:
     """Each arm's context as its server reports it (/metrics): every lever's resolved value, the levers whose
     kernels ran during the campaign, and a fingerprint of what it runs (model, quant, dtype, device, versions)."""
     import hashlib
     import json
     registry = levers.registry()
     for name, h in handles.items():
-        info = gridmod.server_info(h.url)
+        info = gridmod.server_info(h.url, timeout_s)
         ev.context[name] = {k: registry[k].parse(v, "server-reported value") if k in registry else v
                             for k, v in info["levers"].items()}
         # kernels that ran on any of the arm's servers (one per block of legs when they run one at a time, one per
