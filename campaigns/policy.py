@@ -121,7 +121,8 @@ def decide(ev: Evidence, override: dict[str, Any] | None = None) -> Decision:
         hits = [d for d in per.values() if d.verdict == verdict]
         if hits:
             # Among equal verdicts, the candidate with the best primary-axis ratio is the one to report.
-            pick = max(hits, key=lambda d: _best_primary_ratio(ev, d.candidate, p, counted_wins=verdict == "FLIP"))
+            pick = max(hits, key=lambda d: (_best_primary_ratio(ev, d.candidate, p, counted_wins=verdict == "FLIP"),
+                                            _best_primary_ratio(ev, d.candidate, p)))
             break
     pick.per_candidate = {name: d.verdict for name, d in per.items()}
     return pick
@@ -558,7 +559,11 @@ def _binding_conditions(ev: Evidence, arms: tuple[str, ...], p: PolicyConfig) ->
     if missing:
         c, r, a = missing[0]
         out.append(f"void grid: {len(missing)} planned leg(s) missing (first: c{c} rep {r} arm {a})")
-    read = AXES + tuple(a for a in OPTIONAL_AXES if a.name in set(p.primary_axes) | set(p.traded_axes))
+    # the standard axes always; an optional one where the grid measured it (calibration leaves out, and says so,
+    # an optional axis no pooled leg measured: its simulated legs carry none)
+    carried = {k for leg in ev.legs if leg.arm in arms for k in leg.metrics}
+    read = AXES + tuple(a for a in OPTIONAL_AXES
+                        if a.name in set(p.primary_axes) | set(p.traded_axes) and a.metric in carried)
     unread = [(leg, a) for leg in ev.legs if leg.arm in arms and leg.valid for a in read
               if not _measured(leg.metrics.get(a.metric))]
     if unread:      # dropped from the statistics, it would leave a point fewer reps (or none to veto with)

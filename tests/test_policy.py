@@ -495,6 +495,15 @@ def test_a_valid_leg_without_a_readable_value_voids_the_grid(bad):
     assert verdict(ev) == "NON-BINDING" and ev.decision.reasons[0].startswith("void grid: 1 value(s)")
 
 
+def test_an_optional_axis_no_leg_measured_is_left_out_not_a_void_grid():
+    """P99 ITL primary on a grid none of whose legs measured it: the statistics have no such point (calibration
+    leaves it out the same way, and its simulated legs carry none), so the grid decides on the axes it has; a void
+    grid there would make every simulated campaign NON-BINDING and the error rates 0."""
+    ev = make_evidence(TPUT_WIN, policy_cfg={"primary_axes": ["total_token_throughput", "tpot", "p99_itl"]})
+    assert not any("p99_itl_ms" in leg.metrics for leg in ev.legs)
+    assert verdict(ev) == "FLIP", ev.decision.reasons
+
+
 def test_a_flip_among_candidates_goes_to_the_best_counted_win_not_a_neutral_ratio():
     """Both candidates FLIP; b's best primary ratio (x1.386) is a NEUTRAL point (its reps 95/140/141 overlap the
     baseline's), a's is a counted WIN at every point: a is the new default."""
@@ -504,6 +513,15 @@ def test_a_flip_among_candidates_goes_to_the_best_counted_win_not_a_neutral_rati
     d = make_evidence(values, gate_results=gates(arms=("off", "a", "b")), candidates=("a", "b")).decision
     assert d.per_candidate == {"a": "FLIP", "b": "FLIP"}
     assert d.verdict == "FLIP" and d.candidate == "a" and d.new_default == "a"
+    # correctness fixes both, no WIN counted anywhere: the best plain ratio decides (not the first candidate, a
+    # 10% LOSS)
+    fix = {"flip_on_correctness": True, "fix_gates": ["battery", "near_tie"]}
+    g = gates(arms=("off", "a", "b"), byte_exact=False,
+              **{"battery@off": {"passed": False}, "near_tie@off": {"passed": False}})
+    values = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "a": [90.0, 91.0, 92.0],
+                                         "b": [101.0, 102.0, 103.0]}}
+    d = make_evidence(values, gate_results=g, candidates=("a", "b"), policy_cfg=fix).decision
+    assert d.per_candidate == {"a": "FLIP", "b": "FLIP"} and d.candidate == "b", (d.per_candidate, d.candidate)
 
 
 def test_several_candidates_report_the_flipping_one():
