@@ -38,6 +38,10 @@ from vtengine.levers import PATH_SEP, split_entry
 # the kernels schema-1 evidence's mechanism gate kept counters for: a lever whose kernels are all among these and
 # absent from the counters did not run; any other kernel is unknown (counted live)
 V1_COUNTED_KERNELS = ("decode_attention", "w4a16_gemm", "prefill_attention", "rms_norm")
+# the kernels whose launch counters the mechanism gate keeps in its details (gates/mechanism.py): another kernel's
+# launches are not in the evidence, so nothing there says it did not run
+MECHANISM_KERNELS = ("decode_attention", "decode_splits", "w4a16_gemm", "prefill_attention", "prefill_attention_merge",
+                     "rms_norm", "dense_linear")
 
 
 @dataclass
@@ -520,10 +524,11 @@ def _new_lever_live(lever, ev: Evidence, ctx: Context, levers_now: dict) -> bool
         if isinstance(snapshot, dict) and snapshot:
             counted = True
             ran |= kernels_ran(snapshot)
-    if not counted:         # no counters: the kernels of the levers counted live (more than ran, never fewer)
-        for names in ctx.live.values():
-            ran |= {k for name in names if name in levers_now for k in levers_now[name].affects}
-    return bool(set(lever.affects) & ran) or not (counted or any(ctx.live.values()))
+    if counted:             # a kernel the counters never keep (argmax, silu_mul ...) may have run: live
+        return bool(set(lever.affects) & ran) or not set(lever.affects) <= set(MECHANISM_KERNELS)
+    # no counters: the kernels of the levers counted live (more than ran, never fewer)
+    live_kernels = {k for names in ctx.live.values() for n in names if n in levers_now for k in levers_now[n].affects}
+    return bool(set(lever.affects) & live_kernels) or not any(ctx.live.values())
 
 
 def _by_preset(plain: dict[str, tuple[int, str]], reasons: list[str], causes: list[str], levers_now: dict,

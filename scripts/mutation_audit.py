@@ -225,7 +225,7 @@ MUTATIONS = [
               "verdict"]),
     Mutation("sources-reach-skips-instance-state", "staleness: a lever's method reading self.x does not count the "
              "methods that set it (a changed __init__ leaves the verdict FRESH)", "campaigns/sources.py",
-             "                for j in mod.members[cname].get(n.attr) or _assigners(cls, n.attr):\n",
+             "                for j in {*(mod.members[cname].get(n.attr) or ()), *_assigners(cls, n.attr)}:\n",
              "                for j in mod.members[cname].get(n.attr) or []:\n",
              ["tests/test_sources.py::test_what_the_definition_reaches_counts"]),
     Mutation("sources-cross-file-imports-ignored", "staleness: a helper of a file listed by its definitions, which "

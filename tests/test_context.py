@@ -184,6 +184,13 @@ def test_a_lever_added_since_stales_only_at_an_on_default(repo):
     assert not f.fresh and f.reasons == ["split_rule: added since the campaign, with its default len512, which the "
                                          "campaign never ran"]
     assert f.short() == "STALE (new: split_rule)"
+    # fuse_rope's qkv_epilogue is a kernel the mechanism gate's counters never keep, so nothing says it did not
+    # run (its counted kernels, dense_linear and w4a16_gemm, did not): a new fuse_rope at on is live
+    for arm in ev.arms:
+        ev.context[arm.name].pop("fuse_rope", None)
+    set_default(repo, "fuse_rope", True)
+    f = lever_context.freshness(ev, repo, *now(repo))
+    assert "new fuse_rope" in f.causes, f.causes
 
 
 def test_a_reconstructed_context_resolves_the_commits_quantization_defaults_and_presets(repo):

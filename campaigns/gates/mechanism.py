@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from campaigns.gates import LONG_PROMPT_LEVERS, GateContext, long_prompt_len, result
+from campaigns.context import MECHANISM_KERNELS
 from campaigns.evidence import Arm, GateResult
 from vtengine import counters
 from vtengine.engine.sampling_params import SamplingParams
@@ -341,7 +342,5 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
             details["why"] = f"{why}; identical to the baseline's counters: the lever is inert here"
     counts = {k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in pr.items()}
     if not fault:
-        details["counters"] = {k: v for k, v in snap.items()
-                               if k in ("decode_attention", "decode_splits", "w4a16_gemm", "prefill_attention",
-                                        "prefill_attention_merge", "rms_norm", "dense_linear", "launch")}
+        details["counters"] = {k: v for k, v in snap.items() if k in (*MECHANISM_KERNELS, "launch")}
     return result("mechanism", arm, ok, t0, counts=counts, details=details)
