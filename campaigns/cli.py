@@ -418,7 +418,9 @@ def cmd_status(args) -> int:
             return setups[kind]
         console.print(f"{len(unfinished)} unfinished campaign(s):")
         for ev in sorted(unfinished, key=lambda e: (e.created, e.campaign_id)):
-            console.print(f"  {unfinished_line(ev, head, here, dirty, setup(ev.fingerprint.device_type))}")
+            from campaigns.runner import running_pid
+            pid = running_pid(Path(args.out_dir).resolve() / ev.campaign_id)
+            console.print(f"  {unfinished_line(ev, head, here, dirty, setup(ev.fingerprint.device_type), pid)}")
     return 0
 
 
@@ -430,7 +432,7 @@ def code_here(f, head: str | None, here: str | None) -> bool:
 
 
 def unfinished_line(ev, head: str | None, here: str | None, dirty: list[str] | None = None,
-                    setup: dict | None = None) -> str:
+                    setup: dict | None = None, running: int | None = None) -> str:
     """One unfinished campaign for `vtcampaign status`: how far it came, where it ran, and whether this checkout
     (commit ``head``, code digest ``here``, ``dirty`` files; None without a repository) can resume it, or why not,
     with what the resume checks (runner._check_resumable): the campaign's code (its commit, or one that differs in
@@ -441,6 +443,8 @@ def unfinished_line(ev, head: str | None, here: str | None, dirty: list[str] | N
     from campaigns.runner import SAME_ON_RESUME, left_to_measure, resume_command
     f = ev.fingerprint
     done = f"{len(ev.done_legs())} legs, {len(ev.gates)} gate results, on {gpu_label(ev)} at {f.git_short_sha}"
+    if running is not None:             # a resume beside it is refused (runner._resumable)
+        return f"{ev.campaign_id} ({done}): running now (pid {running}); nothing to do but wait, or stop it"
     if not left_to_measure(ev):         # concluded from what is recorded, anywhere (runner.conclude_recorded)
         return f"{ev.campaign_id} ({done}): only its verdict is left: `vtcampaign conclude {ev.campaign_id}`"
     if not code_here(f, head, here):

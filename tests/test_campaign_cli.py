@@ -397,9 +397,20 @@ def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, ca
     put("2026-12-07-gqa_swap-this-host", legs=9, git_sha=here, git_short_sha=here[:7], **setup)
     put("2026-12-08-gqa_swap-other-tree", legs=10, git_sha=here, git_short_sha=here[:7],
         dirty_files=sorted({*dirty, "vtengine/kernels/not_here.py"}))
-    assert main(["status", "--out-dir", str(out)]) == 0
+    put("2026-12-09-gqa_swap-running", legs=3)
+    import subprocess
+    import sys
+    runner_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "campaigns.cli", "run"])
+    try:
+        (out / "2026-12-09-gqa_swap-running" / "runner.pid").write_text(f"{runner_proc.pid}\n")
+        assert main(["status", "--out-dir", str(out)]) == 0
+    finally:
+        runner_proc.kill()
+        runner_proc.wait()
     text = " ".join(capsys.readouterr().out.split())
-    assert "7 unfinished campaign(s):" in text and "gqa_swap-done" not in text.split("unfinished campaign(s):")[1]
+    assert "8 unfinished campaign(s):" in text and "gqa_swap-done" not in text.split("unfinished campaign(s):")[1]
+    assert (f"2026-12-09-gqa_swap-running (3 legs, 16 gate results, on H200 at abc1234): running now (pid "
+            f"{runner_proc.pid}); nothing to do but wait, or stop it") in text
     assert ("2026-12-02-gqa_swap-verdict-left (24 legs, 16 gate results, on H200 at abc1234): only its verdict is "
             "left: `vtcampaign conclude 2026-12-02-gqa_swap-verdict-left`") in text
     # the resume checks the device and versions too: an H200 campaign is resumed on a host that has them
