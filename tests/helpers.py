@@ -175,3 +175,13 @@ def static_sass(module: str, tmp_path: Path) -> dict:
     assert r.returncode == 0, r.stderr[-2000:]
     [path] = tmp_path.glob("*.json")
     return json.loads(path.read_text())
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    import os
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False

@@ -17,7 +17,7 @@ from campaigns import records, runner
 from campaigns.config import compose
 from campaigns.evidence import load_evidence
 from campaigns.runner import run_campaign
-from helpers import TPUT_WIN, temp_repo
+from helpers import TPUT_WIN, alive, temp_repo
 from vtengine import levers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,14 +120,6 @@ def _wait_legs(proc: subprocess.Popen, repo: Path, at_least: int) -> tuple[Path,
     return evidence, pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-
-
 @pytest.fixture
 def spawned():
     """The campaign processes a test starts (append them): any still running at its end is killed, servers and
@@ -160,9 +152,9 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path, spawned):
     proc.kill()
     proc.wait(timeout=30)
     t0 = time.time()
-    while any(_alive(p) for p in pids) and time.time() - t0 < 15:
+    while any(alive(p) for p in pids) and time.time() - t0 < 15:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), f"servers outlived their campaign: {[p for p in pids if _alive(p)]}"
+    assert not any(alive(p) for p in pids), f"servers outlived their campaign: {[p for p in pids if alive(p)]}"
     ev = load_evidence(evidence)
     assert ev.status == "in-progress" and list(evidence.parent.glob("server-*.pid"))     # left behind
 
@@ -176,7 +168,7 @@ def test_interrupted_campaign_resumes_keeping_finished_legs(tmp_path, spawned):
     assert proc.returncode == 143, out[-3000:]
     assert "interrupted" in out and "resume=" in out
     assert not list(evidence.parent.glob("server-*.pid"))       # stopped by the runner, not orphaned
-    assert not any(_alive(p) for p in pids), f"servers outlived the runner: {[p for p in pids if _alive(p)]}"
+    assert not any(alive(p) for p in pids), f"servers outlived the runner: {[p for p in pids if alive(p)]}"
     after_term = load_evidence(evidence)
     assert after_term.status == "in-progress" and len(ev.legs) < len(after_term.legs) < 8
     # what the stopped run's servers report is kept (their kernels count toward the arms' live levers; only the

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from campaigns import grid
 from campaigns.evidence import Arm
+from helpers import alive
 
 ARMS = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
 
@@ -246,9 +247,9 @@ def test_a_server_is_killed_with_its_whole_session_and_a_failed_pid_file_leaves_
     grid._kill(launch.proc)
     assert launch.proc.poll() is not None
     deadline = time.monotonic() + 10
-    while _alive(worker) and time.monotonic() < deadline:
+    while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(worker), "the server's worker outlived it"
+    assert not alive(worker), "the server's worker outlived it"
     # a graceful stop (SIGTERM, the server exits by itself) takes the session's workers with it too
     launch = grid._launch(ARMS[0], [sys.executable, "-u", "-c", code], str(tmp_path / "server2.log"), env={})
     deadline, found = time.monotonic() + 30, None
@@ -258,9 +259,9 @@ def test_a_server_is_killed_with_its_whole_session_and_a_failed_pid_file_leaves_
     worker = int(found.group(1))
     grid.stop_servers([grid.ServerHandle("off", "", launch.proc, "", launch.log_path)], timeout_s=10)
     deadline = time.monotonic() + 10
-    while _alive(worker) and time.monotonic() < deadline:
+    while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert launch.proc.returncode == -15 and not _alive(worker), "a stopped server's worker outlived it"
+    assert launch.proc.returncode == -15 and not alive(worker), "a stopped server's worker outlived it"
 
     procs = []
     real_popen = grid.subprocess.Popen
@@ -273,12 +274,3 @@ def test_a_server_is_killed_with_its_whole_session_and_a_failed_pid_file_leaves_
         grid._launch(ARMS[1], [sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path / "b.log"), env={})
     assert procs[0].poll() is not None
 
-
-def _alive(pid: int) -> bool:
-    import os
-    from pathlib import Path
-    try:
-        os.kill(pid, 0)
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
