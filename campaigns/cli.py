@@ -283,9 +283,12 @@ def cmd_run(overrides: list[str], dry_run: bool) -> int:
             raise
         raise UsageError("the campaign runner (campaigns/runner.py) is not built yet; "
                          "`vtcampaign run ... --dry-run` shows the composed config") from None
-    from campaigns.runner import CampaignError
+    from campaigns.runner import CampaignError, RunFailed
     try:
         ev = run_campaign(cfg, repo=project_root())
+    except RunFailed as e:      # not the user's input: the evidence is saved, a resume goes on from it
+        print(f"vtcampaign: run failed: {e}", file=sys.stderr)
+        return RUN_FAILED
     except CampaignError as e:
         raise UsageError(str(e)) from None
     except KeyboardInterrupt as e:
@@ -296,8 +299,10 @@ def cmd_run(overrides: list[str], dry_run: bool) -> int:
 
 # `vtcampaign run`'s exit status by verdict, for CI and scripts: 0 a decision reached (whichever), 3 the product's own
 # checks failed (a gate that cannot fail, a void grid: INVALID; a grid that invents effects: AA-FAIL), 4 the
-# candidate is wrong (REJECT-CORRECTNESS); 2 a usage error, 130 interrupted (Ctrl-C), 143 stopped (SIGTERM)
+# candidate is wrong (REJECT-CORRECTNESS); 2 a usage error, 5 the run failed (a server did not start or died: evidence
+# kept, resumable), 130 interrupted (Ctrl-C), 143 stopped (SIGTERM)
 EXIT_CODES = {"INVALID": 3, "AA-FAIL": 3, "REJECT-CORRECTNESS": 4}
+RUN_FAILED = 5
 
 
 def exit_code(verdict: str | None) -> int:
@@ -689,7 +694,7 @@ def cmd_abandon(args) -> int:
 def cmd_recheck(args) -> int:
     from campaigns import recheck
     from campaigns.records import short_gpu
-    from campaigns.runner import CampaignError, concluded_here, run_campaign, share_measured
+    from campaigns.runner import CampaignError, RunFailed, concluded_here, run_campaign, share_measured
     if args.dry_run:
         state = recheck.plan(args.out_dir, restart=args.restart, frozen=args.frozen)
         if not state["entries"]:
@@ -734,6 +739,8 @@ def cmd_recheck(args) -> int:
         cfg = compose(overrides + [f"out_dir={args.out_dir}"])
         try:
             return run_campaign(cfg, repo=project_root(), on_start=on_start)
+        except RunFailed:
+            raise                           # the run's own failure: exit 5 below, not a usage error
         except CampaignError as e:
             # a plan entry's own campaign refused to resume (code, tree or setup changed): recheck cannot start
             # another in its place by itself, the user decides to drop its legs
@@ -762,6 +769,9 @@ def cmd_recheck(args) -> int:
         from campaigns.runner import exit_status
         print("recheck interrupted; run `vtcampaign recheck` again to continue where it stopped", file=sys.stderr)
         return exit_status(e)
+    except RunFailed as e:
+        print(f"vtcampaign: run failed: {e}; `vtcampaign recheck` again resumes it", file=sys.stderr)
+        return RUN_FAILED
     return 0
 
 

@@ -45,6 +45,11 @@ class CampaignError(RuntimeError):
     """A campaign could not run (a server failed to start, a resume id is unknown...): one clear message."""
 
 
+class RunFailed(CampaignError):
+    """The run stopped on a failure of what it runs (a server that did not start, or died mid-grid), not of its
+    input: its evidence is saved and it resumes (`vtcampaign run` exits 5, not a usage error's 2)."""
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=False)
@@ -231,7 +236,7 @@ def _measure(run: _Run) -> None:
         raise
     except gridmod.GridError as e:
         _save(run.ev, run.cdir)
-        raise CampaignError(str(e) + memory_hint(run.ev, str(e))) from None
+        raise RunFailed(str(e) + memory_hint(run.ev, str(e))) from None
     finally:
         run.ctx.release_engines()
 

@@ -637,3 +637,25 @@ def test_abandon_gives_up_unfinished_campaigns_keeping_their_evidence(tmp_path, 
         running.wait()
     assert main(["abandon", cid, "--why", "superseded", "--out-dir", str(out)]) == 0     # a dead pid's file: stale
     assert newest_unfinished(cfg, confdirs.SOURCE_ROOT, out) is None
+
+
+def test_a_server_that_does_not_start_is_a_failed_run_exit_5_not_a_usage_error(tmp_path, monkeypatch, capsys):
+    """Exit 2 says the user's input was wrong; a server that did not start (here one that exits at once, through
+    the real start path) is the run's own failure: exit 5, the evidence kept in progress for a resume."""
+    import sys
+
+    from campaigns import grid
+    from helpers import temp_repo
+    repo = temp_repo(tmp_path)
+    monkeypatch.chdir(repo)
+    real_launch = grid._launch
+
+    def dying(arm, cmd, log_path, env):
+        return real_launch(arm, [sys.executable, "-c", "print('no such model'); raise SystemExit(1)"], log_path, env)
+    monkeypatch.setattr(grid, "_launch", dying)
+    assert main(["run", "campaign=gqa_swap", "tracking=off", "campaign.gates=[]"]) == 5
+    err = capsys.readouterr().err
+    assert "vtcampaign: run failed: the " in err and "server did not start (exited with 1)" in err
+    assert "no such model" in err
+    (evidence,) = (repo / "records" / "campaigns").glob("*/evidence.json")
+    assert load_evidence(evidence).status == "in-progress"
