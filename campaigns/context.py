@@ -33,7 +33,7 @@ import yaml
 from campaigns import sources
 from campaigns.evidence import Evidence
 from campaigns.sources import normalized  # noqa: F401  (how sources compare: tests use it)
-from vtengine.levers import PATH_SEP, split_entry
+from vtengine.levers import PATH_SEP, apply_presets, split_entry
 
 # the kernels schema-1 evidence's mechanism gate kept counters for: a lever whose kernels are all among these and
 # absent from the counters did not run; any other kernel is unknown (counted live)
@@ -306,7 +306,6 @@ def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Con
                 except ValueError:
                     pass
         vals[ev.lever], src[ev.lever] = arm.value, "arm"
-        from vtengine.levers import apply_presets
         try:
             apply_presets({n: lt for n, lt in then.items() if n in vals}, vals, src)
         except ValueError as e:
