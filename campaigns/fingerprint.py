@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
 import socket
 from pathlib import Path
 from typing import Any, Mapping
 
-from campaigns.config import arm_env_value, arm_name
+from campaigns.config import CampaignConfigError, arm_env_value, arm_name
 from campaigns.evidence import Arm, Fingerprint
 from campaigns.gitops import code_digest, repo_state
 
@@ -67,6 +68,9 @@ def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm],
     # A lent GPU host gets a copy of the checkout without .git; the copy is committed there as a fresh repository
     # (so dirtiness is still measured against it) and the source commit is named by CAMPAIGN_SOURCE_SHA.
     source = os.environ.get("CAMPAIGN_SOURCE_SHA", "").strip()
+    if source and not re.fullmatch(r"[0-9a-f]{7,40}", source):
+        raise CampaignConfigError(f"CAMPAIGN_SOURCE_SHA={source!r} is not a commit sha (7 to 40 hex digits): the evidence "
+                         "would name a commit no repository has, and its verdict could never be FRESH")
     if source:
         state = dataclasses.replace(state, sha=source, short_sha=source[:7],
                                     branch=os.environ.get("CAMPAIGN_SOURCE_BRANCH", state.branch))

@@ -34,6 +34,15 @@ for step in "$@"; do          # a bad step is refused before the machine spends 
     *) echo "step '$step': unknown kind; accepted: campaign:, decode[:], gputests[:], py:, recheck[:], serve:"
        exit 2 ;;
   esac
+  case ${step#*@} in campaign:*|recheck|recheck:*)   # evidence names its commit: the copy here has no .git to ask
+    sha=${CAMPAIGN_SOURCE_SHA:-}
+    case $sha in ''|*[!0-9a-f]*) ok=0 ;; *) ok=$(( ${#sha} >= 7 && ${#sha} <= 40 )) ;; esac
+    if [ "$ok" != 1 ]; then
+      echo "step '$step' records evidence, which names its source commit: CAMPAIGN_SOURCE_SHA is '$sha'," \
+           "not a hex commit sha of 7-40 digits (pass the checkout's literal short sha, e.g." \
+           "CAMPAIGN_SOURCE_SHA=0dbde52; \$(git rev-parse ...) gives nothing on the device copy)"; exit 2
+    fi ;;
+  esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1

@@ -21,6 +21,35 @@ def test_a_bad_step_is_refused_before_anything_runs(tmp_path, step, message):
     assert list(tmp_path.iterdir()) == []               # no repository made, no results written
 
 
+@pytest.mark.parametrize("sha", [None, "", "0", "HEAD", "$(git rev-parse --short HEAD)"])
+def test_a_step_that_records_evidence_needs_a_literal_source_sha(tmp_path, sha):
+    """The device copy has no .git: evidence names its commit from CAMPAIGN_SOURCE_SHA. A command once passed
+    $(git rev-parse ...), which gives nothing there: its campaigns would name no commit of the repository and stay
+    STALE for good. A campaign or recheck step without a hex sha is refused before anything runs."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "CAMPAIGN_SOURCE_SHA"}
+    if sha is not None:
+        env["CAMPAIGN_SOURCE_SHA"] = sha
+    for step in ("300@campaign:gqa_swap", "540@recheck"):
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "h200_session.sh"), step], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "CAMPAIGN_SOURCE_SHA is" in r.stdout and "not a hex commit sha" in r.stdout
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_source_sha_that_is_no_commit_sha_is_refused_where_the_fingerprint_is_taken(tmp_path, monkeypatch):
+    from campaigns.config import CampaignConfigError
+    from campaigns.fingerprint import collect
+    from helpers import make_evidence, temp_repo
+    repo = temp_repo(tmp_path)
+    arms = make_evidence().arms
+    monkeypatch.setenv("CAMPAIGN_SOURCE_SHA", "0")
+    with pytest.raises(CampaignConfigError, match=r"CAMPAIGN_SOURCE_SHA='0' is not a commit sha \(7 to 40 hex"):
+        collect(repo, "cpu", "VT_DECODE_GQA_SWAP", arms, "0" * 64)
+    monkeypatch.setenv("CAMPAIGN_SOURCE_SHA", "0dbde52")
+    assert collect(repo, "cpu", "VT_DECODE_GQA_SWAP", arms, "0" * 64).git_short_sha == "0dbde52"
+
+
 def _git(cwd, *args):
     subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
 
