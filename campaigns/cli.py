@@ -421,9 +421,9 @@ def cmd_status(args) -> int:
             if kind not in setups:
                 setups[kind] = host_setup(kind)
             return setups[kind]
+        from campaigns.runner import running_pid
         console.print(f"{len(unfinished)} unfinished campaign(s):")
         for ev in sorted(unfinished, key=lambda e: (e.created, e.campaign_id)):
-            from campaigns.runner import running_pid
             pid = running_pid(Path(args.out_dir).resolve() / ev.campaign_id)
             console.print(f"  {unfinished_line(ev, head, here, dirty, setup(ev.fingerprint.device_type), pid)}")
     return 0

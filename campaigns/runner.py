@@ -65,7 +65,7 @@ def _preflight(cfg: DictConfig, repo: Path, out_dir: Path) -> Evidence:
     kind = "aa" if cfg.aa else "lever"
     arms = fp.make_arms(lever.name, cfg.campaign.arms.baseline, list(cfg.campaign.arms.candidates), aa=cfg.aa)
     fpr = fp.collect(repo, cfg.device, lever.env, arms, config_hash(cfg), ignore_dirty=not_dirt(repo, out_dir),
-                     pinned={levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()})
+                     pinned=_pinned_env(cfg))
     check_tree(fpr, cfg)
     cid = new_campaign_id(out_dir, utc_now()[:10], lever.name, fpr.git_short_sha, kind)
     ev = new_evidence(OmegaConf.to_container(cfg, resolve=True), fpr, arms, cid, kind=kind)
@@ -676,9 +676,13 @@ def _fingerprint_now(cfg: DictConfig, ev: Evidence, repo: Path, ignore_dirty: tu
     """This checkout's fingerprint for ``ev``'s arms, what a resume compares with the first run's: code, tree,
     setup and the servers' VT_* environment (inherited variables too: the engine applies them to every lever that
     no --lever names)."""
-    pinned = {levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()}
     return fp.collect(repo, cfg.device, levers.get(ev.lever).env, ev.arms, ev.fingerprint.config_hash,
-                      ignore_dirty=ignore_dirty, pinned=pinned)
+                      ignore_dirty=ignore_dirty, pinned=_pinned_env(cfg))
+
+
+def _pinned_env(cfg: DictConfig) -> dict[str, Any]:
+    """campaign.with_levers by env name: what a preflight records in the arms' environment, a resume compares."""
+    return {levers.get(n).env: v for n, v in cfg.campaign.with_levers.items()}
 
 
 def _loadable(path: Path) -> Evidence | None:
