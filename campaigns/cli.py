@@ -411,9 +411,9 @@ def cmd_status(args) -> int:
         here_root = project_root()      # what a resume compares: the repository campaigns run in (cmd_run's repo)
         try:                            # this checkout's code and tree, once for all of them
             here, head = code_digest(here_root), open_repo(here_root).head.commit.hexsha
-            dirty = repo_state(here_root, ignore=not_dirt(here_root, Path(args.out_dir).resolve())).dirty_files
+            tree = repo_state(here_root, ignore=not_dirt(here_root, Path(args.out_dir).resolve()))
         except (GitOpsError, ValueError):
-            here = head = dirty = None
+            here = head = tree = None
         setups: dict[str, dict] = {}
 
         def setup(device_type: str) -> dict:        # this host's, for a campaign run on that kind of device
@@ -425,7 +425,7 @@ def cmd_status(args) -> int:
         console.print(f"{len(unfinished)} unfinished campaign(s):")
         for ev in sorted(unfinished, key=lambda e: (e.created, e.campaign_id)):
             pid = running_pid(Path(args.out_dir).resolve() / ev.campaign_id)
-            console.print(f"  {unfinished_line(ev, head, here, dirty, setup(ev.fingerprint.device_type), pid)}")
+            console.print(f"  {unfinished_line(ev, head, here, tree, setup(ev.fingerprint.device_type), pid)}")
     return 0
 
 
@@ -436,16 +436,17 @@ def code_here(f, head: str | None, here: str | None) -> bool:
     return head is not None and same_code(f, head, here)
 
 
-def unfinished_line(ev, head: str | None, here: str | None, dirty: list[str] | None = None,
+def unfinished_line(ev, head: str | None, here: str | None, tree=None,
                     setup: dict | None = None, running: int | None = None) -> str:
     """One unfinished campaign for `vtcampaign status`: how far it came, where it ran, and whether this checkout
-    (commit ``head``, code digest ``here``, ``dirty`` files; None without a repository) can resume it, or why not,
-    with what the resume checks (runner._check_resumable): the campaign's code (its commit, or one that differs in
-    records, results or prose alone), the same tree (clean, or dirty in the same files), and its device and
-    versions, which ``setup`` (fingerprint.host_setup of this host) either has (resume here) or lacks (named). A
-    campaign cut before a code change stays unfinished for good unless resumed on a checkout of its commit."""
+    (commit ``head``, code digest ``here``, ``tree``: gitops.repo_state; None without a repository) can resume it, or
+    why not, with what the resume checks (runner._check_resumable): the campaign's code (its commit, or one that
+    differs in records, results or prose alone), the same tree (clean, or dirty in the same files with the same
+    contents), and its device and versions, which ``setup`` (fingerprint.host_setup of this host) either has (resume
+    here) or lacks (named). A campaign cut before a code change stays unfinished for good unless resumed on a
+    checkout of its commit."""
     from campaigns.records import gpu_label
-    from campaigns.runner import SAME_ON_RESUME, left_to_measure, resume_command
+    from campaigns.runner import SAME_ON_RESUME, left_to_measure, resume_command, tree_change
     f = ev.fingerprint
     done = f"{len(ev.done_legs())} legs, {len(ev.gates)} gate results, on {gpu_label(ev)} at {f.git_short_sha}"
     if running is not None:             # a resume beside it is refused (runner._resumable)
@@ -457,12 +458,10 @@ def unfinished_line(ev, head: str | None, here: str | None, dirty: list[str] | N
                "no repository here to compare with" if here is None else "the code has changed since")
         return (f"{ev.campaign_id} ({done}): not resumable on this checkout ({why}); resume on a checkout of "
                 f"{f.git_short_sha}, or run the campaign anew")
-    if dirty is not None and sorted(dirty) != sorted(f.dirty_files):
-        def tree(files):
-            return f"dirty in {', '.join(sorted(files))}" if files else "clean"
-        return (f"{ev.campaign_id} ({done}): not resumable on this checkout as it is (the campaign ran on a tree "
-                f"{tree(f.dirty_files)}, this one is {tree(dirty)}); make the trees match, then "
-                f"`{resume_command(ev)}`")
+    change = tree_change(f, tree) if tree is not None else None
+    if change is not None:
+        return (f"{ev.campaign_id} ({done}): not resumable on this checkout as it is ({change}); make the trees "
+                f"match, then `{resume_command(ev)}`")
     lacks = [f"{label} {getattr(f, k)} (here {setup[k]})" for k, label in SAME_ON_RESUME
              if getattr(f, k) != setup[k]] if setup is not None else None
     where = ("on its GPU and versions" if lacks is None else f"on a host with {'; '.join(lacks)}" if lacks

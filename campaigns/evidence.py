@@ -55,6 +55,9 @@ class Fingerprint:
     dirty_files: list[str] = field(default_factory=list)
     # gitops.code_digest at git_sha: what a resume at a later commit must match (None: recorded before 2026-12-05)
     code_digest: Optional[str] = None
+    # gitops.contents_digest of dirty_files: what a resume on a tree dirty in the same files must match (None: a
+    # clean tree, or recorded before 2026-12-07)
+    dirty_digest: Optional[str] = None
 
 
 @dataclass

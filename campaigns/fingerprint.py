@@ -78,4 +78,4 @@ def collect(repo_path: Path | str, device: str, lever_env: str, arms: list[Arm],
         git_sha=state.sha, git_short_sha=state.short_sha, dirty=state.dirty, branch=state.branch,
         device_type=device_info(device)[0], **host_setup(device), hostname=socket.gethostname(),
         arms_env=arms_env(lever_env, arms, pinned=pinned), config_hash=config_hash, dirty_files=state.dirty_files,
-        code_digest=code_digest(repo_path))
+        code_digest=code_digest(repo_path), dirty_digest=state.dirty_digest)

@@ -77,6 +77,7 @@ class RepoState:
     dirty: bool
     branch: str               # "HEAD" when detached
     dirty_files: list[str]
+    dirty_digest: str | None = None   # contents_digest of dirty_files (None: a clean tree)
 
 
 def project_root(cwd: Path | str | None = None) -> Path:
@@ -108,7 +109,26 @@ def repo_state(path: Path | str = ".", ignore: Iterable[str] = ()) -> RepoState:
     changed = {d.a_path for d in repo.index.diff(None)} | {d.a_path for d in repo.index.diff("HEAD")}
     changed |= set(repo.untracked_files)
     dirty_files = sorted(code_dirt(changed, ignore))
-    return RepoState(sha=sha, short_sha=sha[:7], dirty=bool(dirty_files), branch=branch, dirty_files=dirty_files)
+    return RepoState(sha=sha, short_sha=sha[:7], dirty=bool(dirty_files), branch=branch, dirty_files=dirty_files,
+                     dirty_digest=contents_digest(repo.working_tree_dir, dirty_files) if dirty_files else None)
+
+
+def contents_digest(root: Path | str, files: Iterable[str]) -> str:
+    """sha256 over the working-tree contents of ``files`` (repo-relative), in path order: a symbolic link as its
+    target, a deleted file as its absence. Two trees dirty in the same files are the same tree only where this is
+    equal (an edit to a file already dirty changes no file list)."""
+    root = Path(root)
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        path = root / rel
+        if path.is_symlink():
+            data = b"<link>" + os.readlink(path).encode()
+        elif path.is_file():
+            data = path.read_bytes()
+        else:
+            data = b"<missing>"
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
 
 
 RENDERED = ("record.md", "pr.md", "grid.png", "STATUS.md", "BENCHMARKS.md")     # derived from evidence files

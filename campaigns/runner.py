@@ -666,8 +666,7 @@ def _of_this_run(cfg: DictConfig, repo: Path, out_dir: Path, status: str) -> lis
         return []
     now = _fingerprint_now(cfg, mine[0], repo, not_dirt(repo, out_dir))
     mine = [ev for ev in mine if same_code(ev.fingerprint, now.git_sha, now.code_digest)
-            and sorted(ev.fingerprint.dirty_files) == sorted(now.dirty_files)
-            and ev.fingerprint.arms_env == now.arms_env
+            and tree_change(ev.fingerprint, now) is None and ev.fingerprint.arms_env == now.arms_env
             and all(getattr(ev.fingerprint, k) == getattr(now, k) for k, _ in SAME_ON_RESUME)]
     return sorted(mine, key=lambda ev: (ev.created, ev.campaign_id))
 
@@ -820,11 +819,9 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
         raise CampaignError(f"resume={cfg.resume!r}: the campaign ran at {then.git_short_sha}, the checkout "
                             f"is now at {now.git_short_sha} and {why}; legs from two codes would not compare "
                             f"(resume on a checkout of {then.git_short_sha}, or start a new campaign)")
-    if sorted(now.dirty_files) != sorted(then.dirty_files):
-        def tree(f):
-            return f"dirty in {', '.join(sorted(f))}" if f else "clean"
-        raise CampaignError(f"resume={cfg.resume!r}: the campaign ran on a tree {tree(then.dirty_files)}, the "
-                            f"checkout is {tree(now.dirty_files)}; legs from two trees would not compare (commit or "
+    change = tree_change(then, now)
+    if change is not None:
+        raise CampaignError(f"resume={cfg.resume!r}: {change}; legs from two trees would not compare (commit or "
                             "stash the change, or start a new campaign)")
     differ = [f"{label} {getattr(then, k)} then, {getattr(now, k)} now" for k, label in SAME_ON_RESUME
               if getattr(then, k) != getattr(now, k)]
@@ -841,6 +838,22 @@ def _check_resumable(ev: Evidence, cfg: DictConfig, repo: Path, out_dir: Path | 
                             "the engine applies an inherited VT_* variable to every lever no --lever names, so legs "
                             "would not compare: set the environment as it was, or start a new campaign")
     return now.git_short_sha if now.git_sha != then.git_sha else None
+
+
+def tree_change(then, now) -> str | None:
+    """How the checkout's tree differs from the one a campaign ran on, or None where they are the same: clean both,
+    or dirty in the same files with the same contents (an edit to a file that was dirty already changes no list of
+    files, but the code the next legs run)."""
+    def tree(f):
+        return f"dirty in {', '.join(sorted(f))}" if f else "clean"
+    if sorted(now.dirty_files) != sorted(then.dirty_files):
+        return f"the campaign ran on a tree {tree(then.dirty_files)}, the checkout is {tree(now.dirty_files)}"
+    if not then.dirty_files or then.dirty_digest == now.dirty_digest:
+        return None
+    if then.dirty_digest is None:
+        return (f"the campaign ran on a tree {tree(then.dirty_files)} whose contents it did not record (before "
+                "2026-12-07), so the checkout's cannot be shown the same")
+    return f"the campaign ran on a tree {tree(then.dirty_files)}, and their contents changed since"
 
 
 def resume_command(ev: Evidence) -> str:

@@ -377,7 +377,8 @@ def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, ca
     from vtengine import confdirs
     out = tmp_path / "records" / "campaigns"
     here = open_repo(confdirs.SOURCE_ROOT).head.commit.hexsha
-    dirty = repo_state(confdirs.SOURCE_ROOT, ignore=RUN_OUTPUTS).dirty_files     # the checkout as it is now
+    tree = repo_state(confdirs.SOURCE_ROOT, ignore=RUN_OUTPUTS)                   # the checkout as it is now
+    dirty = tree.dirty_files
     setup = host_setup("cuda" if torch.cuda.is_available() else "cpu")
 
     def put(cid, status="in-progress", legs=None, **fp):
@@ -386,7 +387,7 @@ def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, ca
         ev.legs = ev.legs[:legs] if legs is not None else ev.legs
         ev.peak_memory_gib = {a.name: 1.0 for a in ev.arms}
         ev.context = {a.name: {"gqa_swap": a.value} for a in ev.arms}
-        ev.fingerprint = dataclasses.replace(ev.fingerprint, **{"dirty_files": dirty, **fp})
+        ev.fingerprint = dataclasses.replace(ev.fingerprint, **{"dirty_files": dirty, "dirty_digest": tree.dirty_digest, **fp})
         save_evidence(ev, out / cid)
     put("2026-12-01-gqa_swap-done", status="complete")
     put("2026-12-02-gqa_swap-verdict-left")
@@ -423,7 +424,7 @@ def test_status_lists_unfinished_campaigns_and_what_can_finish_each(tmp_path, ca
            "resume=2026-12-07-gqa_swap-this-host`" in text
     assert (f"2026-12-08-gqa_swap-other-tree (10 legs, 16 gate results, on H200 at {here[:7]}): not resumable on "
             "this checkout as it is (the campaign ran on a tree dirty in ") in text
-    assert "vtengine/kernels/not_here.py, this one is " in text
+    assert "vtengine/kernels/not_here.py, the checkout is " in text
     assert ("2026-12-05-gqa_swap-old-code (7 legs, 16 gate results, on H200 at abc1234): not resumable on this "
             "checkout (the code has changed since); resume on a checkout of abc1234") in text
     assert "gqa_swap-no-digest (8 legs, 16 gate results, on H200 at abc1234): not resumable on this checkout (its " \

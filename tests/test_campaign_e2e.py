@@ -363,8 +363,9 @@ def test_resume_auto_finds_the_newest_unfinished_campaign_of_its_config_at_its_c
 
 def test_a_resume_refuses_another_tree_device_or_versions(tmp_path):
     """Legs added on resume must compare with the kept ones: a campaign begun on a clean tree does not resume on an
-    edited one (naming the file), nor with another torch or device; its own evidence under out_dir is no dirt, and
-    the same setup on another host resumes."""
+    edited one (naming the file), one begun on a dirty tree not after a further edit of its dirty files, nor with
+    another torch or device; its own evidence under out_dir is no dirt, and the same setup on another host
+    resumes."""
     import dataclasses
 
     from campaigns.config import config_hash
@@ -384,7 +385,24 @@ def test_a_resume_refuses_another_tree_device_or_versions(tmp_path):
     (repo / "README.md").write_text("edited\n")
     with pytest.raises(CampaignError, match=r"ran on a tree clean, the checkout is dirty in README.md"):
         _check_resumable(ev, cfg, repo, out)
+    # begun on a tree dirty in README.md: an edit to that file changes no list of dirty files, but the code
+    dirty = collect(repo, "cpu", levers.get("gqa_swap").env, ev.arms, config_hash(cfg), ignore_dirty=("records",))
+    assert dirty.dirty_files == ["README.md"] and dirty.dirty_digest is not None
+    ev.fingerprint = dataclasses.replace(dirty, hostname="another-host")
+    _check_resumable(ev, cfg, repo, out)                     # the same edit: resumes
+    (repo / "README.md").write_text("edited again\n")
+    with pytest.raises(CampaignError, match=r"ran on a tree dirty in README.md, and their contents changed since"):
+        _check_resumable(ev, cfg, repo, out)
+    (repo / "README.md").unlink()                            # a deletion is a content too
+    with pytest.raises(CampaignError, match=r"contents changed since"):
+        _check_resumable(ev, cfg, repo, out)
+    (repo / "README.md").write_text("edited\n")
+    ev.fingerprint = dataclasses.replace(dirty, dirty_digest=None)      # recorded before contents were
+    with pytest.raises(CampaignError, match=r"whose contents it did not record"):
+        _check_resumable(ev, cfg, repo, out)
+    ev.fingerprint = dataclasses.replace(dirty, hostname="another-host")
     (repo / "README.md").write_text("campaign sandbox\n")
+    ev.fingerprint = dataclasses.replace(ev.fingerprint, dirty_files=[], dirty_digest=None)
     ev.fingerprint = dataclasses.replace(ev.fingerprint, torch_version="2.11.0+cu130")
     with pytest.raises(CampaignError, match=r"torch 2.11.0\+cu130 then, .* now; legs measured on two setups"):
         _check_resumable(ev, cfg, repo, out)
