@@ -22,6 +22,7 @@ commit is not in this repository), the answer is STALE: the safe one.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -99,7 +100,7 @@ def changed_sources(repo_root: Path | str, sha: str, entries: list[str]) -> list
         return None
     if not _commit_known(repo, sha):
         return None
-    return sources.changed(entries, lambda p: _git_file(repo, sha, p), lambda p: _tree_file(root, p))
+    return sources.changed(entries, lambda p: _git_file(repo, sha, p), _as_stored(repo, root))
 
 
 def sources_diff(repo_root: Path | str, sha: str, entries: list[str]) -> str:
@@ -110,12 +111,36 @@ def sources_diff(repo_root: Path | str, sha: str, entries: list[str]) -> str:
     repo = open_repo(root)
     if not _commit_known(repo, sha):
         return ""
-    return sources.diff(entries, lambda p: _git_file(repo, sha, p), lambda p: _tree_file(root, p), sha[:7],
+    return sources.diff(entries, lambda p: _git_file(repo, sha, p), _as_stored(repo, root), sha[:7],
                         "working tree")
 
 
 def _tree_file(root: Path, path: str) -> bytes | None:
     return (root / path).read_bytes() if (root / path).is_file() else None
+
+
+def _as_stored(repo, root: Path):
+    """A reader of working-tree files as git stores them, to compare with a commit's blobs: a symbolic link as its
+    target's path (git's blob of a link; reading through it gave the target's contents, so a linked source never
+    compared equal), and a file whose bytes git's filters change (CRLF turned LF by core.autocrlf or a
+    .gitattributes eol) as HEAD has it where git finds it unmodified (else a CRLF checkout of a .cu file read as
+    changed at every commit)."""
+    def read(path: str) -> bytes | None:
+        where = root / path
+        if where.is_symlink():
+            return os.readlink(where).encode()
+        data = _tree_file(root, path)
+        if data is not None and b"\r" in data and _unmodified(repo, path):
+            return _git_file(repo, "HEAD", path)
+        return data
+    return read
+
+
+def _unmodified(repo, path: str) -> bool:
+    """Whether git finds the working-tree ``path`` as HEAD has it (after its filters)."""
+    status, _, _ = repo.git.execute(["git", "diff", "--quiet", "HEAD", "--", path], with_exceptions=False,
+                                    with_extended_output=True)
+    return status == 0
 
 
 # Source files whose code runs for these weight quantizations alone: the W4A16 kernels run on quantized weights

@@ -165,6 +165,29 @@ def test_comments_docstrings_and_formatting_do_not_stale_but_code_does(repo):
     assert not lever_context.freshness(ev, repo, *now(repo)).fresh
 
 
+def test_sources_compare_as_git_stores_them_links_and_line_endings_too(repo):
+    """The working tree is read as git stores it: a linked source as its link (reading through it gave the target's
+    contents, never equal to the link's blob), and a CRLF checkout of a non-Python source that git's filters store
+    as committed (core.autocrlf) as unchanged; a retargeted link or an edited line is a change."""
+    import os
+    r = git.Repo(repo)
+    kernels = repo / "vtengine" / "kernels"
+    (kernels / "attn.cu").write_bytes(b"__global__ void k() {\n  return;\n}\n")
+    os.symlink("attention.py", kernels / "alias.py")
+    sha = commit_all(repo, "a CUDA source and a linked one")
+    entries = ["vtengine/kernels/attn.cu", "vtengine/kernels/alias.py"]
+    assert lever_context.changed_sources(repo, sha, entries) == []
+    r.config_writer().set_value("core", "autocrlf", "true").release()
+    (kernels / "attn.cu").write_bytes(b"__global__ void k() {\r\n  return;\r\n}\r\n")
+    assert lever_context.changed_sources(repo, sha, entries) == []
+    assert lever_context.sources_diff(repo, sha, entries) == ""
+    (kernels / "attn.cu").write_bytes(b"__global__ void k() {\r\n  return 1;\r\n}\r\n")
+    assert lever_context.changed_sources(repo, sha, entries) == ["vtengine/kernels/attn.cu"]
+    (kernels / "alias.py").unlink()
+    os.symlink("gemv.py", kernels / "alias.py")
+    assert lever_context.changed_sources(repo, sha, entries) == entries
+
+
 def test_a_lever_added_since_stales_only_at_an_on_default(repo):
     """The campaign's liveness was counted against the levers of its day, so it cannot list a lever added since:
     such a lever is live there when one of its kernels ran (split_rule's decode_attention, which gqa_swap's
