@@ -14,8 +14,9 @@ What counts in a file listed by its definitions, found statically and on the saf
 - inside a class: every member named through ``self.``, ``cls.`` or the class's name; for an instance attribute
   (``self.levers``), every method of the class that assigns it; always what shapes every instance (``__init__``,
   ``__post_init__``, ``__new__``, a method calling ``setattr(self, ...)``: the Triton backend's constructor routes
-  ops by it); the class's bases, decorators and keywords; the whole class where a method uses the class itself
-  otherwise (builds one, passes it on);
+  ops by it) and every dunder member (``__call__``, ``__getitem__``, ``__slots__``: the language calls them
+  implicitly, ``self(x)``, ``self[i]``, which no ``self.<name>`` shows); the class's bases, decorators and
+  keywords; the whole class where a method uses the class itself otherwise (builds one, passes it on);
 - module-level statements that bind no name (a call at import time), always;
 - every name of the file that the counted code of the lever's other listed files imports (``from
   vtengine.kernels.fused import RopeOut``, ``fused.RopeOut``), to a fixed point.
@@ -152,16 +153,22 @@ def _assigners(cls: ast.ClassDef, attr: str) -> list[int]:
     return out
 
 
+def _dunder(name: str) -> bool:
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
 def _constructors(cls: ast.ClassDef) -> list[int]:
-    """Indices of the members that shape every instance: __init__, __post_init__, __new__, and any method that sets
+    """Indices of the members that shape every instance or that the language calls on it implicitly: every dunder
+    member (__init__, __post_init__, __new__, __call__, __getitem__, __slots__, ...), and any method that sets
     attributes by computed name (``setattr(self, name, ...)``: it may replace a method the lever calls)."""
     out = []
     for j, s in enumerate(cls.body):
-        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
-                s.name in ("__init__", "__post_init__", "__new__") or any(
-                    isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr"
-                    and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id in ("self", "cls")
-                    for n in ast.walk(s))):
+        if any(map(_dunder, _binds(s))):
+            out.append(j)
+        elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr"
+                and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id in ("self", "cls")
+                for n in ast.walk(s)):
             out.append(j)
     return out
 

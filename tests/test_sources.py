@@ -255,6 +255,22 @@ def test_what_shapes_every_instance_counts():
     assert sources.reached(entries, lambda p: src.encode()) == {"b.py": ["B.__init__", "B.route", "B.late"]}
 
 
+def test_what_the_language_calls_implicitly_counts():
+    """A declared method may call its class's dunders with no ``self.<name>`` in sight: ``self(x)``, ``self[i]``,
+    ``len(self)``, ``x in self``; every dunder member counts (``__slots__`` too), a plain unused method does not."""
+    src = ("class B:\n    __slots__ = ('w',)\n\n    def __call__(self, x):\n        return x * 2\n\n"
+           "    def __getitem__(self, i):\n        return i + 1\n\n    def __len__(self):\n        return 4\n\n"
+           "    def route(self, x):\n        return self(x) + self[x] + len(self)\n\n    def other(self):\n"
+           "        return 2\n")
+    entries = ["b.py::B.route"]
+    for old, new in (("x * 2", "x * 3"), ("i + 1", "i - 1"), ("return 4", "return 5"), ("('w',)", "('w', 'v')")):
+        assert sources.changed(entries, lambda p: src.encode(), lambda p: src.replace(old, new).encode()) == entries
+    other = src.replace("return 2\n", "return 3\n")
+    assert other != src and sources.changed(entries, lambda p: src.encode(), lambda p: other.encode()) == []
+    assert sources.reached(entries, lambda p: src.encode()) == {
+        "b.py": ["B.__slots__", "B.__call__", "B.__getitem__", "B.__len__", "B.route"]}
+
+
 def test_reached_names_what_counts_and_whole_files():
     got = sources.reached(ENTRIES, tree())
     assert got["pkg/kernels/gemv.py"] is None
