@@ -783,3 +783,38 @@ def test_a_preset_lever_mechanism_proves_every_lever_it_sets(monkeypatch):
     ok, why = mechanism.expected("mixed_prefill", True, {**on, "chunk_graphs": {"chunk_steps": 0, "shapes": []}})
     assert not ok and "chunk_graphs: 0 full prefill chunks" in why
     ctx.release_engines()
+
+
+def test_the_op_gate_launches_every_levers_values_through_its_kernels():
+    """Each lever the op gate tests reaches its kernels' launches: for every value but the default (resolved with
+    its presets, bf16 and mxfp4), some kernel it affects launches with other settings. split_rule's were dropped
+    once: both arms ran the off route, and the candidate read as byte-exact to the baseline."""
+    from vtengine import levers
+    same = []
+    for name, lever in sorted(levers.registry().items()):
+        for quant in (None, "mxfp4"):
+            def launches(value):
+                values = dict(levers.resolve({name: value}, environ={}, quant=quant).values)
+                return [op.setting_for(k, name, values) for k in lever.affects]
+            for value in (lever.values or [False, True]) if lever.affects else ():
+                if value != lever.default and launches(value) == launches(lever.default):
+                    same.append(f"{name}={value} ({quant or 'bf16'})")
+    assert same == []
+
+
+def test_the_split_rule_op_gate_runs_the_candidates_slices(monkeypatch):
+    """The split_rule candidate's decode attention cases launch with its rule, the baseline's with off."""
+    from vtengine.kernels import attention
+    seen = []
+    real = attention.decode_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("split_rule"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(attention, "decode_attention", spy)
+    ctx = GateContext(lever="split_rule", arms=[Arm("off", "off", "baseline"), Arm("len64", "len64", "candidate")],
+                      model="tiny", quant="bf16", device="cpu", gate_cfg=OmegaConf.create(GATE_CFG),
+                      near_tie_max_mnats=500.0)
+    res = run_gate("op", ctx, ctx.arms[1])
+    assert res.passed, res.details
+    assert "len64" in seen and "off" in seen            # the candidate's runs, and the baseline's to compare

@@ -420,7 +420,8 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         return v not in OFF_VALUES
     if kernel == "decode_attention":
         return {"gqa_swap": on("gqa_swap"), "nsplits_cap": values.get("nsplits_cap", "off") or "off",
-                "fast_math": on("fast_math"), "pdl": on("pdl"), "wave_grid": on("decode_wave_grid")}
+                "split_rule": values.get("split_rule", "off") or "off", "fast_math": on("fast_math"),
+                "pdl": on("pdl"), "wave_grid": on("decode_wave_grid")}
     if kernel == "prefill_attention":
         # prefill_splits acts on the packed route only: test it there, as pdl_prefetch with pdl
         return {"gqa_pack": on("prefill_gqa_pack") or lever == "prefill_splits", "fast_math": on("fast_math"),
