@@ -754,6 +754,30 @@ esac
     assert memcheck.campaign_runs(ctx, str(tool)) is runs and len(log.read_text().splitlines()) == 4
 
 
+def test_a_memcheck_fault_run_that_times_out_caught_nothing(tmp_path, monkeypatch):
+    """The fault counts as caught only where memcheck reports the access: a faulted run that hangs past the timeout
+    shows nothing, so the self-check fails (it read as caught once); a clean run that hangs fails the gate."""
+    from campaigns.gates import memcheck
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text("""#!/usr/bin/env bash
+case "${@: -1}" in
+  *'"fault": true'*) exec sleep 30 ;;
+esac
+echo MEMCHECK_TARGET_DONE
+echo "========= ERROR SUMMARY: 0 errors"
+""")
+    tool.chmod(0o755)
+    monkeypatch.setattr(memcheck, "sanitizer", lambda: str(tool))
+    ctx = context(device="cuda")
+    ctx.gate_cfg.memcheck.model = "tiny"
+    ctx.gate_cfg.memcheck.timeout_s = 2
+    res = run_gate("memcheck", ctx, ctx.arms[1])
+    assert res.passed and res.self_check is False, res.details
+    ctx.cache["memcheck:runs"][("on", False)] = {"error": "timed out after 2 s"}
+    res = run_gate("memcheck", ctx, ctx.arms[1])
+    assert not res.passed and res.details["error"] == "timed out after 2 s"
+
+
 def test_a_preset_lever_mechanism_proves_every_lever_it_sets(monkeypatch):
     """mixed_prefill sets six levers: its probe is theirs, each at the value the arm resolves it to. The ON arm
     shows its chunks, decode rows in the prefill steps, full chunks replayed, the packed prefill grid, a prompt
