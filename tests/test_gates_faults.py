@@ -398,10 +398,31 @@ def test_a_broken_kernel_broken_alike_in_graphs_and_eager_passes_graph_parity_bu
     ctx = context(device="cuda", broken_arm="on")
     ctx.with_levers = {"mixed_prefill": False}
     cand = ctx.arms[1]
-    res = run_gate("graph_parity", ctx, cand, self_check=False)
+    res = run_gate("graph_parity", ctx, cand)
     assert res.passed and res.counts["graph_replays"] > 0
+    assert res.self_check is True, res.details        # its own fault differs from the arm's standing one
+    # and the self-check left the arm broken (it once mended its eager steps for every gate after)
     assert not run_gate("battery", ctx, cand, self_check=False).passed
     ctx.release_engines()
+
+
+def test_graphs_captured_over_a_fault_leave_the_arms_standing_fault_in_place(broken, monkeypatch):
+    """graph_parity's self-check captures graphs over its fault, then puts the arm's eager steps back as they were:
+    a product test's broken arm stays broken (mended to clean, every later gate on it tested a healthy engine), a
+    clean arm stays clean. The capture itself needs CUDA: a stand-in records the fault it would capture over."""
+    from vtengine.faults import Fault
+    for arm in broken.arms:
+        llm = broken.engine(arm)
+        captured = []
+        runner = llm.engine.runner
+        monkeypatch.setattr(runner, "capture_graphs", lambda n, e=llm.engine: captured.append(e.fault))
+        for k in ("graphs", "g_out", "g_ids", "g_pos", "g_ctx"):     # the CUDA runner's graph state
+            monkeypatch.setattr(runner, k, getattr(runner, k, None), raising=False)
+        fault = Fault("perturb", "rms_norm", -3.0)
+        with broken.graphs_captured_with(arm, fault, 2) as faulted:
+            assert captured == [fault] and faulted.engine.fault == broken.standing_fault(arm)
+        assert llm.engine.fault == broken.standing_fault(arm)
+    assert broken.standing_fault(broken.arms[1]) is not None and broken.standing_fault(broken.arms[0]) is None
 
 
 @pytest.mark.gpu

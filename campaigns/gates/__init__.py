@@ -229,8 +229,9 @@ class GateContext:
     @contextmanager
     def graphs_captured_with(self, arm: Arm, fault, max_batch: int):
         """The arm's runner replaying graphs (batch sizes up to ``max_batch``) captured while ``fault`` broke the
-        engine; eager steps stay clean, and the clean graphs (with their static buffers) are put back afterwards,
-        so nothing is re-captured."""
+        engine; eager steps run as the arm's do (clean, or a product test's standing fault: mending them to clean
+        healed a broken arm for every gate after), and the arm's own graphs (with their static buffers) are put
+        back afterwards, so nothing is re-captured."""
         from vtengine.faults import set_fault
         llm = self.engine(arm)
         runner = llm.engine.runner
@@ -240,7 +241,7 @@ class GateContext:
         try:
             runner.capture_graphs(max_batch)
         finally:
-            set_fault(llm.engine, None)     # eager steps are clean again; only the captured graphs carry the fault
+            set_fault(llm.engine, self.standing_fault(arm))     # only the captured graphs carry the fault
         try:
             yield llm
         finally:
