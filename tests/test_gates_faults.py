@@ -384,7 +384,8 @@ def test_graph_parity_counts_replays_and_catches_a_diverging_graph():
     for arm in ctx.arms:
         res = run_gate("graph_parity", ctx, arm)
         assert res.passed and res.counts["graph_replays"] > 0 and res.counts["eager_graph_replays"] == 0
-        assert res.self_check is True and res.details["self_check_counts"]["mismatched"] > 0
+        assert res.self_check is True and res.details["self_check_counts"]["decode_mismatched"] > 0
+        assert res.details["self_check_counts"]["decode_broken_replays"] > 0
     ctx.release_engines()
 
 
@@ -410,18 +411,24 @@ def test_graphs_captured_over_a_fault_leave_the_arms_standing_fault_in_place(bro
     """graph_parity's self-check captures graphs over its fault, then puts the arm's eager steps back as they were:
     a product test's broken arm stays broken (mended to clean, every later gate on it tested a healthy engine), a
     clean arm stays clean. The capture itself needs CUDA: a stand-in records the fault it would capture over."""
+    from types import SimpleNamespace
+
     from vtengine.faults import Fault
     for arm in broken.arms:
         llm = broken.engine(arm)
         captured = []
         runner = llm.engine.runner
         monkeypatch.setattr(runner, "capture_graphs", lambda n, e=llm.engine: captured.append(e.fault))
+        monkeypatch.setattr(runner, "capture_chunk_graphs", lambda c, n, e=llm.engine: captured.append(e.fault))
         for k in ("graphs", "g_out", "g_ids", "g_pos", "g_ctx"):     # the CUDA runner's graph state
             monkeypatch.setattr(runner, k, getattr(runner, k, None), raising=False)
+        monkeypatch.setattr(runner, "chunk_graphs", SimpleNamespace(chunk=16))
         fault = Fault("perturb", "rms_norm", -3.0)
-        with broken.graphs_captured_with(arm, fault, 2) as faulted:
-            assert captured == [fault] and faulted.engine.fault == broken.standing_fault(arm)
-        assert llm.engine.fault == broken.standing_fault(arm)
+        for chunk in (False, True):
+            with broken.graphs_captured_with(arm, fault, 2, chunk=chunk) as faulted:
+                assert captured == [fault] and faulted.engine.fault == broken.standing_fault(arm)
+            assert llm.engine.fault == broken.standing_fault(arm) and runner.chunk_graphs.chunk == 16
+            captured.clear()
     assert broken.standing_fault(broken.arms[1]) is not None and broken.standing_fault(broken.arms[0]) is None
 
 
@@ -456,8 +463,12 @@ def test_chunk_graphs_gates_replay_chunk_graphs_on_the_gpu():
     for arm in ctx.arms:
         res = run_gate("mechanism", ctx, arm)
         assert res.passed and res.self_check is True, res.details
-        par = run_gate("graph_parity", ctx, arm, self_check=False)
+        par = run_gate("graph_parity", ctx, arm, self_check=arm.name == "on")
         assert par.passed, par.details
+    # the ON arm's self-check broke its decode graphs, then its chunk graphs (decode graphs clean): both caught
+    assert par.self_check is True and [(f["fault"], f["caught"]) for f in par.details["self_check_faults"]] == [
+        ("decode graphs", True), ("chunk graphs", True)], par.details
+    assert par.details["self_check_counts"]["chunk_broken_replays"] > 0
     assert ctx.cache["mechanism:on"][0]["chunk_steps"] == 2 and ctx.cache["mechanism:off"][0]["chunk_steps"] == 0
     assert par.counts["chunk_graph_replays"] >= 2
     ctx.release_engines()
@@ -470,7 +481,7 @@ def test_graph_parity_self_check_fails_the_gate_for_a_prefill_kernel_preset():
     for arm in ctx.arms:
         res = run_gate("graph_parity", ctx, arm)
         assert res.passed and res.self_check is True, res.details
-        assert res.details["self_check_counts"]["mismatched"] > 0
+        assert res.details["self_check_counts"]["decode_mismatched"] > 0
     ctx.release_engines()
 
 

@@ -227,19 +227,24 @@ class GateContext:
             runner.use_graphs = use_graphs
 
     @contextmanager
-    def graphs_captured_with(self, arm: Arm, fault, max_batch: int):
-        """The arm's runner replaying graphs (batch sizes up to ``max_batch``) captured while ``fault`` broke the
-        engine; eager steps run as the arm's do (clean, or a product test's standing fault: mending them to clean
-        healed a broken arm for every gate after), and the arm's own graphs (with their static buffers) are put
-        back afterwards, so nothing is re-captured."""
+    def graphs_captured_with(self, arm: Arm, fault, max_batch: int, chunk: bool = False):
+        """The arm's runner replaying graphs captured while ``fault`` broke the engine: its decode graphs (batch
+        sizes up to ``max_batch``), or with ``chunk`` its chunk graphs (the lever chunk_graphs, at their chunk) and
+        the decode graphs as they were. Eager steps run as the arm's do (clean, or a product test's standing fault:
+        mending them to clean healed a broken arm for every gate after), and the arm's own graphs (with their
+        static buffers) are put back afterwards, so nothing is re-captured."""
         from vtengine.faults import set_fault
         llm = self.engine(arm)
         runner = llm.engine.runner
-        saved = {k: getattr(runner, k) for k in ("graphs", "g_out", "g_ids", "g_pos", "g_ctx")}
-        runner.graphs = {}
+        saved = {k: getattr(runner, k) for k in ("graphs", "g_out", "g_ids", "g_pos", "g_ctx", "chunk_graphs",
+                                                   "graph_pool")}
         set_fault(llm.engine, fault)
         try:
-            runner.capture_graphs(max_batch)
+            if chunk:
+                runner.capture_chunk_graphs(runner.chunk_graphs.chunk, runner.max_num_seqs - 1)
+            else:
+                runner.graphs = {}
+                runner.capture_graphs(max_batch)
         finally:
             set_fault(llm.engine, self.standing_fault(arm))     # only the captured graphs carry the fault
         try:

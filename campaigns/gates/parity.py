@@ -18,8 +18,10 @@ concurrent"):
   the best token's. A served token that is no near-tie there fails the gate.
 
 Faults (the engine under test broken, vtengine/faults.py): graph_parity replays decode graphs captured while the
-lever's kernel was broken (the first of its kernels a decode step runs, else rms_norm) against clean eager steps,
-and counts replays (a "graphed" run that replayed nothing compared eager with eager); async_parity breaks the arm's
+lever's kernel was broken (the first of its kernels a decode step runs, else rms_norm) against the arm's eager
+steps, and under the lever chunk_graphs, in a second run, its chunk graphs so captured; each run is caught only
+where it replayed the broken graphs (counted: a "graphed" run that replayed nothing compared eager with eager) and
+its tokens differ; async_parity breaks the arm's
 own server (started with --fault-injection) twice, a token lost on the serving path and decode steps fed a stale
 token (the async race), and each of its two legs must be caught.
 """
@@ -71,7 +73,8 @@ def _graphed_tokens(llm, prompts, params) -> tuple[list[list[int]], int, int]:
 
 def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     """Graphed decode equals eager decode, token for token, and the graphed run really replayed graphs (counted).
-    Fault: graphs captured while the lever's kernel was broken, replayed against the clean eager run."""
+    Fault: graphs captured while the lever's kernel was broken, replayed against the arm's eager run
+    (_graph_parity_fault)."""
     if ctx.device != "cuda":
         return skipped("graph_parity", arm, "CUDA graphs need a CUDA device; this host has none")
     t0 = time.perf_counter()
@@ -100,16 +103,9 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
         finally:
             runner.use_graphs = True
     eager, eager_replays = ctx.cache[f"eager:{arm.name}"]
-    note = ""
     if fault:
-        fault_obj = ctx.decode_fault()
-        if fault_obj == ctx.standing_fault(arm):    # a product test's broken arm runs that fault throughout: its
-            fault_obj = ctx.decode_fault(-3.0)      # graphs would equal its eager steps; break them another way
-        with ctx.graphs_captured_with(arm, fault_obj, len(prompts)) as faulted:
-            graphed, replays, chunk_replays = _graphed_tokens(faulted, prompts, params)
-        note = f"graphs captured over a broken kernel ({fault_obj.describe()}), replayed against clean eager steps"
-    else:
-        graphed, replays, chunk_replays = ctx.cache[key]
+        return _graph_parity_fault(ctx, arm, t0, prompts, params, eager, chunks is not None)
+    graphed, replays, chunk_replays = ctx.cache[key]
     counts, mism = _compare(graphed, eager)
     counts.update(graph_batch_sizes=len(runner.graphs), graph_replays=replays, eager_graph_replays=eager_replays)
     if chunks is not None:
@@ -118,8 +114,33 @@ def run_graph_parity(ctx: GateContext, arm: Arm, fault: bool = False) -> GateRes
     why = "" if replays > 0 else "the graphed run replayed no graph (counters): graphed and eager were not compared"
     if chunks is not None and not chunk_replays:
         why = "chunk_graphs is on but no full chunk replayed its graph: the chunk graphs were not compared"
+    if eager_replays:
+        why = f"the eager run replayed {eager_replays} graph(s) (counters): eager was not eager"
     return result("graph_parity", arm, passed, t0, counts=counts,
-                  details={"fault": note, "mismatched": mism, "why": why})
+                  details={"fault": "", "mismatched": mism, "why": why})
+
+
+def _graph_parity_fault(ctx: GateContext, arm: Arm, t0: float, prompts, params, eager, chunked: bool) -> GateResult:
+    """graph_parity's self-check: decode graphs captured over a broken kernel, replayed against the arm's eager
+    tokens, must differ from them; under the lever chunk_graphs its chunk graphs so captured must too (with the
+    decode graphs clean: mismatches of the decode graphs alone never showed a broken chunk graph caught). A run is
+    caught only where it replayed the broken graphs (counted) and its tokens differ."""
+    fault_obj = ctx.decode_fault()
+    if fault_obj == ctx.standing_fault(arm):    # a product test's broken arm runs that fault throughout: its
+        fault_obj = ctx.decode_fault(-3.0)      # graphs would equal its eager steps; break them another way
+    runs, counts = [], {}
+    for which in ("decode", "chunk") if chunked else ("decode",):
+        with ctx.graphs_captured_with(arm, fault_obj, len(prompts), chunk=which == "chunk") as faulted:
+            graphed, replays, chunk_replays = _graphed_tokens(faulted, prompts, params)
+        _, mism = _compare(graphed, eager)
+        broken = chunk_replays if which == "chunk" else replays - chunk_replays
+        runs.append({"fault": f"{which} graphs", "caught": bool(mism) and broken > 0, "mismatched": mism,
+                     "broken_graph_replays": broken})
+        counts[f"{which}_mismatched"], counts[f"{which}_broken_replays"] = len(mism), broken
+    note = (f"{' and '.join(r['fault'] for r in runs)} captured over a broken kernel ({fault_obj.describe()}), "
+            "replayed against the arm's eager steps")
+    return result("graph_parity", arm, not all(r["caught"] for r in runs), t0, counts=counts,
+                  details={"fault": note, "faults": runs})
 
 
 def sync_reference(ctx: GateContext, arm: Arm) -> dict:
