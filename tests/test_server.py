@@ -403,3 +403,35 @@ def test_engine_failure_fails_requests_loudly(async_scheduling, before_fault):
     finally:
         stop_thread(uv)
         server.engine.shutdown()
+
+
+def test_the_replies_of_the_pass_whose_step_dies_still_reach_their_callers():
+    """A command's result and an add's rejection are sent after the pass's step: when that step raised, they were
+    dropped with the pass, and their callers (a /debug/fault call, a rejected request) waited forever. They now go
+    out before the engine's death, and the decoding request gets the death in band."""
+    from vtengine.engine.async_engine import AsyncEngine, EngineDeadError
+    from vtengine.engine.sampling_params import RequestError
+    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=2))
+    ae = AsyncEngine(engine)
+
+    def breaks_the_next_step(eng):
+        def step():
+            raise RuntimeError("injected fault in the step")
+        eng.step = step
+        return "broken"
+
+    async def main():
+        params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+        stream = await ae.add_request("r1", [5, 6, 7], params)
+        # posted together: the engine thread takes both in one pass, then its step dies
+        called, added = await asyncio.wait_for(asyncio.gather(
+            ae.call(breaks_the_next_step), ae.add_request("r1", [5, 6], params), return_exceptions=True), 20)
+        assert called == "broken"
+        assert isinstance(added, (RequestError, EngineDeadError)), added     # a duplicate id, or a dead engine
+        with pytest.raises(EngineDeadError, match="injected fault in the step"):
+            async for _ in ae.stream_outputs(stream):
+                pass
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()

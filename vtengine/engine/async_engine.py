@@ -166,6 +166,10 @@ class AsyncEngine:
     # -- engine thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
+        # this pass's replies (a command's result, an add's acceptance or rejection, the step's outputs), sent
+        # after the step; if the step raises, they go out before the engine's death (a reply held here was lost
+        # with its caller waiting forever)
+        deliveries: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
         try:
             while True:
                 with self._cv:
@@ -175,7 +179,6 @@ class AsyncEngine:
                         break
                     cmds = list(self._inbox)
                     self._inbox.clear()
-                deliveries: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
                 for cmd in cmds:
                     self._handle(cmd, deliveries)
                 if eng.has_unfinished_requests():
@@ -193,7 +196,8 @@ class AsyncEngine:
                         deliveries[stream.loop].append((stream.queue, out))
                 # stats first: a client that got its last token and reads /metrics must see this step counted
                 self._refresh_stats()
-                self._deliver(deliveries)
+                sent, deliveries = deliveries, collections.defaultdict(list)
+                self._deliver(sent)
         except BaseException as e:        # an engine bug: fail every request loudly instead of hanging them
             self._error = e
             traceback.print_exc()
@@ -203,7 +207,6 @@ class AsyncEngine:
                 pending = [c[1] for c in self._inbox if c[0] in ("add", "call")]
                 self._inbox.clear()
             err = EngineDeadError(f"engine stopped: {self._error!r}" if self._error else "engine shut down")
-            deliveries = collections.defaultdict(list)
             for stream in list(self._streams.values()) + pending:
                 deliveries[stream.loop].append((stream.queue, err))
             self._streams.clear()
