@@ -435,3 +435,18 @@ def test_the_replies_of_the_pass_whose_step_dies_still_reach_their_callers():
         asyncio.run(main())
     finally:
         ae.shutdown()
+
+
+def test_a_batch_of_prompts_is_admitted_in_one_step(served):
+    """The prompts of one request are posted together, so the engine prefills them in one step: awaited one by one,
+    each add waited for the engine's next step and 8 prompts took 8 prefill steps (7 of them beside decoding)."""
+    server, url = served
+    m0 = metrics(url)
+    body = {"model": "tiny", "prompt": [[5, 6, 7, 8]] * 8, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
+    m = metrics(url)
+    steps = m["vtengine_engine_steps_total"] - m0["vtengine_engine_steps_total"]
+    decode = m["vtengine_engine_decode_steps_total"] - m0["vtengine_engine_decode_steps_total"]
+    assert steps - decode <= 2, (steps, decode)          # one prefill step (two where the thread split the posts)
+    assert m["vtengine_generation_tokens_total"] - m0["vtengine_generation_tokens_total"] == 32

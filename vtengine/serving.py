@@ -66,19 +66,27 @@ class CompletionServing:
                                        "param": None, "code": None}}, status_code=499)
 
     async def _start(self, rid: str, req: CompletionRequest, arrival_time: float | None) -> list:
-        """Add every prompt of the request; if one is rejected, abort the ones already added."""
-        streams = []
-        try:
-            for i, (ids, sp) in enumerate(zip(req.prompts, req.params)):
-                streams.append(await self.engine.add_request(f"{rid}-{i}", ids, sp, arrival_time))
-        except (RequestError, EngineDeadError) as e:
-            for s in streams:
-                self.engine.abort(s.request_id)
-            if isinstance(e, EngineDeadError):
-                raise engine_dead(e) from None
+        """Add every prompt of the request, all posted before any is awaited (so the engine admits a batch in one
+        step: awaited one by one, each add waited for the engine's next step, and a batch of N prompts was
+        prefilled over N steps); if one is rejected, abort the ones added. A cancelled caller aborts them all
+        (add_request aborts its own)."""
+        adds = [self.engine.add_request(f"{rid}-{i}", ids, sp, arrival_time)
+                for i, (ids, sp) in enumerate(zip(req.prompts, req.params))]
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return results
+        for r in results:
+            if not isinstance(r, BaseException):
+                self.engine.abort(r.request_id)
+        dead = [e for e in errors if isinstance(e, EngineDeadError)]
+        if dead:
+            raise engine_dead(dead[0]) from None
+        e = errors[0]
+        if isinstance(e, RequestError):
             # the protocol checked every field, so the engine rejecting one is a field we do not know of
             raise ApiError(str(e), param=e.param) from None
-        return streams
+        raise e
 
     async def _merged(self, streams: list) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) from every stream as it arrives; closing this aborts the unfinished.
