@@ -60,6 +60,17 @@ def test_seeded_sampling_is_batch_invariant_and_seed_dependent(llm):
     assert other != alone
 
 
+def test_a_vanishing_temperature_samples_greedily(llm):
+    """A temperature under 1e-5 is greedy (as vLLM's): dividing the logits by 1e-300 gave inf, a NaN softmax and
+    token 0 at every step, served as a 200."""
+    prompt = mixed_prompts(1)[0]
+    greedy = tokens(llm.generate([prompt], GREEDY))[0]
+    for t in (1e-300, 1e-40, 1e-6):
+        p = SamplingParams(max_tokens=12, temperature=t, seed=1, ignore_eos=True)
+        assert p.greedy and tokens(llm.generate([prompt], p))[0] == greedy, t
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
 def test_stop_token_and_eos(llm):
     prompt = mixed_prompts(1)[0]
     free = tokens(llm.generate([prompt], GREEDY))[0]

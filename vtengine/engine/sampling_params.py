@@ -20,10 +20,15 @@ class RequestError(ValueError):
         self.param = param
 
 
+# A temperature below this samples as greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by a temperature under
+# ~1e-38 gave inf, a NaN softmax and token 0 every time; between, the distribution is a point mass anyway.
+SAMPLING_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0        # 0 means greedy
+    temperature: float = 1.0        # 0 (or below SAMPLING_EPS) means greedy
     top_k: int = -1                 # -1 or 0: disabled
     top_p: float = 1.0
     seed: int | None = None
@@ -53,4 +58,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
