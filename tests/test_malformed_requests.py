@@ -198,6 +198,17 @@ def test_body_over_the_limit_gets_413(served, monkeypatch):
     assert_still_serving(url)
 
 
+def test_a_default_max_tokens_takes_the_room_the_prompt_leaves(served):
+    """A completion that sends no max_tokens gets OpenAI's 16, or the room its prompt leaves where that is less: a
+    400 telling it to reduce a field it never sent was no answer (as vLLM clamps it)."""
+    server, url = served
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [5] * 2040, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["token_ids"]) == 8 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [5] * 4, "ignore_eos": True}, timeout=60)
+    assert len(r.json()["choices"][0]["token_ids"]) == 16
+
+
 def test_rejected_requests_leave_nothing_behind(served):
     """After every malformed request the engine holds no sequence and no KV block, and counted each 4xx."""
     from campaigns.loadgen import parse_prometheus

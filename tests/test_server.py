@@ -313,6 +313,11 @@ def test_chat_completions_with_template():
         bad = httpx.post(f"{uv.url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]},
                          timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+        # a conversation that fills the context names the field it came from (chat has no prompt field)
+        long = [{"role": "user", "content": "x" * 4000}]
+        bad = httpx.post(f"{uv.url}/v1/chat/completions", json={"messages": long}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.json()
+        assert bad.json()["error"]["code"] == "context_length_exceeded"
     finally:
         stop_thread(uv)
         server.engine.shutdown()

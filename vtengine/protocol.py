@@ -157,7 +157,7 @@ def parse_completion_request(body: dict, model: ModelSpec, *, chat: bool) -> Com
         prompts = _prompts(body, model)
         default_max_tokens = 16             # completions: OpenAI's default
     fields = _sampling_fields(body, model)
-    params = [_params(fields, len(p), default_max_tokens, model) for p in prompts]
+    params = [_params(fields, len(p), default_max_tokens, model, "messages" if chat else "prompt") for p in prompts]
     return CompletionRequest(chat=chat, prompts=prompts, params=params, stream=stream, include_usage=include_usage)
 
 
@@ -316,17 +316,19 @@ def _sampling_fields(body: dict, model: ModelSpec) -> _SamplingFields:
     )
 
 
-def _params(f: _SamplingFields, prompt_len: int, default_max_tokens: int | None, model: ModelSpec
-            ) -> SamplingParams:
-    """One prompt's SamplingParams: max_tokens defaulted and checked against the room the prompt leaves."""
+def _params(f: _SamplingFields, prompt_len: int, default_max_tokens: int | None, model: ModelSpec,
+            prompt_param: str = "prompt") -> SamplingParams:
+    """One prompt's SamplingParams: max_tokens defaulted (to at most the room the prompt leaves: a request that did
+    not send max_tokens is not told to reduce it) and checked against that room. ``prompt_param``: the field the
+    prompt came from ("messages" for chat)."""
     room = model.max_model_len - prompt_len
     if room < 1:
         raise ApiError(f"This model's maximum context length is {model.max_model_len} tokens; the prompt has "
-                       f"{prompt_len} tokens, leaving no room for a completion", param="prompt",
+                       f"{prompt_len} tokens, leaving no room for a completion", param=prompt_param,
                        code="context_length_exceeded")
     name, max_tokens = f.max_tokens_name, f.max_tokens
     if max_tokens is None:
-        max_tokens = default_max_tokens if default_max_tokens is not None else room
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     if prompt_len + max_tokens > model.max_model_len:
         raise ApiError(f"This model's maximum context length is {model.max_model_len} tokens; you requested "
                        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
