@@ -507,11 +507,13 @@ def _link(ev: Evidence, campaign_dirs: dict[str, Path], records_dir: Path, name:
 
 
 def _superseded(ev: Evidence, done: list[Evidence]) -> bool:
-    """A refutation stops being listed once a later campaign of the same lever, model and arm reaches another
-    verdict (e.g. the bug behind a REJECT was fixed and the lever re-ran); its record stays in records/campaigns/."""
+    """A refutation stops being listed once a later binding campaign of the same lever, model and arm reaches
+    another verdict (e.g. the bug behind a REJECT was fixed and the lever re-ran); its record stays in
+    records/campaigns/. A rehearsal, or a campaign voided by its own legs or gates, never displaces a binding
+    verdict (a later NON-BINDING run on a dirty tree took a binding REJECT off the list)."""
     from campaigns.recheck import plan_key
     later = [e for e in done if plan_key(e) == plan_key(ev) and e.decision.candidate == ev.decision.candidate
-             and (e.created, e.campaign_id) > (ev.created, ev.campaign_id)]
+             and e.decision.binding and (e.created, e.campaign_id) > (ev.created, ev.campaign_id)]
     return any(e.decision.verdict != ev.decision.verdict for e in later)
 
 
@@ -564,7 +566,7 @@ def render_status(evs: list[Evidence], campaign_dirs: dict[str, Path], records_d
     refuted = [{
         "lever": e.lever, "on": measured_on(e), "arm": e.decision.candidate or "?",
         "verdict": e.decision.verdict, "campaign": f"[{e.campaign_id}]({_link(e, campaign_dirs, records_dir)})",
-        "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"),
+        "why": "; ".join(e.decision.reasons[:2]).replace("|", "/"), "fresh": _fresh_cell(fresh(e)),
     } for _key, e in sorted(latest_refuted.items())]
     latest = latest_aa(done)
     aa = [{

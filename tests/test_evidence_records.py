@@ -264,7 +264,7 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     assert _status_row(status, "fast_math")[5] == "REJECT-PERFORMANCE"
     refuted_part = status.split("## Refuted levers")[1]
     assert "| fast_math | qwen3-8b (bf16) | on | REJECT-PERFORMANCE |" in refuted_part
-    assert "gqa_swap" not in refuted_part
+    assert "| gqa_swap |" not in refuted_part
     # refuted again by a re-run: one row, the latest (gqa_swap off was once listed three times)
     again = make_evidence(LOSS, lever="fast_math", created="2026-11-30T11:00:00Z",
                           campaign_id="2026-11-30-fast_math-def5678")
@@ -272,6 +272,16 @@ def test_status_and_benchmarks_are_keyed_and_updated_in_place(tmp_path):
     records.render_all(out, plots=False)
     refuted_part = (tmp_path / "records" / "STATUS.md").read_text().split("## Refuted levers")[1]
     assert refuted_part.count("| fast_math |") == 1 and "2026-11-30-fast_math-def5678" in refuted_part
+    # a later rehearsal (non-binding) reaching another verdict leaves the binding refutation listed
+    rehearsed = make_evidence(TPUT_WIN, lever="fast_math", dirty=True, created="2026-11-30T12:00:00Z",
+                              campaign_id="2026-11-30-fast_math-dirty01")
+    assert not rehearsed.decision.binding and rehearsed.decision.verdict != again.decision.verdict
+    _campaigns(tmp_path, rehearsed)
+    records.render_all(out, plots=False)
+    refuted_part = (tmp_path / "records" / "STATUS.md").read_text().split("## Refuted levers")[1]
+    assert "2026-11-30-fast_math-def5678" in refuted_part
+    assert "| fast_math | qwen3-8b (bf16) | on | REJECT-PERFORMANCE | [2026-11-30-fast_math-def5678]" in refuted_part
+    shutil.rmtree(out / rehearsed.campaign_id)
     shutil.rmtree(out / again.campaign_id)
 
     bench = (tmp_path / "records" / "BENCHMARKS.md").read_text()
