@@ -14,6 +14,14 @@ While a campaign runs (LiveCampaign), its parent run is RUNNING and each gate an
 a campaign stopped early ends KILLED (Ctrl-C, SIGTERM, a time limit) or FAILED (an error), with what it finished;
 one that ends is completed on the same run.
 
+Parameters are the config's leaves, each at most 500 characters (the smallest param limit of the MLflow servers still
+deployed); a longer value is cut visibly, ending in ``…``, and the parent run also carries it whole as the tag
+``<param>.full`` (tags hold 5000 characters, so a value past that is cut visibly there too; evidence.json holds all).
+
+Tracking never fails a campaign, and no run is left RUNNING by logging that failed part-way: each child run's logging
+ends it (FAILED where that logging raised), as does a whole logging's parent; the error then propagates to the caller
+(LiveCampaign turns it into one warning, and still ends the live parent at the campaign's end).
+
 Every run carries the tag ``vtcampaign.campaign_id``. Logging is idempotent by *replacement*: logging a campaign
 id that is already in the experiment first deletes its earlier runs (MLflow's soft delete: they leave the UI and
 searches but stay in the store's trash), then logs the evidence anew, so ``vtcampaign log`` can be re-run after a
@@ -23,8 +31,9 @@ from __future__ import annotations
 
 import os
 import statistics
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from campaigns import gitops
 from campaigns.evidence import Evidence, parse_utc
@@ -35,6 +44,9 @@ CAMPAIGN_TAG = "vtcampaign.campaign_id"
 KIND_TAG = "vtcampaign.kind"
 ARTIFACTS = ("evidence.json", "record.md", "pr.md", "grid.png")
 _PARAM_MAX = 500        # the smallest param-value limit among MLflow versions still deployed
+_TAG_MAX = 5000         # the same for tag values (MLflow 3 takes 8000)
+CUT = "…"               # ends a value cut to a limit, so the cut shows
+FULL_SUFFIX = ".full"   # the parent's tag <param>.full: a param's whole value, where the param had to be cut
 
 
 def experiment_name(lever: str) -> str:
@@ -112,14 +124,50 @@ def _ms(iso: str) -> int | None:
         return None
 
 
+def _cut(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters; one cut ends in CUT, so a reader sees the value goes on elsewhere."""
+    return text if len(text) <= limit else text[:limit - len(CUT)] + CUT
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    """The config's leaves by dotted key, whole (``_config_params`` fits them to MLflow's limits)."""
     out: dict[str, str] = {}
     if isinstance(d, dict):
         for k, v in d.items():
             out.update(_flatten(v, f"{prefix}{k}."))
     else:
-        out[prefix.rstrip(".")] = str(d)[:_PARAM_MAX]
+        out[prefix.rstrip(".")] = str(d)
     return out
+
+
+def _config_params(config: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """(params, tags) of the parent run for a config: every leaf a param, cut visibly at the param limit; a cut one
+    also whole as the tag ``<key>.full`` (a hypothesis runs past 500 characters: its end is what it predicts)."""
+    flat = _flatten(config)
+    params = {k: _cut(v, _PARAM_MAX) for k, v in flat.items()}
+    tags = {k + FULL_SUFFIX: _cut(v, _TAG_MAX) for k, v in flat.items() if len(v) > _PARAM_MAX}
+    return params, tags
+
+
+def _end_quietly(c, run_id: str, status: str, end_time: int | None = None) -> None:
+    """Best effort at ending a run (the store may be what failed); never raises, so the error that brought us here
+    is the one that propagates."""
+    try:
+        c.set_terminated(run_id, status, end_time=end_time)
+    except Exception:
+        pass
+
+
+@contextmanager
+def _ending(c, run_id: str, status: str, end_time: int | None = None) -> Iterator[None]:
+    """Log a run inside the block, then end it with ``status``; where the block or that end raises, end it FAILED
+    (best effort) and let the error go on, so logging that fails part-way leaves no run RUNNING for good."""
+    try:
+        yield
+        c.set_terminated(run_id, status, end_time=end_time)
+    except BaseException:
+        _end_quietly(c, run_id, "FAILED", end_time)
+        raise
 
 
 def _log(c, run_id: str, metrics: Iterable[tuple[str, float, int]] = (), params: dict[str, str] | None = None,
@@ -150,13 +198,18 @@ def log_evidence(ev: Evidence, uri: str = DEFAULT_URI, campaign_dir: Path | str 
                           tags={**base_tags, KIND_TAG: "campaign", **_parent_tags(ev)})
     pid = parent.info.run_id
     child = {**base_tags, "mlflow.parentRunId": pid}
-    _log(c, pid, params=_flatten(ev.config), metrics=_parent_metrics(ev), timestamp=start or 0)
-    for g in ev.gates:
-        _log_gate(c, exp, child, g, start)
-    for leg in ev.legs:
-        _log_leg(c, exp, child, leg)
-    if not live:        # a live campaign's arm summaries and artifacts come with its end; its parent stays RUNNING
-        _finish(c, exp, pid, child, ev, campaign_dir)
+    try:
+        params, full = _config_params(ev.config)
+        _log(c, pid, params=params, tags=full, metrics=_parent_metrics(ev), timestamp=start or 0)
+        for g in ev.gates:
+            _log_gate(c, exp, child, g, start)
+        for leg in ev.legs:
+            _log_leg(c, exp, child, leg)
+        if not live:    # a live campaign's arm summaries and artifacts come with its end; its parent stays RUNNING
+            _finish(c, exp, pid, child, ev, campaign_dir)
+    except BaseException:   # a parent that will never be completed: FAILED, not RUNNING for good
+        _end_quietly(c, pid, "FAILED", None if live else end)
+        raise
     return pid
 
 
@@ -213,10 +266,10 @@ def _finish(c, exp: str, pid: str, child: dict[str, str], ev: Evidence, campaign
             **child, KIND_TAG: "arm-summary", "arm": arm.name, "role": arm.role, "value": str(arm.value)})
         peak = ([("peak_memory_gib", float(ev.peak_memory_gib[arm.name]), 0)]
                 if arm.name in ev.peak_memory_gib else [])        # the record's memory axis, per arm
-        _log(c, run.info.run_id, metrics=arm_summary_metrics(ev, arm.name) + peak, timestamp=start or 0,
-             params={"lever_value": str(arm.value), "env": " ".join(f"{k}={v}" for k, v in
-                                                                     sorted(fp.arms_env.get(arm.name, {}).items()))})
-        c.set_terminated(run.info.run_id, "FINISHED", end_time=arm_end)
+        env = " ".join(f"{k}={v}" for k, v in sorted(fp.arms_env.get(arm.name, {}).items()))
+        with _ending(c, run.info.run_id, "FINISHED", arm_end):
+            _log(c, run.info.run_id, metrics=arm_summary_metrics(ev, arm.name) + peak, timestamp=start or 0,
+                 params={"lever_value": str(arm.value), "env": env})
     if campaign_dir is not None:
         for name in ARTIFACTS:
             path = Path(campaign_dir) / name
@@ -231,10 +284,10 @@ def _log_gate(c, exp: str, child: dict[str, str], g, start: int | None) -> None:
         "skipped": str(g.skipped).lower(), "self_check": str(g.self_check).lower(),
         "byte_exact": str(g.byte_exact).lower()})
     metrics = [(k, v, 0) for k, v in g.counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    _log(c, run.info.run_id, metrics=metrics + [("duration_s", g.duration_s, 0)],
-         tags={"reason": g.reason[:5000]} if g.reason else None, timestamp=start or 0)
-    c.set_terminated(run.info.run_id, "FINISHED" if g.passed or g.skipped else "FAILED",
-                     end_time=(start + int(1000 * g.duration_s)) if start else None)
+    with _ending(c, run.info.run_id, "FINISHED" if g.passed or g.skipped else "FAILED",
+                 (start + int(1000 * g.duration_s)) if start else None):
+        _log(c, run.info.run_id, metrics=metrics + [("duration_s", g.duration_s, 0)],
+             tags={"reason": g.reason[:5000]} if g.reason else None, timestamp=start or 0)
 
 
 def _log_leg(c, exp: str, child: dict[str, str], leg) -> None:
@@ -245,9 +298,9 @@ def _log_leg(c, exp: str, child: dict[str, str], leg) -> None:
     metrics = [(k, v, 0) for k, v in leg.metrics.items()]
     metrics += [(k, v, i) for i, sample in enumerate(leg.gpu_samples) for k, v in sample.items()
                 if isinstance(v, (int, float))]
-    _log(c, run.info.run_id, metrics=metrics, timestamp=t0 or 0,
-         tags={"reasons": "; ".join(leg.reasons)[:5000]} if leg.reasons else None)
-    c.set_terminated(run.info.run_id, "FINISHED" if leg.valid else "FAILED", end_time=_ms(leg.ended))
+    with _ending(c, run.info.run_id, "FINISHED" if leg.valid else "FAILED", _ms(leg.ended)):
+        _log(c, run.info.run_id, metrics=metrics, timestamp=t0 or 0,
+             tags={"reasons": "; ".join(leg.reasons)[:5000]} if leg.reasons else None)
 
 
 def relog_if_logged(ev: Evidence, campaign_dir: Path | str | None = None, uri: str = DEFAULT_URI) -> str | None:
@@ -287,7 +340,9 @@ class LiveCampaign:
     (Ctrl-C, SIGTERM, a device command's time limit) or FAILED (an error); ``finish`` completes the same run with the
     verdict, so the run a user watched is the one that holds it. ``uri=None`` (tracking=off) does nothing.
     Logging never stops a campaign: the first error is one warning, and live logging stops there; the evidence file
-    holds everything, and the end (or `vtcampaign log`) logs it."""
+    holds everything, and the end (or `vtcampaign log`) logs it. The client and the parent's id outlive that error,
+    so the parent still ends once (best effort, silently): a stopped campaign's parent with ``end``'s status, a
+    completed one's FAILED (its run lacks the completion; the runner then logs the campaign whole, replacing it)."""
 
     def __init__(self, uri: str | None, warn: Callable[[str], None]):
         self.uri, self.warn = uri, warn
@@ -295,23 +350,33 @@ class LiveCampaign:
         self.child: dict[str, str] = {}
         self.start_ms: int | None = None
         self.logged: set = set()        # the gates ((gate, arm)) and legs (their keys) the parent has as children
+        self.stopped = False            # live logging stopped at an error: no more children, no completion
+        self.ended = False              # the parent ended (or one try made): later ends do nothing
 
-    def _guard(self, fn: Callable[[], None]) -> None:
+    def _guard(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn``; True where it raised nothing. The first error warns and stops live logging."""
         try:
             fn()
+            return True
         except Exception as e:      # MLflow raises many types (connection, bad URI, store schema): one warning
-            msg = str(e).splitlines()[0] if str(e) else ""
-            self.warn(f"MLflow live logging to {self.uri} stopped ({type(e).__name__}: {msg}); the evidence keeps "
-                      "every gate and leg, and the campaign's end logs them")
-            self.c = None
+            if not self.stopped:
+                msg = str(e).splitlines()[0] if str(e) else ""
+                self.warn(f"MLflow live logging to {self.uri} stopped ({type(e).__name__}: {msg}); the evidence "
+                          "keeps every gate and leg, and the campaign's end logs them")
+            self.stopped = True
+            return False
+
+    @property
+    def _live(self) -> bool:
+        return self.c is not None and not self.stopped and not self.ended
 
     def start(self, ev: Evidence, campaign_dir: Path | str | None = None) -> None:
         if self.uri is None:
             return
 
-        def go():
-            self.pid = log_evidence(ev, self.uri, campaign_dir, live=True)
+        def go():       # a log_evidence that fails part-way ends its own parent FAILED (self.pid stays None)
             self.c = client(self.uri)
+            self.pid = log_evidence(ev, self.uri, campaign_dir, live=True)
             self.exp = ensure_experiment(self.c, ev.lever, self.uri)
             self.child = {CAMPAIGN_TAG: ev.campaign_id, "lever": ev.lever, "mlflow.parentRunId": self.pid}
             self.start_ms = campaign_span(ev)[0]
@@ -319,12 +384,12 @@ class LiveCampaign:
         self._guard(go)
 
     def gate(self, g) -> None:
-        if self.c is not None:
+        if self._live:
             self._guard(lambda: _log_gate(self.c, self.exp, self.child, g, self.start_ms))
             self.logged.add((g.gate, g.arm))
 
     def leg(self, leg) -> None:
-        if self.c is not None:
+        if self._live:
             self._guard(lambda: _log_leg(self.c, self.exp, self.child, leg))
             self.logged.add(leg.key)
 
@@ -332,10 +397,11 @@ class LiveCampaign:
         """The campaign's end on the run it has had since its start (its id stays the one a user watched): the
         verdict's tags and figures, any gate or leg not yet a child (gates recorded as skipped at the start), the arm
         summaries and artifacts, FINISHED. Returns the run id, or None where live logging is off or stopped (then
-        log_campaign logs the campaign whole)."""
-        if self.c is None:
+        log_campaign logs the campaign whole, and the parent here ends FAILED: it will not hold the completion)."""
+        if not self._live:
+            self.end("FAILED")
             return None
-        c, done = self.c, []
+        c = self.c
 
         def go():
             _log(c, self.pid, metrics=_parent_metrics(ev), tags=_parent_tags(ev), timestamp=self.start_ms or 0)
@@ -346,14 +412,20 @@ class LiveCampaign:
                 if leg.key not in self.logged:
                     _log_leg(c, self.exp, self.child, leg)
             _finish(c, self.exp, self.pid, self.child, ev, campaign_dir)
-            done.append(self.pid)
-        self._guard(go)
-        self.c = None
-        return done[0] if done else None
+        if self._guard(go):
+            self.ended = True
+            return self.pid
+        self.end("FAILED")
+        return None
 
     def end(self, status: str) -> None:
-        """End the parent run with MLflow's ``status`` (FINISHED, FAILED, KILLED); later calls do nothing."""
-        if self.c is not None:
-            c, pid = self.c, self.pid
+        """End the parent run with MLflow's ``status`` (FINISHED, FAILED, KILLED), even after live logging stopped
+        at an error (one try, its error a warning only where none came before); later calls do nothing."""
+        if self.c is None or self.pid is None or self.ended:
+            return
+        self.ended = True
+        c, pid = self.c, self.pid
+        if self.stopped:
+            _end_quietly(c, pid, status)
+        else:
             self._guard(lambda: c.set_terminated(pid, status))
-            self.c = None

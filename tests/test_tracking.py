@@ -250,3 +250,102 @@ def test_live_logging_follows_the_campaign_and_an_unreachable_store_only_warns_o
     off.leg(later[0])
     off.end("KILLED")
     assert len(said) == 1
+
+
+def _fail_on_call(monkeypatch, method: str, n: int) -> None:
+    """MlflowClient.<method> raises on its n-th call from now on, and only then: a store that fails part-way."""
+    from mlflow.tracking import MlflowClient
+    real, calls = getattr(MlflowClient, method), []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(method)
+        if len(calls) == n:
+            raise ConnectionError(f"injected: {method} call {n}")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(MlflowClient, method, flaky)
+
+
+def _statuses(uri: str, ev) -> dict[tuple[str, str], int]:
+    """How many runs of each (kind, status) the campaign has in the store."""
+    from collections import Counter
+    c = tracking.client(uri)
+    exp = c.get_experiment_by_name(tracking.experiment_name(ev.lever))
+    runs = tracking.campaign_runs(c, exp.experiment_id, ev.campaign_id)
+    return dict(Counter((r.data.tags[tracking.KIND_TAG], r.info.status) for r in runs))
+
+
+@pytest.mark.parametrize("method,nth,where", [("log_batch", 4, "a gate's metrics"),
+                                              ("set_terminated", len(GATE_NAMES) * 2 + 3, "a leg's end"),
+                                              ("log_batch", 1 + len(GATE_NAMES) * 2 + 24 + 1, "an arm's metrics")])
+def test_logging_that_fails_part_way_leaves_no_run_running(tmp_path, monkeypatch, method, nth, where):
+    """An error part-way through logging a campaign whole (the store going away, say) propagated, but left the parent
+    and the half-logged child RUNNING for good: every run it created is ended, FAILED where its logging failed."""
+    ev = make_evidence(TPUT_WIN)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking.client(uri).search_experiments()       # the store's schema first: its set-up is no part of the count
+    _fail_on_call(monkeypatch, method, nth)
+    with pytest.raises(ConnectionError, match="injected"):
+        tracking.log_evidence(ev, uri)
+    gates = 2 * len(GATE_NAMES)
+    expected = {"a gate's metrics": {("campaign", "FAILED"): 1, ("gate", "FINISHED"): 2, ("gate", "FAILED"): 1},
+                "a leg's end": {("campaign", "FAILED"): 1, ("gate", "FINISHED"): gates, ("leg", "FINISHED"): 2,
+                                ("leg", "FAILED"): 1},
+                "an arm's metrics": {("campaign", "FAILED"): 1, ("gate", "FINISHED"): gates, ("leg", "FINISHED"): 24,
+                                     ("arm-summary", "FAILED"): 1}}[where]
+    assert _statuses(uri, ev) == expected
+
+
+@pytest.mark.parametrize("fails", ["start", "leg", "finish"])
+def test_live_logging_that_fails_part_way_still_ends_its_runs(store, tmp_path, monkeypatch, fails):
+    """The first MLflow error stops live logging with one warning; it also dropped the client, so the campaign's end
+    left the parent RUNNING for good (and the leg whose logging failed). Now each run ends: the half-logged child
+    FAILED, the parent with the status ``end`` gives it (FAILED where the campaign's completion could not be logged
+    on it, and after a failed start), and only once."""
+    import copy
+    ev = copy.deepcopy(store["ev"])
+    ev.campaign_id, ev.status, ev.decision = f"2026-12-05-gqa_swap-fail-{fails}", "in-progress", None
+    later, ev.legs = ev.legs[2:4], ev.legs[:2]
+    uri = f"sqlite:///{tmp_path / 'live.db'}"
+    tracking.client(uri).search_experiments()
+    said: list[str] = []
+    live = tracking.LiveCampaign(uri, said.append)
+    gates = len(ev.gates)
+    if fails == "start":
+        _fail_on_call(monkeypatch, "log_batch", 3)          # the parent's batch, a gate's, then the next gate's
+    live.start(ev)
+    if fails == "leg":
+        _fail_on_call(monkeypatch, "log_batch", 1)
+    for leg in later:
+        live.leg(leg)                                       # after a failure: not logged, no second warning
+    ev.legs += later
+    if fails == "finish":
+        _fail_on_call(monkeypatch, "log_batch", 1)          # the verdict's figures on the parent
+        ev.decision, ev.status = copy.deepcopy(store["ev"].decision), "complete"
+        assert live.finish(ev) is None                      # the runner then logs the campaign whole
+    live.end("KILLED")
+    live.end("FINISHED")                                    # a later end changes nothing
+    assert len(said) == 1 and said[0].startswith(f"MLflow live logging to {uri} stopped (ConnectionError: injected")
+    assert _statuses(uri, ev) == {
+        "start": {("campaign", "FAILED"): 1, ("gate", "FINISHED"): 1, ("gate", "FAILED"): 1},
+        "leg": {("campaign", "KILLED"): 1, ("gate", "FINISHED"): gates, ("leg", "FINISHED"): 2, ("leg", "FAILED"): 1},
+        "finish": {("campaign", "FAILED"): 1, ("gate", "FINISHED"): gates, ("leg", "FINISHED"): 4},
+    }[fails]
+
+
+def test_long_params_are_cut_visibly_and_logged_whole_as_tags(store):
+    """MLflow params are cut at 500 characters (the smallest limit of the servers still deployed); the cut was silent,
+    and the hypothesis of many campaigns lost its end. The param now ends with an ellipsis, and the parent run carries
+    the whole text in the tag ``<param>.full`` (itself cut visibly at 5000 characters, the tag limit)."""
+    import copy
+    ev = copy.deepcopy(store["ev"])
+    ev.campaign_id = "2026-12-05-gqa_swap-longtext"
+    hypothesis = " ".join(f"step {i}: the split count halves the tail." for i in range(40))   # 1,669 characters
+    huge = "x" * 6000
+    ev.config["campaign"].update(hypothesis=hypothesis, residual=hypothesis[:526], notes=huge)
+    run = store["client"].get_run(tracking.log_evidence(ev, store["uri"]))
+    params, tags = run.data.params, run.data.tags
+    assert len(hypothesis) > 500 and params["campaign.hypothesis"] == hypothesis[:499] + "…"
+    assert params["campaign.residual"] == hypothesis[:499] + "…" and params["campaign.notes"] == "x" * 499 + "…"
+    assert tags["campaign.hypothesis.full"] == hypothesis and tags["campaign.residual.full"] == hypothesis[:526]
+    assert tags["campaign.notes.full"] == "x" * 4999 + "…"
+    assert params["campaign.lever"] == "gqa_swap" and "campaign.lever.full" not in tags     # short: the param only
