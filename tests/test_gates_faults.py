@@ -874,3 +874,15 @@ def test_the_split_rule_op_gate_runs_the_candidates_slices(monkeypatch):
     res = run_gate("op", ctx, ctx.arms[1])
     assert res.passed, res.details
     assert "len64" in seen and "off" in seen            # the candidate's runs, and the baseline's to compare
+
+
+def test_an_op_gate_with_no_case_fails_and_says_why(monkeypatch):
+    """A lever whose affects names no kernel (and whose lever file does not mark op inapplicable) compares nothing:
+    the gate fails, naming why, and its self-check catches nothing (it once passed with 0 cases, then crashed in
+    its fault run)."""
+    from vtengine import levers
+    ctx = context(lever="async_scheduling")
+    assert levers.get("async_scheduling").affects == []
+    res = run_gate("op", ctx, ctx.arms[1])
+    assert not res.passed and res.counts["cases"] == 0 and "affects no kernel" in res.details["why"]
+    assert res.self_check is False

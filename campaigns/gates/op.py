@@ -14,7 +14,10 @@ levers at their resolved values), as the engine would run it.
 
 Faults (both must fail): the kernel handed a wrong stride / index (block table off by one block, K-block scales
 shifted, norm weight rolled) while the reference is not; and the kernel's output off by a small relative error
-(0.1%, or twice the bound where the bound is looser), the smallest error the gate claims to catch.
+(0.1%, or twice the bound where the bound is looser), the smallest error the gate claims to catch. The second
+checks the comparison and its bound (an output off by that much fails it), not the kernel: the first is the one
+that breaks the kernel's own work. A lever whose ``affects`` names no kernel gives no case: the gate fails and
+says so (its lever file should mark op inapplicable), rather than pass on nothing.
 """
 from __future__ import annotations
 
@@ -495,6 +498,10 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     rows, failures, bitwise_equal = [], 0, []
     sources = set()
     faults = {"wrong index": 0, "small output error": 0}
+    if not cases:
+        why = (f"{ctx.lever} affects no kernel the op gate has cases for: nothing was compared (mark op inapplicable "
+               "in its lever file, with the reason)")
+        return result("op", arm, bool(fault), t0, counts={"cases": 0}, details={"why": why, "fault": ""})
     for kernel, name, run_case, ref in cases:
         bound, source = bound_for(ctx.device, dtype, kernel, table)
         sources.add(source)
