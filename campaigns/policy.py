@@ -6,8 +6,9 @@ so a decision can be re-derived and audited from the evidence file.
 
 Conventions the gates fill in (campaigns/gates/ writes them, the policy reads them):
 
-- ``GateResult.byte_exact`` on the candidate's op and battery results: the *measured* ON-vs-OFF bitwise
-  comparison. The lever is byte-exact when every such measurement says True (and at least one exists).
+- ``GateResult.byte_exact`` on the candidate's op results: the *measured* ON-vs-OFF bitwise comparison of each
+  kernel's outputs. The lever is byte-exact when every such measurement says True (and at least one exists) and
+  the battery saw no token differ (its equal greedy tokens alone prove no bitwise equality: BITWISE_GATES).
 - ``near_tie`` passes when every divergence of the battery is a ratified tie; its ``counts['max_gap_mnats']``
   is re-checked here against the policy's ``near_tie_max_mnats``. A failed battery is excused (not a
   correctness failure) when the same arm's near_tie gate ratified it.
@@ -72,6 +73,11 @@ RULES = {
                       "CUDA, dirty tree, a rehearsal grid, fewer than {min_reps} reps).",
 }
 # Several candidates: the campaign's verdict is the first of this order among the candidates' verdicts.
+# The gates whose byte_exact is a bitwise comparison of outputs (op: each kernel ON vs OFF). The battery's equal
+# greedy tokens on a few prompts are weaker (logits may differ under equal argmaxes): they do not make a lever
+# byte-exact, which would exempt its WINs from min_gain; its tokens differing still shows a lever is not.
+BITWISE_GATES = ("op",)
+
 COMBINE_ORDER = ("INVALID", "FLIP", "NON-BINDING", "KEEP", "REJECT-PERFORMANCE", "REJECT-CORRECTNESS")
 
 
@@ -248,9 +254,14 @@ def separated_points(ev: Evidence, cand: str, p: PolicyConfig) -> str:
 
 
 def _measured_byte_exact(ev: Evidence, cand: str | None = None) -> bool | None:
+    """True where every bitwise comparison (BITWISE_GATES) of the candidate says equal and no gate saw its outputs
+    differ (the battery's tokens differing is proof enough against); None where nothing bitwise was measured."""
     cands = [cand] if cand else [a.name for a in ev.candidates]
-    measured = [g.byte_exact for g in ev.gates if g.arm in cands and g.byte_exact is not None and not g.skipped]
-    return all(measured) if measured else None
+    measured = [g for g in ev.gates if g.arm in cands and g.byte_exact is not None and not g.skipped]
+    if any(g.byte_exact is False for g in measured):
+        return False
+    bitwise = [g.byte_exact for g in measured if g.gate in BITWISE_GATES]
+    return all(bitwise) if bitwise else None
 
 
 @dataclass

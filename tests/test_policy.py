@@ -211,6 +211,27 @@ def test_a_byte_exact_lever_needs_only_the_minimum_effect(on_value, min_effect, 
         assert f"separated below the minimum effect 1.0%, not counted: {small}" in ev.decision.reasons
 
 
+@pytest.mark.parametrize("op_exact,battery_equal,expected", [
+    (None, True, None),        # op inapplicable: equal greedy tokens alone prove no bitwise equality
+    (True, True, True),
+    (True, False, False),      # the kernels compare equal, yet the engine's tokens differ: not byte-exact
+    (None, False, False),
+])
+def test_byte_exactness_is_the_op_gates_bitwise_comparison(op_exact, battery_equal, expected):
+    """The policy reads byte-exactness from the op gate's bitwise comparison: the battery's equal tokens on a few
+    prompts once made an engine-loop lever (op inapplicable) "measured byte-exact", which exempts its WINs from
+    min_gain; its tokens differing still shows it is not. A +1.1% WIN (above min_effect, below min_gain 2%) FLIPs
+    only a byte-exact lever."""
+    g = gates(byte_exact=battery_equal, **{"op@on": {"byte_exact": op_exact}})
+    if op_exact is None:
+        g = [x for x in g if x.gate != "op"]
+    ev = make_evidence({"total_token_throughput": {"off": [1000.0] * 3, "on": [1011.0] * 3}}, gate_results=g,
+                       policy_cfg={"min_gain": 0.02},
+                       inapplicable={"op": "an engine-loop lever"} if op_exact is None else None)
+    assert ev.decision.byte_exact is expected
+    assert verdict(ev) == ("FLIP" if expected else "KEEP")
+
+
 def _steady_shift_at_c1(tpot_c1_ratio: float, min_effect: float) -> Evidence:
     """A +5% total tok/s WIN at every concurrency, and at c1 a steady TPOT shift of the candidate (every rep)."""
     quiet = [4.79, 4.78, 4.79]                         # TPOT's spread at c1 on the H200: 0.1%
