@@ -60,7 +60,7 @@ RULES = {
                         "divergence near_tie ratifies counts as passing), and every other correctness gate passes "
                         "on the candidate.",
     "REJECT-PERFORMANCE": "5. REJECT (performance) — a LOSS on a primary axis (a ratio at most 1 - "
-                          "{min_effect:.1%}) and no WIN: recorded as refuted so it is not retried. A grid of more "
+                          "{min_effect:.1%}) and no WIN (a declared traded axis decides neither way): recorded as refuted so it is not retried. A grid of more "
                           "than 4 concurrencies needs LOSSes at one concurrency per 4 of its points (rounded up).",
     "KEEP": "6. KEEP — otherwise; the default stays. Neutral when the pooled effect's interval on every primary "
             "axis lies within ±{neutral_margin:.0%}, else underpowered: the grid could not tell.",
@@ -294,8 +294,10 @@ class Facts:
         return [s for s in self.ev.stats if s.candidate == self.cand.name]
 
     def wins(self, primary_only: bool = True) -> list[AxisStat]:
+        """The counted WINs; never on an axis the campaign declares traded (reported, never deciding: a traded
+        axis's WIN once kept a REJECT from a candidate that lost on every primary axis at every concurrency)."""
         return [s for s in self.stats if s.separation == "WIN" and counts(s, self.p)
-                and (s.axis in self.p.primary_axes or not primary_only)]
+                and s.axis not in self.p.traded_axes and (s.axis in self.p.primary_axes or not primary_only)]
 
     def losses(self, primary_only: bool = False) -> list[AxisStat]:
         """The LOSSes that veto a FLIP: every counted LOSS but those on an axis the campaign declares traded."""
@@ -467,7 +469,7 @@ def rule_flip(f: Facts) -> Fired:
 
 
 def rule_reject_performance(f: Facts) -> Fired:
-    """5. A LOSS on a primary axis and no WIN anywhere: refuted."""
+    """5. A LOSS on a primary axis and no WIN anywhere (traded axes aside): refuted."""
     primary_losses = f.losses(primary_only=True)
     if not primary_losses or _points(primary_losses) < f.points_needed or f.wins(primary_only=False):
         return None

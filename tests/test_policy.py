@@ -172,6 +172,17 @@ def test_a_traded_axis_without_a_win_elsewhere_does_not_flip():
     assert verdict(ev) == "KEEP" and any("no WIN on a primary axis" in r for r in ev.decision.reasons)
 
 
+def test_a_win_on_a_traded_axis_does_not_save_a_refuted_candidate():
+    """A traded axis is reported, never deciding, either way: a candidate that loses on a primary axis is refuted
+    even where it wins on the traded one (mixed_prefill off lost total tok/s x0.85-0.91 at every concurrency, and
+    a WIN on traded ITL kept it KEEP). An untraded secondary WIN still stops the REJECT."""
+    itl_down = {"median_itl_ms": {"off": [30.0, 30.1, 30.2], "on": [10.0, 10.1, 10.2]}}
+    loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}}
+    ev = make_evidence({**loss, **itl_down}, policy_cfg=TRADED)
+    assert verdict(ev) == "REJECT-PERFORMANCE", ev.decision.reasons
+    assert verdict(make_evidence({**loss, **itl_down})) == "KEEP"
+
+
 def test_reject_performance_on_primary_loss_without_win():
     ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}})
     d = ev.decision
