@@ -342,7 +342,7 @@ def facts(ev: Evidence, cand: Arm, p: PolicyConfig) -> Facts:
               near_ok=near_ran and near.passed and gap_ok,
               fix=set(p.fix_gates) if p.flip_on_correctness else set(),
               points_needed=points_needed(ev, p))
-    for arm, ok, gap in ((base, _ratified(ev, base, p), None), (cand.name, f.near_ok, max_gap)):
+    for arm, ok, gap in ((base, ratified(ev, base, p), None), (cand.name, f.near_ok, max_gap)):
         bat = ev.gate("battery", arm)
         if bat is not None and not bat.skipped and not bat.passed and ok and "battery" not in f.fix:
             gap = ev.gate("near_tie", arm).counts.get("max_gap_mnats") if gap is None else gap
@@ -382,7 +382,9 @@ def _points(stats: list[AxisStat]) -> int:
     return len({s.concurrency for s in stats})
 
 
-def _ratified(ev: Evidence, arm: str, p: PolicyConfig) -> bool:
+def ratified(ev: Evidence, arm: str, p: PolicyConfig) -> bool:
+    """Whether the arm's battery divergences are near-ties by the policy's threshold: near_tie passed and its
+    largest gap is within ``near_tie_max_mnats`` (the gate's own threshold may be looser)."""
     near = ev.gate("near_tie", arm)
     return (near is not None and not near.skipped and near.passed
             and (near.counts.get("max_gap_mnats") or 0) <= p.near_tie_max_mnats)
@@ -410,7 +412,7 @@ def rule_invalid(f: Facts) -> Fired:
     for g in f.run:
         if g.arm != f.base or g.passed or g.gate in f.fix:
             continue
-        if g.gate == "battery" and _ratified(f.ev, f.base, f.p):
+        if g.gate == "battery" and ratified(f.ev, f.base, f.p):
             continue                        # bf16 near-ties of the baseline itself, ratified: a note, not a failure
         why.append(f"the baseline arm {f.base} fails gate {g.gate}" + (f": {g.reason}" if g.reason else ""))
     for name in sorted(f.fix):
@@ -418,7 +420,7 @@ def rule_invalid(f: Facts) -> Fired:
         if b is None or b.skipped:
             why.append(f"correctness fix: gate {name} did not run on the baseline {f.base}, so nothing shows the bug "
                        "it fixes")
-        elif b.passed or (name == "battery" and _ratified(f.ev, f.base, f.p)):
+        elif b.passed or (name == "battery" and ratified(f.ev, f.base, f.p)):
             ratified = "" if b.passed else ", every divergence ratified by near_tie, which counts as passing"
             why.append(f"correctness fix: the baseline {f.base} passes {name} ({_counts(b)}{ratified}), so the "
                        "gate cannot prove the fix (RED first: it must fail before the fix)")

@@ -23,7 +23,7 @@ from campaigns import context as lever_context
 from campaigns.gates import GATE_NAMES
 from campaigns.config import settings
 from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
-from campaigns.policy import (effect_note, fmt_effect, inapplicable, measured_dirt, policy_params,
+from campaigns.policy import (effect_note, fmt_effect, inapplicable, measured_dirt, policy_params, ratified,
                              separation_label)
 from campaigns.stats import AXES, AXIS_BY_NAME
 from vtengine import confdirs
@@ -138,10 +138,8 @@ def gate_result(ev: Evidence | None, g: GateResult) -> str:
         return "SKIP"
     if g.passed:
         return "PASS"
-    if ev is not None and g.gate == "battery":
-        near = ev.gate("near_tie", g.arm)
-        if near is not None and not near.skipped and near.passed:
-            return "RATIFIED"           # every divergence a near-tie the razor ratified: not a failure
+    if ev is not None and g.gate == "battery" and ratified(ev, g.arm, policy_params(ev)):
+        return "RATIFIED"           # every divergence a near-tie the razor ratified, as the policy reads it
     return "FAIL"
 
 
@@ -354,9 +352,11 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
                         f"{fmt_lever_value(d.new_default)} in conf/lever/{ev.lever}.yaml; "
                         f"roll back with `{env_name}={_env_value(ev, ev.baseline, env_name)}`.")
     else:
+        # the candidate the verdict is about (a campaign of several candidates: not necessarily the first)
+        about = next((a for a in ev.candidates if a.name == d.candidate), ev.candidates[0] if ev.candidates else None)
         default_line = (f"`{ev.lever}` stays {fmt_lever_value(ev.baseline.value)} "
                         f"(conf/lever/{ev.lever}.yaml unchanged); try the candidate with "
-                        f"`{env_name}={ev.candidates[0].name if ev.candidates else '?'}`.")
+                        f"`{env_name}={_env_value(ev, about, env_name) if about else '?'}`.")
 
     arms_env = {arm_label(ev, arm): " ".join(f"{k}={v}" for k, v in sorted(env.items()))
                 for arm, env in fp.arms_env.items()}
@@ -383,7 +383,9 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
     attrib = attribution_view(ev)
     return {
         "attribution": attrib,
-        "residual_generated": attrib[-1]["residual"] if attrib else "",
+        # the verdict's candidate's residual at its last profiled concurrency (not whichever candidate came last)
+        "residual_generated": next((a["residual"] for a in reversed(attrib) if d is None or a["arm"] == d.candidate),
+                                   attrib[-1]["residual"] if attrib else ""),
         "baseline_label": base_label, "pooled": pooled, "context_rows": context_rows, "inapplicable": exempt,
         "calibration": calibrate.sentence(ev.calibration) if ev.stats else "",
         "noise": ev.calibration.noise if ev.calibration else "",

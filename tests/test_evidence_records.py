@@ -365,6 +365,11 @@ def test_the_console_summary_reads_as_the_record(tmp_path, monkeypatch):
     assert "baseline (off)" in text and "candidate (on)" in text
     battery = next(line for line in text.splitlines() if "battery" in line)
     assert "RATIFIED" in battery and "FAIL" not in battery, battery
+    # ratified as the policy reads it: a 375 mnats gap passes the gate's threshold (500) but not a policy of 200,
+    # and the record says FAIL beside the policy's REJECT (it said RATIFIED)
+    strict = make_evidence(TPUT_WIN, gate_results=ev.gates, policy_cfg={"near_tie_max_mnats": 200.0})
+    assert strict.decision.verdict == "REJECT-CORRECTNESS"
+    assert "| battery | candidate (on) | FAIL |" in records.render_record(strict)
 
 
 def test_summaries_render_against_a_flipped_lever_file_without_writing(tmp_path):
@@ -556,3 +561,16 @@ def test_pr_text_describes_the_lever_as_it_was_when_the_campaign_ran(tmp_path, m
     ev.lever_summary, ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = "", "e" * 40, "e" * 7
     missing = " (today's lever file: no lever file gqa_swap at commit eeeeeee in this repository)"
     assert records.lever_summary(ev, today) == " ".join(today.summary.split()) + missing
+
+
+def test_a_record_of_several_candidates_names_the_one_its_verdict_is_about():
+    """Of candidates 512 (refuted) and 1024 (kept), the campaign's verdict is the KEEP about 1024: the record's
+    default line suggests trying 1024, not the first candidate (it said 512)."""
+    loss = [90.0, 91.0, 92.0]
+    ev = make_evidence({"total_token_throughput": {"off": [100.0, 101.0, 102.0], "512": loss,
+                                                   "1024": [100.5, 101.5, 101.0]}},
+                       lever="chunked_prefill", candidates=(512, 1024), gate_results=gates(arms=("off", "512", "1024")))
+    assert ev.decision.per_candidate == {"512": "REJECT-PERFORMANCE", "1024": "KEEP"}
+    assert ev.decision.verdict == "KEEP" and ev.decision.candidate == "1024"
+    rec = records.render_record(ev)
+    assert "try the candidate with `VT_CHUNKED_PREFILL=1024`" in rec, rec.splitlines()[-1]
