@@ -261,6 +261,49 @@ def summary_at(repo_root: Path | str, sha: str, lever: str) -> str | None:
     return " ".join(text.split()) if isinstance(text, str) and text.strip() else None
 
 
+def default_at(repo_root: Path | str, sha: str, lever, quant: str | None, levers_now: dict | None = None) -> Any:
+    """``lever``'s effective default on ``quant`` at commit ``sha``: its file's default there (default_by_quant where
+    the file had one), or the value an on preset set it to (mixed_prefill's chunked_prefill=512), each lever file
+    read at that commit and parsed by today's levers (``levers_now``, the registry by default); None where the
+    commit, the file or a value that parses today is not there."""
+    from vtengine import levers as lever_registry
+    levers_now = levers_now if levers_now is not None else lever_registry.registry()
+    then = _defaults_at(str(repo_root), sha, quant, tuple(sorted(levers_now)), levers_now)
+    value = None if then is None else then.get(lever.name)
+    return None if isinstance(value, Unparsable) else value
+
+
+_DEFAULTS_AT: dict[tuple, dict[str, Any] | None] = {}
+
+
+def _defaults_at(root: str, sha: str, quant: str | None, names: tuple, levers_now: dict) -> dict[str, Any] | None:
+    """Every lever's effective default at commit ``sha`` (presets applied), remembered per (root, commit, quant,
+    levers): a render asks it of every campaign, most of them at a few commits."""
+    key = (root, sha, quant, names)
+    if key in _DEFAULTS_AT:
+        return _DEFAULTS_AT[key]
+    from campaigns.gitops import GitOpsError, open_repo
+    try:
+        repo = open_repo(root)
+        known = _commit_known(repo, sha)
+    except GitOpsError:
+        known = False
+    out = None
+    if known:
+        then = {}
+        for name, lever in levers_now.items():
+            raw = _git_file(repo, sha, f"conf/lever/{name}.yaml")
+            if raw is not None:
+                then[name] = _lever_then(lever, raw, sha, levers_now, quant, [])
+        out = {name: lt.default for name, lt in then.items()}
+        try:
+            apply_presets(then, out, {name: "default" for name in out})
+        except ValueError:
+            pass
+    _DEFAULTS_AT[key] = out
+    return out
+
+
 def kernels_ran(snapshot_or_counts: dict[str, Any]) -> set[str]:
     """Kernel names with at least one launch, from a counters snapshot {kernel: {route: {launches...}}} or a flat
     {kernel: launches} map."""

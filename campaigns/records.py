@@ -173,6 +173,19 @@ def _num(v: Any) -> str:
 # ----------------------------------------------------------------------------------------------- one campaign
 
 
+def default_then(ev: Evidence) -> Any:
+    """The lever's effective default (for the campaign's quantization, presets applied) at the campaign's commit,
+    None where unknown: a campaign file may pin its baseline off the default (a RED-first campaign, a rerun after
+    the flip), and then a FLIP to the candidate confirms the default rather than moving it."""
+    from vtengine import levers as lever_registry
+    lever = lever_registry.registry().get(ev.lever)
+    if lever is None:
+        return None
+    root = confdirs.SOURCE_ROOT
+    return lever_context.default_at(root, lever_context.campaign_commit(ev, root), lever,
+                                    lever_context.quant_of(ev))
+
+
 def what_changed(ev: Evidence) -> str:
     d = ev.decision
     base = ev.baseline.name
@@ -182,14 +195,17 @@ def what_changed(ev: Evidence) -> str:
     cand = d.candidate or "?"
     if ev.kind == "aa":
         return f"A/A self-check of the grid, {ev.lever}={fmt_lever_value(ev.baseline.value)} on both arms"
+    then = default_then(ev) if d.verdict == "FLIP" else None
+    confirms = then is not None and then == d.new_default and then != ev.baseline.value
+    moved = f"confirms default {cand} (against {base})" if confirms else f"default {base} → {cand}"
     if d.verdict == "FLIP" and policy_params(ev).flip_on_correctness:
-        return f"default {base} → {cand} (correctness fix)"
+        return f"{moved} (correctness fix)"
     note = _effect_note(ev)
     keep = {"neutral": "measured neutral", "slower": "measured slower"}.get(note.split(":")[0], "not shown better")
     if "mixed: " in note:  # a pooled direction hides that the candidate won some points and lost others
         keep = "mixed: WINs and LOSSes at separate points"
     return {
-        "FLIP": f"default {base} → {cand}",
+        "FLIP": moved,
         "KEEP": f"keep default {base} ({cand} {keep})",
         "REJECT-PERFORMANCE": f"refute {cand} (measured regression; do not retry)",
         "REJECT-CORRECTNESS": f"reject {cand} (fails correctness)",
@@ -341,12 +357,23 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
     invalid_legs = [f"c{leg.concurrency} rep {leg.rep} arm {leg.arm}: {'; '.join(leg.reasons)}"
                     for leg in ev.legs if not leg.valid]
 
+    then = default_then(ev) if ev.kind == "lever" else None
+    if then is None:
+        baseline_note = ""
+    elif then == ev.baseline.value:
+        baseline_note = " (the file default)"
+    else:
+        baseline_note = f" (pinned by the campaign; the default was {fmt_lever_value(then)})"
     if ev.kind == "aa":
         default_line = "An A/A campaign changes no default; it measures the grid (and its noise feeds calibration)."
     elif d is None:
         default_line = (f"`{ev.lever}` stays {fmt_lever_value(ev.baseline.value)}"
                         + (": the campaign decided nothing." if ev.status == "abandoned"
                            else " while the campaign runs."))
+    elif d.verdict == "FLIP" and then is not None and then == d.new_default and then != ev.baseline.value:
+        default_line = (f"`{ev.lever}` was {fmt_lever_value(then)} already at {fp.git_short_sha}: the campaign "
+                        f"measured the {fmt_lever_value(ev.baseline.value)} it pinned against it, and the default "
+                        f"stays (conf/lever/{ev.lever}.yaml unchanged).")
     elif d.verdict == "FLIP":
         default_line = (f"`{ev.lever}` flips {fmt_lever_value(ev.baseline.value)} → "
                         f"{fmt_lever_value(d.new_default)} in conf/lever/{ev.lever}.yaml; "
@@ -386,7 +413,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         # the verdict's candidate's residual at its last profiled concurrency (not whichever candidate came last)
         "residual_generated": next((a["residual"] for a in reversed(attrib) if d is None or a["arm"] == d.candidate),
                                    attrib[-1]["residual"] if attrib else ""),
-        "baseline_label": base_label, "pooled": pooled, "context_rows": context_rows, "inapplicable": exempt,
+        "baseline_label": base_label, "baseline_note": baseline_note, "pooled": pooled, "context_rows": context_rows, "inapplicable": exempt,
         "calibration": calibrate.sentence(ev.calibration) if ev.stats else "",
         "noise": ev.calibration.noise if ev.calibration else "",
         "with_levers": with_text.strip(), "kind": ev.kind,

@@ -574,3 +574,33 @@ def test_a_record_of_several_candidates_names_the_one_its_verdict_is_about():
     assert ev.decision.verdict == "KEEP" and ev.decision.candidate == "1024"
     rec = records.render_record(ev)
     assert "try the candidate with `VT_CHUNKED_PREFILL=1024`" in rec, rec.splitlines()[-1]
+
+
+def test_a_flip_to_the_default_of_its_day_confirms_it(tmp_path, monkeypatch):
+    """A campaign file may pin its baseline off the default (a RED-first campaign, a rerun after the flip): its
+    FLIP to the candidate confirms the default of its commit, it moves nothing (async_device_mirror's reruns read
+    "flips false → true", their default true already). The record says which, read from the lever files at the
+    campaign's commit; one at the default reads as before."""
+    import git
+    from helpers import lever_repo
+    from vtengine import confdirs, levers
+    root = lever_repo(tmp_path)
+    monkeypatch.setattr(confdirs, "SOURCE_ROOT", root)
+    r, who = git.Repo(root), git.Actor("t", "t@t")
+    shas = []
+    for value in (False, True):
+        levers.set_default_in_file("gqa_swap", value, lever_dir=root / "conf" / "lever")
+        r.git.add(A=True)
+        shas.append(r.index.commit(f"gqa_swap {value}", author=who, committer=who).hexsha)
+    off_sha, on_sha = shas
+    ev = make_evidence(TPUT_WIN)
+    assert ev.decision.verdict == "FLIP" and ev.decision.new_default is True
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = on_sha, on_sha[:7]
+    rec = records.render_record(ev)
+    assert records.what_changed(ev) == "confirms default on (against off)"
+    assert "baseline (off) (pinned by the campaign; the default was true) against candidate (on)" in rec
+    assert f"`gqa_swap` was true already at {on_sha[:7]}: the campaign measured the false it pinned" in rec
+    ev.fingerprint.git_sha, ev.fingerprint.git_short_sha = off_sha, off_sha[:7]
+    rec = records.render_record(ev)
+    assert records.what_changed(ev) == "default off → on"
+    assert "baseline (off) (the file default) against" in rec and "`gqa_swap` flips false → true" in rec
