@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 
 from campaigns.evidence import Evidence
-from campaigns.stats import AXES, oriented_ratio, rep_ratios
+from campaigns.stats import AXES, OPTIONAL_AXES, oriented_ratio, rep_ratios
 
 COLORS = {"WIN": "#2e7d32", "LOSS": "#c62828", "NEUTRAL": "#757575"}
 
@@ -21,7 +21,7 @@ def grid_png(ev: Evidence) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    axes = [a for a in AXES if any(s.axis == a.name for s in ev.stats)]
+    axes = [a for a in AXES + OPTIONAL_AXES if any(s.axis == a.name for s in ev.stats)]
     cands = [a.name for a in ev.candidates]
     ncols = min(4, max(1, len(axes)))
     nrows = max(1, -(-len(axes) // ncols))

@@ -25,7 +25,7 @@ from campaigns.config import settings
 from campaigns.evidence import EffectSize, Evidence, GateResult, find_evidence, load_evidence, write_atomic
 from campaigns.policy import (effect_note, fmt_effect, inapplicable, measured_dirt, policy_params, ratified,
                              separation_label)
-from campaigns.stats import AXES, AXIS_BY_NAME
+from campaigns.stats import AXES, AXIS_BY_NAME, OPTIONAL_AXES
 from vtengine import confdirs
 
 _HERE = Path(__file__).resolve().parent
@@ -334,11 +334,12 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
             "off_reps": " / ".join(fmt_value(v, unit) for v in s.reps[s.baseline]),
             "cv": f"{s.summary[s.candidate].cv:.1%} / {s.summary[s.baseline].cv:.1%}",
         })
-    axis_order = [a.label for a in AXES]
+    axis_order = [a.label for a in AXES + OPTIONAL_AXES]
     binding_rows.sort(key=lambda r: (_rank(cand_names, r["candidate"]), r["c"], _rank(axis_order, r["axis"])))
 
-    # All axes at a glance: ratio and separation per (candidate, concurrency) x axis.
-    axes_present = [a for a in AXES if any(s.axis == a.name for s in ev.stats)]
+    # All axes at a glance: ratio and separation per (candidate, concurrency) x axis, the optional ones (P99 and
+    # max ITL) wherever the campaign measured them: they may be primary and decide the verdict
+    axes_present = [a for a in AXES + OPTIONAL_AXES if any(s.axis == a.name for s in ev.stats)]
     glance = []
     for cand in cand_names:
         for c in sorted({s.concurrency for s in ev.stats if s.candidate == cand}):

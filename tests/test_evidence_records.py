@@ -604,3 +604,22 @@ def test_a_flip_to_the_default_of_its_day_confirms_it(tmp_path, monkeypatch):
     rec = records.render_record(ev)
     assert records.what_changed(ev) == "default off → on"
     assert "baseline (off) (the file default) against" in rec and "`gqa_swap` flips false → true" in rec
+
+
+def test_the_tail_axes_a_campaign_measured_are_in_its_tables_and_plot(monkeypatch):
+    """P99 and max ITL decide the verdicts of the prefill levers (primary there): the record's all-axes table and
+    grid.png show them wherever the campaign measured them (both listed the core axes alone)."""
+    from campaigns import plots
+    tail = {"max_itl_ms": {"off": [400.0, 401.0, 402.0], "on": [40.0, 41.0, 42.0]},
+            "p99_itl_ms": {"off": [20.0, 20.1, 20.2], "on": [30.0, 30.1, 30.2]}}
+    ev = make_evidence({**TPUT_WIN, **tail}, policy_cfg={"primary_axes": ["total_token_throughput", "tpot", "max_itl"],
+                                                         "traded_axes": {"p99_itl": "chunk steps sit inside it"}})
+    rec = records.render_record(ev)
+    header = next(line for line in rec.splitlines() if line.startswith("| candidate | c |"))
+    assert "max ITL" in header and "P99 ITL" in header, header
+    import matplotlib.axes
+    drawn, real = [], matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **k: (drawn.append(label), real(self, label, *a, **k))[1])
+    assert plots.grid_png(ev)[:4] == b"\x89PNG"
+    assert any("max ITL" in t for t in drawn) and any("P99 ITL" in t for t in drawn), drawn
