@@ -421,8 +421,8 @@ def rule_invalid(f: Facts) -> Fired:
             why.append(f"correctness fix: gate {name} did not run on the baseline {f.base}, so nothing shows the bug "
                        "it fixes")
         elif b.passed or (name == "battery" and ratified(f.ev, f.base, f.p)):
-            ratified = "" if b.passed else ", every divergence ratified by near_tie, which counts as passing"
-            why.append(f"correctness fix: the baseline {f.base} passes {name} ({_counts(b)}{ratified}), so the "
+            excused = "" if b.passed else ", every divergence ratified by near_tie, which counts as passing"
+            why.append(f"correctness fix: the baseline {f.base} passes {name} ({_counts(b)}{excused}), so the "
                        "gate cannot prove the fix (RED first: it must fail before the fix)")
     return (why, {}) if why else None
 
