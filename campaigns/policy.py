@@ -204,7 +204,9 @@ def _widest_pooled(ev: Evidence, cand: str, p: PolicyConfig) -> PooledEffect | N
 
 def effect_note(ev: Evidence, cand: str, p: PolicyConfig) -> str:
     """What a KEEP measured, from the pooled interval of the primary axis that reaches furthest from 1:
-    'neutral' (every primary interval within ±neutral_margin), 'slower'/'faster' (the interval excludes 1),
+    'neutral' (every primary interval within ±neutral_margin), 'trade' (one primary interval above 1 and another
+    below: "faster" on the one that reached furthest hid a loss on total tok/s), 'slower'/'faster' (the interval
+    excludes 1),
     'mixed' (it straddles 1 while primary axes separated both ways: a KEEP can hold LOSSes beside WINs), else
     'underpowered' (the grid cannot tell); then the concurrencies where a primary axis separated, or that none
     did."""
@@ -220,6 +222,14 @@ def effect_note(ev: Evidence, cand: str, p: PolicyConfig) -> str:
         return (f"neutral: the effect is within ±{z:.1%} on {axes} ({e.confidence:.0%}, pooled over "
                 f"concurrencies)" + (f"; {seps}" if seps else ""))
     none = ", though no point separated" + (f" by the minimum effect {p.min_effect:.1%}" if p.min_effect else "")
+    primary = [x for x in ev.pooled if x.candidate == cand and x.axis in p.primary_axes and x.effect is not None]
+    up = [x for x in primary if x.effect.lo > 1]
+    down = [x for x in primary if x.effect.hi < 1]
+    if up and down:     # one primary axis gained and another lost: neither 'faster' nor 'slower' says it
+        gain, cost = max(up, key=lambda x: x.effect.lo), min(down, key=lambda x: x.effect.hi)
+        return (f"trade: the candidate gains {gain.effect.lo - 1:.1%} to {gain.effect.hi - 1:.1%} on "
+                f"{_label(gain.axis)} and costs {1 - cost.effect.hi:.1%} to {1 - cost.effect.lo:.1%} on "
+                f"{_label(cost.axis)} ({e.confidence:.0%}, pooled over concurrencies)" + (f"; {seps}" if seps else ""))
     if e.hi < 1:
         return (f"slower: the candidate costs {1 - e.hi:.1%} to {1 - e.lo:.1%} on {where}"
                 + (f"; {seps}" if seps else none))

@@ -201,8 +201,9 @@ def what_changed(ev: Evidence) -> str:
     if d.verdict == "FLIP" and policy_params(ev).flip_on_correctness:
         return f"{moved} (correctness fix)"
     note = _effect_note(ev)
-    keep = {"neutral": "measured neutral", "slower": "measured slower"}.get(note.split(":")[0], "not shown better")
-    if "mixed: " in note:  # a pooled direction hides that the candidate won some points and lost others
+    keep = {"neutral": "measured neutral", "slower": "measured slower",
+            "trade": "trades one primary axis for another"}.get(note.split(":")[0], "not shown better")
+    if "mixed: " in note and not note.startswith("trade:"):  # a pooled direction hides WINs beside LOSSes
         keep = "mixed: WINs and LOSSes at separate points"
     return {
         "FLIP": moved,

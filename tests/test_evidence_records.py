@@ -479,12 +479,13 @@ def test_a_preset_levers_record_names_what_its_levers_ran_at_in_each_arm():
 
 def test_a_keep_titles_a_mixed_candidate_mixed_not_by_its_pooled_direction():
     """The 2048-token chunk (H200, 2026-12-03) won total tok/s at every concurrency and lost TPOT and P99 ITL; its
-    widest pooled interval is P99 ITL's, so the title read 'measured slower'. A candidate that separated both ways
-    is titled mixed; one that only lost stays 'measured slower'."""
+    widest pooled interval is P99 ITL's, so the title read 'measured slower'. A candidate whose pooled intervals
+    went both ways says it trades one primary axis for another; one that separated both ways is titled mixed; one
+    that only lost stays 'measured slower'."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1] / "records" / "campaigns"
     ev = load_evidence(root / "2026-12-03-chunked_prefill-ee665bf")
-    assert records.what_changed(ev) == "keep default 512 (2048 mixed: WINs and LOSSes at separate points)"
+    assert records.what_changed(ev) == "keep default 512 (2048 trades one primary axis for another)"
     ev = load_evidence(root / "2026-12-01-pdl-5716ede")                  # slower pooled, no point separated
     assert records.what_changed(ev) == "keep default off (on measured slower)"
     ev = load_evidence(root / "2026-12-02-fuse_norm-b482c55")

@@ -717,3 +717,20 @@ def test_the_max_itl_reads_the_stall_a_p99_cannot_see():
     assert not [s for s in ev.stats if s.axis == "p99_itl" and s.primary]
     plain = make_evidence(STALL)
     assert not {s.axis for s in plain.stats} & {"max_itl", "p99_itl"}
+
+
+def test_a_keep_that_trades_one_primary_axis_for_another_says_so():
+    """TPOT better by 10% and total tok/s worse by 10% at every concurrency: a KEEP whose note names both
+    (chunked_prefill-ac29d06's read "faster: gains 1.1% to 60.7% on P99 ITL" over total tok/s x0.87 everywhere)."""
+    ev = make_evidence({"median_tpot_ms": {"off": [10.0, 10.1, 10.2], "on": [9.0, 9.1, 9.2]},
+                        "total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}})
+    assert verdict(ev) == "KEEP", ev.decision.reasons
+    note = ev.decision.effect_note
+    assert note.startswith("trade: the candidate gains ") and " on TPOT and costs " in note, note
+    assert " on total tok/s (" in note and "faster" not in note and "slower" not in note
+    assert records_what_changed(ev) == "keep default off (on trades one primary axis for another)"
+
+
+def records_what_changed(ev) -> str:
+    from campaigns import records
+    return records.what_changed(ev)
