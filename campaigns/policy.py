@@ -415,6 +415,9 @@ def rule_invalid(f: Facts) -> Fired:
                        "went undetected, so the gate cannot fail")
         elif not any(g.self_check for g in results):
             why.append(f"gate {name} ran without its self-check, so it is not shown able to fail")
+        elif any(g.self_check is None for g in results):    # each arm's run of a gate needs its own proof
+            arms = ", ".join(g.arm for g in results if g.self_check is None)
+            why.append(f"gate {name} ran without its self-check on arm {arms}, so it is not shown able to fail there")
     mech = f.gate("mechanism", f.cand.name)
     if mech is not None and not mech.skipped and not mech.passed:
         detail = mech.reason or mech.details.get("why", "")

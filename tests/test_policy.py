@@ -329,6 +329,10 @@ def test_invalid_when_a_self_check_passes():
 def test_invalid_when_a_gate_never_self_checked():
     g = gates(**{"battery@off": {"self_check": None}, "battery@on": {"self_check": None}})
     assert verdict(make_evidence(TPUT_WIN, gate_results=g)) == "INVALID"
+    # one arm's run without its self-check is not covered by the other arm's: each run needs its own proof
+    ev = make_evidence(TPUT_WIN, gate_results=gates(**{"op@on": {"self_check": None}}))
+    assert verdict(ev) == "INVALID"
+    assert "gate op ran without its self-check on arm on, so it is not shown able to fail there" in ev.decision.reasons
 
 
 def test_invalid_when_the_lever_is_inert():
