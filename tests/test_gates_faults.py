@@ -838,6 +838,13 @@ def test_a_preset_lever_mechanism_proves_every_lever_it_sets(monkeypatch):
     # one lever of the four inert is enough to fail the ON arm
     ok, why = mechanism.expected("mixed_prefill", True, {**on, "chunk_graphs": {"chunk_steps": 0, "shapes": []}})
     assert not ok and "chunk_graphs: 0 full prefill chunks" in why
+    # the same 256-token chunks under the file's preset (512) and a campaign pin of 256: the pin is what the engine
+    # ran, so it is what the probe must show (the preset's own value made a pinned campaign INVALID)
+    monkeypatch.setitem(levers.get("mixed_prefill").sets, "chunked_prefill", 512)
+    ok, why = mechanism.expected("mixed_prefill", True, on, pins={"chunked_prefill": 256})
+    assert ok, why
+    ok, why = mechanism.expected("mixed_prefill", True, on)
+    assert not ok and "expected a full 512-token chunk" in why, why
     ctx.release_engines()
 
 

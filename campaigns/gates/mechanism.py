@@ -148,13 +148,14 @@ def _some_or_none(n: int, value: Any, what: str) -> tuple[bool, str]:
 
 
 def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None = None,
-             quant: str | None = None) -> tuple[bool, str]:
+             quant: str | None = None, pins: dict[str, Any] | None = None) -> tuple[bool, str]:
     """Does the probe show the route that ``value`` selects? A preset: every lever it sets shows the route of the
-    value it resolves to (on: the preset's values; off: their defaults). ``resolved``: every lever's value in the
-    arm, for a route that rides on another lever (pdl_prefetch on pdl); a preset passes its own resolution."""
+    value it resolves to (on: the preset's values where the campaign's ``pins`` do not set them, as the engine
+    resolves them; off: their defaults). ``resolved``: every lever's value in the arm, for a route that rides on
+    another lever (pdl_prefetch on pdl); a preset passes its own resolution."""
     if _preset(lever):
         from vtengine import levers
-        values = levers.resolve({lever: value}, environ={}, quant=quant).values
+        values = levers.resolve({**(pins or {}), lever: value}, environ={}, quant=quant).values
         checks = [(name, *expected(name, values[name], pr[name], values)) for name in sorted(_preset(lever))]
         return all(ok for _, ok, _ in checks), "; ".join(f"{name}: {why}" for name, _, why in checks)
     if lever == "gqa_swap":
@@ -326,7 +327,12 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     if fault:       # the candidate's lever inert (at the baseline's value), the baseline's stuck (at the candidate's)
         broken = ctx.baseline.value if arm.role == "candidate" else cand.value
     pr, snap = _run_probe(ctx, arm, broken)
-    ok, why = expected(ctx.lever, arm.value, pr, quant=ctx.quant)
+    from vtengine import levers
+    # the arm's own resolution (the campaign's pins with it: mixed_prefill with chunked_prefill=256 pinned chunks at
+    # 256, not the preset's 512), with the lever at the arm's value: what the probe must show
+    pins = dict(ctx.with_levers)
+    resolved = dict(levers.resolve({**pins, ctx.lever: arm.value}, environ={}, quant=ctx.quant).values)
+    ok, why = expected(ctx.lever, arm.value, pr, resolved, quant=ctx.quant, pins=pins)
     note = ""
     if fault:
         note = ("inert lever (resolved to the baseline value)" if arm.role == "candidate"
