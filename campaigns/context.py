@@ -22,7 +22,7 @@ commit is not in this repository), the answer is STALE: the safe one.
 from __future__ import annotations
 
 import hashlib
-import os
+import posixpath
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -120,18 +120,16 @@ def _tree_file(root: Path, path: str) -> bytes | None:
 
 
 def _as_stored(repo, root: Path):
-    """A reader of working-tree files as git stores them, to compare with a commit's blobs: a symbolic link as its
-    target's path (git's blob of a link; reading through it gave the target's contents, so a linked source never
-    compared equal), and a file whose bytes git's filters change (CRLF turned LF by core.autocrlf or a
-    .gitattributes eol) as HEAD has it where git finds it unmodified (else a CRLF checkout of a .cu file read as
-    changed at every commit)."""
+    """A reader of working-tree files to compare with a commit's (``_git_file``, which follows a link to the file it
+    names, as this reads through one): a file whose bytes git's filters change (CRLF turned LF by core.autocrlf or a
+    .gitattributes eol) reads as HEAD has it where HEAD has it and git finds it unmodified (else a CRLF checkout of
+    a .cu file read as changed at every commit)."""
     def read(path: str) -> bytes | None:
-        where = root / path
-        if where.is_symlink():
-            return os.readlink(where).encode()
         data = _tree_file(root, path)
-        if data is not None and b"\r" in data and _unmodified(repo, path):
-            return _git_file(repo, "HEAD", path)
+        if data is not None and b"\r" in data:
+            head = _git_file(repo, "HEAD", path)
+            if head is not None and _unmodified(repo, path):
+                return head
         return data
     return read
 
@@ -179,12 +177,24 @@ def tree_digests(levers: dict, root: Path | str) -> dict[str, str]:
             for name, lever in sorted(levers.items())}
 
 
-def _git_file(repo, sha: str, path: str) -> bytes | None:
-    """The file's bytes at commit ``sha`` (exactly: no newline stripped), or None where it did not exist."""
+def _git_file(repo, sha: str, path: str, hops: int = 8) -> bytes | None:
+    """The file's bytes at commit ``sha`` (exactly: no newline stripped), or None where it did not exist. A symbolic
+    link reads as the file it names in that commit (as a checkout reads through it: comparing the link's own blob,
+    its target's path, with the working tree's contents read every linked source as changed, and comparing the two
+    paths alone missed an edit of the target); one that leaves the repository reads as its own blob."""
     try:
-        return repo.commit(sha).tree[path].data_stream.read()
+        blob = repo.commit(sha).tree[path]
     except KeyError:
         return None
+    data = blob.data_stream.read()
+    if blob.mode == SYMLINK_MODE and hops > 0:
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(path), data.decode(errors="replace")))
+        if not (target.startswith("../") or target == ".." or posixpath.isabs(target)):
+            return _git_file(repo, sha, target, hops - 1)
+    return data
+
+
+SYMLINK_MODE = 0o120000
 
 
 def _commit_known(repo, sha: str) -> bool:
@@ -268,7 +278,7 @@ def default_at(repo_root: Path | str, sha: str, lever, quant: str | None, levers
     commit, the file or a value that parses today is not there."""
     from vtengine import levers as lever_registry
     levers_now = levers_now if levers_now is not None else lever_registry.registry()
-    then = _defaults_at(str(repo_root), sha, quant, tuple(sorted(levers_now)), levers_now)
+    then = _defaults_at(str(Path(repo_root).resolve()), sha, quant, tuple(sorted(levers_now)), levers_now)
     value = None if then is None else then.get(lever.name)
     return None if isinstance(value, Unparsable) else value
 
@@ -278,7 +288,8 @@ _DEFAULTS_AT: dict[tuple, dict[str, Any] | None] = {}
 
 def _defaults_at(root: str, sha: str, quant: str | None, names: tuple, levers_now: dict) -> dict[str, Any] | None:
     """Every lever's effective default at commit ``sha`` (presets applied), remembered per (root, commit, quant,
-    levers): a render asks it of every campaign, most of them at a few commits."""
+    levers): a render asks it of every campaign, most of them at a few commits. A commit the repository lacks is
+    not remembered (a fetch may bring it), nor, being None, anything for it."""
     key = (root, sha, quant, names)
     if key in _DEFAULTS_AT:
         return _DEFAULTS_AT[key]
@@ -300,7 +311,8 @@ def _defaults_at(root: str, sha: str, quant: str | None, names: tuple, levers_no
             apply_presets(then, out, {name: "default" for name in out})
         except ValueError:
             pass
-    _DEFAULTS_AT[key] = out
+    if out is not None:
+        _DEFAULTS_AT[key] = out
     return out
 
 

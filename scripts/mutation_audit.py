@@ -534,10 +534,10 @@ MUTATIONS = [
              "        if any(map(_dunder, _binds(s))):\n",
              "        if _binds(s) & {\"__init__\", \"__post_init__\", \"__new__\"}:\n",
              ["tests/test_sources.py::test_what_the_language_calls_implicitly_counts"]),
-    Mutation("sources-through-links", "context: a linked source read through its link (never equal to its blob)",
+    Mutation("sources-through-links", "context: a commit's linked source read as its link's blob (never equal)",
              "campaigns/context.py",
-             "        if where.is_symlink():\n",
-             "        if False:\n",
+             "    if blob.mode == SYMLINK_MODE and hops > 0:\n",
+             "    if False:\n",
              ["tests/test_context.py::test_sources_compare_as_git_stores_them_links_and_line_endings_too"]),
 ]
 

@@ -166,9 +166,10 @@ def test_comments_docstrings_and_formatting_do_not_stale_but_code_does(repo):
 
 
 def test_sources_compare_as_git_stores_them_links_and_line_endings_too(repo):
-    """The working tree is read as git stores it: a linked source as its link (reading through it gave the target's
-    contents, never equal to the link's blob), and a CRLF checkout of a non-Python source that git's filters store
-    as committed (core.autocrlf) as unchanged; a retargeted link or an edited line is a change."""
+    """A linked source compares as the file it names on both sides (the link's own blob, its target's path, never
+    equalled the working tree's contents; the two paths alone missed an edit of the target), and a CRLF checkout of
+    a non-Python source that git's filters store as committed (core.autocrlf) as unchanged; a retargeted link to
+    other code, an edited target or an edited line is a change, and a new untracked CRLF file is no absence."""
     import os
     r = git.Repo(repo)
     kernels = repo / "vtengine" / "kernels"
@@ -183,9 +184,14 @@ def test_sources_compare_as_git_stores_them_links_and_line_endings_too(repo):
     assert lever_context.sources_diff(repo, sha, entries) == ""
     (kernels / "attn.cu").write_bytes(b"__global__ void k() {\r\n  return 1;\r\n}\r\n")
     assert lever_context.changed_sources(repo, sha, entries) == ["vtengine/kernels/attn.cu"]
+    (kernels / "attention.py").write_text((kernels / "attention.py").read_text() + "\nEXTRA = 1\n")
+    assert lever_context.changed_sources(repo, sha, entries) == entries       # the target edited
+    r.git.checkout("--", "vtengine/kernels/attention.py")
     (kernels / "alias.py").unlink()
     os.symlink("gemv.py", kernels / "alias.py")
     assert lever_context.changed_sources(repo, sha, entries) == entries
+    (kernels / "new.cu").write_bytes(b"__global__ void n() {}\r\n")          # untracked: present, not HEAD's None
+    assert lever_context.changed_sources(repo, sha, ["vtengine/kernels/new.cu"]) == ["vtengine/kernels/new.cu"]
 
 
 def test_a_lever_added_since_stales_only_at_an_on_default(repo):
