@@ -121,13 +121,16 @@ def contents_digest(root: Path | str, files: Iterable[str]) -> str:
     h = hashlib.sha256()
     for rel in sorted(files):
         path = root / rel
+        inner = hashlib.sha256()
         if path.is_symlink():
-            data = b"<link>" + os.readlink(path).encode()
+            inner.update(b"<link>" + os.readlink(path).encode())
         elif path.is_file():
-            data = path.read_bytes()
+            with open(path, "rb") as f:         # in chunks: an untracked file may be large
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    inner.update(chunk)
         else:
-            data = b"<missing>"
-        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+            inner.update(b"<missing>")
+        h.update(rel.encode() + b"\0" + inner.digest())
     return h.hexdigest()
 
 
