@@ -455,3 +455,45 @@ def test_a_batch_of_prompts_is_admitted_in_one_step(served):
     decode = m["vtengine_engine_decode_steps_total"] - m0["vtengine_engine_decode_steps_total"]
     assert steps - decode <= 2, (steps, decode)          # one prefill step (two where the thread split the posts)
     assert m["vtengine_generation_tokens_total"] - m0["vtengine_generation_tokens_total"] == 32
+
+
+def test_a_caller_cancelled_between_two_adds_leaves_no_request_running():
+    """A request's prompts are added together; where the engine accepted one before the caller was cancelled (a
+    client gone while the second add waits), that one is aborted too: gather dropped its stream, and it generated
+    to max_tokens holding its KV blocks. The second add is held back here to open that window every time."""
+    from vtengine.engine.async_engine import AsyncEngine
+    from vtengine.metrics import ServerMetrics
+    from vtengine.protocol import CompletionRequest
+    from vtengine.serving import CompletionServing
+    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4))
+    ae = AsyncEngine(engine)
+    release, real_add = None, ae.add_request
+
+    async def add_request(request_id, *args, **kwargs):
+        if request_id.endswith("-1"):
+            await release.wait()                 # never set: the caller is cancelled first
+        return await real_add(request_id, *args, **kwargs)
+    ae.add_request = add_request
+    serving = CompletionServing(ae, "tiny", engine.tokenizer, ServerMetrics(ae))
+    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    req = CompletionRequest(chat=False, prompts=[[5, 6, 7], [8, 9]], params=[params, params], stream=True,
+                            include_usage=False)
+
+    async def main():
+        nonlocal release
+        release = asyncio.Event()
+        task = asyncio.ensure_future(serving._start("cmpl-x", req, None))
+        for _ in range(200):                     # until the first prompt is in the engine
+            await asyncio.sleep(0.01)
+            if ae.stats().get("running", 0) or engine.has_unfinished_requests():
+                break
+        assert engine.has_unfinished_requests()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)                 # an abort's time; 2000 tokens take the tiny model seconds
+        assert not engine.has_unfinished_requests(), "an accepted prompt kept running after its caller left"
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
