@@ -119,7 +119,7 @@ def draws_for(t: Evidence, noise: NoiseModel) -> Draws:
     not simulated, and the note says so (the rates then leave that axis out)."""
     from campaigns import policy
     p = policy.policy_params(t)
-    read = set(p.primary_axes) | set(p.traded_axes)        # traded axes count too: a WIN there blocks a REJECT
+    read = set(p.primary_axes)              # a traded axis decides nothing, either way (policy.Facts.wins)
     wanted = [a for a in OPTIONAL_AXES if a.name in read]
     if not wanted:
         return Draws(noise.residuals, AXES)

@@ -656,7 +656,7 @@ def decide_aa(ev: Evidence, p: PolicyConfig) -> Decision:
     seen = aa_separations(ev, p)
     conditions = _binding_conditions(ev, (a, b), p)
     void = [r for r in conditions if r.startswith("void grid")]
-    bias = [f"server-instance bias {b}/{a}: {fmt_effect(pe)}" for pe in ev.pooled if pe.primary]
+    bias = [f"server-instance bias (above 1 favours {b}): {fmt_effect(pe)}" for pe in ev.pooled if pe.primary]
     listed = "; ".join(f"{_label(s.axis)} at c{s.concurrency} {s.separation} ×{_ratio(s)}" for s in seen)
     observed = f"{len(seen)} separated point(s)" + (f" ({listed})" if seen else "")
 

@@ -593,7 +593,7 @@ def test_aa_rehearsal_reports_its_separations_against_the_calibration(tmp_path):
     assert f"on a binding grid this would be {'AA-PASS' if seen <= cal.separations_q95 else 'AA-FAIL'}" in d.reasons
     assert d.reasons[0].startswith(f"{seen} separated point(s)")
     assert f"at most {cal.separations_q95} in 95% of {cal.sims} simulated campaigns" in d.reasons[0]
-    assert any(r.startswith("server-instance bias b/a: total tok/s ×") for r in d.reasons)
+    assert any(r.startswith("server-instance bias (above 1 favours b): total tok/s ×") for r in d.reasons)
     assert ev.context["a"] == ev.context["b"] and ev.context["a"]["async_scheduling"] is True
     status = (repo / "records" / "STATUS.md").read_text()
     aa_part = status.split("## Grid self-checks (A/A)")[1]
