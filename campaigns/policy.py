@@ -60,8 +60,9 @@ RULES = {
                         "divergence near_tie ratifies counts as passing), and every other correctness gate passes "
                         "on the candidate.",
     "REJECT-PERFORMANCE": "5. REJECT (performance) — a LOSS on a primary axis (a ratio at most 1 - "
-                          "{min_effect:.1%}) and no WIN (a declared traded axis decides neither way): recorded as refuted so it is not retried. A grid of more "
-                          "than 4 concurrencies needs LOSSes at one concurrency per 4 of its points (rounded up).",
+                          "{min_effect:.1%}) and no WIN (a declared traded axis decides neither way): recorded as "
+                          "refuted so it is not retried. A grid of more than 4 concurrencies needs LOSSes at one "
+                          "concurrency per 4 of its points (rounded up).",
     "KEEP": "6. KEEP — otherwise; the default stays. Neutral when the pooled effect's interval on every primary "
             "axis lies within ±{neutral_margin:.0%}, else underpowered: the grid could not tell.",
     "AA-PASS": "A/A PASS — the grid's self-check: two servers at the same value show no more separated points "

@@ -415,7 +415,8 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         # the verdict's candidate's residual at its last profiled concurrency (not whichever candidate came last)
         "residual_generated": next((a["residual"] for a in reversed(attrib) if d is None or a["arm"] == d.candidate),
                                    attrib[-1]["residual"] if attrib else ""),
-        "baseline_label": base_label, "baseline_note": baseline_note, "pooled": pooled, "context_rows": context_rows, "inapplicable": exempt,
+        "baseline_label": base_label, "baseline_note": baseline_note, "pooled": pooled, "context_rows": context_rows,
+        "inapplicable": exempt,
         "calibration": calibrate.sentence(ev.calibration) if ev.stats else "",
         "noise": ev.calibration.noise if ev.calibration else "",
         "with_levers": with_text.strip(), "kind": ev.kind,
