@@ -301,11 +301,7 @@ def _defaults_at(root: str, sha: str, quant: str | None, names: tuple, levers_no
         known = False
     out = None
     if known:
-        then = {}
-        for name, lever in levers_now.items():
-            raw = _git_file(repo, sha, f"conf/lever/{name}.yaml")
-            if raw is not None:
-                then[name] = _lever_then(lever, raw, sha, levers_now, quant, [])
+        then = _levers_then(repo, sha, levers_now, quant, [])
         out = {name: lt.default for name, lt in then.items()}
         try:
             apply_presets(then, out, {name: "default" for name in out})
@@ -361,13 +357,10 @@ def _reconstructed(ev: Evidence, repo_root: Path | str, levers_now: dict) -> Con
     digests: dict[str, str] = {}
     quant = quant_of(ev)
     if known:
-        for name, lever in levers_now.items():
-            raw = _git_file(repo, sha, f"conf/lever/{name}.yaml")
-            if raw is None:
-                notes.append(f"lever {name} had no file at {sha[:7]}")
-                continue
-            then[name] = _lever_then(lever, raw, sha, levers_now, quant, notes)
-            digests[name] = digest({p: _git_file(repo, sha, p) for p in sources.files_of(lever.paths)})
+        then = _levers_then(repo, sha, levers_now, quant, notes)
+        notes += [f"lever {name} had no file at {sha[:7]}" for name in levers_now if name not in then]
+        digests = {name: digest({p: _git_file(repo, sha, p) for p in sources.files_of(levers_now[name].paths)})
+                   for name in then}
         source = f"git {sha[:7]}"
     else:
         notes.append(f"commit {sha[:7]} is not in this repository: lever defaults and source files unknown")
@@ -416,6 +409,16 @@ class _LeverThen:
 class Unparsable(str):
     """A lever value at a campaign's commit that no longer parses (a value since removed): it equals no value of
     today's, so it reads as drift, never as the lever being new."""
+
+
+def _levers_then(repo, sha: str, levers_now: dict, quant: str | None, notes: list[str]) -> dict[str, _LeverThen]:
+    """Each of today's levers as its file said at ``sha`` (``_lever_then``); a lever with no file there is absent."""
+    then = {}
+    for name, lever in levers_now.items():
+        raw = _git_file(repo, sha, f"conf/lever/{name}.yaml")
+        if raw is not None:
+            then[name] = _lever_then(lever, raw, sha, levers_now, quant, notes)
+    return then
 
 
 def _lever_then(lever, raw: bytes | str, sha: str, levers_now: dict, quant: str | None,

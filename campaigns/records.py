@@ -186,6 +186,14 @@ def default_then(ev: Evidence) -> Any:
                                     lever_context.quant_of(ev))
 
 
+def _confirms_default(ev: Evidence, then: Any) -> bool:
+    """Whether ``ev``'s FLIP goes to the default its commit already had (``then``: default_then) from a baseline
+    the campaign pinned off it."""
+    d = ev.decision
+    return (d is not None and d.verdict == "FLIP" and then is not None and then == d.new_default
+            and then != ev.baseline.value)
+
+
 def what_changed(ev: Evidence) -> str:
     d = ev.decision
     base = ev.baseline.name
@@ -195,8 +203,7 @@ def what_changed(ev: Evidence) -> str:
     cand = d.candidate or "?"
     if ev.kind == "aa":
         return f"A/A self-check of the grid, {ev.lever}={fmt_lever_value(ev.baseline.value)} on both arms"
-    then = default_then(ev) if d.verdict == "FLIP" else None
-    confirms = then is not None and then == d.new_default and then != ev.baseline.value
+    confirms = d.verdict == "FLIP" and _confirms_default(ev, default_then(ev))
     moved = f"confirms default {cand} (against {base})" if confirms else f"default {base} → {cand}"
     if d.verdict == "FLIP" and policy_params(ev).flip_on_correctness:
         return f"{moved} (correctness fix)"
@@ -372,7 +379,7 @@ def campaign_view(ev: Evidence) -> dict[str, Any]:
         default_line = (f"`{ev.lever}` stays {fmt_lever_value(ev.baseline.value)}"
                         + (": the campaign decided nothing." if ev.status == "abandoned"
                            else " while the campaign runs."))
-    elif d.verdict == "FLIP" and then is not None and then == d.new_default and then != ev.baseline.value:
+    elif _confirms_default(ev, then):
         default_line = (f"`{ev.lever}` was {fmt_lever_value(then)} already at {fp.git_short_sha}: the campaign "
                         f"measured the {fmt_lever_value(ev.baseline.value)} it pinned against it, and the default "
                         f"stays (conf/lever/{ev.lever}.yaml unchanged).")

@@ -70,14 +70,14 @@ class CompletionServing:
         step: awaited one by one, each add waited for the engine's next step, and a batch of N prompts was
         prefilled over N steps); if one is rejected, abort the ones added. A cancelled caller aborts them all, the
         accepted ones too."""
-        ids_ = [f"{rid}-{i}" for i in range(len(req.prompts))]
-        adds = [self.engine.add_request(r, ids, sp, arrival_time) for r, ids, sp in zip(ids_, req.prompts, req.params)]
+        rids = [f"{rid}-{i}" for i in range(len(req.prompts))]
+        adds = [self.engine.add_request(r, ids, sp, arrival_time) for r, ids, sp in zip(rids, req.prompts, req.params)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)
         except BaseException:
             # cancelled: an add still waiting aborts its own, but one the engine accepted already returned its
             # stream to gather, which drops it; abort every one (idempotent, a no-op for an unknown id)
-            for r in ids_:
+            for r in rids:
                 self.engine.abort(r)
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
