@@ -119,8 +119,9 @@ class GridConfig:
 @dataclass
 class OpGateConfig:
     seed: int = 0
-    shapes: int = 4                      # how many shape cases per kernel (ragged lengths included)
-    poison: bool = True
+    shapes: int = 4                      # not read: the cases are fixed per device (op._shapes); kept so stored
+                                         # campaign configs still load
+    poison: bool = True                  # NaN-fill outputs and every allocation a kernel launcher makes
 
 
 @dataclass

@@ -97,12 +97,12 @@ MUTATIONS = [
     # one per gate (graph_parity and memcheck: GPU, see the module docstring)
     Mutation("op-compares-ref-with-itself", "op: the kernel's output is never compared (reference against itself)",
              "campaigns/gates/op.py",
-             "        out = run_case(setting, False)\n        err = rel_l2(out, expected)\n",
-             "        out = run_case(setting, False)\n        err = rel_l2(expected, expected)\n",
+             "        out = launch(run_case, setting, False)\n        err = rel_l2(out, expected)\n",
+             "        out = launch(run_case, setting, False)\n        err = rel_l2(expected, expected)\n",
              ["tests/test_gates_faults.py::test_op_gate_catches_a_kernel_off_by_a_tenth_of_a_percent"],
              gate="op",
-             extra=[("campaigns/gates/op.py", "            wrong = rel_l2(run_case(setting, True), expected)\n"
-                     "            off = rel_l2(run_case(setting, False) * (1 + size), expected)\n",
+             extra=[("campaigns/gates/op.py", "            wrong = rel_l2(launch(run_case, setting, True), expected)\n"
+                     "            off = rel_l2(launch(run_case, setting, False) * (1 + size), expected)\n",
                      "            wrong = rel_l2(expected, expected)\n            off = rel_l2(expected, expected)\n")]),
     Mutation("near-tie-gap-zero", "near_tie: every gap measured as 0 (every divergence 'ratified')",
              "campaigns/gates/battery.py",
@@ -519,6 +519,12 @@ MUTATIONS = [
              "                \"fast_math\": on(\"fast_math\"),\n",
              ["tests/test_gates_faults.py::test_the_op_gate_launches_every_levers_values_through_its_kernels",
               "tests/test_gates_faults.py::test_the_split_rule_op_gate_runs_the_candidates_slices"]),
+    Mutation("op-poison-off", "op gate: allocations inside a launcher not NaN-filled (an unwritten row passes on "
+             "stale memory)",
+             "campaigns/gates/op.py",
+             "        with poisoned_allocations(ctx.device, poison):\n",
+             "        with poisoned_allocations(ctx.device, False):\n",
+             ["tests/test_gates_faults.py::test_op_gate_catches_a_launcher_output_row_never_written"]),
     Mutation("memcheck-hang-caught", "memcheck: a faulted run that timed out counts as its fault caught",
              "campaigns/gates/memcheck.py",
              "        return result(\"memcheck\", arm, bool(fault), t0,",

@@ -893,3 +893,45 @@ def test_an_op_gate_with_no_case_fails_and_says_why(monkeypatch):
     res = run_gate("op", ctx, ctx.arms[1])
     assert not res.passed and res.counts["cases"] == 0 and "affects no kernel" in res.details["why"]
     assert res.self_check is False
+
+
+def test_poisoned_allocations_fill_what_a_launcher_allocates_and_restore_the_mode():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    with op.poisoned_allocations("cpu"):
+        assert torch.isnan(torch.empty(5, 3)).all() and torch.isnan(torch.empty(4, dtype=torch.bfloat16)).all()
+        assert (torch.empty(3, dtype=torch.int32) == torch.iinfo(torch.int32).max).all()
+    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
+    with op.poisoned_allocations("cpu", enabled=False):
+        assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_op_gate_catches_a_launcher_output_row_never_written(monkeypatch):
+    """fuse_norm's fused add allocates its outputs inside the launcher (no ``out`` to hand it a NaN buffer). A kernel
+    that never writes the last row leaves there whatever the allocator's memory held: here an earlier run's freed,
+    correct output (CUDA's caching allocator hands a freed block back as is; the CPU's does not reuse, so the stand-in
+    below copies the stale value in itself wherever allocations are not NaN-filled). Only poisoned allocations make
+    the unwritten row show (as NaN); with ``op.poison: false`` the stale row passes, which is why poisoning is on by
+    default."""
+    from vtengine.kernels import gemv
+    real = gemv.linear_add_gain
+
+    def last_row_unwritten(x, weight, residual, gain, **kw):
+        r, ss, xg = real(x, weight, residual, gain, **kw)
+        y = torch.empty_like(r)
+        if not torch.are_deterministic_algorithms_enabled():
+            y.copy_(r)                  # the allocator's stale memory: an earlier run's (right) output
+        y[:-1] = r[:-1]                 # the rows the kernel does write
+        return y, ss, xg
+    monkeypatch.setattr(gemv, "linear_add_gain", last_row_unwritten)
+    arms = [Arm("off", False, "baseline"), Arm("on", True, "candidate")]
+    ctx = GateContext(lever="fuse_norm", arms=arms, model="tiny", quant="bf16", device="cpu",
+                      gate_cfg=OmegaConf.create(GATE_CFG), near_tie_max_mnats=500.0)
+    res = op.run(ctx, arms[1])
+    bad = [r for r in res.details["cases"] if not r["ok"]]
+    assert not res.passed and bad and all(r["case"].startswith("linear+add_rms_norm+linear dense") for r in bad)
+    assert all(r["rel_l2"] == "inf" or r["rel_l2"] != r["rel_l2"] or r["rel_l2"] > 1 for r in bad), bad
+    blind = GateContext(lever="fuse_norm", arms=arms, model="tiny", quant="bf16", device="cpu",
+                        gate_cfg=OmegaConf.create({**GATE_CFG, "op": {**GATE_CFG["op"], "poison": False}}),
+                        near_tie_max_mnats=500.0)
+    unpoisoned = op.run(blind, arms[1])
+    assert unpoisoned.passed and "not NaN-filled" in unpoisoned.details["poisoned"]

@@ -1,6 +1,13 @@
 """op: each kernel the lever affects, in this arm's setting, against the torch reference (fp32 math) on fresh random
 inputs at several shapes (ragged context lengths, shuffled block tables), outputs poisoned (NaN) before each run.
 
+Poisoning covers every tensor a launcher allocates as well as the outputs the cases hand it: the kernel runs under
+torch's deterministic mode with ``fill_uninitialized_memory`` (warn_only: no op is refused), so ``torch.empty`` and
+its kin return NaN (integers: their largest value). An element a kernel never writes then shows as NaN, never as the
+stale, correct value an earlier run's freed output left in the allocator's cache (the gate runs each case in both
+arms' settings). A probe checks the fill took on the gate's device; ``op.poison: false`` turns it off, and the result
+says so.
+
 Passes when every case's relative L2 error is within its kernel's bound and every output element was written.
 Bounds come from measurement (op_bounds.yaml beside this file, written by ``python -m campaigns.gates.op
 --measure``): per device kind, dtype and kernel, twice the largest error the reference comparison showed over
@@ -21,8 +28,10 @@ says so (its lever file should mark op inapplicable), rather than pass on nothin
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,13 +76,6 @@ def _shapes(device: str) -> dict[str, Any]:
                 gemm=[(1, 64, 96), (3, 64, 32), (17, 128, 64)], split_prefix=200, dtype=torch.float32)
 
 
-class Case:
-    """One random input set for one kernel: ``run(setting, fault)`` -> output; ``ref()`` -> reference."""
-    name: str
-    run: Callable[[Any, bool], torch.Tensor]
-    ref: Callable[[], torch.Tensor]
-
-
 def _paged(gen, dev, dtype, b, hq, hkv, d, ctx_lens, page=16):
     """Random q and a paged K/V cache with shuffled (non-contiguous) block tables."""
     blocks_per = [(c + page - 1) // page for c in ctx_lens]
@@ -91,6 +93,30 @@ def _paged(gen, dev, dtype, b, hq, hkv, d, ctx_lens, page=16):
 
 def _poisoned_like(shape, dtype, dev):
     return torch.full(shape, float("nan"), dtype=dtype, device=dev)
+
+
+@contextlib.contextmanager
+def poisoned_allocations(dev, enabled: bool = True):
+    """Inside, every uninitialized allocation on any device is filled with NaN (max int for integer dtypes): torch's
+    deterministic mode (warn_only, so no op raises; its warnings are silenced here) with fill_uninitialized_memory.
+    Raises if a probe ``torch.empty`` on ``dev`` is not NaN (the fill did not take: the gate would be blind)."""
+    if not enabled:
+        yield
+        return
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+           torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(deterministic|Deterministic).*")
+            if not bool(torch.isnan(torch.empty(64, device=dev)).all()):
+                raise RuntimeError(f"op gate: uninitialized allocations on {dev} are not NaN-filled under torch "
+                                   f"{torch.__version__}: outputs a kernel never writes would go unseen")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        torch.utils.deterministic.fill_uninitialized_memory = was[2]
 
 
 def decode_cases(gen, dev, sh, lever: str) -> list[tuple[str, Callable, Callable]]:
@@ -160,10 +186,8 @@ def gemm_cases(gen, dev, sh, fmt: str) -> list[tuple[str, Callable, Callable]]:
         x, qw, shifted = _w4a16_inputs(gen, dev, sh, m, k, n, fmt)
 
         def run(setting, fault, x=x, qw=qw, shifted=shifted):
-            # poison: free a NaN buffer of the output's size right before the launch (the allocator reuses it)
-            junk = _poisoned_like((x.shape[0], qw.shape[0]), x.dtype, x.device)
-            del junk
-            return w4a16.w4a16_linear(x, shifted if fault else qw, **setting)
+            return w4a16.w4a16_linear(x, shifted if fault else qw,
+                                      out=_poisoned_like((x.shape[0], qw.shape[0]), x.dtype, x.device), **setting)
 
         def ref(x=x, qw=qw):
             return TorchBackend().linear(x.float(), qw)
@@ -177,10 +201,8 @@ def norm_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
     wt = (1 + 0.1 * torch.randn(sh["hidden"], generator=gen)).to(dev, sh["dtype"])
 
     def run(setting, fault):
-        junk = _poisoned_like(x.shape, x.dtype, x.device)
-        del junk
         return fused.rms_norm(x, torch.roll(wt, 1) if fault else wt, 1e-6, fast_math=setting.get("fast_math", False),
-                              pdl=setting.get("pdl", False))
+                              out=_poisoned_like(x.shape, x.dtype, x.device), pdl=setting.get("pdl", False))
 
     def ref():
         return TorchBackend().rms_norm(x.float(), wt.float(), 1e-6)
@@ -234,8 +256,6 @@ def gate_up_silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
 
             def run(setting, fault, x=x, qw=qw, shifted=shifted):
                 wt = shifted if fault else qw
-                junk = _poisoned_like((x.shape[0], qw.shape[0]), x.dtype, x.device)
-                del junk
                 kw = dict(dense=True, pdl=setting.get("pdl", False))
                 if setting.get("fused"):
                     return w4a16.w4a16_linear(x, wt, silu_mul=True, **kw)
@@ -498,6 +518,11 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
     rows, failures, bitwise_equal = [], 0, []
     sources = set()
     faults = {"wrong index": 0, "small output error": 0}
+    poison = bool(cfg.get("poison", True))
+
+    def launch(run_case, setting, fault_run):
+        with poisoned_allocations(ctx.device, poison):
+            return run_case(setting, fault_run)
     if not cases:
         why = (f"{ctx.lever} affects no kernel the op gate has cases for: nothing was compared (mark op inapplicable "
                "in its lever file, with the reason)")
@@ -509,20 +534,20 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
         expected = ref()
         if fault:
             size = max(SMALLEST_FAULT, 2 * bound)
-            wrong = rel_l2(run_case(setting, True), expected)
-            off = rel_l2(run_case(setting, False) * (1 + size), expected)
+            wrong = rel_l2(launch(run_case, setting, True), expected)
+            off = rel_l2(launch(run_case, setting, False) * (1 + size), expected)
             faults["wrong index"] += not wrong <= bound
             faults["small output error"] += not off <= bound
             rows.append({"case": name, "bound": bound, "wrong_index_rel_l2": _finite(wrong),
                          "planted_error": size, "small_error_rel_l2": _finite(off)})
             continue
-        out = run_case(setting, False)
+        out = launch(run_case, setting, False)
         err = rel_l2(out, expected)
         ok = err <= bound and bool(torch.isfinite(out).all())
         failures += not ok
         row = {"case": name, "rel_l2": _finite(err), "bound": bound, "bound_source": source, "ok": ok}
         if arm.role == "candidate":
-            base = run_case(setting_for(kernel, ctx.lever, base_values), False)
+            base = launch(run_case, setting_for(kernel, ctx.lever, base_values), False)
             row["bitwise_equal_to_baseline"] = bool(torch.equal(out, base))
             bitwise_equal.append(row["bitwise_equal_to_baseline"])
         rows.append(row)
@@ -542,6 +567,8 @@ def run(ctx: GateContext, arm: Arm, fault: bool = False) -> GateResult:
         counts["bitwise_equal_cases"] = sum(bitwise_equal)
     return result("op", arm, failures == 0, t0, counts=counts, byte_exact=byte_exact,
                   details={"cases": rows, "fault": "", "bounds": sorted(sources),
+                           "poisoned": "outputs and every allocation NaN-filled" if poison else
+                           "allocations not NaN-filled (op.poison is false): only the outputs the cases hand in are",
                            "context": {k: v for k, v in sorted(values.items())}})
 
 
