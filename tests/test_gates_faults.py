@@ -379,6 +379,22 @@ def test_graph_paritys_self_check_breaks_a_kernel_the_decode_graphs_run(lever, q
 
 
 @pytest.mark.gpu
+def test_every_levers_op_gate_passes_on_the_gpu_with_poisoned_allocations():
+    """Under poisoning every allocation a launcher makes starts NaN: a kernel that reads a workspace it was not
+    handed zeroed, or leaves part of an output unwritten, fails here before it fails a binding campaign's gate."""
+    from vtengine import levers
+    failed = {}
+    for name, lever in sorted(levers.registry().items()):
+        if "op" in lever.inapplicable or not lever.affects:
+            continue
+        ctx = context(device="cuda", lever=name, values=(lever.values[0], lever.values[1]))
+        res = op.run(ctx, ctx.arms[1])
+        if not res.passed:
+            failed[name] = [r for r in res.details["cases"] if not r["ok"]]
+    assert not failed, failed
+
+
+@pytest.mark.gpu
 def test_graph_parity_counts_replays_and_catches_a_diverging_graph():
     ctx = context(device="cuda")
     for arm in ctx.arms:

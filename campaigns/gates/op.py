@@ -597,7 +597,9 @@ def measure(device: str, seeds: int = 8) -> dict[str, float]:
             for kernel, case, run_case, ref in build_cases(ctx, gen):
                 expected = ref()
                 for arm in arms:
-                    err = rel_l2(run_case(setting_for(kernel, name, arm_context(ctx, arm)), False), expected)
+                    with poisoned_allocations(device):
+                        out = run_case(setting_for(kernel, name, arm_context(ctx, arm)), False)
+                    err = rel_l2(out, expected)
                     worst[kernel] = max(worst.get(kernel, 0.0), err)
     return worst
 
