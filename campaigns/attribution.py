@@ -92,13 +92,17 @@ def _self_times(ops: list[dict]) -> list[float]:
 
 
 def group(events: list[dict], steps: int, on_device: bool) -> dict[str, float]:
-    """µs per step per engine kernel from a Kineto trace (restricted to the recorded steps by the caller)."""
+    """µs per step per engine kernel from a Kineto trace (restricted to the recorded steps by the caller). On the
+    device, each activity's own time (``_own_times_us``): where PDL overlaps kernels, durations would count the
+    overlap twice (sums past the step: a step "less its kernels" read -1,009 µs in a pdl_stack record) and charge a
+    kernel's wait for the one before it to the waiting kernel."""
     out: dict[str, float] = {}
-    if on_device:
-        for e in events:
-            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-                k = engine_kernel(e.get("name", ""))
-                out[k] = out.get(k, 0.0) + float(e["dur"]) / steps
+    if on_device:               # own times: under PDL a kernel's wait for the one before is that one's time
+        from vtengine.bench.decode.kernel_profile import _own_times_us
+        acts = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        for e, us in zip(acts, _own_times_us(acts)):
+            k = engine_kernel(e.get("name", ""))
+            out[k] = out.get(k, 0.0) + us / steps
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
     # CPU: the wall time inside each vt::<kernel> range (less the vt:: ranges nested in it). Under Triton's
     # interpreter a kernel is Python, not aten ops, so CPU ops' self time would miss nearly all of it.
@@ -134,7 +138,8 @@ def window_from_trace(events: list[dict], step_s: list[float], batch: int, conte
     read, and the host work between two calls overlaps the device. On the H200 (2026-12-04, bf16 c1) the host
     read 4,054 µs a step under the profiler while the device timeline and the timed run read 4,640 and 4,609:
     async_scheduling's profile gate had put the step at 4.28 ms, and the served loop at 4.66 looked slower for no
-    reason. unattributed_us: the step less its kernels' time (negative where PDL overlaps kernels). stalls_us (only
+    reason. unattributed_us: the step less its kernels' (own) time: the device's idle time in a step (windows
+    recorded before 2026-12-08 summed durations, negative where PDL overlapped kernels). stalls_us (only
     where there were any): device-idle gaps too long to be a step's (``device_stalls_us``), left out of step_us.
     longest_gaps_us (CUDA): the window's LONGEST_GAPS longest device-idle gaps, stalls or not: whether idle time a
     window gained was one gap (something outside the steps) or spread over its steps."""
@@ -274,5 +279,7 @@ def residual(cand: dict, rows: list[Row], top: int = 3) -> str:
         floor = f", {r.floor:.0%} of its byte floor" if r.floor is not None else ""
         parts.append(f"{r.kernel} {r.cand_us:.0f} µs/step ({r.cand_us / step:.0%} of the step{floor})")
     gap = cand.get("unattributed_us")
-    tail = f"; {gap:.0f} µs/step outside kernels (host time and gaps)" if gap is not None else ""
+    tail = "" if gap is None else f"; {gap:.0f} µs/step outside kernels (host time and gaps)"
+    if gap is not None and gap < 0:     # a window that summed durations: PDL's overlap counted twice
+        tail = f"; the kernels' durations overlap by {-gap:.0f} µs/step (PDL), so they sum past the step"
     return f"at batch {cand['batch']} the step ({step:.0f} µs) is bound by " + ", ".join(parts) + tail + "."

@@ -31,6 +31,18 @@ def test_gpu_trace_groups_device_time_by_engine_kernel():
     assert attribution.group(ev, steps=2, on_device=True) == {"dense_linear": 50.0, "decode_attention": 20.0}
 
 
+def test_pdl_overlap_charges_a_kernels_wait_to_the_kernel_it_waits_for():
+    """Under PDL the GEMV starts while attention drains and waits for it: durations would sum 130 µs in a 100 µs
+    busy step (a step "less its kernels" went negative in the records); own times sum to the busy time."""
+    ev = [{"ph": "X", "cat": "kernel", "name": "_decode_kernel", "ts": 0, "dur": 40.0},
+          {"ph": "X", "cat": "kernel", "name": "_gemv_kernel", "ts": 10, "dur": 90.0}]
+    assert attribution.group(ev, steps=1, on_device=True) == {"dense_linear": 60.0, "decode_attention": 40.0}
+    cand = {"batch": 1, "step_us": 90.0, "unattributed_us": -40.0}
+    rows = [attribution.Row("dense_linear", 60.0, 90.0, 30.0, None, None)]
+    text = attribution.residual(cand, rows)
+    assert "overlap by 40 µs/step" in text and "-40" not in text
+
+
 def test_cpu_trace_takes_wall_time_inside_each_kernels_range_less_nested_ranges():
     ev = [{"ph": "X", "cat": "user_annotation", "name": "vt::qkv_epilogue", "pid": 1, "tid": 1, "ts": 0, "dur": 100},
           {"ph": "X", "cat": "user_annotation", "name": "vt::rms_norm", "pid": 1, "tid": 1, "ts": 10, "dur": 30},
