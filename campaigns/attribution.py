@@ -280,6 +280,7 @@ def residual(cand: dict, rows: list[Row], top: int = 3) -> str:
         parts.append(f"{r.kernel} {r.cand_us:.0f} µs/step ({r.cand_us / step:.0%} of the step{floor})")
     gap = cand.get("unattributed_us")
     tail = "" if gap is None else f"; {gap:.0f} µs/step outside kernels (host time and gaps)"
-    if gap is not None and gap < 0:     # a window that summed durations: PDL's overlap counted twice
-        tail = f"; the kernels' durations overlap by {-gap:.0f} µs/step (PDL), so they sum past the step"
+    if gap is not None and gap < 0:     # a window that summed durations (PDL's overlap counted twice) or a host step
+        tail = (f"; the kernels' durations sum {-gap:.0f} µs/step past the step (kernels that overlap, or a step "
+                "timed on the host), so no time outside kernels is measured")
     return f"at batch {cand['batch']} the step ({step:.0f} µs) is bound by " + ", ".join(parts) + tail + "."

@@ -40,7 +40,7 @@ def test_pdl_overlap_charges_a_kernels_wait_to_the_kernel_it_waits_for():
     cand = {"batch": 1, "step_us": 90.0, "unattributed_us": -40.0}
     rows = [attribution.Row("dense_linear", 60.0, 90.0, 30.0, None, None)]
     text = attribution.residual(cand, rows)
-    assert "overlap by 40 µs/step" in text and "-40" not in text
+    assert "sum 40 µs/step past the step" in text and "-40" not in text
 
 
 def test_cpu_trace_takes_wall_time_inside_each_kernels_range_less_nested_ranges():
