@@ -220,11 +220,11 @@ def _parent_tags(ev: Evidence) -> dict[str, str]:
             "candidate": (d.candidate if d else "") or "", "binding": str(bool(d and d.binding)).lower(),
             "byte_exact": str(d.byte_exact).lower() if d else "none", "kind": ev.kind}
     if ev.abandoned:
-        tags["abandoned"] = ev.abandoned.get("why", "")[:5000]
+        tags["abandoned"] = _cut(ev.abandoned.get("why", ""), _TAG_MAX)
     if d:
-        tags["rule"] = d.rule[:5000]
+        tags["rule"] = _cut(d.rule, _TAG_MAX)
         if d.effect_note:
-            tags["effect_note"] = d.effect_note[:5000]
+            tags["effect_note"] = _cut(d.effect_note, _TAG_MAX)
     return tags
 
 
@@ -287,7 +287,7 @@ def _log_gate(c, exp: str, child: dict[str, str], g, start: int | None) -> None:
     with _ending(c, run.info.run_id, "FINISHED" if g.passed or g.skipped else "FAILED",
                  (start + int(1000 * g.duration_s)) if start else None):
         _log(c, run.info.run_id, metrics=metrics + [("duration_s", g.duration_s, 0)],
-             tags={"reason": g.reason[:5000]} if g.reason else None, timestamp=start or 0)
+             tags={"reason": _cut(g.reason, _TAG_MAX)} if g.reason else None, timestamp=start or 0)
 
 
 def _log_leg(c, exp: str, child: dict[str, str], leg) -> None:
@@ -300,7 +300,7 @@ def _log_leg(c, exp: str, child: dict[str, str], leg) -> None:
                 if isinstance(v, (int, float))]
     with _ending(c, run.info.run_id, "FINISHED" if leg.valid else "FAILED", _ms(leg.ended)):
         _log(c, run.info.run_id, metrics=metrics, timestamp=t0 or 0,
-             tags={"reasons": "; ".join(leg.reasons)[:5000]} if leg.reasons else None)
+             tags={"reasons": _cut("; ".join(leg.reasons), _TAG_MAX)} if leg.reasons else None)
 
 
 def relog_if_logged(ev: Evidence, campaign_dir: Path | str | None = None, uri: str = DEFAULT_URI) -> str | None:

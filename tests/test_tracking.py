@@ -349,3 +349,14 @@ def test_long_params_are_cut_visibly_and_logged_whole_as_tags(store):
     assert tags["campaign.hypothesis.full"] == hypothesis and tags["campaign.residual.full"] == hypothesis[:526]
     assert tags["campaign.notes.full"] == "x" * 4999 + "…"
     assert params["campaign.lever"] == "gqa_swap" and "campaign.lever.full" not in tags     # short: the param only
+
+
+def test_long_tags_are_cut_visibly(store):
+    """The verdict's rule and an abandoned campaign's reason were cut at 5,000 characters silently."""
+    import copy
+    ev = copy.deepcopy(store["ev"])
+    ev.campaign_id = "2026-12-08-gqa_swap-longrule"
+    ev.decision.rule = "r" * 6000
+    ev.abandoned = {"why": "w" * 5001}
+    tags = store["client"].get_run(tracking.log_evidence(ev, store["uri"])).data.tags
+    assert tags["rule"] == "r" * 4999 + "…" and tags["abandoned"] == "w" * 4999 + "…"
