@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
                         description="Decide a complete campaign again from its stored legs, gates and statistics "
                                     "with the policy code of this checkout (after a fix to the policy); the "
                                     "record keeps the earlier verdict in the reasons. Nothing is measured again.")
-    de.add_argument("campaign_id")
+    de.add_argument("campaign_id", nargs="?", help="the campaign to decide again (or --all)")
+    de.add_argument("--all", action="store_true", help="every complete campaign under --out-dir, one render")
     _out_dir_arg(de)
     co = sub.add_parser("conclude", help="conclude a campaign whose legs are all recorded, on any host",
                         description="Conclude a campaign whose every gate, leg and server report is recorded but "
@@ -595,42 +596,71 @@ REDECIDED = "decided again by `vtcampaign decide`"
 
 
 def cmd_decide(args) -> int:
+    from campaigns.records import render_all
+    from campaigns.runner import status_dir
+    if bool(args.all) == bool(args.campaign_id):
+        raise UsageError("decide takes one campaign id or --all (every complete campaign under --out-dir), not "
+                         f"{'both' if args.all else 'neither'}")
+    if args.all:
+        paths = [p for p in find_evidence(args.out_dir) if _decidable(load_evidence(p))]
+    else:
+        path = _campaign_evidence(args.out_dir, args.campaign_id)
+        ev = load_evidence(path)
+        if not _decidable(ev):
+            raise UsageError(f"campaign {ev.campaign_id} is {ev.status}, not complete: finish it first (vtcampaign "
+                             f"run campaign={ev.lever} resume={ev.campaign_id})")
+        paths = [path]
+    changed = [ev for ev in (_decide_again(p) for p in paths) if ev is not None]
+    if args.all:
+        print(f"{len(changed)} of {len(paths)} complete campaigns decided again, the rest unchanged")
+    if not changed:
+        return 0
+    out_dir = Path(args.out_dir).resolve()
+    render_all(out_dir, status_dir(project_root(), out_dir), only=[ev.campaign_id for ev in changed])
+    from campaigns.tracking import DEFAULT_URI, relog_if_logged
+    for ev in changed:          # the store that holds a campaign follows its verdict (an old tag would mislead)
+        try:
+            run_id = relog_if_logged(ev, out_dir / ev.campaign_id, DEFAULT_URI)
+            if run_id:
+                print(f"MLflow: {DEFAULT_URI} re-logged {ev.campaign_id}, run {run_id}")
+        except Exception as e:  # MLflow's errors are many types; the evidence and records are updated already
+            print(f"MLflow not updated for {ev.campaign_id} ({type(e).__name__}); `vtcampaign log "
+                  f"{out_dir / ev.campaign_id / 'evidence.json'}` re-logs it")
+    return 0
+
+
+def _decidable(ev) -> bool:
+    return ev.status == "complete" and ev.decision is not None
+
+
+def _decide_again(path: Path):
+    """Apply this checkout's policy to one campaign's evidence; save and return it where any field of the decision
+    a record prints differs (verdict, rule, reasons, default, byte-exactness, token safety, headline, effect note),
+    else None. The earlier verdict is kept in the reasons, with where and when the campaign was decided before."""
+    import dataclasses
+
     from campaigns import policy
     from campaigns.evidence import save_evidence, utc_now
     from campaigns.gitops import repo_state
-    from campaigns.records import render_all
-    from campaigns.runner import status_dir
-    path = _campaign_evidence(args.out_dir, args.campaign_id)
-    ev = load_evidence(path)
-    if ev.status != "complete" or ev.decision is None:
-        raise UsageError(f"campaign {ev.campaign_id} is {ev.status}, not complete: finish it first (vtcampaign run "
-                         f"campaign={ev.lever} resume={ev.campaign_id})")
     from campaigns.runner import CONCLUDED
+    ev = load_evidence(path)
     before = ev.decision
     after = policy.decide(ev)
     history = (REDECIDED, CONCLUDED)        # where and when it was decided: not the policy's reasons, kept as they are
     kept = [r for r in before.reasons if not r.startswith(history)]
-    if (after.verdict, after.reasons, after.new_default, after.headline) == (before.verdict, kept, before.new_default,
-                                                                             before.headline):
+    if dataclasses.asdict(after) == {**dataclasses.asdict(before), "reasons": kept}:
         print(f"{ev.campaign_id}: {before.verdict}, unchanged by this checkout's policy")
-        return 0
+        return None
+    fields = [f.name for f in dataclasses.fields(after) if getattr(after, f.name) != getattr(before, f.name)
+              and f.name != "reasons"] + (["reasons"] if after.reasons != kept else [])
     sha = repo_state(project_root()).short_sha
     after.reasons += [r for r in before.reasons if r.startswith(history)]         # the history of earlier reads
     after.reasons.append(f"{REDECIDED} on {utc_now()[:10]} with the policy at {sha}; it had read {before.verdict}"
                          + (f" ({'; '.join(kept[:2])})" if kept else ""))
     ev.decision = after
     save_evidence(ev, path.parent)
-    out_dir = Path(args.out_dir).resolve()
-    render_all(out_dir, status_dir(project_root(), out_dir), only=[ev.campaign_id])
-    print(f"{ev.campaign_id}: {before.verdict} -> {after.verdict} ({after.headline})")
-    try:                    # the store that holds the campaign follows its verdict (an old tag would mislead)
-        from campaigns.tracking import DEFAULT_URI, relog_if_logged
-        run_id = relog_if_logged(ev, path.parent, DEFAULT_URI)
-        if run_id:
-            print(f"MLflow: {DEFAULT_URI} re-logged, run {run_id}")
-    except Exception as e:  # MLflow's errors are many types; the evidence and records are updated already
-        print(f"MLflow not updated ({type(e).__name__}); `vtcampaign log {path}` re-logs it")
-    return 0
+    print(f"{ev.campaign_id}: {before.verdict} -> {after.verdict} ({after.headline}); changed: {', '.join(fields)}")
+    return ev
 
 
 def _conclude_recorded(campaign_id: str, out_dir: str):

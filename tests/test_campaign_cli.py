@@ -297,10 +297,24 @@ def test_decide_applies_the_policy_again_and_keeps_the_earlier_verdict(tmp_path,
     save_evidence(ev3, out / ev.campaign_id)
     assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 0
     assert concluded in load_evidence(out / ev.campaign_id / "evidence.json").decision.reasons
+    capsys.readouterr()
+    # a byte-exactness an older policy claimed (from the battery) is read again: the record printed the claim
+    ev4 = load_evidence(out / ev.campaign_id / "evidence.json")
+    fresh_exact, ev4.decision.byte_exact = ev4.decision.byte_exact, not ev4.decision.byte_exact
+    save_evidence(ev4, out / ev.campaign_id)
+    assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 0
+    assert "changed: byte_exact" in capsys.readouterr().out
+    assert load_evidence(out / ev.campaign_id / "evidence.json").decision.byte_exact == fresh_exact
     ev.status, ev.campaign_id = "in-progress", "2026-01-02-gqa_swap-abc1234"
     save_evidence(ev, out / ev.campaign_id)
     assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 2
     assert "is in-progress, not complete" in _error_line(capsys)
+    # --all: every complete campaign (the in-progress one left alone), one line each and a count
+    assert main(["decide", "--all", "--out-dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "0 of 1 complete campaigns decided again" in said and "2026-01-02" not in said
+    assert main(["decide", "--out-dir", str(out)]) == 2 and "not neither" in _error_line(capsys)
+    assert main(["decide", "--all", ev.campaign_id, "--out-dir", str(out)]) == 2 and "not both" in _error_line(capsys)
 
 
 @pytest.fixture
