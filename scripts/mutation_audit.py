@@ -97,12 +97,12 @@ MUTATIONS = [
     # one per gate (graph_parity and memcheck: GPU, see the module docstring)
     Mutation("op-compares-ref-with-itself", "op: the kernel's output is never compared (reference against itself)",
              "campaigns/gates/op.py",
-             "        out = launch(run_case, setting, False)\n        err = rel_l2(out, expected)\n",
-             "        out = launch(run_case, setting, False)\n        err = rel_l2(expected, expected)\n",
+             "        out = launch(run_case, setting, False, name)\n        err = rel_l2(out, expected)\n",
+             "        out = launch(run_case, setting, False, name)\n        err = rel_l2(expected, expected)\n",
              ["tests/test_gates_faults.py::test_op_gate_catches_a_kernel_off_by_a_tenth_of_a_percent"],
              gate="op",
-             extra=[("campaigns/gates/op.py", "            wrong = rel_l2(launch(run_case, setting, True), expected)\n"
-                     "            off = rel_l2(launch(run_case, setting, False) * (1 + size), expected)\n",
+             extra=[("campaigns/gates/op.py", "            wrong = rel_l2(launch(run_case, setting, True, name), expected)\n"
+                     "            off = rel_l2(launch(run_case, setting, False, name) * (1 + size), expected)\n",
                      "            wrong = rel_l2(expected, expected)\n            off = rel_l2(expected, expected)\n")]),
     Mutation("near-tie-gap-zero", "near_tie: every gap measured as 0 (every divergence 'ratified')",
              "campaigns/gates/battery.py",
@@ -525,6 +525,11 @@ MUTATIONS = [
              "        with poisoned_allocations(ctx.device, poison):\n",
              "        with poisoned_allocations(ctx.device, False):\n",
              ["tests/test_gates_faults.py::test_op_gate_catches_a_launcher_output_row_never_written"]),
+    Mutation("op-launch-unchecked", "op gate: a case whose lever kernel never launched still compared (and caught)",
+             "campaigns/gates/op.py",
+             "        if launched() == before:",
+             "        if False:",
+             ["tests/test_gates_faults.py::test_op_gate_fails_where_the_levers_kernel_never_launched"]),
     Mutation("memcheck-hang-caught", "memcheck: a faulted run that timed out counts as its fault caught",
              "campaigns/gates/memcheck.py",
              "        return result(\"memcheck\", arm, bool(fault), t0,",

@@ -951,3 +951,41 @@ def test_op_gate_catches_a_launcher_output_row_never_written(monkeypatch):
                         near_tie_max_mnats=500.0)
     unpoisoned = op.run(blind, arms[1])
     assert unpoisoned.passed and "not NaN-filled" in unpoisoned.details["poisoned"]
+
+
+def test_op_gate_fails_where_the_levers_kernel_never_launched(monkeypatch):
+    """The audit's scenario: decode attention swapped for the torch reference passed the gate, its self-check and
+    byte-exactness, with no kernel of the lever launched. Each case must launch one of the kernels the lever
+    affects (the counters say), and a fault counts as caught only where one ran."""
+    from vtengine.backends.torch_backend import TorchBackend
+    from vtengine.kernels import attention
+
+    def reference_instead(q, k, v, tables, lens, scale, out=None, **levers):
+        y = TorchBackend().decode_attention(q.float(), k.float(), v.float(), tables, lens, scale).to(q.dtype)
+        return y if out is None else out.copy_(y)
+    monkeypatch.setattr(attention, "decode_attention", reference_instead)
+    ctx = context()
+    res = run_gate("op", ctx, ctx.arms[1])
+    assert not res.passed and res.counts["failed"] == res.counts["cases"] == 2
+    assert all("no kernel gqa_swap affects (decode_attention) launched" in r["why"] for r in res.details["cases"])
+    assert res.self_check is False
+    assert {f["fault"]: f["cases_caught"] for f in res.details["self_check_faults"]} == {"wrong index": 0,
+                                                                                      "small output error": 0}
+
+
+def test_op_gate_compares_argmax_indices_so_a_tie_broken_high_fails(monkeypatch):
+    """torch.argmax takes the lowest index of a tied maximum (as the kernel does); comparing the logit at the chosen
+    index passed a kernel that took the highest."""
+    from vtengine.kernels import fused
+    real = fused.argmax
+
+    def highest_on_ties(logits, **kw):
+        idx = real(logits, **kw)
+        flipped = real(torch.flip(logits, dims=[1]), **kw)
+        return (logits.shape[1] - 1 - flipped).to(idx.dtype)
+    ctx = context(lever="pdl")
+    assert run_gate("op", ctx, ctx.arms[1], self_check=False).passed
+    monkeypatch.setattr(fused, "argmax", highest_on_ties)
+    res = run_gate("op", ctx, ctx.arms[1], self_check=False)
+    (bad,) = [r for r in res.details["cases"] if not r["ok"]]
+    assert not res.passed and bad["case"].startswith("argmax") and bad["rel_l2"] > 0.1
