@@ -1111,6 +1111,14 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None, root: Path | 
     if quant is not None and len(lever_context.live_paths(lever, quant)) < len(lever.paths):
         scope = quant       # its code for other quantizations did not run here
     if records_dir is not None:
+        later = _superseded_by(ev, records_dir)
+        if later is not None:
+            raise CampaignError(
+                f"{ev.campaign_id}: a later binding campaign of the same lever, model, workload, GPU and pins, "
+                f"{later.campaign_id}, reads {later.decision.verdict} ({later.decision.headline}): that is the "
+                "verdict STATUS shows and the one a flip must follow" + (
+                    f"; flip it instead: `vtcampaign flip {later.campaign_id}`" if later.decision.verdict == "FLIP"
+                    else ""))
         refuted = _refuted_elsewhere(ev, records_dir)
         same = [r for r in refuted if quant is None or lever_context.quant_of(r) in (quant, None)]
         here = [r for r in same if lever_context.freshness(r, root).fresh]
@@ -1125,6 +1133,13 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None, root: Path | 
             # there, and scoping costs nothing): this one's default moves, theirs stays
             scope = quant       # refuted on another quantization only
     return scope
+
+
+def _superseded_by(ev: Evidence, records_dir: Path) -> Evidence | None:
+    """The latest binding campaign filed under ``ev``'s plan key (``recheck.plan_key``) where that is not ``ev``."""
+    evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
+    latest = recheck.latest_binding([e for e in evs if e.lever == ev.lever]).get(recheck.plan_key(ev))
+    return latest if latest is not None and latest.campaign_id != ev.campaign_id else None
 
 
 def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> list[Evidence]:

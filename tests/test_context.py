@@ -579,6 +579,7 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path, plain_defaults,
     assert cli.main(["flip", flip.campaign_id, "--out-dir", str(out)]) == 2
     assert "would trade what that measurement refuted" in capsys.readouterr().err
     long.config["grid"].update(name="online_span", input_len=1024, output_len=128)    # the same requests
+    long.created = "2026-11-29T10:00:00Z"        # before the FLIP: that plan's history (after it, it would overturn it)
     long.__dict__.pop("_settings", None)
     save_evidence(long, out / long.campaign_id)
     assert plan_key(long) == plan_key(flip)
@@ -592,6 +593,29 @@ def test_a_flip_refuted_on_another_workload_is_refused(tmp_path, plain_defaults,
                                             r"REJECT-PERFORMANCE of the same change: a default holds for every "
                                             r"model, workload and GPU"):
         check_flippable(flip, out)
+
+
+def test_a_flip_a_later_verdict_of_the_same_plan_overturned_is_refused(tmp_path, plain_defaults, capsys):
+    """A later binding REJECT of the same lever, model, workload, GPU and pins is what STATUS shows; `flip` of the
+    older FLIP committed it anyway (a review's repro: async_device_mirror, 2026-12-08)."""
+    from campaigns.recheck import plan_key
+    from campaigns.runner import CampaignError, check_flippable
+    loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [90.0, 91.0, 92.0]}}
+    flip = _fresh_today(make_evidence(TPUT_WIN, lever="mixed_steps", campaign_id="2026-12-03-mixed_steps-aaa1111",
+                                      created="2026-12-03T10:00:00Z"))
+    later = _fresh_today(make_evidence(loss, lever="mixed_steps", campaign_id="2026-12-04-mixed_steps-bbb2222",
+                                       created="2026-12-04T10:00:00Z"))
+    assert plan_key(later) == plan_key(flip) and later.decision.verdict == "REJECT-PERFORMANCE"
+    out = tmp_path / "records" / "campaigns"
+    save_evidence(flip, out / flip.campaign_id)
+    check_flippable(flip, out)                                  # alone: the latest of its plan
+    save_evidence(later, out / later.campaign_id)
+    with pytest.raises(CampaignError, match=r"a later binding campaign of the same lever, model, workload, GPU and "
+                                            r"pins, 2026-12-04-mixed_steps-bbb2222, reads REJECT-PERFORMANCE"):
+        check_flippable(flip, out)
+    from campaigns import cli
+    assert cli.main(["flip", flip.campaign_id, "--out-dir", str(out)]) == 2
+    assert "that is the verdict STATUS shows" in capsys.readouterr().err
 
 
 def test_a_long_prompt_verdict_of_varied_outputs_is_filed_under_its_mean_and_shows_its_range():
@@ -668,6 +692,8 @@ def test_a_sweep_flips_by_the_flip_commands_rule(tmp_path, plain_defaults):
     loss = {"total_token_throughput": {"off": [100.0, 101.0, 102.0], "on": [79.0, 80.0, 81.0]}}
     flip = _fresh_today(make_evidence(TPUT_WIN, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111-2"))
     again = _fresh_today(make_evidence(TPUT_WIN, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111-3"))
+    again.config["model"]["name"] = "llama-3.1-8b"             # bf16 too: the same default (on the same model, the
+    again.__dict__.pop("_settings", None)                      # later FLIP would supersede the earlier one)
     mx = _fresh_today(make_evidence(loss, lever="pdl_stack", campaign_id="2026-12-04-pdl_stack-aaa1111",
                                     created="2026-12-01T10:00:00Z"))
     mx.config["model"]["quant"] = "mxfp4"
