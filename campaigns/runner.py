@@ -1136,10 +1136,12 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None, root: Path | 
 
 
 def _superseded_by(ev: Evidence, records_dir: Path) -> Evidence | None:
-    """The latest binding campaign filed under ``ev``'s plan key (``recheck.plan_key``) where that is not ``ev``."""
+    """The latest binding campaign filed under ``ev``'s plan key (``recheck.plan_key``) where it began after ``ev``
+    (``ev`` itself need not be saved there yet)."""
     evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
     latest = recheck.latest_binding([e for e in evs if e.lever == ev.lever]).get(recheck.plan_key(ev))
-    return latest if latest is not None and latest.campaign_id != ev.campaign_id else None
+    later = latest is not None and (latest.created, latest.campaign_id) > (ev.created, ev.campaign_id)
+    return latest if later else None
 
 
 def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> list[Evidence]:

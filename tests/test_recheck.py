@@ -414,7 +414,7 @@ def test_a_flip_that_moves_a_default_stops_the_run(proj, pins):
     def flips(overrides, started):
         lever = overrides[0].split("=")[1]
         ran.append(lever)
-        ev = make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-01-{lever}-new")
+        ev = make_evidence(TPUT_WIN, lever=lever, campaign_id=f"2026-12-01-{lever}-new", created="2026-12-01T09:00:00Z")
         ev.arms[1].value = True if lever == "pdl" else levers.registry()[lever].default
         if lever == "pdl" and pins:
             ev.config["campaign"]["with_levers"] = pins
