@@ -201,9 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         completion.install(parser, DEFAULT_OUT_DIR)
         argcomplete.autocomplete(parser)
     args, extra = parser.parse_known_args(argv)
+    given_out_dir = getattr(args, "out_dir", None)
     if getattr(args, "out_dir", "") is None:
         args.out_dir = str(project_root() / DEFAULT_OUT_DIR)
     try:
+        if given_out_dir is not None and not Path(given_out_dir).is_dir():     # a typo must not read as "no campaigns"
+            raise UsageError(f"--out-dir {given_out_dir!r} is not a directory; pass a campaigns folder (default: "
+                             f"{DEFAULT_OUT_DIR} under the project root)")
         if args.cmd in ("run", "recheck"):
             flags = [x for x in extra if x.startswith("-")]
             if flags:
@@ -607,8 +611,7 @@ def cmd_decide(args) -> int:
         path = _campaign_evidence(args.out_dir, args.campaign_id)
         ev = load_evidence(path)
         if not _decidable(ev):
-            raise UsageError(f"campaign {ev.campaign_id} is {ev.status}, not complete: finish it first (vtcampaign "
-                             f"run campaign={ev.lever} resume={ev.campaign_id})")
+            raise UsageError(_not_decidable(ev))
         paths = [path]
     changed = [ev for ev in (_decide_again(p) for p in paths) if ev is not None]
     if args.all:
@@ -631,6 +634,24 @@ def cmd_decide(args) -> int:
 
 def _decidable(ev) -> bool:
     return ev.status == "complete" and ev.decision is not None
+
+
+def _not_decidable(ev) -> str:
+    """Why ``decide`` refuses ``ev``, with the command that applies to its state."""
+    from campaigns.runner import left_to_measure, resume_command
+    name = settings(ev).campaign.name
+    if ev.status == "abandoned":
+        return (f"campaign {ev.campaign_id} was abandoned ({ev.abandoned.get('why', 'no reason given')}): it has no "
+                f"verdict to decide again; run the campaign anew (vtcampaign run campaign={name})")
+    if ev.status == "complete":
+        return (f"campaign {ev.campaign_id} is marked complete but holds no decision: `vtcampaign conclude "
+                f"{ev.campaign_id}` decides it from its recorded gates and legs")
+    left = left_to_measure(ev)
+    if not left:
+        return (f"campaign {ev.campaign_id} is in progress with every gate and leg recorded: `vtcampaign conclude "
+                f"{ev.campaign_id}` gives it its verdict")
+    return (f"campaign {ev.campaign_id} is in progress ({'; '.join(left)} left): finish it first "
+            f"(`{resume_command(ev)}`)")
 
 
 def _decide_again(path: Path):
@@ -680,7 +701,7 @@ def cmd_conclude(args) -> int:
 def cmd_abandon(args) -> int:
     from campaigns import records, tracking
     from campaigns.gitops import code_digest, open_repo
-    from campaigns.runner import CampaignError, abandon, left_to_measure
+    from campaigns.runner import CampaignError, abandon, left_to_measure, status_dir
     ids = list(args.campaign_ids)
     if args.unresumable:        # status's "not resumable on this checkout": the code differs (not only the tree)
         root = project_root()
@@ -707,7 +728,7 @@ def cmd_abandon(args) -> int:
     for ev in done:
         print(f"{ev.campaign_id}: abandoned ({len(ev.legs)} legs and {len(ev.gates)} gate results kept)")
     try:            # the evidence says abandoned now; what follows derives from it and can be redone
-        records.render_all(args.out_dir, only=ids)
+        records.render_all(args.out_dir, status_dir(project_root(), Path(args.out_dir).resolve()), only=ids)
     except Exception as e:
         raise UsageError(f"the records were not rendered again ({type(e).__name__}: {e}); `vtcampaign render` "
                          "rebuilds them from the evidence") from None

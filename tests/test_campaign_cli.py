@@ -308,7 +308,7 @@ def test_decide_applies_the_policy_again_and_keeps_the_earlier_verdict(tmp_path,
     ev.status, ev.campaign_id = "in-progress", "2026-01-02-gqa_swap-abc1234"
     save_evidence(ev, out / ev.campaign_id)
     assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 2
-    assert "is in-progress, not complete" in _error_line(capsys)
+    assert "is in progress (" in (err := _error_line(capsys)) and "finish it first" in err and "resume=2026-01-02" in err
     # --all: every complete campaign (the in-progress one left alone), one line each and a count
     assert main(["decide", "--all", "--out-dir", str(out)]) == 0
     said = capsys.readouterr().out
@@ -347,7 +347,7 @@ def test_render_and_status(out_dir, capsys):
     row = next(ln for ln in table.splitlines() if "gqa_swap" in ln)
     assert "VT_DECODE_GQA_SWAP" in row and ev.campaign_id in row and "FLIP" in row and "yes" in row
     assert main(["render", "--out-dir", str(out / "nowhere")]) == 2
-    assert "no campaigns directory" in _error_line(capsys)
+    assert "nowhere' is not a directory; pass a campaigns folder" in _error_line(capsys)
 
 
 def test_status_rows_show_their_own_quantizations_default_and_value(tmp_path, monkeypatch, capsys):
@@ -613,6 +613,15 @@ def test_abandon_gives_up_unfinished_campaigns_keeping_their_evidence(tmp_path, 
     assert "2026-12-02-gqa_swap-older: abandoned (3 legs" in said and "gqa_swap-here" not in said
     ev = load_evidence(out / "2026-12-01-gqa_swap-old")
     assert ev.status == "abandoned" and ev.abandoned["why"] == why and len(ev.legs) == 5 and len(ev.gates) == 16
+    # the summaries of a folder other than the project's records/campaigns go into it, as every render puts them
+    # (abandon wrote them one level up: with --out-dir records/rehearsal, over the project's own STATUS.md)
+    assert (out / "STATUS.md").is_file() and not (out.parent / "STATUS.md").exists()
+    assert main(["decide", "2026-12-01-gqa_swap-old", "--out-dir", str(out)]) == 2
+    assert "was abandoned (cut at 60459cb" in (err := _error_line(capsys)) and "run the campaign anew" in err
+    assert main(["decide", "2026-12-05-gqa_swap-all-legs", "--out-dir", str(out)]) == 2
+    assert "`vtcampaign conclude 2026-12-05-gqa_swap-all-legs`" in _error_line(capsys)
+    assert main(["status", "--out-dir", str(out / "typo")]) == 2
+    assert f"--out-dir '{out / 'typo'}' is not a directory" in _error_line(capsys)
     record = " ".join((out / "2026-12-01-gqa_swap-old" / "record.md").read_text().split())
     assert f"No decision: the campaign was abandoned on {ev.abandoned['at'][:10]} ({why}), with 5 legs" in record
     assert "**Default.** `gqa_swap` stays false: the campaign decided nothing." in record
