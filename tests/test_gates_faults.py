@@ -989,3 +989,24 @@ def test_op_gate_compares_argmax_indices_so_a_tie_broken_high_fails(monkeypatch)
     res = run_gate("op", ctx, ctx.arms[1], self_check=False)
     (bad,) = [r for r in res.details["cases"] if not r["ok"]]
     assert not res.passed and bad["case"].startswith("argmax") and bad["rel_l2"] > 0.1
+
+
+def test_op_decode_cases_split_by_the_engines_bound_and_wave(monkeypatch):
+    """The engine splits decode attention by its context bound (max_model_len) over the wave of its SMs (the
+    interpreter's two on the CPU); the op cases passed neither, so the bound was the block tables' width and every
+    nsplits_cap value planned one grid on the GPU (a review, 2026-12-08)."""
+    from vtengine import LLM
+    from vtengine.backends.triton_backend import INTERPRETER_SMS
+    from vtengine.kernels import attention
+    seen = []
+    real = attention.decode_attention
+
+    def spy(*a, **kw):
+        seen.append((kw.get("max_context_len"), kw.get("num_sms")))
+        return real(*a, **kw)
+    monkeypatch.setattr(attention, "decode_attention", spy)
+    ctx = context(lever="nsplits_cap", values=("off", "auto"))
+    assert run_gate("op", ctx, ctx.arms[1], self_check=False).passed
+    engine_bound = LLM(model="tiny", backend="torch").engine.max_seq_tokens
+    assert seen and set(seen) == {(engine_bound, INTERPRETER_SMS)}, (set(seen), engine_bound)
+    assert op._shapes("cuda")["bound"] == 40960           # Qwen3-8B's max_position_embeddings, the engine's default

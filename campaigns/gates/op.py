@@ -68,12 +68,17 @@ def bound_for(device: str, dtype: torch.dtype, kernel: str, table: dict | None =
 
 
 def _shapes(device: str) -> dict[str, Any]:
+    # bound: the context bound decode attention splits by, as the engine passes it (max_model_len: Qwen3-8B's 40960 on
+    # the GPU, tiny's 2048 on the CPU); sms: the wave the split count fills (the interpreter's, as the engine's CPU
+    # backend gives it). With the block tables' width instead, every nsplits_cap value planned the same grid here.
     if device == "cuda":
         return dict(hq=32, hkv=8, d=128, batches=[1, 8], ctx=[1, 100, 1025, 4097], hidden=4096,
                     gemm=[(1, 4096, 6144), (8, 4096, 4096), (16, 12288, 4096), (33, 4096, 4096)],
-                    split_prefix=8192, dtype=torch.bfloat16)
+                    split_prefix=8192, dtype=torch.bfloat16, bound=40960, sms=None)
+    from vtengine.backends.triton_backend import INTERPRETER_SMS
     return dict(hq=4, hkv=2, d=32, batches=[1, 3], ctx=[1, 17, 40], hidden=64,
-                gemm=[(1, 64, 96), (3, 64, 32), (17, 128, 64)], split_prefix=200, dtype=torch.float32)
+                gemm=[(1, 64, 96), (3, 64, 32), (17, 128, 64)], split_prefix=200, dtype=torch.float32, bound=2048,
+                sms=INTERPRETER_SMS)
 
 
 def _paged(gen, dev, dtype, b, hq, hkv, d, ctx_lens, page=16):
@@ -131,7 +136,8 @@ def decode_cases(gen, dev, sh, lever: str) -> list[tuple[str, Callable, Callable
         def run(setting, fault, q=q, k=k_cache, v=v_cache, bt=bt, cl=cl):
             tables = torch.where(bt >= 0, bt + 1, bt) if fault else bt
             out = _poisoned_like(q.shape, q.dtype, q.device)
-            return attention.decode_attention(q, k, v, tables, cl, scale, out=out, **setting)
+            return attention.decode_attention(q, k, v, tables, cl, scale, out=out, max_context_len=sh["bound"],
+                                              num_sms=sh["sms"], **setting)
 
         def ref(q=q, k=k_cache, v=v_cache, bt=bt, cl=cl):
             return TorchBackend().decode_attention(q.float(), k.float(), v.float(), bt, cl, scale)
