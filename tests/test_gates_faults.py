@@ -150,7 +150,7 @@ def test_mechanism_catches_an_inert_candidate_and_a_stuck_baseline():
 
 
 @pytest.mark.parametrize("value,pairs,caps,ok", [
-    ("auto", ["2/2", "1/2"], ["cap=auto"], True),
+    ("auto", ["2/2", "1/2"], ["cap=auto"], True),     # bound at one launch
     ("auto", ["3/2"], ["cap=auto"], False),            # a launch above what the heuristic would pick uncapped
     ("auto", ["2/2"], ["cap=off"], False),             # the cap was not applied (an inert lever)
     (8, ["8/16"], ["cap=8"], True),
@@ -158,6 +158,8 @@ def test_mechanism_catches_an_inert_candidate_and_a_stuck_baseline():
     ("off", ["4/4"], ["cap=off"], True),
     ("off", ["2/4"], ["cap=off"], False),              # "off" capped something
     ("auto", [], [], False),                           # nothing chose a split count: nothing proven
+    ("auto", ["2/2", "1/1"], ["cap=auto"], False),     # capped by name only: every launch split as uncapped
+    (8, ["8/8"], ["cap=8"], False),
 ])
 def test_nsplits_cap_expectation_can_fail_for_every_value_type(value, pairs, caps, ok):
     probe = {"splits": {}, "caps": caps, "split_vs_uncapped": pairs, "grids": []}
@@ -1010,3 +1012,14 @@ def test_op_decode_cases_split_by_the_engines_bound_and_wave(monkeypatch):
     engine_bound = LLM(model="tiny", backend="torch").engine.max_seq_tokens
     assert seen and set(seen) == {(engine_bound, INTERPRETER_SMS)}, (set(seen), engine_bound)
     assert op._shapes("cuda")["bound"] == 40960           # Qwen3-8B's max_position_embeddings, the engine's default
+
+
+def test_a_cap_that_binds_nowhere_is_inert_though_its_label_differs():
+    """On the interpreter's two SMs no decode launch splits, so nsplits_cap=auto caps nothing; its counters differed
+    from the baseline's only in the route named after the value ("cap=auto"), and the gate passed an inert lever
+    with its self-check "caught" (a review, 2026-12-08)."""
+    ctx = context(lever="nsplits_cap", values=("off", "auto"))
+    res = run_gate("mechanism", ctx, ctx.arms[1], self_check=False)
+    assert not res.passed and "bound no launch" in res.details["why"]
+    assert res.details["differs_from_baseline"] is False
+    ctx.release_engines()
