@@ -272,7 +272,8 @@ def expected(lever: str, value: Any, pr: dict, resolved: dict[str, Any] | None =
             return False, (f"cap {value} bound no launch: splits/uncapped {shown} (the heuristic's count "
                            "everywhere: an inert cap at these batches and contexts)")
         return True, f"cap {value}: splits/uncapped {shown}"
-    raise ValueError(lever)
+    raise ValueError(f"no mechanism expectation for lever {lever!r}: add one beside its probe (or mark mechanism "
+                     "inapplicable in its lever file, with the reason)")
 
 
 # probe keys that name the arm's lever value (the decode_splits route "cap=<value>", the split rule's name): they
