@@ -24,7 +24,9 @@ shifted, norm weight rolled) while the reference is not; and the kernel's output
 (0.1%, or twice the bound where the bound is looser), the smallest error the gate claims to catch. The second
 checks the comparison and its bound (an output off by that much fails it), not the kernel: the first is the one
 that breaks the kernel's own work. A lever whose ``affects`` names no kernel gives no case: the gate fails and
-says so (its lever file should mark op inapplicable), rather than pass on nothing.
+says so (its lever file should mark op inapplicable), rather than pass on nothing. A case counts only where one of
+the kernels the lever affects launched (``vtengine.counters``): one whose output came from elsewhere (a torch path)
+fails, saying so, and its faults are not caught.
 """
 from __future__ import annotations
 
