@@ -101,7 +101,8 @@ MUTATIONS = [
              "        out = launch(run_case, setting, False, name)\n        err = rel_l2(expected, expected)\n",
              ["tests/test_gates_faults.py::test_op_gate_catches_a_kernel_off_by_a_tenth_of_a_percent"],
              gate="op",
-             extra=[("campaigns/gates/op.py", "            wrong = rel_l2(launch(run_case, setting, True, name), expected)\n"
+             extra=[("campaigns/gates/op.py",
+                     "            wrong = rel_l2(launch(run_case, setting, True, name), expected)\n"
                      "            off = rel_l2(launch(run_case, setting, False, name) * (1 + size), expected)\n",
                      "            wrong = rel_l2(expected, expected)\n            off = rel_l2(expected, expected)\n")]),
     Mutation("near-tie-gap-zero", "near_tie: every gap measured as 0 (every divergence 'ratified')",

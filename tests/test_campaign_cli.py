@@ -308,7 +308,8 @@ def test_decide_applies_the_policy_again_and_keeps_the_earlier_verdict(tmp_path,
     ev.status, ev.campaign_id = "in-progress", "2026-01-02-gqa_swap-abc1234"
     save_evidence(ev, out / ev.campaign_id)
     assert main(["decide", ev.campaign_id, "--out-dir", str(out)]) == 2
-    assert "is in progress (" in (err := _error_line(capsys)) and "finish it first" in err and "resume=2026-01-02" in err
+    err = _error_line(capsys)
+    assert "is in progress (" in err and "finish it first" in err and "resume=2026-01-02" in err
     # --all: every complete campaign (the in-progress one left alone), one line each and a count
     assert main(["decide", "--all", "--out-dir", str(out)]) == 0
     said = capsys.readouterr().out
