@@ -745,6 +745,9 @@ def cmd_recheck(args) -> int:
     from campaigns import recheck
     from campaigns.records import short_gpu
     from campaigns.runner import CampaignError, RunFailed, concluded_here, run_campaign, share_measured
+    recheck.check_extra(args.overrides)
+    if args.overrides:                  # a mistyped key fails here, not when the first campaign starts
+        compose(["campaign=gqa_swap", *args.overrides, f"out_dir={args.out_dir}"])
     if args.dry_run:
         state = recheck.plan(args.out_dir, restart=args.restart, frozen=args.frozen)
         if not state["entries"]:
@@ -764,7 +767,7 @@ def cmd_recheck(args) -> int:
             by_gpu: dict[str, list[tuple[str, int] | None]] = {}
             for e in todo:
                 gpu = short_gpu(e["gpu"]) if e.get("gpu") else "a GPU not recorded"
-                by_gpu.setdefault(gpu, []).append(recheck.device_step(e))
+                by_gpu.setdefault(gpu, []).append(recheck.device_step(e, args.overrides))
             known = [s for steps in by_gpu.values() for s in steps if s]
             print(f"device calls by the GPU each verdict was measured on (each step: its last run's gates and legs + "
                   f"{recheck.STEP_OVERHEAD_S:.0f} s to start and conclude; a call: at most {recheck.DEVICE_CALL_S} s "
@@ -780,9 +783,10 @@ def cmd_recheck(args) -> int:
                     print(f"  {i}: bash scripts/h200_session.sh " + " ".join(f'"{step}"' for step in call))
             print(f"{len(todo)} to run: ~{sum(need for _, need in known) / 60:.0f} min of device steps at their last "
                   "durations" + (f" ({len(todo) - len(known)} unknown)" if len(known) < len(todo) else ""))
-            print(f'or, on whichever GPU comes, "{recheck.DEVICE_CALL_S}@recheck" steps (recheck --frozen --within '
-                  f"{recheck.DEVICE_CALL_S}): that GPU's entries in the plan's order, each started only where it "
-                  "should end in what is left of the step (about as the calls above are packed)")
+            extra = (":" + " ".join(args.overrides)) if args.overrides else ""
+            print(f'or, on whichever GPU comes, "{recheck.DEVICE_CALL_S}@recheck{extra}" steps (recheck --frozen '
+                  f"--within {recheck.DEVICE_CALL_S}): that GPU's entries in the plan's order, each started only "
+                  "where it should end in what is left of the step (about as the calls above are packed)")
         return 0
 
     def run_one(overrides, on_start):

@@ -317,16 +317,37 @@ def need_s(entry: dict, measured: float = 0.0) -> float | None:
     return entry["took_s"] * (1.0 - min(max(measured, 0.0), 1.0)) + STEP_OVERHEAD_S
 
 
-def device_step(entry: dict) -> tuple[str, int] | None:
+# override keys a plan entry sets itself (what its verdict was measured on): an extra override of one would re-run
+# the entry as another campaign and file that as its renewal (model.quant=mxfp4 over a bf16 entry)
+ENTRY_KEYS = ("campaign", "aa", "model", "grid", "campaign.arms", "campaign.with_levers")
+
+
+def check_extra(extra: list[str]) -> None:
+    """Refuse extra overrides a recheck cannot pass on: resume= (recheck picks what each campaign resumes) and the
+    keys each entry sets itself (ENTRY_KEYS)."""
+    keys = [(o, o.split("=", 1)[0].lstrip("+~")) for o in extra]
+    asked = [o for o, k in keys if k == "resume"]
+    if asked:
+        raise RecheckError(f"recheck: {' '.join(asked)}: recheck picks what each campaign resumes (the one its plan "
+                           "entry began, else resume=auto); drop it, or resume one campaign with `vtcampaign run`")
+    own = [o for o, k in keys if any(k == e or k.startswith(e + ".") for e in ENTRY_KEYS)]
+    if own:
+        raise RecheckError(f"recheck: {' '.join(own)}: each stale verdict is re-run as it was measured (its "
+                           f"campaign, model, grid, arms and pins: {', '.join(ENTRY_KEYS)} are the entry's own); "
+                           "drop it, or run that campaign with `vtcampaign run`")
+
+
+def device_step(entry: dict, extra: list[str] = ()) -> tuple[str, int] | None:
     """(the `scripts/h200_session.sh` step that re-runs a plan entry, the seconds it should need), or None when the
     entry's last run has no timing. The step's seconds are took_s + STEP_OVERHEAD_S, rounded up to 5 s and at most
     DEVICE_CALL_S: a longer campaign is cut there, and the same step in the next call resumes it (campaign steps
-    run with resume=auto). The overrides are one word each (overrides_for), so the step splits back into them."""
+    run with resume=auto). The overrides are one word each (overrides_for), so the step splits back into them;
+    ``extra``: the recheck command's own overrides (tracking=off), after the entry's."""
     need = need_s(entry)
     if need is None:
         return None
     need = int(-(-need // 5) * 5)
-    words = list(entry["overrides"])
+    words = [*entry["overrides"], *extra]
     name = words.pop(0).removeprefix("campaign=")
     return f"{min(need, DEVICE_CALL_S)}@campaign:{name}" + (":" + " ".join(words) if words else ""), need
 
@@ -452,10 +473,7 @@ def run(out_dir: Path | str, extra: list[str], run_one: Callable[[list[str], Cal
     first campaign whatever it needs: one longer than a call is cut there and resumes in the next."""
     from campaigns.records import short_gpu
     from campaigns.runner import left_to_measure
-    asked = [o for o in extra if o.split("=", 1)[0].lstrip("+~") == "resume"]
-    if asked:
-        raise RecheckError(f"recheck: {' '.join(asked)}: recheck picks what each campaign resumes (the one its plan "
-                           "entry began, else resume=auto); drop it, or resume one campaign with `vtcampaign run`")
+    check_extra(extra)
     t0 = clock()
     out_dir = Path(out_dir)
     state = plan(out_dir, restart, root, frozen)

@@ -665,6 +665,15 @@ def test_a_plan_entry_gives_the_device_step_that_reruns_it_and_the_seconds_it_ne
     assert re.search(r"^on H100 80GB HBM3: 0 call\(s\), ~0 min; 1 without a timing", printed, re.M), printed
     assert "1 to run" not in printed and "2 to run: ~1 min of device steps at their last durations (1 unknown)" in \
         printed, printed
+    # the command's own overrides reach the device steps too; the entry's own keys and typos are refused up front
+    assert main(["recheck", "--dry-run", "--frozen", "--out-dir", str(out), "tracking=off"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r'"65@campaign:gqa_swap:model=qwen3-8b model\.quant=bf16 tracking=off"', printed), printed
+    assert '"540@recheck:tracking=off" steps' in printed
+    for bad, says in (("model.quant=mxfp4", "are the entry's own"), ("resume=auto", "recheck picks what each"),
+                      ("trackin=off", "trackin")):
+        assert main(["recheck", "--dry-run", "--out-dir", str(out), bad]) == 2
+        assert says in capsys.readouterr().err
 
 
 def test_device_steps_are_packed_into_calls_and_a_long_one_resumes_in_a_later_call():
