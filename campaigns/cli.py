@@ -613,13 +613,21 @@ def cmd_decide(args) -> int:
         if not _decidable(ev):
             raise UsageError(_not_decidable(ev))
         paths = [path]
-    changed = [ev for ev in (_decide_again(p) for p in paths) if ev is not None]
+    changed, behind = [], []
+    for p in paths:
+        ev = _decide_again(p)
+        if ev is not None:
+            changed.append(ev)
+        elif _record_behind(p):         # a decide (or conclude) cut between saving the evidence and rendering
+            behind.append(load_evidence(p))
+            print(f"{behind[-1].campaign_id}: its record is behind its evidence; rendered again")
     if args.all:
         print(f"{len(changed)} of {len(paths)} complete campaigns decided again, the rest unchanged")
-    if not changed:
+    if not changed and not behind:
         return 0
     out_dir = Path(args.out_dir).resolve()
-    render_all(out_dir, status_dir(project_root(), out_dir), only=[ev.campaign_id for ev in changed])
+    render_all(out_dir, status_dir(project_root(), out_dir), only=[ev.campaign_id for ev in changed + behind])
+    changed += behind                   # and re-logged: the store may be behind as the record was
     from campaigns.tracking import DEFAULT_URI, relog_if_logged
     for ev in changed:          # the store that holds a campaign follows its verdict (an old tag would mislead)
         try:
@@ -634,6 +642,14 @@ def cmd_decide(args) -> int:
 
 def _decidable(ev) -> bool:
     return ev.status == "complete" and ev.decision is not None
+
+
+def _record_behind(path: Path) -> bool:
+    """Whether the campaign's record.md or pr.md differs from what its evidence renders to now."""
+    from campaigns.records import render_pr, render_record
+    ev, cdir = load_evidence(path), path.parent
+    return any(not (cdir / name).is_file() or (cdir / name).read_text() != text
+               for name, text in (("record.md", render_record(ev)), ("pr.md", render_pr(ev))))
 
 
 def _not_decidable(ev) -> str:

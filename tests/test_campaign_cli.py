@@ -314,6 +314,13 @@ def test_decide_applies_the_policy_again_and_keeps_the_earlier_verdict(tmp_path,
     assert main(["decide", "--all", "--out-dir", str(out)]) == 0
     said = capsys.readouterr().out
     assert "0 of 1 complete campaigns decided again" in said and "2026-01-02" not in said
+    # a decide cut after saving the evidence, before rendering: the rerun finds nothing to decide but renders
+    record = out / "2026-11-30-gqa_swap-abc1234" / "record.md"
+    fresh_record = record.read_text()
+    record.write_text("# OLD HEADLINE\n")
+    assert main(["decide", "--all", "--out-dir", str(out)]) == 0
+    assert "its record is behind its evidence; rendered again" in capsys.readouterr().out
+    assert record.read_text() == fresh_record
     assert main(["decide", "--out-dir", str(out)]) == 2 and "not neither" in _error_line(capsys)
     assert main(["decide", "--all", ev.campaign_id, "--out-dir", str(out)]) == 2 and "not both" in _error_line(capsys)
 
