@@ -628,16 +628,23 @@ def cmd_decide(args) -> int:
     out_dir = Path(args.out_dir).resolve()
     render_all(out_dir, status_dir(project_root(), out_dir), only=[ev.campaign_id for ev in changed + behind])
     changed += behind                   # and re-logged: the store may be behind as the record was
-    from campaigns.tracking import DEFAULT_URI, relog_if_logged
-    for ev in changed:          # the store that holds a campaign follows its verdict (an old tag would mislead)
-        try:
-            run_id = relog_if_logged(ev, out_dir / ev.campaign_id, DEFAULT_URI)
-            if run_id:
-                print(f"MLflow: {DEFAULT_URI} re-logged {ev.campaign_id}, run {run_id}")
-        except Exception as e:  # MLflow's errors are many types; the evidence and records are updated already
-            print(f"MLflow not updated for {ev.campaign_id} ({type(e).__name__}); `vtcampaign log "
-                  f"{out_dir / ev.campaign_id / 'evidence.json'}` re-logs it")
+    for ev in changed:          # the stores that hold a campaign follow its verdict (an old tag would mislead)
+        _relog(ev, out_dir / ev.campaign_id)
     return 0
+
+
+def _relog(ev, cdir: Path) -> None:
+    """Log ``ev`` again in every store that holds it (tracking.stores: the local default and the campaign's own);
+    one out of reach is said, with the command that logs it later, and costs nothing else."""
+    from campaigns.tracking import relog_if_logged, stores
+    for uri in stores(ev):
+        try:
+            run_id = relog_if_logged(ev, cdir, uri)
+            if run_id:
+                print(f"MLflow: {uri} re-logged {ev.campaign_id}, run {run_id}")
+        except Exception as e:  # MLflow's errors are many types; the evidence and records are updated already
+            print(f"{ev.campaign_id}: MLflow at {uri} not updated ({type(e).__name__}: {e}); `vtcampaign log "
+                  f"{cdir / 'evidence.json'} --tracking-uri {uri}` logs it again", file=sys.stderr)
 
 
 def _decidable(ev) -> bool:
@@ -715,7 +722,7 @@ def cmd_conclude(args) -> int:
 
 
 def cmd_abandon(args) -> int:
-    from campaigns import records, tracking
+    from campaigns import records
     from campaigns.gitops import code_digest, open_repo
     from campaigns.runner import CampaignError, abandon, left_to_measure, status_dir
     ids = list(args.campaign_ids)
@@ -748,12 +755,8 @@ def cmd_abandon(args) -> int:
     except Exception as e:
         raise UsageError(f"the records were not rendered again ({type(e).__name__}: {e}); `vtcampaign render` "
                          "rebuilds them from the evidence") from None
-    for ev in done:
-        try:
-            tracking.relog_if_logged(ev, Path(args.out_dir) / ev.campaign_id)
-        except Exception as e:      # a tracking store out of reach costs the logging, not the abandon
-            print(f"{ev.campaign_id}: MLflow not updated ({type(e).__name__}: {e}); `vtcampaign log "
-                  f"{Path(args.out_dir) / ev.campaign_id / 'evidence.json'}` logs it again", file=sys.stderr)
+    for ev in done:                 # a tracking store out of reach costs the logging, not the abandon
+        _relog(ev, Path(args.out_dir) / ev.campaign_id)
     return 0
 
 

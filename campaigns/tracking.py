@@ -303,6 +303,17 @@ def _log_leg(c, exp: str, child: dict[str, str], leg) -> None:
              tags={"reasons": _cut("; ".join(leg.reasons), _TAG_MAX)} if leg.reasons else None)
 
 
+def stores(ev: Evidence) -> list[str]:
+    """The tracking stores that may hold ``ev``: the local default, and the one the campaign logged to (its
+    config's tracking.uri, where tracking was on) when that is another."""
+    out = [at_project_root(DEFAULT_URI)]
+    track = (ev.config or {}).get("tracking") or {}
+    own = track.get("uri") if track.get("enabled", True) else None
+    if isinstance(own, str) and own and at_project_root(own) not in out:
+        out.append(at_project_root(own))
+    return out
+
+
 def relog_if_logged(ev: Evidence, campaign_dir: Path | str | None = None, uri: str = DEFAULT_URI) -> str | None:
     """Log ``ev`` again (its earlier runs replaced) where the store already holds it, so a verdict decided again
     (``vtcampaign decide``) does not leave MLflow on the old one; the new parent run id, or None where the store

@@ -184,6 +184,24 @@ def test_a_campaign_decided_again_is_re_logged_where_the_store_holds_it(store, t
     tracking.relog_if_logged(store["ev"], store["cdir"], store["uri"])        # the module's store as it was
 
 
+def test_a_verdict_decided_again_reaches_the_store_the_campaign_logged_to(store, capsys):
+    """decide and abandon re-logged only the local default store: a campaign logged to its own tracking.uri kept its
+    old verdict there, silently (a review's repro)."""
+    import copy
+
+    from campaigns import cli
+    ev = copy.deepcopy(store["ev"])
+    ev.config["tracking"] = {"name": "local", "enabled": True, "uri": store["uri"]}
+    assert tracking.stores(ev)[-1] == store["uri"] and len(tracking.stores(ev)) == 2
+    ev.decision.verdict = "KEEP"
+    cli._relog(ev, store["cdir"])
+    assert f"MLflow: {store['uri']} re-logged {ev.campaign_id}" in capsys.readouterr().out
+    assert [r.data.tags["verdict"] for r in _runs(store, "campaign")] == ["KEEP"]
+    ev.config["tracking"]["enabled"] = False
+    assert len(tracking.stores(ev)) == 1
+    tracking.relog_if_logged(store["ev"], store["cdir"], store["uri"])        # the module's store as it was
+
+
 def test_live_logging_follows_the_campaign_and_an_unreachable_store_only_warns_once(store, tmp_path):
     """LiveCampaign on a store of its own: the parent RUNNING from the start with its recorded legs, each later leg
     a child as it comes, the parent ended KILLED; the end's whole logging replaces them. A URI MLflow cannot use
