@@ -1023,3 +1023,24 @@ def test_a_cap_that_binds_nowhere_is_inert_though_its_label_differs():
     assert not res.passed and "bound no launch" in res.details["why"]
     assert res.details["differs_from_baseline"] is False
     ctx.release_engines()
+
+
+def test_fused_epilogue_cases_run_in_the_arms_lever_context(monkeypatch):
+    """fuse_norm's and fuse_silu's cases launched the W4A16 GEMM with rot and prefetch off and the fused RMSNorm
+    with fast_math off whatever the arm's context: on a GPU another decode than the engine's fused kernels run (a
+    review, 2026-12-08). With those levers on, every W4A16 launch of the cases carries them, and so does the norm."""
+    from vtengine.kernels import w4a16
+    real, seen = w4a16.w4a16_linear, []
+
+    def spy(*a, **kw):
+        seen.append((kw.get("rot"), kw.get("prefetch"), getattr(kw.get("norm"), "fast_math", None)))
+        return real(*a, **kw)
+    monkeypatch.setattr(w4a16, "w4a16_linear", spy)
+    for lever in ("fuse_norm", "fuse_silu"):
+        seen.clear()
+        ctx = context(lever=lever)
+        ctx.with_levers = {"fast_math": True, "w4a16_rot": True, "pdl_prefetch": True, "pdl": True}
+        assert run_gate("op", ctx, ctx.arms[1], self_check=False).passed
+        assert seen and {(r, p) for r, p, _ in seen} == {(True, True)}, (lever, set(seen))
+        if lever == "fuse_norm":
+            assert {f for _, _, f in seen if f is not None} == {True}

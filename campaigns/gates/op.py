@@ -246,10 +246,10 @@ def gate_up_silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
 
         def run_dense(setting, fault, x=x, w=w):
             wt = torch.roll(w, 1, dims=0) if fault else w     # the fault: gate and up rows out of step by one
-            pdl = setting.get("pdl", False)
+            pdl, pre = setting.get("pdl", False), setting.get("prefetch", False)
             if setting.get("fused"):
-                return gemv.linear(x, wt, triton_gemv=True, pdl=pdl, silu_mul=True)
-            return fused.silu_mul(gemv.linear(x, wt, triton_gemv=True, pdl=pdl), pdl=pdl)
+                return gemv.linear(x, wt, triton_gemv=True, pdl=pdl, prefetch=pre, silu_mul=True)
+            return fused.silu_mul(gemv.linear(x, wt, triton_gemv=True, pdl=pdl, prefetch=pre), pdl=pdl)
 
         def ref_dense(x=x, w=w):
             be = TorchBackend()
@@ -264,7 +264,8 @@ def gate_up_silu_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
 
             def run(setting, fault, x=x, qw=qw, shifted=shifted):
                 wt = shifted if fault else qw
-                kw = dict(dense=True, pdl=setting.get("pdl", False))
+                kw = dict(dense=True, pdl=setting.get("pdl", False), rot=setting.get("rot", False),
+                          prefetch=setting.get("prefetch", False))
                 if setting.get("fused"):
                     return w4a16.w4a16_linear(x, wt, silu_mul=True, **kw)
                 return fused.silu_mul(w4a16.w4a16_linear(x, wt, **kw), pdl=kw["pdl"])
@@ -365,23 +366,26 @@ def norm_gemv_cases(gen, dev, sh) -> list[tuple[str, Callable, Callable]]:
         for name, (w1, w2) in (("dense", dense), ("mxfp4", quant)):
             q = name == "mxfp4"
 
-            def proj(a, w, pdl, q=q, **kw):
+            def proj(a, w, setting, q=q, **kw):        # as the engine launches it, with the arm's levers
+                pre = setting.get("prefetch", False)
                 if q:
-                    return w4a16.w4a16_linear(a, w, dense=True, pdl=pdl, **kw)
-                return gemv.linear(a, w, triton_gemv=True, pdl=pdl, **kw)
+                    return w4a16.w4a16_linear(a, w, dense=True, pdl=setting["pdl"], rot=setting.get("rot", False),
+                                              prefetch=pre, **kw)
+                return gemv.linear(a, w, triton_gemv=True, pdl=setting["pdl"], prefetch=pre, **kw)
 
             def run(setting, fault, x=x, res=res, w1=w1, w2=w2, g=g, q=q, proj=proj):
                 r_in = torch.roll(res, 1, dims=1) if fault else res       # the fault: the residual one column off
-                pdl = setting["pdl"]
+                pdl, fm = setting["pdl"], setting.get("fast_math", False)
                 if setting.get("fused_norm") and q:
-                    r, ss = w4a16.w4a16_linear_add(x, w1, r_in, dense=True, pdl=pdl)
-                    y = proj(r, w2, pdl, norm=NormIn(ss, g, eps))
+                    r, ss = w4a16.w4a16_linear_add(x, w1, r_in, dense=True, pdl=pdl, rot=setting.get("rot", False),
+                                                   prefetch=setting.get("prefetch", False))
+                    y = proj(r, w2, setting, norm=NormIn(ss, g, eps, fm))
                 elif setting.get("fused_norm"):                 # as the engine: the add hands on x * g
-                    r, ss, xg = gemv.linear_add_gain(x, w1, r_in, g, pdl=pdl)
-                    y = proj(xg, w2, pdl, norm=NormIn(ss, g, eps, gained=True))
+                    r, ss, xg = gemv.linear_add_gain(x, w1, r_in, g, pdl=pdl, prefetch=setting.get("prefetch", False))
+                    y = proj(xg, w2, setting, norm=NormIn(ss, g, eps, fm, gained=True))
                 else:
-                    xn, r = fused.add_rms_norm(proj(x, w1, pdl), r_in, g, eps, pdl=pdl)
-                    y = proj(xn, w2, pdl)
+                    xn, r = fused.add_rms_norm(proj(x, w1, setting), r_in, g, eps, fast_math=fm, pdl=pdl)
+                    y = proj(xn, w2, setting)
                 return torch.cat([r.reshape(-1), y.reshape(-1)])
 
             def ref(x=x, res=res, w1=w1, w2=w2, g=g, q=q):
@@ -461,8 +465,8 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         # prefill_splits acts on the packed route only: test it there, as pdl_prefetch with pdl
         return {"gqa_pack": on("prefill_gqa_pack") or lever == "prefill_splits", "fast_math": on("fast_math"),
                 "splits": values.get("prefill_splits", "off") or "off"}
-    if kernel == "silu_mul":
-        return {"pdl": on("pdl"), "fused": on("fuse_silu")}
+    if kernel == "silu_mul":            # fuse_silu's cases run the W4A16 GEMM and the GEMV with their levers
+        return {"pdl": on("pdl"), "fused": on("fuse_silu"), "rot": on("w4a16_rot"), "prefetch": on("pdl_prefetch")}
     if kernel == "w4a16_gemm":
         return {"dense": on("marlin_dense"), "pdl": on("pdl") or lever == "pdl_prefetch", "rot": on("w4a16_rot"),
                 "prefetch": on("pdl_prefetch"), "mid": on("w4a16_mid_m")}
@@ -470,7 +474,8 @@ def setting_for(kernel: str, lever: str, values: dict[str, Any]) -> dict[str, An
         # the pdl levers act on the Triton GEMV only (cuBLAS ignores them): test them there, pdl_prefetch with pdl
         out = {"triton_gemv": on("triton_gemv") or lever in ("pdl", "pdl_prefetch"),
                "pdl": on("pdl") or lever == "pdl_prefetch", "prefetch": on("pdl_prefetch")}
-        return out | ({"fused_norm": on("fuse_norm")} if lever == "fuse_norm" else {})
+        return out | ({"fused_norm": on("fuse_norm"), "fast_math": on("fast_math"), "rot": on("w4a16_rot")}
+                      if lever == "fuse_norm" else {})
     if kernel == "qkv_epilogue" and lever == "fuse_rope":     # its cases project first (the Triton GEMV's levers)
         return {"fast_math": on("fast_math"), "pdl": on("pdl"), "triton_gemv": on("triton_gemv"),
                 "dense": on("marlin_dense"), "rot": on("w4a16_rot"), "prefetch": on("pdl_prefetch"),
