@@ -450,14 +450,14 @@ MUTATIONS = [
              gate="mechanism", lever="fuse_norm"),
     Mutation("op-fuse-norm-unfused", "op gate: fuse_norm's ON arm runs the unfused kernels (the fused pair is never "
              "compared)", "campaigns/gates/op.py",
-             '        return out | ({"fused_norm": on("fuse_norm")} if lever == "fuse_norm" else {})\n',
-             "        return out\n",
+             '        return out | ({"fused_norm": on("fuse_norm"), "fast_math": on("fast_math"), "rot": on("w4a16_rot")}\n',
+             '        return out | ({"fused_norm": False, "fast_math": on("fast_math"), "rot": on("w4a16_rot")}\n',
              ["tests/test_gates_faults.py::test_fuse_norm_op_and_mechanism_gates"],
              gate_note="the test runs the gate on both arms and counts the fused launches"),
     Mutation("op-fuse-silu-unfused", "op gate: fuse_silu's ON arm runs the GEMM then silu_mul (the fused epilogue is "
              "never compared)", "campaigns/gates/op.py",
-             '        return {"pdl": on("pdl"), "fused": on("fuse_silu")}\n',
-             '        return {"pdl": on("pdl"), "fused": False}\n',
+             '        return {"pdl": on("pdl"), "fused": on("fuse_silu"), "rot": on("w4a16_rot"), "prefetch": on("pdl_prefetch")}\n',
+             '        return {"pdl": on("pdl"), "fused": False, "rot": on("w4a16_rot"), "prefetch": on("pdl_prefetch")}\n',
              ["tests/test_gates_faults.py::test_fuse_silu_op_and_mechanism_gates"],
              gate_note="the test runs the gate on both arms and counts the fused launches"),
     Mutation("fault-kernel-ignores-quant", "self-checks: the deliberate fault breaks the lever's first kernel even "
