@@ -1111,7 +1111,8 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None, root: Path | 
     if quant is not None and len(lever_context.live_paths(lever, quant)) < len(lever.paths):
         scope = quant       # its code for other quantizations did not run here
     if records_dir is not None:
-        later = _superseded_by(ev, records_dir)
+        evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]     # read once for both checks
+        later = _superseded_by(ev, evs)
         if later is not None:
             raise CampaignError(
                 f"{ev.campaign_id}: a later binding campaign of the same lever, model, workload, GPU and pins, "
@@ -1119,7 +1120,7 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None, root: Path | 
                 "verdict STATUS shows and the one a flip must follow" + (
                     f"; flip it instead: `vtcampaign flip {later.campaign_id}`" if later.decision.verdict == "FLIP"
                     else ""))
-        refuted = _refuted_elsewhere(ev, records_dir)
+        refuted = _refuted_elsewhere(ev, evs)
         same = [r for r in refuted if quant is None or lever_context.quant_of(r) in (quant, None)]
         here = [r for r in same if lever_context.freshness(r, root).fresh]
         if here:
@@ -1135,16 +1136,15 @@ def check_flippable(ev: Evidence, records_dir: Path | None = None, root: Path | 
     return scope
 
 
-def _superseded_by(ev: Evidence, records_dir: Path) -> Evidence | None:
-    """The latest binding campaign filed under ``ev``'s plan key (``recheck.plan_key``) where it began after ``ev``
-    (``ev`` itself need not be saved there yet)."""
-    evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
+def _superseded_by(ev: Evidence, evs: list[Evidence]) -> Evidence | None:
+    """The latest binding campaign of ``evs`` filed under ``ev``'s plan key (``recheck.plan_key``) where it began
+    after ``ev`` (``ev`` itself need not be among them yet)."""
     latest = recheck.latest_binding([e for e in evs if e.lever == ev.lever]).get(recheck.plan_key(ev))
     later = latest is not None and (latest.created, latest.campaign_id) > (ev.created, ev.campaign_id)
     return latest if later else None
 
 
-def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> list[Evidence]:
+def _refuted_elsewhere(ev: Evidence, evs: list[Evidence]) -> list[Evidence]:
     """The latest binding REJECTs, fresh or stale, of ``ev``'s lever and candidate value with the same pins but on
     another model, quantization, workload or GPU (``recheck.plan_key``), one per plan: a default is one value for all
     of them but the quantizations a lever file gives their own (pdl_stack, H200 2026-12-04: FLIP on bf16, TPOT
@@ -1152,7 +1152,6 @@ def _refuted_elsewhere(ev: Evidence, records_dir: Path) -> list[Evidence]:
     def elsewhere(other: Evidence) -> bool:
         return (recheck.plan_key(other) != recheck.plan_key(ev)
                 and lever_context.pinned_levers(other) == lever_context.pinned_levers(ev))
-    evs = [load_evidence(p.parent) for p in find_evidence(records_dir)]
     out = []
     for other in recheck.latest_binding([e for e in evs if e.lever == ev.lever]).values():
         d = other.decision
